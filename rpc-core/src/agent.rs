@@ -1,0 +1,754 @@
+//! The worker runtime: one [`Agent`] per worker ties the registry, the server and the peer
+//! connections together.
+//!
+//! Invariants:
+//! - AG-1: a call to oneself runs the function directly, without serialization, under the same
+//!   checks (registered, same signature), deadline and panic handling as a remote call.
+//! - AG-2: a call's deadline is the earliest of its own timeout and the deadline of the call it
+//!   is nested in; it travels to the callee as a relative duration.
+//! - AG-3: after shutdown starts, no new root call is sent or served; nested calls of work
+//!   already in flight still are, so draining cannot deadlock.
+//! - AG-4: shutdown is idempotent and bounded: every phase has a timeout, and a second call
+//!   returns the first call's report.
+
+use futures::FutureExt;
+use std::collections::HashMap;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::{oneshot, Semaphore};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::blob;
+use crate::bulk::{self, Bulk};
+use crate::client::{DialCtx, Peer};
+use crate::config::{Config, Resolved};
+use crate::context::{current_scope, CallContext, Scope, NO_DEADLINE, SCOPE};
+use crate::error::{BoxError, InitError, RemoteError, RemoteErrorKind, RpcError};
+use crate::registry::{sig_of, Registry, RemoteFn};
+use crate::rendezvous::{self, Join, RendezvousServer};
+use crate::server;
+use crate::wire::{CallRequest, WorkerId, WorkerInfo};
+
+const RUNNING: u8 = 0;
+const STOPPING: u8 = 1;
+const CLOSED: u8 = 2;
+
+/// A way to name a call's target: a worker name, a rank, or a [`WorkerInfo`].
+pub trait ToWorker {
+    /// The name or rank this refers to.
+    fn worker_ref(&self) -> WorkerRef<'_>;
+}
+
+/// A worker named by name or by rank.
+#[derive(Clone, Copy, Debug)]
+pub enum WorkerRef<'a> {
+    /// By unique name.
+    Name(&'a str),
+    /// By rank.
+    Rank(u32),
+}
+
+impl ToWorker for str {
+    fn worker_ref(&self) -> WorkerRef<'_> {
+        WorkerRef::Name(self)
+    }
+}
+impl ToWorker for String {
+    fn worker_ref(&self) -> WorkerRef<'_> {
+        WorkerRef::Name(self)
+    }
+}
+impl ToWorker for u32 {
+    fn worker_ref(&self) -> WorkerRef<'_> {
+        WorkerRef::Rank(*self)
+    }
+}
+impl ToWorker for usize {
+    fn worker_ref(&self) -> WorkerRef<'_> {
+        WorkerRef::Rank(u32::try_from(*self).unwrap_or(u32::MAX))
+    }
+}
+impl ToWorker for WorkerId {
+    fn worker_ref(&self) -> WorkerRef<'_> {
+        WorkerRef::Rank(self.0)
+    }
+}
+impl ToWorker for WorkerInfo {
+    fn worker_ref(&self) -> WorkerRef<'_> {
+        WorkerRef::Rank(self.id.0)
+    }
+}
+impl<T: ToWorker + ?Sized> ToWorker for &T {
+    fn worker_ref(&self) -> WorkerRef<'_> {
+        (**self).worker_ref()
+    }
+}
+
+/// What [`Agent::shutdown`] did.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct ShutdownReport {
+    /// `Ok` if every worker reached the shutdown barrier; otherwise why not (missing ranks,
+    /// unreachable rank 0).
+    pub barrier: Result<(), String>,
+    /// Incoming calls still running when draining began.
+    pub in_flight: usize,
+    /// Incoming calls aborted because draining timed out.
+    pub aborted: usize,
+    /// Total time taken.
+    pub elapsed: Duration,
+}
+
+impl ShutdownReport {
+    /// The barrier completed and nothing was aborted.
+    pub fn is_clean(&self) -> bool {
+        self.barrier.is_ok() && self.aborted == 0
+    }
+}
+
+/// Rank 0's shutdown barrier.
+#[derive(Default)]
+struct Barrier {
+    arrived: Mutex<(std::collections::BTreeSet<u32>, Vec<oneshot::Sender<()>>)>,
+}
+
+pub(crate) struct Inner {
+    pub cfg: Resolved,
+    pub me: WorkerInfo,
+    pub workers: Vec<WorkerInfo>,
+    by_name: HashMap<String, u32>,
+    pub registry: Registry,
+    pub peers: Vec<Arc<Peer>>,
+    pub admission: Arc<Semaphore>,
+    state: AtomicU8,
+    /// Cancelled when the listener closes (shutdown phase 3).
+    pub stop_accepting: CancellationToken,
+    /// Cancelled when everything left is aborted (shutdown phase 4).
+    pub stop: CancellationToken,
+    pub calls: TaskTracker,
+    pub conns: TaskTracker,
+    pub bulk: Arc<Bulk>,
+    barrier: Barrier,
+    report: tokio::sync::OnceCell<ShutdownReport>,
+    runtime: tokio::runtime::Handle,
+}
+
+/// A worker's handle on its group. Cheap to clone; all clones share one worker.
+///
+/// ```
+/// use rpc_core::{remote, BoxError, CallContext, Config, Registry, Secret, Transport, MemoryNetwork};
+///
+/// #[remote]
+/// async fn add(_ctx: CallContext, a: i32, b: i32) -> Result<i32, BoxError> {
+///     Ok(a + b)
+/// }
+///
+/// # #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let net = MemoryNetwork::new();
+/// let secret = Secret::generate();
+/// let start = |rank: u32| {
+///     let cfg = Config::new()
+///         .with_rank(rank)
+///         .with_world_size(2)
+///         .with_init_method("tcp://rendezvous:1")
+///         .with_transport(Transport::Memory(net.clone()))
+///         .with_secret(secret.clone());
+///     rpc_core::init(cfg, Registry::builder().register(add).unwrap().build())
+/// };
+/// let (a, b) = tokio::try_join!(start(0), start(1))?;
+/// assert_eq!(a.rpc_async("worker1", add, (2, 3)).await?, 5);
+/// tokio::join!(a.shutdown(), b.shutdown());
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct Agent {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Agent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Agent")
+            .field("me", &self.inner.me)
+            .field("world_size", &self.inner.workers.len())
+            .finish()
+    }
+}
+
+/// Internal: rank 0's shutdown barrier, served like any registered function.
+struct ShutdownBarrier;
+
+impl RemoteFn for ShutdownBarrier {
+    const NAME: &'static str = "rpc_core::shutdown_barrier";
+    type Args = (u32,);
+    type Output = ();
+    async fn call(ctx: CallContext, (rank,): (u32,)) -> Result<(), BoxError> {
+        ctx.agent().arrive(rank).await;
+        Ok(())
+    }
+}
+
+/// Forms the group: binds this worker's listener, meets every peer at the rendezvous, and
+/// starts serving `registry`. Returns once every rank is known.
+///
+/// Must run inside a Tokio runtime; the agent's tasks run on it.
+///
+/// # Cancel safety
+/// Not cancel safe: dropping the future mid-way leaves this rank missing from the rendezvous,
+/// which then fails for the other ranks with this rank named.
+pub async fn init(config: Config, registry: Registry) -> Result<Agent, InitError> {
+    let cfg = config.resolve()?;
+    let mut registry = registry;
+    registry.insert_internal::<ShutdownBarrier>();
+    let listener = cfg
+        .transport
+        .bind(&cfg.listen_addr)
+        .await
+        .map_err(|source| InitError::Bind {
+            addr: cfg.listen_addr.clone(),
+            source,
+        })?;
+    let my_addr = listener.local_addr().map_err(|source| InitError::Bind {
+        addr: cfg.listen_addr.clone(),
+        source,
+    })?;
+    let server = if cfg.serve_rendezvous {
+        Some(
+            RendezvousServer::start(
+                &cfg.transport,
+                &cfg.rendezvous,
+                cfg.secret.clone(),
+                cfg.world_size,
+                cfg.init_timeout,
+            )
+            .await?,
+        )
+    } else {
+        None
+    };
+    let join = Join {
+        name: cfg.name.clone(),
+        rank: cfg.rank,
+        world_size: cfg.world_size,
+        addr: my_addr,
+    };
+    let table = rendezvous::join(
+        &cfg.transport,
+        &cfg.rendezvous,
+        &cfg.secret,
+        join,
+        cfg.init_timeout,
+    )
+    .await?;
+    if let Some(s) = server {
+        s.finish(Duration::from_secs(10)).await;
+    }
+    let workers: Vec<WorkerInfo> = table
+        .iter()
+        .enumerate()
+        .map(|(r, (name, _))| WorkerInfo {
+            name: name.clone(),
+            id: WorkerId(r as u32),
+        })
+        .collect();
+    let peers = workers
+        .iter()
+        .zip(&table)
+        .map(|(w, (_, addr))| Peer::new(w.clone(), addr.clone()))
+        .collect();
+    let inner = Inner {
+        me: workers[cfg.rank as usize].clone(),
+        by_name: workers.iter().map(|w| (w.name.clone(), w.id.0)).collect(),
+        workers,
+        registry,
+        peers,
+        admission: Arc::new(Semaphore::new(cfg.max_concurrent_calls)),
+        state: AtomicU8::new(RUNNING),
+        stop_accepting: CancellationToken::new(),
+        stop: CancellationToken::new(),
+        calls: TaskTracker::new(),
+        conns: TaskTracker::new(),
+        bulk: Arc::new(Bulk::new(cfg.world_size)),
+        barrier: Barrier::default(),
+        report: tokio::sync::OnceCell::new(),
+        runtime: tokio::runtime::Handle::current(),
+        cfg,
+    };
+    let agent = Agent {
+        inner: Arc::new(inner),
+    };
+    tokio::spawn(server::accept_loop(agent.clone(), listener));
+    tracing::info!(worker = %agent.name(), rank = agent.rank(), world = agent.world_size(), "joined group");
+    Ok(agent)
+}
+
+impl Agent {
+    /// This worker's name.
+    pub fn name(&self) -> &str {
+        &self.inner.me.name
+    }
+
+    /// This worker's rank.
+    pub fn rank(&self) -> u32 {
+        self.inner.me.id.0
+    }
+
+    /// Number of workers in the group.
+    pub fn world_size(&self) -> usize {
+        self.inner.workers.len()
+    }
+
+    /// This worker's identity.
+    pub fn worker_info(&self) -> &WorkerInfo {
+        &self.inner.me
+    }
+
+    /// Every worker of the group, by rank.
+    pub fn worker_infos(&self) -> &[WorkerInfo] {
+        &self.inner.workers
+    }
+
+    /// The identity of a worker named by name or rank.
+    pub fn get_worker_info(&self, to: impl ToWorker) -> Result<&WorkerInfo, RpcError> {
+        let rank = self.resolve(&to)?;
+        Ok(&self.inner.workers[rank as usize])
+    }
+
+    /// The address this worker's listener is reachable at, as advertised to its peers.
+    pub fn local_addr(&self) -> &str {
+        &self.inner.peers[self.rank() as usize].addr
+    }
+
+    /// The functions this worker serves.
+    pub fn registry(&self) -> &Registry {
+        &self.inner.registry
+    }
+
+    fn resolve(&self, to: &impl ToWorker) -> Result<u32, RpcError> {
+        let r = to.worker_ref();
+        let found = match r {
+            WorkerRef::Name(n) => self.inner.by_name.get(n).copied(),
+            WorkerRef::Rank(r) => ((r as usize) < self.inner.workers.len()).then_some(r),
+        };
+        found.ok_or_else(|| RpcError::UnknownWorker {
+            target: match r {
+                WorkerRef::Name(n) => format!("named `{n}`"),
+                WorkerRef::Rank(r) => format!("of rank {r}"),
+            },
+            world_size: self.inner.workers.len(),
+        })
+    }
+
+    pub(crate) fn is_stopping(&self) -> bool {
+        self.inner.state.load(Ordering::Acquire) != RUNNING
+    }
+
+    /// Calls `f` on `to` with the group's default timeout. Dropping the future cancels the
+    /// call, on the callee too.
+    ///
+    /// # Cancel safety
+    /// Cancelling abandons the call; the callee's handler is aborted.
+    pub fn rpc_async<F: RemoteFn>(
+        &self,
+        to: impl ToWorker,
+        f: F,
+        args: F::Args,
+    ) -> impl Future<Output = Result<F::Output, RpcError>> + Send + 'static {
+        self.rpc_async_timeout(to, f, args, self.inner.cfg.rpc_timeout)
+    }
+
+    /// Like [`Agent::rpc_async`] with an explicit timeout (`Duration::ZERO`: none, though an
+    /// enclosing call's deadline still applies).
+    pub fn rpc_async_timeout<F: RemoteFn>(
+        &self,
+        to: impl ToWorker,
+        _f: F,
+        args: F::Args,
+        timeout: Duration,
+    ) -> impl Future<Output = Result<F::Output, RpcError>> + Send + 'static {
+        let target = self.resolve(&to);
+        let agent = self.clone();
+        let scope = current_scope();
+        async move {
+            let to = target?;
+            let started = Instant::now();
+            let own = (!timeout.is_zero()).then(|| Instant::now() + timeout.min(NO_DEADLINE));
+            let inherited = scope.and_then(|s| s.deadline);
+            let deadline = match (own, inherited) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            let depth = scope.map_or(0, |s| s.depth);
+            if agent.inner.state.load(Ordering::Acquire) == CLOSED
+                || (depth == 0 && agent.is_stopping() && F::NAME != ShutdownBarrier::NAME)
+            {
+                return Err(RpcError::Shutdown {
+                    worker: agent.name().to_owned(),
+                    fn_name: F::NAME.to_owned(),
+                });
+            }
+            let call = async {
+                if to == agent.rank() {
+                    agent.call_local::<F>(args, deadline, depth).await
+                } else {
+                    agent.call_remote::<F>(to, args, deadline, depth).await
+                }
+            };
+            match deadline {
+                None => call.await,
+                Some(d) => match tokio::time::timeout_at(d.into(), call).await {
+                    Ok(r) => r,
+                    Err(_) => Err(RpcError::DeadlineExceeded {
+                        worker: agent.inner.workers[to as usize].name.clone(),
+                        fn_name: F::NAME.to_owned(),
+                        timeout: d.saturating_duration_since(started),
+                    }),
+                },
+            }
+        }
+    }
+
+    /// Blocking [`Agent::rpc_async`], for code that is not async.
+    ///
+    /// Works from plain threads and from `spawn_blocking` or multi-threaded runtime threads
+    /// (via `block_in_place`). From a current-thread runtime it returns
+    /// [`RpcError::CannotBlock`] instead of deadlocking.
+    pub fn rpc_sync<F: RemoteFn>(
+        &self,
+        to: impl ToWorker,
+        f: F,
+        args: F::Args,
+    ) -> Result<F::Output, RpcError> {
+        self.rpc_sync_timeout(to, f, args, self.inner.cfg.rpc_timeout)
+    }
+
+    /// Blocking [`Agent::rpc_async_timeout`].
+    pub fn rpc_sync_timeout<F: RemoteFn>(
+        &self,
+        to: impl ToWorker,
+        f: F,
+        args: F::Args,
+        timeout: Duration,
+    ) -> Result<F::Output, RpcError> {
+        use tokio::runtime::RuntimeFlavor;
+        let fut = self.rpc_async_timeout(to, f, args, timeout);
+        let rt = &self.inner.runtime;
+        if rt.runtime_flavor() != RuntimeFlavor::MultiThread {
+            return Err(RpcError::CannotBlock {
+                reason: "the agent runs on a current-thread runtime, which blocking would stall",
+            });
+        }
+        match tokio::runtime::Handle::try_current() {
+            Err(_) => rt.block_on(fut),
+            Ok(h) if h.runtime_flavor() == RuntimeFlavor::MultiThread => {
+                tokio::task::block_in_place(|| rt.block_on(fut))
+            }
+            Ok(_) => Err(RpcError::CannotBlock {
+                reason: "called on a current-thread runtime",
+            }),
+        }
+    }
+
+    async fn call_local<F: RemoteFn>(
+        &self,
+        args: F::Args,
+        deadline: Option<Instant>,
+        depth: u32,
+    ) -> Result<F::Output, RpcError> {
+        let me = self.name();
+        match self.inner.registry.get(F::NAME) {
+            None => {
+                return Err(RpcError::UnknownFunction {
+                    worker: me.to_owned(),
+                    fn_name: F::NAME.to_owned(),
+                })
+            }
+            Some(e) if e.sig != sig_of::<F>() => {
+                return Err(RpcError::TypeMismatch {
+                    worker: me.to_owned(),
+                    fn_name: F::NAME.to_owned(),
+                    detail: format!(
+                        "registered as {}, called as `{}` -> `{}`",
+                        e.signature_text(),
+                        std::any::type_name::<F::Args>(),
+                        std::any::type_name::<F::Output>()
+                    ),
+                })
+            }
+            Some(_) => {}
+        }
+        let ctx = CallContext {
+            agent: self.clone(),
+            caller: self.inner.me.clone(),
+            deadline,
+        };
+        let scope = Scope {
+            deadline,
+            depth: depth + 1,
+        };
+        // Boxed and type-erased: a function that calls itself (directly or through a peer)
+        // would otherwise have an infinitely sized future.
+        let fut: std::pin::Pin<Box<dyn Future<Output = Result<F::Output, BoxError>> + Send>> =
+            Box::pin(F::call(ctx, args));
+        let out = SCOPE
+            .scope(scope, AssertUnwindSafe(fut).catch_unwind())
+            .await;
+        match out {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(RpcError::Remote(RemoteError::from_error(
+                RemoteErrorKind::Handler,
+                F::NAME,
+                me,
+                &*e,
+            ))),
+            Err(p) => Err(RpcError::Remote(RemoteError::new(
+                RemoteErrorKind::Panic,
+                F::NAME,
+                me,
+                server::panic_message(&*p),
+            ))),
+        }
+    }
+
+    async fn call_remote<F: RemoteFn>(
+        &self,
+        to: u32,
+        args: F::Args,
+        deadline: Option<Instant>,
+        depth: u32,
+    ) -> Result<F::Output, RpcError> {
+        let inner = &self.inner;
+        let peer = &inner.peers[to as usize];
+        let worker = || peer.info.name.clone();
+        let (payload, blobs) = blob::encode(&args).map_err(|source| RpcError::Encode {
+            what: "arguments",
+            fn_name: F::NAME.to_owned(),
+            source,
+        })?;
+        let blobs = bulk::send(self, to, blobs)
+            .await
+            .map_err(|e| RpcError::Transport {
+                worker: worker(),
+                source: e.into(),
+            })?;
+        let size = payload.len() + bulk::inline_bytes(&blobs) + F::NAME.len();
+        if size + 1024 > inner.cfg.max_frame_bytes {
+            return Err(RpcError::TooLarge {
+                fn_name: F::NAME.to_owned(),
+                size,
+                limit: inner.cfg.max_frame_bytes,
+            });
+        }
+        let dial = DialCtx {
+            transport: &inner.cfg.transport,
+            secret: &inner.cfg.secret,
+            my_rank: inner.cfg.rank,
+            connect_timeout: inner.cfg.connect_timeout,
+            handshake_timeout: inner.cfg.handshake_timeout,
+            max_frame_bytes: inner.cfg.max_frame_bytes,
+        };
+        let (gen, client) = peer.client(&dial).await?;
+        let req = CallRequest {
+            fn_name: F::NAME.to_owned(),
+            sig: sig_of::<F>(),
+            depth,
+            payload,
+            blobs,
+        };
+        let mut tctx = tarpc::context::current();
+        tctx.deadline = deadline.unwrap_or_else(|| Instant::now() + NO_DEADLINE);
+        let reply = client.call(tctx, req).await;
+        let lost = || RpcError::ConnectionLost {
+            worker: worker(),
+            fn_name: F::NAME.to_owned(),
+        };
+        use tarpc::client::RpcError as T;
+        let reply = match reply {
+            Ok(r) => r,
+            Err(T::DeadlineExceeded) => {
+                return Err(RpcError::DeadlineExceeded {
+                    worker: worker(),
+                    fn_name: F::NAME.to_owned(),
+                    timeout: deadline
+                        .map_or(NO_DEADLINE, |d| d.saturating_duration_since(Instant::now())),
+                })
+            }
+            Err(T::Shutdown | T::Send(_) | T::Channel(_)) => {
+                peer.invalidate(gen);
+                return Err(lost());
+            }
+            Err(T::Server(e)) => {
+                return Err(RpcError::Transport {
+                    worker: worker(),
+                    source: Box::new(e),
+                })
+            }
+        };
+        let ok = match reply {
+            Ok(ok) => ok,
+            Err(remote) => return Err(self.map_remote::<F>(remote)),
+        };
+        let blobs = bulk::receive(self, to, ok.blobs, deadline)
+            .await
+            .map_err(|e| RpcError::Transport {
+                worker: worker(),
+                source: e.into(),
+            })?;
+        blob::decode::<F::Output>(&ok.payload, blobs).map_err(|e| RpcError::TypeMismatch {
+            worker: worker(),
+            fn_name: F::NAME.to_owned(),
+            detail: format!(
+                "cannot decode the result as `{}`: {e}",
+                std::any::type_name::<F::Output>()
+            ),
+        })
+    }
+
+    fn map_remote<F: RemoteFn>(&self, r: RemoteError) -> RpcError {
+        match r.kind {
+            RemoteErrorKind::UnknownFunction => RpcError::UnknownFunction {
+                worker: r.worker,
+                fn_name: r.fn_name,
+            },
+            RemoteErrorKind::TypeMismatch => RpcError::TypeMismatch {
+                worker: r.worker,
+                fn_name: r.fn_name,
+                detail: format!(
+                    "{}; caller's is `{}` -> `{}`",
+                    r.message,
+                    std::any::type_name::<F::Args>(),
+                    std::any::type_name::<F::Output>()
+                ),
+            },
+            RemoteErrorKind::ShuttingDown => RpcError::PeerShuttingDown {
+                worker: r.worker,
+                fn_name: r.fn_name,
+            },
+            _ => RpcError::Remote(r),
+        }
+    }
+
+    /// Rank 0's side of the barrier: waits until every rank has arrived.
+    async fn arrive(&self, rank: u32) {
+        let rx = {
+            let mut b = self
+                .inner
+                .barrier
+                .arrived
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            b.0.insert(rank);
+            let (tx, rx) = oneshot::channel();
+            b.1.push(tx);
+            if b.0.len() == self.world_size() {
+                for tx in b.1.drain(..) {
+                    let _ = tx.send(());
+                }
+            }
+            rx
+        };
+        let _ = rx.await;
+    }
+
+    fn missing_at_barrier(&self) -> Vec<u32> {
+        let b = self
+            .inner
+            .barrier
+            .arrived
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        (0..self.world_size() as u32)
+            .filter(|r| !b.0.contains(r))
+            .collect()
+    }
+
+    /// Leaves the group gracefully: a group-wide barrier (every worker has called shutdown),
+    /// then new calls are refused while calls in flight finish, then connections close.
+    /// Each phase is bounded by the shutdown timeout, so a worker whose peers vanished still
+    /// returns. Idempotent: later calls return the first call's report.
+    ///
+    /// # Cancel safety
+    /// Cancel safe in the sense that a later call resumes and finishes the same shutdown.
+    pub async fn shutdown(&self) -> ShutdownReport {
+        self.inner
+            .report
+            .get_or_init(|| self.clone().do_shutdown())
+            .await
+            .clone()
+    }
+
+    async fn do_shutdown(self) -> ShutdownReport {
+        let inner = &self.inner;
+        let start = Instant::now();
+        let t = inner.cfg.shutdown_timeout;
+        let barrier = if self.world_size() <= 1 {
+            Ok(())
+        } else {
+            match self
+                .rpc_async_timeout(0u32, ShutdownBarrier, (self.rank(),), t)
+                .await
+            {
+                Ok(()) => Ok(()),
+                Err(e) if self.rank() == 0 => Err(format!(
+                    "ranks {:?} never reached the shutdown barrier: {e}",
+                    self.missing_at_barrier()
+                )),
+                Err(e) => Err(crate::error::error_chain(&e)),
+            }
+        };
+        if let Err(why) = &barrier {
+            tracing::warn!(worker = %self.name(), %why, "shutdown barrier incomplete");
+        }
+        // Phase 2: refuse new root calls; let the calls in flight finish.
+        inner.state.store(STOPPING, Ordering::Release);
+        inner.calls.close();
+        let in_flight = inner.calls.len();
+        let drained = tokio::time::timeout(t, inner.calls.wait()).await.is_ok();
+        let aborted = if drained { 0 } else { inner.calls.len() };
+        // Phase 3: close our outgoing connections and the listener, then let the peers close
+        // theirs (they do so once their own barrier call has returned), so every reply that
+        // is still being written reaches its caller.
+        inner.state.store(CLOSED, Ordering::Release);
+        inner.admission.close();
+        for p in &inner.peers {
+            p.close();
+        }
+        inner.bulk.close();
+        inner.stop_accepting.cancel();
+        inner.conns.close();
+        let _ = tokio::time::timeout(t, inner.conns.wait()).await;
+        // Phase 4: abort whatever is left.
+        inner.stop.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(5), inner.conns.wait()).await;
+        let _ = tokio::time::timeout(Duration::from_secs(5), inner.calls.wait()).await;
+        let report = ShutdownReport {
+            barrier,
+            in_flight,
+            aborted,
+            elapsed: start.elapsed(),
+        };
+        tracing::info!(worker = %self.name(), ?report, "shut down");
+        report
+    }
+}
+
+/// Awaits every future; returns all results in order, or the first error.
+///
+/// ```
+/// # async fn demo(agent: rpc_core::Agent) -> Result<(), rpc_core::RpcError> {
+/// # #[rpc_core::remote] async fn add(_c: rpc_core::CallContext, a: i32, b: i32) -> Result<i32, rpc_core::BoxError> { Ok(a + b) }
+/// let sums = rpc_core::wait_all((0..4).map(|i| agent.rpc_async(1u32, add, (i, i)))).await?;
+/// # Ok(()) }
+/// ```
+pub async fn wait_all<T, I>(futures: I) -> Result<Vec<T>, RpcError>
+where
+    I: IntoIterator,
+    I::Item: Future<Output = Result<T, RpcError>>,
+{
+    futures::future::try_join_all(futures).await
+}

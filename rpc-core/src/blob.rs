@@ -1,0 +1,218 @@
+//! [`Blob`]: bytes that travel beside the serde payload, never through it.
+//!
+//! While a message is encoded, every `Blob` inside the arguments or result (at any depth:
+//! nested in structs, vectors, options) pushes a reference-counted handle to its bytes into a
+//! side table and writes only its index into the payload. The receiver rebuilds the table first
+//! (inline bytes from the envelope, large ones from the bulk connection) and each `Blob`
+//! deserializes by taking its entry: no element-wise serde and no copy of the bytes on either
+//! side beyond the socket. This is the hook the tensor layer builds on.
+//!
+//! Outside an RPC encode/decode (say, `serde_json::to_string(&blob)`), a `Blob` serializes as
+//! plain bytes.
+
+use bytes::Bytes;
+use serde::de::{self, DeserializeOwned, Deserializer, Visitor};
+use serde::ser::{self, Serializer};
+use serde::{Deserialize, Serialize};
+use std::cell::RefCell;
+use std::fmt;
+use std::ops::Deref;
+
+/// An immutable, cheaply cloneable byte buffer that crosses RPCs on the fastest path.
+///
+/// ```
+/// use rpc_core::Blob;
+/// let b = Blob::from(vec![1u8, 2, 3]);
+/// assert_eq!(&b[..], &[1, 2, 3]);
+/// ```
+#[derive(Clone, Default, PartialEq, Eq, Hash)]
+pub struct Blob(Bytes);
+
+impl Blob {
+    /// Wraps bytes without copying them.
+    pub fn new(bytes: impl Into<Bytes>) -> Self {
+        Self(bytes.into())
+    }
+
+    /// The underlying bytes handle.
+    pub fn bytes(&self) -> &Bytes {
+        &self.0
+    }
+
+    /// Unwraps the bytes handle.
+    pub fn into_bytes(self) -> Bytes {
+        self.0
+    }
+}
+
+impl fmt::Debug for Blob {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Blob({} bytes)", self.0.len())
+    }
+}
+
+impl Deref for Blob {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl From<Vec<u8>> for Blob {
+    fn from(v: Vec<u8>) -> Self {
+        Self(Bytes::from(v))
+    }
+}
+
+impl From<Bytes> for Blob {
+    fn from(b: Bytes) -> Self {
+        Self(b)
+    }
+}
+
+impl From<&'static [u8]> for Blob {
+    fn from(b: &'static [u8]) -> Self {
+        Self(Bytes::from_static(b))
+    }
+}
+
+thread_local! {
+    static ENCODE_TABLE: RefCell<Option<Vec<Bytes>>> = const { RefCell::new(None) };
+    static DECODE_TABLE: RefCell<Option<Vec<Option<Bytes>>>> = const { RefCell::new(None) };
+}
+
+impl Serialize for Blob {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let idx = ENCODE_TABLE.with(|t| {
+            t.borrow_mut().as_mut().map(|table| {
+                table.push(self.0.clone());
+                table.len() - 1
+            })
+        });
+        match idx {
+            Some(i) => {
+                let i = u32::try_from(i).map_err(|_| ser::Error::custom("too many blobs"))?;
+                s.serialize_u32(i)
+            }
+            None => s.serialize_bytes(&self.0),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Blob {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let in_rpc = DECODE_TABLE.with(|t| t.borrow().is_some());
+        if in_rpc {
+            let idx = u32::deserialize(d)? as usize;
+            DECODE_TABLE.with(|t| {
+                let mut t = t.borrow_mut();
+                let table = t.as_mut().expect("checked above");
+                table
+                    .get_mut(idx)
+                    .and_then(Option::take)
+                    .map(Blob)
+                    .ok_or_else(|| de::Error::custom(format!("blob {idx} missing from side table")))
+            })
+        } else {
+            d.deserialize_byte_buf(BytesVisitor)
+        }
+    }
+}
+
+struct BytesVisitor;
+
+impl Visitor<'_> for BytesVisitor {
+    type Value = Blob;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("bytes")
+    }
+    fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<Blob, E> {
+        Ok(Blob::from(v.to_vec()))
+    }
+    fn visit_byte_buf<E: de::Error>(self, v: Vec<u8>) -> Result<Blob, E> {
+        Ok(Blob::from(v))
+    }
+}
+
+/// Restores the previous table on drop, so encodes nest and unwind cleanly.
+struct Restore<T: 'static>(
+    &'static std::thread::LocalKey<RefCell<Option<T>>>,
+    Option<T>,
+);
+
+impl<T> Drop for Restore<T> {
+    fn drop(&mut self) {
+        let prev = self.1.take();
+        self.0.with(|t| *t.borrow_mut() = prev);
+    }
+}
+
+/// Encodes `value`, collecting its blobs into the side table.
+pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> bincode::Result<(Vec<u8>, Vec<Bytes>)> {
+    let prev = ENCODE_TABLE.with(|t| t.borrow_mut().replace(Vec::new()));
+    let guard = Restore(&ENCODE_TABLE, prev);
+    // `serialize_into`, not `serialize`: the latter runs a sizing pass first, which would
+    // push every blob into the table twice.
+    let mut payload = Vec::with_capacity(128);
+    bincode::serialize_into(&mut payload, value)?;
+    let blobs = ENCODE_TABLE
+        .with(|t| t.borrow_mut().take())
+        .unwrap_or_default();
+    drop(guard);
+    Ok((payload, blobs))
+}
+
+/// Decodes a `T` whose blobs are in `blobs`.
+pub(crate) fn decode<T: DeserializeOwned>(payload: &[u8], blobs: Vec<Bytes>) -> bincode::Result<T> {
+    let table = blobs.into_iter().map(Some).collect();
+    let prev = DECODE_TABLE.with(|t| t.borrow_mut().replace(table));
+    let _guard = Restore(&DECODE_TABLE, prev);
+    bincode::deserialize(payload)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Serialize, Deserialize, PartialEq, Debug)]
+    struct Nested {
+        a: Vec<Blob>,
+        b: Option<(u8, Blob)>,
+    }
+
+    #[test]
+    fn blobs_go_to_the_side_table_not_the_payload() {
+        let big = Blob::from(vec![7u8; 100_000]);
+        let v = Nested {
+            a: vec![big.clone(), Blob::from(vec![1, 2])],
+            b: Some((3, Blob::default())),
+        };
+        let (payload, blobs) = encode(&v).unwrap();
+        assert!(
+            payload.len() < 64,
+            "payload holds indices only: {}",
+            payload.len()
+        );
+        assert_eq!(blobs.len(), 3);
+        // Zero copy: the table shares the blob's memory.
+        assert_eq!(blobs[0].as_ptr(), big.as_ptr());
+        let back: Nested = decode(&payload, blobs).unwrap();
+        assert_eq!(back, v);
+    }
+
+    #[test]
+    fn missing_blob_is_an_error() {
+        let (payload, _) = encode(&Blob::from(vec![1u8])).unwrap();
+        let err = decode::<Blob>(&payload, Vec::new()).unwrap_err();
+        assert!(err.to_string().contains("missing"), "{err}");
+    }
+
+    #[test]
+    fn outside_rpc_blob_is_plain_bytes() {
+        let b = Blob::from(vec![1u8, 2, 3]);
+        let enc = bincode::serialize(&b).unwrap();
+        assert_eq!(enc.len(), 8 + 3);
+        let back: Blob = bincode::deserialize(&enc).unwrap();
+        assert_eq!(back, b);
+    }
+}

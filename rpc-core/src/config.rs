@@ -1,0 +1,397 @@
+//! Group configuration and its resolution from the environment.
+//!
+//! Rank and world size come from the config, else from the torchrun convention (`RANK`,
+//! `WORLD_SIZE`), else Slurm (`SLURM_PROCID`, `SLURM_NTASKS`), else Open MPI
+//! (`OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`). The rendezvous address comes from
+//! `init_method` (`tcp://host:port`), else `MASTER_ADDR` and `MASTER_PORT`.
+
+use std::time::Duration;
+
+use crate::auth::{Secret, SECRET_ENV, SECRET_FILE_ENV};
+use crate::error::InitError;
+use crate::transport::Transport;
+
+/// How a worker joins its group. Build with [`Config::new`] and the `with_*` setters.
+///
+/// ```
+/// use std::time::Duration;
+/// let cfg = rpc_core::Config::new()
+///     .with_name("trainer0")
+///     .with_rank(0)
+///     .with_world_size(3)
+///     .with_init_method("tcp://127.0.0.1:29500")
+///     .with_rpc_timeout(Duration::from_secs(10));
+/// assert_eq!(cfg.rank, Some(0));
+/// ```
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct Config {
+    /// Unique worker name. Default: `worker{rank}`.
+    pub name: Option<String>,
+    /// Rank in `0..world_size`. Default: from the environment (see module docs).
+    pub rank: Option<u32>,
+    /// Number of workers. Default: from the environment.
+    pub world_size: Option<u32>,
+    /// `tcp://host:port` of the rendezvous. Default: `MASTER_ADDR`:`MASTER_PORT`.
+    pub init_method: Option<String>,
+    /// Whether this worker hosts the rendezvous. Default: `rank == 0`.
+    pub serve_rendezvous: Option<bool>,
+    /// Address this worker's listener binds. Default: `127.0.0.1:0` when the rendezvous host
+    /// is loopback, else `0.0.0.0:0` (the advertised address is then the local IP of the
+    /// connection to the rendezvous).
+    pub listen_addr: Option<String>,
+    /// The transport. Default: TCP.
+    pub transport: Transport,
+    /// The group secret. Default: from `RPC_SECRET` or the file named by `RPC_SECRET_FILE`;
+    /// init fails if none is set.
+    pub secret: Option<Secret>,
+    /// Default timeout of a call; `Duration::ZERO` means none. Default: 60 s.
+    pub rpc_timeout: Duration,
+    /// How long init waits for every rank to join. Default: 120 s.
+    pub init_timeout: Duration,
+    /// Bound on each shutdown phase (barrier, drain). Default: 30 s.
+    pub shutdown_timeout: Duration,
+    /// Bound on dialling a peer. Default: 10 s.
+    pub connect_timeout: Duration,
+    /// Bound on the authentication handshake of a connection. Default: 10 s.
+    pub handshake_timeout: Duration,
+    /// Largest frame accepted or sent on a control connection, and largest bulk blob.
+    /// Default: 1 GiB.
+    pub max_frame_bytes: usize,
+    /// Root calls (not nested in another call) served at once; more wait. Nested calls are
+    /// never held back, so call chains cannot deadlock on this limit. Default: 65,536.
+    pub max_concurrent_calls: usize,
+    /// Blobs of at least this many bytes travel on the bulk connection. Default: 256 KiB.
+    pub bulk_threshold: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            name: None,
+            rank: None,
+            world_size: None,
+            init_method: None,
+            serve_rendezvous: None,
+            listen_addr: None,
+            transport: Transport::Tcp,
+            secret: None,
+            rpc_timeout: Duration::from_secs(60),
+            init_timeout: Duration::from_secs(120),
+            shutdown_timeout: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(10),
+            handshake_timeout: Duration::from_secs(10),
+            max_frame_bytes: 1 << 30,
+            max_concurrent_calls: 65_536,
+            bulk_threshold: 256 << 10,
+        }
+    }
+}
+
+macro_rules! setters {
+    ($($(#[$m:meta])* $fn:ident($field:ident: $ty:ty) => $conv:expr;)*) => {
+        $( $(#[$m])* pub fn $fn(mut self, $field: $ty) -> Self { self.$field = $conv; self } )*
+    };
+}
+
+impl Config {
+    /// The defaults (see each field).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    setters! {
+        /// Sets [`Config::name`].
+        with_name(name: impl Into<String>) => Some(name.into());
+        /// Sets [`Config::rank`].
+        with_rank(rank: u32) => Some(rank);
+        /// Sets [`Config::world_size`].
+        with_world_size(world_size: u32) => Some(world_size);
+        /// Sets [`Config::init_method`] (`tcp://host:port`).
+        with_init_method(init_method: impl Into<String>) => Some(init_method.into());
+        /// Sets [`Config::serve_rendezvous`].
+        with_serve_rendezvous(serve_rendezvous: bool) => Some(serve_rendezvous);
+        /// Sets [`Config::listen_addr`].
+        with_listen_addr(listen_addr: impl Into<String>) => Some(listen_addr.into());
+        /// Sets [`Config::transport`].
+        with_transport(transport: Transport) => transport;
+        /// Sets [`Config::secret`].
+        with_secret(secret: Secret) => Some(secret);
+        /// Sets [`Config::rpc_timeout`] (`Duration::ZERO`: none).
+        with_rpc_timeout(rpc_timeout: Duration) => rpc_timeout;
+        /// Sets [`Config::init_timeout`].
+        with_init_timeout(init_timeout: Duration) => init_timeout;
+        /// Sets [`Config::shutdown_timeout`].
+        with_shutdown_timeout(shutdown_timeout: Duration) => shutdown_timeout;
+        /// Sets [`Config::connect_timeout`].
+        with_connect_timeout(connect_timeout: Duration) => connect_timeout;
+        /// Sets [`Config::handshake_timeout`].
+        with_handshake_timeout(handshake_timeout: Duration) => handshake_timeout;
+        /// Sets [`Config::max_frame_bytes`].
+        with_max_frame_bytes(max_frame_bytes: usize) => max_frame_bytes;
+        /// Sets [`Config::max_concurrent_calls`].
+        with_max_concurrent_calls(max_concurrent_calls: usize) => max_concurrent_calls;
+        /// Sets [`Config::bulk_threshold`].
+        with_bulk_threshold(bulk_threshold: usize) => bulk_threshold;
+    }
+
+    pub(crate) fn resolve(self) -> Result<Resolved, InitError> {
+        self.resolve_with(&|k| std::env::var(k).ok())
+    }
+
+    pub(crate) fn resolve_with(
+        self,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Resolved, InitError> {
+        let num = |keys: &[&str], what: &str| -> Result<Option<u32>, InitError> {
+            for k in keys {
+                if let Some(v) = env(k) {
+                    return v.trim().parse().map(Some).map_err(|_| {
+                        InitError::Config(format!("{k}={v:?} is not a valid {what}"))
+                    });
+                }
+            }
+            Ok(None)
+        };
+        let rank = match self.rank {
+            Some(r) => r,
+            None => num(&["RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"], "rank")?.ok_or_else(
+                || {
+                    InitError::Config(
+                        "no rank: set Config::rank or RANK (or SLURM_PROCID, OMPI_COMM_WORLD_RANK)"
+                            .into(),
+                    )
+                },
+            )?,
+        };
+        let world_size = match self.world_size {
+            Some(w) => w,
+            None => num(&["WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"], "world size")?.ok_or_else(|| {
+                InitError::Config(
+                    "no world size: set Config::world_size or WORLD_SIZE (or SLURM_NTASKS, OMPI_COMM_WORLD_SIZE)".into(),
+                )
+            })?,
+        };
+        if world_size == 0 || rank >= world_size {
+            return Err(InitError::Config(format!(
+                "rank {rank} is outside world size {world_size}"
+            )));
+        }
+        let rendezvous = match &self.init_method {
+            Some(m) => m
+                .strip_prefix("tcp://")
+                .ok_or_else(|| InitError::Config(format!("init method {m:?} must look like tcp://host:port")))?
+                .to_owned(),
+            None => match (env("MASTER_ADDR"), env("MASTER_PORT")) {
+                (Some(a), Some(p)) => format!("{a}:{p}"),
+                _ => {
+                    return Err(InitError::Config(
+                        "no rendezvous: set Config::init_method (tcp://host:port) or MASTER_ADDR and MASTER_PORT".into(),
+                    ))
+                }
+            },
+        };
+        if rendezvous
+            .rsplit_once(':')
+            .is_none_or(|(h, p)| h.is_empty() || p.parse::<u16>().is_err())
+        {
+            return Err(InitError::Config(format!(
+                "rendezvous address {rendezvous:?} is not host:port"
+            )));
+        }
+        let secret = match self.secret {
+            Some(s) => s,
+            None => Secret::from_env_with(env)?.ok_or(InitError::MissingSecret {
+                env: SECRET_ENV,
+                file_env: SECRET_FILE_ENV,
+            })?,
+        };
+        let listen_addr = self.listen_addr.unwrap_or_else(|| {
+            let host = rendezvous.rsplit_once(':').map_or("", |(h, _)| h);
+            match &self.transport {
+                Transport::Memory(_) => "mem:0".to_owned(),
+                Transport::Tcp if is_loopback(host) => "127.0.0.1:0".to_owned(),
+                Transport::Tcp => "0.0.0.0:0".to_owned(),
+            }
+        });
+        if self.max_frame_bytes < 1024 {
+            return Err(InitError::Config(
+                "max_frame_bytes must be at least 1024".into(),
+            ));
+        }
+        if self.max_concurrent_calls == 0 {
+            return Err(InitError::Config(
+                "max_concurrent_calls must be positive".into(),
+            ));
+        }
+        Ok(Resolved {
+            name: self.name.unwrap_or_else(|| format!("worker{rank}")),
+            rank,
+            world_size,
+            serve_rendezvous: self.serve_rendezvous.unwrap_or(rank == 0),
+            rendezvous,
+            listen_addr,
+            transport: self.transport,
+            secret,
+            rpc_timeout: self.rpc_timeout,
+            init_timeout: self.init_timeout,
+            shutdown_timeout: self.shutdown_timeout,
+            connect_timeout: self.connect_timeout,
+            handshake_timeout: self.handshake_timeout,
+            max_frame_bytes: self.max_frame_bytes,
+            max_concurrent_calls: self.max_concurrent_calls,
+            bulk_threshold: self.bulk_threshold,
+        })
+    }
+}
+
+fn is_loopback(host: &str) -> bool {
+    host == "localhost"
+        || host
+            .trim_matches(|c| c == '[' || c == ']')
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// A fully resolved configuration.
+#[derive(Clone, Debug)]
+pub(crate) struct Resolved {
+    pub name: String,
+    pub rank: u32,
+    pub world_size: u32,
+    pub serve_rendezvous: bool,
+    pub rendezvous: String,
+    pub listen_addr: String,
+    pub transport: Transport,
+    pub secret: Secret,
+    pub rpc_timeout: Duration,
+    pub init_timeout: Duration,
+    pub shutdown_timeout: Duration,
+    pub connect_timeout: Duration,
+    pub handshake_timeout: Duration,
+    pub max_frame_bytes: usize,
+    pub max_concurrent_calls: usize,
+    pub bulk_threshold: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let m: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |k| m.get(k).cloned()
+    }
+
+    fn base() -> Config {
+        Config::new().with_secret(Secret::new("s"))
+    }
+
+    #[test]
+    fn torchrun_variables() {
+        let r = base()
+            .resolve_with(&env(&[
+                ("RANK", "2"),
+                ("WORLD_SIZE", "4"),
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", "29500"),
+            ]))
+            .unwrap();
+        assert_eq!(
+            (r.rank, r.world_size, r.rendezvous.as_str()),
+            (2, 4, "127.0.0.1:29500")
+        );
+        assert_eq!(r.name, "worker2");
+        assert!(!r.serve_rendezvous);
+        assert_eq!(r.listen_addr, "127.0.0.1:0");
+    }
+
+    #[test]
+    fn slurm_and_openmpi_variables() {
+        let m = [("MASTER_ADDR", "node1"), ("MASTER_PORT", "1")];
+        let r = base()
+            .resolve_with(&env(&[
+                m[0],
+                m[1],
+                ("SLURM_PROCID", "0"),
+                ("SLURM_NTASKS", "8"),
+            ]))
+            .unwrap();
+        assert_eq!((r.rank, r.world_size), (0, 8));
+        assert!(r.serve_rendezvous);
+        assert_eq!(r.listen_addr, "0.0.0.0:0");
+        let r = base()
+            .resolve_with(&env(&[
+                m[0],
+                m[1],
+                ("OMPI_COMM_WORLD_RANK", "3"),
+                ("OMPI_COMM_WORLD_SIZE", "5"),
+            ]))
+            .unwrap();
+        assert_eq!((r.rank, r.world_size), (3, 5));
+    }
+
+    #[test]
+    fn explicit_config_wins_over_env() {
+        let r = base()
+            .with_rank(1)
+            .with_world_size(2)
+            .with_init_method("tcp://localhost:7")
+            .resolve_with(&env(&[("RANK", "9"), ("WORLD_SIZE", "10")]))
+            .unwrap();
+        assert_eq!(
+            (r.rank, r.world_size, r.rendezvous.as_str()),
+            (1, 2, "localhost:7")
+        );
+    }
+
+    #[test]
+    fn bad_inputs_are_named() {
+        let e = base()
+            .resolve_with(&env(&[("RANK", "x")]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("RANK") && e.contains("\"x\""), "{e}");
+        let e = base()
+            .with_rank(3)
+            .with_world_size(3)
+            .with_init_method("tcp://a:1")
+            .resolve_with(&env(&[]))
+            .unwrap_err();
+        assert!(e.to_string().contains("outside world size"), "{e}");
+        let e = base()
+            .with_rank(0)
+            .with_world_size(1)
+            .with_init_method("http://a:1")
+            .resolve_with(&env(&[]))
+            .unwrap_err();
+        assert!(e.to_string().contains("tcp://"), "{e}");
+        let e = base()
+            .with_rank(0)
+            .with_world_size(1)
+            .resolve_with(&env(&[]))
+            .unwrap_err();
+        assert!(e.to_string().contains("MASTER_ADDR"), "{e}");
+        let e = Config::new()
+            .with_rank(0)
+            .with_world_size(1)
+            .with_init_method("tcp://a:1")
+            .resolve_with(&env(&[]))
+            .unwrap_err();
+        assert!(e.to_string().contains("RPC_SECRET"), "{e}");
+        let dir = std::env::temp_dir().join(format!("rpc-core-secret-{}", std::process::id()));
+        std::fs::write(&dir, "from-file\n").unwrap();
+        let r = Config::new()
+            .with_rank(0)
+            .with_world_size(1)
+            .with_init_method("tcp://a:1")
+            .resolve_with(&env(&[("RPC_SECRET_FILE", dir.to_str().unwrap())]))
+            .unwrap();
+        std::fs::remove_file(&dir).unwrap();
+        assert_eq!(r.secret.as_str(), Some("from-file"));
+    }
+}

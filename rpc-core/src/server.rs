@@ -1,0 +1,208 @@
+//! Incoming connections and calls.
+//!
+//! The accept loop authenticates each connection (bounded by the handshake timeout) before
+//! anything is decoded, then serves it by kind: control connections through tarpc, bulk
+//! connections through `bulk.rs`. Every request runs as its own task: there is no fixed pool
+//! for nested calls to exhaust. Root calls (depth 0) take a permit from a semaphore of
+//! `max_concurrent_calls`; calls nested in another call never wait for one, so a chain
+//! A→B→A→… of any depth cannot deadlock on the limit.
+//!
+//! A handler's panic is caught and reported to the caller as a remote error; the worker keeps
+//! serving. A result too large for the frame limit is reported as an error instead of breaking
+//! the connection for every other call on it.
+
+use futures::{FutureExt, StreamExt};
+use std::panic::AssertUnwindSafe;
+use std::time::Instant;
+use tarpc::server::Channel as _;
+
+use crate::agent::Agent;
+use crate::auth::{self, ConnKind};
+use crate::context::{CallContext, Scope, NO_DEADLINE, SCOPE};
+use crate::error::{RemoteError, RemoteErrorKind};
+use crate::transport::{Conn, Listener};
+use crate::wire::{self, CallOk, CallReply, CallRequest, ServerEnd};
+
+/// Accepts connections until the agent stops.
+pub(crate) async fn accept_loop(agent: Agent, mut listener: Listener) {
+    let stop = agent.inner.stop_accepting.clone();
+    loop {
+        let conn = tokio::select! {
+            _ = stop.cancelled() => break,
+            c = listener.accept() => c,
+        };
+        match conn {
+            Ok(conn) => {
+                let a = agent.clone();
+                agent.inner.conns.spawn(async move {
+                    let stop = a.inner.stop.clone();
+                    tokio::select! {
+                        _ = stop.cancelled() => {}
+                        _ = serve_conn(a, conn) => {}
+                    }
+                });
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotConnected => break,
+            Err(e) => {
+                // Out of file descriptors and the like: back off instead of spinning.
+                tracing::warn!(worker = %agent.name(), cause = %e, "accept failed");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+async fn serve_conn(agent: Agent, mut conn: Conn) {
+    let inner = &agent.inner;
+    let hs = tokio::time::timeout(
+        inner.cfg.handshake_timeout,
+        auth::server(&mut conn, &inner.cfg.secret),
+    )
+    .await;
+    let (kind, rank) = match hs {
+        Ok(Ok(v)) => v,
+        Ok(Err(e)) => {
+            tracing::warn!(worker = %agent.name(), cause = %e, "refused a connection");
+            return;
+        }
+        Err(_) => {
+            tracing::warn!(worker = %agent.name(), "refused a connection: handshake timed out");
+            return;
+        }
+    };
+    if rank >= inner.cfg.world_size {
+        tracing::warn!(worker = %agent.name(), rank, "refused a connection from a rank outside the group");
+        return;
+    }
+    match kind {
+        ConnKind::Control => serve_control(agent, conn, rank).await,
+        ConnKind::Bulk => crate::bulk::serve_incoming(&agent, conn, rank).await,
+        ConnKind::Rendezvous => {
+            tracing::warn!(worker = %agent.name(), "refused a rendezvous connection on a worker port")
+        }
+    }
+}
+
+async fn serve_control(agent: Agent, conn: Conn, caller: u32) {
+    let transport = wire::framed::<ServerEnd>(conn, agent.inner.cfg.max_frame_bytes);
+    let config = tarpc::server::Config {
+        pending_response_buffer: 1024,
+    };
+    let channel = tarpc::server::BaseChannel::new(config, transport);
+    let a = agent.clone();
+    let serve = tarpc::server::serve(move |ctx: tarpc::context::Context, req: CallRequest| {
+        let a = a.clone();
+        async move { Ok(handle(a, ctx.deadline, req, caller).await) }
+    });
+    channel
+        .execute(serve)
+        .for_each(|call| {
+            let stop = agent.inner.stop.clone();
+            agent.inner.calls.spawn(async move {
+                tokio::select! {
+                    _ = stop.cancelled() => {}
+                    _ = call => {}
+                }
+            });
+            futures::future::ready(())
+        })
+        .await;
+    tracing::debug!(worker = %agent.name(), caller, "control connection closed");
+}
+
+/// The message of a caught panic.
+pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "panic with a non-string payload".to_owned()
+    }
+}
+
+#[tracing::instrument(level = "debug", skip_all, fields(rpc.fn = %req.fn_name, rpc.caller = caller, rpc.depth = req.depth))]
+async fn handle(agent: Agent, deadline: Instant, req: CallRequest, caller: u32) -> CallReply {
+    let inner = &agent.inner;
+    let fail = |kind, msg: String| RemoteError::new(kind, &req.fn_name, agent.name(), msg);
+    if req.depth == 0 && agent.is_stopping() {
+        return Err(fail(
+            RemoteErrorKind::ShuttingDown,
+            "worker is shutting down".into(),
+        ));
+    }
+    let Some(entry) = inner.registry.get(&req.fn_name).cloned() else {
+        let names = inner.registry.names();
+        let shown: Vec<_> = names
+            .iter()
+            .filter(|n| !n.starts_with("rpc_core::"))
+            .take(20)
+            .collect();
+        return Err(fail(
+            RemoteErrorKind::UnknownFunction,
+            format!("no function of that name is registered (registered: {shown:?})"),
+        ));
+    };
+    if entry.sig != req.sig {
+        return Err(fail(
+            RemoteErrorKind::TypeMismatch,
+            format!("callee's `{}` is {}", req.fn_name, entry.signature_text()),
+        ));
+    }
+    // Framework-internal calls (the shutdown barrier) never wait for a permit: they must not
+    // queue behind the user calls whose completion they wait for.
+    let _permit = if req.depth == 0 && !req.fn_name.starts_with("rpc_core::") {
+        match inner.admission.clone().acquire_owned().await {
+            Ok(p) => Some(p),
+            Err(_) => {
+                return Err(fail(
+                    RemoteErrorKind::ShuttingDown,
+                    "worker is shutting down".into(),
+                ))
+            }
+        }
+    } else {
+        None
+    };
+    let deadline =
+        (deadline.saturating_duration_since(Instant::now()) < NO_DEADLINE / 2).then_some(deadline);
+    let blobs = crate::bulk::receive(&agent, caller, req.blobs, deadline)
+        .await
+        .map_err(|e| fail(RemoteErrorKind::Protocol, e))?;
+    let ctx = CallContext {
+        agent: agent.clone(),
+        caller: inner.workers[caller as usize].clone(),
+        deadline,
+    };
+    let fut = (entry.handler)(ctx, req.payload, blobs);
+    let scope = Scope {
+        deadline,
+        depth: req.depth + 1,
+    };
+    let (payload, blobs) = match SCOPE
+        .scope(scope, AssertUnwindSafe(fut).catch_unwind())
+        .await
+    {
+        Ok(Ok(v)) => v,
+        Ok(Err(e)) => return Err(e),
+        Err(p) => {
+            let msg = panic_message(&*p);
+            tracing::error!(worker = %agent.name(), fn_name = %req.fn_name, panic = %msg, "handler panicked");
+            return Err(fail(RemoteErrorKind::Panic, msg));
+        }
+    };
+    let blobs = crate::bulk::send(&agent, caller, blobs)
+        .await
+        .map_err(|e| fail(RemoteErrorKind::Protocol, e))?;
+    let size = payload.len() + crate::bulk::inline_bytes(&blobs);
+    if size + 1024 > inner.cfg.max_frame_bytes {
+        return Err(fail(
+            RemoteErrorKind::Protocol,
+            format!(
+                "result is {size} bytes, above the frame limit of {}",
+                inner.cfg.max_frame_bytes
+            ),
+        ));
+    }
+    Ok(CallOk { payload, blobs })
+}

@@ -1,0 +1,103 @@
+//! A worker process for the multi-process tests.
+//!
+//! `rpc-test-worker <scenario> --rank R --world N --rendezvous HOST:PORT` with the group secret
+//! in `RPC_SECRET`. Prints `READY <name> <addr>` once the group is formed, then:
+//! - `serve`: serves until every worker has called shutdown;
+//! - `drive`: (rank 0) exercises calls across the processes, prints `RESULT <json>`;
+//! - `drive-kill`: (rank 0) starts a long call to rank 1, prints `CALLING`, and once the test
+//!   has killed rank 1 prints `ERROR <json>` describing how the call failed.
+
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use integration_tests::*;
+use rpc_core::{Blob, Config, RpcError};
+
+fn say(line: String) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let scenario = args
+        .get(1)
+        .context("usage: rpc-test-worker <scenario> --rank R --world N --rendezvous ADDR")?;
+    let flag = |name: &str| -> anyhow::Result<String> {
+        let i = args
+            .iter()
+            .position(|a| a == name)
+            .with_context(|| format!("missing {name}"))?;
+        args.get(i + 1)
+            .cloned()
+            .with_context(|| format!("{name} needs a value"))
+    };
+    let rank: u32 = flag("--rank")?.parse()?;
+    let world: u32 = flag("--world")?.parse()?;
+    let rendezvous = flag("--rendezvous")?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let cfg = Config::new()
+            .with_rank(rank)
+            .with_world_size(world)
+            .with_init_method(format!("tcp://{rendezvous}"))
+            .with_serve_rendezvous(false)
+            .with_init_timeout(Duration::from_secs(30))
+            .with_shutdown_timeout(Duration::from_secs(3));
+        let agent = rpc_core::init(cfg, registry()).await?;
+        say(format!("READY {} {}", agent.name(), agent.local_addr()));
+        match scenario.as_str() {
+            "serve" => {}
+            "drive" => {
+                let sum = agent.rpc_async("worker1", add, (40, 2)).await?;
+                let hops = agent.rpc_async(2u32, chain, (50, 1, 2)).await?;
+                let big = Blob::from((0..(4 << 20)).map(|i: u32| (i % 253) as u8).collect::<Vec<_>>());
+                let echoed = agent.rpc_async(1u32, echo, (big.clone(),)).await?;
+                let who = agent.rpc_async(2u32, whoami, ()).await?;
+                let err = agent.rpc_async(1u32, fail, ("p".into(),)).await.unwrap_err();
+                let remote = err.as_remote().cloned().context("expected a remote error")?;
+                let panic = agent.rpc_async(2u32, boom, ("oops".into(),)).await.unwrap_err();
+                let after_panic = agent.rpc_async(2u32, add, (1, 1)).await?;
+                say(format!(
+                    "RESULT {}",
+                    serde_json::json!({
+                        "sum": sum,
+                        "hops": hops,
+                        "echo_ok": echoed == big,
+                        "whoami": who,
+                        "error_worker": remote.worker,
+                        "error_chain": remote.chain,
+                        "panic_kind": format!("{:?}", panic.as_remote().map(|r| r.kind)),
+                        "after_panic": after_panic,
+                    })
+                ));
+            }
+            "drive-kill" => {
+                let call = agent.rpc_async(1u32, hang, (1, 60));
+                say("CALLING".into());
+                let start = Instant::now();
+                let err = match call.await {
+                    Ok(()) => bail!("the call to a killed worker succeeded"),
+                    Err(e) => e,
+                };
+                let kind = match &err {
+                    RpcError::ConnectionLost { worker, .. } => format!("ConnectionLost:{worker}"),
+                    e => format!("{e:?}"),
+                };
+                say(format!(
+                    "ERROR {}",
+                    serde_json::json!({ "kind": kind, "message": rpc_core::error_chain(&err), "after_ms": start.elapsed().as_millis() as u64 })
+                ));
+            }
+            other => bail!("unknown scenario {other}"),
+        }
+        let report = agent.shutdown().await;
+        say(format!("SHUTDOWN clean={} barrier={:?}", report.is_clean(), report.barrier));
+        Ok(())
+    })
+}

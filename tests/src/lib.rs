@@ -1,0 +1,213 @@
+//! Remote functions and helpers shared by the integration tests and `rpc-test-worker`.
+//!
+//! The functions live here, in one module, so that every process (test binary or worker
+//! binary) registers them under the same `module_path!()` names.
+#![deny(missing_docs)]
+
+use std::collections::HashSet;
+use std::future::Future;
+use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
+
+use rpc_core::{remote, Blob, BoxError, CallContext, Registry};
+use serde::{Deserialize, Serialize};
+
+/// Runs `f` on a fresh multi-threaded runtime and fails the test if it takes longer than
+/// `secs` seconds. Every async test goes through this.
+pub fn run<F: Future>(secs: u64, f: F) -> F::Output {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async {
+        tokio::time::timeout(Duration::from_secs(secs), f)
+            .await
+            .unwrap_or_else(|_| panic!("test timed out after {secs} s"))
+    })
+}
+
+/// Adds two numbers.
+#[remote]
+pub async fn add(_ctx: CallContext, a: i32, b: i32) -> Result<i32, BoxError> {
+    Ok(a + b)
+}
+
+/// Adds two 64-bit numbers: same name shape as `add`, different types.
+#[remote(name = "integration_tests::add")]
+pub async fn add_i64(_ctx: CallContext, a: i64, b: i64) -> Result<i64, BoxError> {
+    Ok(a + b)
+}
+
+/// `add` with a different result type, to provoke a result mismatch.
+#[remote(name = "integration_tests::add")]
+pub async fn add_as_string(_ctx: CallContext, a: i32, b: i32) -> Result<String, BoxError> {
+    Ok((a + b).to_string())
+}
+
+/// Returns its argument.
+#[remote]
+pub async fn echo(_ctx: CallContext, data: Blob) -> Result<Blob, BoxError> {
+    Ok(data)
+}
+
+/// A struct with blobs nested inside.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Packet {
+    /// A label.
+    pub label: String,
+    /// Payloads.
+    pub parts: Vec<Blob>,
+}
+
+/// Reverses the parts of a packet and sums their lengths.
+#[remote]
+pub async fn reverse_parts(_ctx: CallContext, mut p: Packet) -> Result<(Packet, u64), BoxError> {
+    p.parts.reverse();
+    let total = p.parts.iter().map(|b| b.len() as u64).sum();
+    Ok((p, total))
+}
+
+/// Returns the caller's name and this worker's name.
+#[remote]
+pub async fn whoami(ctx: CallContext) -> Result<(String, String), BoxError> {
+    Ok((ctx.caller().name.clone(), ctx.agent().name().to_owned()))
+}
+
+/// Returns `n` zero bytes (a result much larger than its arguments).
+#[remote]
+pub async fn zeros(_ctx: CallContext, n: usize) -> Result<Blob, BoxError> {
+    Ok(Blob::from(vec![0u8; n]))
+}
+
+/// Sleeps `ms` milliseconds, then returns `ms`.
+#[remote]
+pub async fn sleep_ms(_ctx: CallContext, ms: u64) -> Result<u64, BoxError> {
+    tokio::time::sleep(Duration::from_millis(ms)).await;
+    Ok(ms)
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("disk quota exceeded")]
+struct Quota;
+
+#[derive(Debug, thiserror::Error)]
+#[error("could not save checkpoint {0}")]
+struct Save(String, #[source] Quota);
+
+/// Fails with a two-level error chain.
+#[remote]
+pub async fn fail(_ctx: CallContext, name: String) -> Result<(), BoxError> {
+    Err(Box::new(Save(name, Quota)))
+}
+
+/// Fails through `anyhow`, to show `?` works with it.
+#[remote]
+pub async fn fail_anyhow(_ctx: CallContext) -> Result<(), anyhow::Error> {
+    let n: u32 = "not a number"
+        .parse()
+        .map_err(|e| anyhow::anyhow!("parsing the step: {e}"))?;
+    let _ = n;
+    Ok(())
+}
+
+/// Panics.
+#[remote]
+pub async fn boom(_ctx: CallContext, msg: String) -> Result<(), BoxError> {
+    panic!("{msg}");
+}
+
+/// Ping-pongs between ranks `a` and `b` for `remaining` more hops; returns the hop count.
+#[remote]
+pub async fn chain(ctx: CallContext, remaining: u32, a: u32, b: u32) -> Result<u32, BoxError> {
+    if remaining == 0 {
+        return Ok(0);
+    }
+    let next = if ctx.agent().rank() == a { b } else { a };
+    let n = ctx
+        .agent()
+        .rpc_async(next, chain, (remaining - 1, a, b))
+        .await?;
+    Ok(n + 1)
+}
+
+/// Reports the time left before this call's deadline, in milliseconds.
+#[remote]
+pub async fn remaining_ms(ctx: CallContext) -> Result<Option<u64>, BoxError> {
+    Ok(ctx.remaining().map(|d| d.as_millis() as u64))
+}
+
+/// Calls `remaining_ms` on `target` (with the default timeout) and returns what it saw.
+#[remote]
+pub async fn nested_remaining_ms(ctx: CallContext, target: u32) -> Result<Option<u64>, BoxError> {
+    Ok(ctx.agent().rpc_async(target, remaining_ms, ()).await?)
+}
+
+fn cancelled() -> &'static Mutex<HashSet<u64>> {
+    static C: OnceLock<Mutex<HashSet<u64>>> = OnceLock::new();
+    C.get_or_init(Default::default)
+}
+
+/// Whether the `hang` call with this key was dropped (cancelled) on the callee.
+pub fn was_cancelled(key: u64) -> bool {
+    cancelled().lock().unwrap().contains(&key)
+}
+
+struct OnDrop(u64);
+impl Drop for OnDrop {
+    fn drop(&mut self) {
+        cancelled().lock().unwrap().insert(self.0);
+    }
+}
+
+/// Waits `secs` seconds; records `key` as cancelled if the handler is dropped before then.
+#[remote]
+pub async fn hang(_ctx: CallContext, key: u64, secs: u64) -> Result<(), BoxError> {
+    let guard = OnDrop(key);
+    tokio::time::sleep(Duration::from_secs(secs)).await;
+    std::mem::forget(guard);
+    Ok(())
+}
+
+/// A type whose serialization always fails: proves that self-calls skip serialization.
+#[derive(Debug, Deserialize)]
+pub struct Unserializable(pub u32);
+
+impl Serialize for Unserializable {
+    fn serialize<S: serde::Serializer>(&self, _s: S) -> Result<S::Ok, S::Error> {
+        Err(serde::ser::Error::custom(
+            "Unserializable cannot be serialized",
+        ))
+    }
+}
+
+/// Doubles the number inside an [`Unserializable`].
+#[remote]
+pub async fn double_local(_ctx: CallContext, v: Unserializable) -> Result<u32, BoxError> {
+    Ok(v.0 * 2)
+}
+
+/// The registry every test worker serves.
+pub fn registry() -> Registry {
+    Registry::builder()
+        .register(add)
+        .and_then(|r| r.register(echo))
+        .and_then(|r| r.register(reverse_parts))
+        .and_then(|r| r.register(whoami))
+        .and_then(|r| r.register(sleep_ms))
+        .and_then(|r| r.register(fail))
+        .and_then(|r| r.register(fail_anyhow))
+        .and_then(|r| r.register(boom))
+        .and_then(|r| r.register(chain))
+        .and_then(|r| r.register(remaining_ms))
+        .and_then(|r| r.register(nested_remaining_ms))
+        .and_then(|r| r.register(hang))
+        .and_then(|r| r.register(double_local))
+        .and_then(|r| r.register(zeros))
+        .expect("test functions have distinct names")
+        .build()
+}

@@ -1,0 +1,689 @@
+//! In-process multi-worker tests of rpc-core. Each body runs over TCP and the in-memory
+//! transport; every test is bounded by `run`'s timeout.
+
+use std::time::{Duration, Instant};
+
+use integration_tests::*;
+use rpc_core::testing::{self, start_group, transport_name, transports};
+use rpc_core::{Agent, Blob, RemoteErrorKind, RpcError, Secret, Transport};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+async fn group(n: u32, t: Transport) -> Vec<Agent> {
+    start_group(n, t, Secret::generate(), |_| registry(), |_, c| c)
+        .await
+        .expect("group starts")
+}
+
+async fn shutdown_all(agents: &[Agent]) {
+    let reports = futures::future::join_all(agents.iter().map(|a| a.shutdown())).await;
+    for r in reports {
+        assert!(r.is_clean(), "unclean shutdown: {r:?}");
+    }
+}
+
+/// Runs `body` once per transport.
+fn each_transport<F, Fut>(secs: u64, mut body: F)
+where
+    F: FnMut(Transport) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    for t in transports() {
+        let name = transport_name(&t);
+        eprintln!("-- over {name}");
+        run(secs, body(t));
+    }
+}
+
+#[test]
+fn calls_by_name_rank_and_worker_info() {
+    each_transport(30, |t| async move {
+        let a = group(3, t).await;
+        assert_eq!(a[0].rpc_async("worker1", add, (2, 3)).await.unwrap(), 5);
+        assert_eq!(a[1].rpc_async(2u32, add, (-1, 1)).await.unwrap(), 0);
+        let info = a[0].get_worker_info("worker2").unwrap().clone();
+        assert_eq!(info.id.0, 2);
+        assert_eq!(
+            a[0].rpc_async(&info, whoami, ()).await.unwrap(),
+            ("worker0".into(), "worker2".into())
+        );
+        assert_eq!(a[2].get_worker_info(1u32).unwrap().name, "worker1");
+        assert_eq!(a[2].worker_infos().len(), 3);
+        shutdown_all(&a).await;
+    });
+}
+
+#[test]
+fn blobs_nested_in_structs_round_trip_inline_and_bulk() {
+    each_transport(60, |t| async move {
+        let a = group(3, t).await;
+        let small = Blob::from(vec![1u8; 100]);
+        let big = Blob::from(
+            (0..3_000_000u32)
+                .map(|i| (i % 251) as u8)
+                .collect::<Vec<_>>(),
+        );
+        let p = Packet {
+            label: "x".into(),
+            parts: vec![small.clone(), big.clone(), Blob::default()],
+        };
+        let (back, total) = a[0].rpc_async(1u32, reverse_parts, (p,)).await.unwrap();
+        assert_eq!(total, 3_000_100);
+        assert_eq!(back.parts, vec![Blob::default(), big.clone(), small]);
+        // Concurrent big echoes in both directions share the bulk connections correctly.
+        let calls = (0..6).map(|i| {
+            let data = Blob::from(vec![i as u8; 1 << 20 | i]);
+            let from = &a[i % 3];
+            async move {
+                let out = from
+                    .rpc_async((i + 1) % 3, echo, (data.clone(),))
+                    .await
+                    .unwrap();
+                assert_eq!(out, data);
+            }
+        });
+        futures::future::join_all(calls).await;
+        shutdown_all(&a).await;
+    });
+}
+
+#[test]
+fn self_calls_run_locally_without_serialization() {
+    each_transport(30, |t| async move {
+        let a = group(2, t).await;
+        assert_eq!(
+            a[0].rpc_async(0u32, double_local, (Unserializable(21),))
+                .await
+                .unwrap(),
+            42
+        );
+        let err = a[0]
+            .rpc_async(1u32, double_local, (Unserializable(21),))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                RpcError::Encode {
+                    what: "arguments",
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        // The local path applies the same error handling as the remote one.
+        let err = a[1]
+            .rpc_async("worker1", boom, ("local".into(),))
+            .await
+            .unwrap_err();
+        assert_eq!(err.as_remote().unwrap().kind, RemoteErrorKind::Panic);
+        shutdown_all(&a).await;
+    });
+}
+
+#[test]
+fn handler_errors_carry_worker_function_and_chain() {
+    each_transport(30, |t| async move {
+        let a = group(3, t).await;
+        let err = a[0]
+            .rpc_async(2u32, fail, ("ckpt-7".into(),))
+            .await
+            .unwrap_err();
+        let r = err.as_remote().expect("remote error").clone();
+        assert_eq!(r.kind, RemoteErrorKind::Handler);
+        assert_eq!(r.worker, "worker2");
+        assert_eq!(r.fn_name, "integration_tests::fail");
+        assert_eq!(r.message, "could not save checkpoint ckpt-7");
+        assert_eq!(r.chain, vec!["disk quota exceeded".to_string()]);
+        let text = rpc_core::error_chain(&err);
+        assert!(
+            text.contains("worker2") && text.contains("disk quota"),
+            "{text}"
+        );
+        let err = a[0].rpc_async(1u32, fail_anyhow, ()).await.unwrap_err();
+        assert!(
+            err.as_remote()
+                .unwrap()
+                .message
+                .contains("parsing the step"),
+            "{err}"
+        );
+        shutdown_all(&a).await;
+    });
+}
+
+#[test]
+fn panics_are_reported_and_the_worker_keeps_serving() {
+    each_transport(30, |t| async move {
+        let a = group(3, t).await;
+        for _ in 0..3 {
+            let err = a[0]
+                .rpc_async(1u32, boom, ("kaboom".into(),))
+                .await
+                .unwrap_err();
+            let r = err.as_remote().unwrap();
+            assert_eq!(
+                (r.kind, r.worker.as_str(), r.message.as_str()),
+                (RemoteErrorKind::Panic, "worker1", "kaboom")
+            );
+            assert_eq!(a[0].rpc_async(1u32, add, (1, 1)).await.unwrap(), 2);
+        }
+        shutdown_all(&a).await;
+    });
+}
+
+#[test]
+fn unknown_function_and_type_mismatches_are_named() {
+    each_transport(30, |t| async move {
+        // worker1 serves nothing but `add_i64`; worker2 serves `add_as_string` under add's name.
+        let a = start_group(
+            3,
+            t,
+            Secret::generate(),
+            |rank| match rank {
+                1 => rpc_core::Registry::builder()
+                    .register(add_i64)
+                    .unwrap()
+                    .build(),
+                2 => rpc_core::Registry::builder()
+                    .register(add_as_string)
+                    .unwrap()
+                    .build(),
+                _ => registry(),
+            },
+            |_, c| c,
+        )
+        .await
+        .unwrap();
+        let err = a[0]
+            .rpc_async(1u32, echo, (Blob::default(),))
+            .await
+            .unwrap_err();
+        match &err {
+            RpcError::UnknownFunction { worker, fn_name } => {
+                assert_eq!(
+                    (worker.as_str(), fn_name.as_str()),
+                    ("worker1", "integration_tests::echo")
+                )
+            }
+            e => panic!("expected UnknownFunction, got {e:?}"),
+        }
+        let err = a[0].rpc_async(1u32, add, (1, 2)).await.unwrap_err();
+        match &err {
+            RpcError::TypeMismatch { worker, detail, .. } => {
+                assert_eq!(worker, "worker1");
+                assert!(detail.contains("i64") && detail.contains("i32"), "{detail}");
+            }
+            e => panic!("expected TypeMismatch, got {e:?}"),
+        }
+        let err = a[0].rpc_async(2u32, add, (1, 2)).await.unwrap_err();
+        assert!(
+            matches!(&err, RpcError::TypeMismatch { detail, .. } if detail.contains("String")),
+            "{err:?}"
+        );
+        // Locally too.
+        let err = a[1].rpc_async(1u32, add, (1, 2)).await.unwrap_err();
+        assert!(matches!(err, RpcError::TypeMismatch { .. }), "{err:?}");
+        assert!(matches!(
+            a[0].rpc_async(9u32, add, (1, 2)).await,
+            Err(RpcError::UnknownWorker { .. })
+        ));
+        assert!(matches!(
+            a[0].rpc_async("nobody", add, (1, 2)).await,
+            Err(RpcError::UnknownWorker { .. })
+        ));
+        shutdown_all(&a).await;
+    });
+}
+
+#[test]
+fn timeouts_per_call_default_and_none() {
+    each_transport(30, |t| async move {
+        let a = start_group(
+            2,
+            t,
+            Secret::generate(),
+            |_| registry(),
+            |_, c| c.with_rpc_timeout(Duration::from_millis(300)),
+        )
+        .await
+        .unwrap();
+        let start = Instant::now();
+        let err = a[0].rpc_async(1u32, sleep_ms, (5_000,)).await.unwrap_err();
+        assert!(
+            matches!(&err, RpcError::DeadlineExceeded { worker, .. } if worker == "worker1"),
+            "{err:?}"
+        );
+        assert!(start.elapsed() < Duration::from_secs(3));
+        let err = a[0]
+            .rpc_async_timeout(1u32, sleep_ms, (5_000,), Duration::from_millis(100))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, RpcError::DeadlineExceeded { .. }), "{err:?}");
+        // Zero means no timeout: outlives the 300 ms default.
+        assert_eq!(
+            a[0].rpc_async_timeout(1u32, sleep_ms, (600,), Duration::ZERO)
+                .await
+                .unwrap(),
+            600
+        );
+        // Local calls obey deadlines too.
+        let err = a[0].rpc_async(0u32, sleep_ms, (5_000,)).await.unwrap_err();
+        assert!(matches!(err, RpcError::DeadlineExceeded { .. }), "{err:?}");
+        shutdown_all(&a).await;
+    });
+}
+
+#[test]
+fn nested_calls_inherit_the_deadline() {
+    each_transport(30, |t| async move {
+        let a = group(3, t).await;
+        // The outer call has 2 s; the nested call's own default is 60 s but must see <= 2 s.
+        let seen = a[0]
+            .rpc_async_timeout(1u32, nested_remaining_ms, (2,), Duration::from_secs(2))
+            .await
+            .unwrap()
+            .expect("nested call has a deadline");
+        assert!(
+            seen <= 2_000 && seen > 500,
+            "nested call saw {seen} ms left"
+        );
+        let top = a[0]
+            .rpc_async(1u32, remaining_ms, ())
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(
+            top > 50_000,
+            "a plain call gets the 60 s default, saw {top} ms"
+        );
+        let none = a[0]
+            .rpc_async_timeout(1u32, remaining_ms, (), Duration::ZERO)
+            .await
+            .unwrap();
+        assert_eq!(none, None);
+        shutdown_all(&a).await;
+    });
+}
+
+#[test]
+fn nested_chain_of_200_levels_completes() {
+    each_transport(120, |t| async move {
+        let a = start_group(
+            3,
+            t,
+            Secret::generate(),
+            |_| registry(),
+            |_, c| c.with_max_concurrent_calls(1),
+        )
+        .await
+        .unwrap();
+        // A→B→A→B… 200 hops, with a root-call limit of 1: nested calls must not need permits.
+        assert_eq!(a[0].rpc_async(1u32, chain, (200, 0, 1)).await.unwrap(), 200);
+        assert_eq!(a[2].rpc_async(0u32, chain, (200, 0, 1)).await.unwrap(), 200);
+        shutdown_all(&a).await;
+    });
+}
+
+#[test]
+fn ten_thousand_concurrent_calls_complete() {
+    each_transport(120, |t| async move {
+        let a = group(3, t).await;
+        let calls = (0..10_000i32)
+            .map(|i| a[(i % 3) as usize].rpc_async(((i + 1) % 3) as u32, add, (i, 1)));
+        let out = rpc_core::wait_all(calls).await.unwrap();
+        assert_eq!(out.len(), 10_000);
+        assert!(out.iter().enumerate().all(|(i, v)| *v == i as i32 + 1));
+        // Concurrent sleepers overlap instead of queueing behind a pool.
+        let start = Instant::now();
+        let sleeps = (0..2_000).map(|_| a[0].rpc_async(1u32, sleep_ms, (200,)));
+        rpc_core::wait_all(sleeps).await.unwrap();
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            start.elapsed()
+        );
+        shutdown_all(&a).await;
+    });
+}
+
+#[test]
+fn dropping_the_future_cancels_the_call_on_the_callee() {
+    let mut key = 1000;
+    each_transport(30, |t| {
+        key += 1;
+        let key = key;
+        async move {
+            let a = group(2, t).await;
+            let fut = a[0].rpc_async(1u32, hang, (key, 30));
+            assert!(tokio::time::timeout(Duration::from_millis(200), fut)
+                .await
+                .is_err());
+            let mut waited = 0;
+            while !was_cancelled(key) && waited < 100 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                waited += 1;
+            }
+            assert!(was_cancelled(key), "callee handler was not cancelled");
+            shutdown_all(&a).await;
+        }
+    });
+}
+
+#[test]
+fn rpc_sync_works_from_plain_threads() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let agents = rt.block_on(async {
+        tokio::time::timeout(Duration::from_secs(30), group(2, Transport::Tcp))
+            .await
+            .unwrap()
+    });
+    let a0 = agents[0].clone();
+    let h = std::thread::spawn(move || a0.rpc_sync("worker1", add, (20, 22)));
+    assert_eq!(h.join().unwrap().unwrap(), 42);
+    // From inside the runtime it works through block_in_place.
+    let a0 = agents[0].clone();
+    let v = rt.block_on(async move {
+        tokio::spawn(async move { a0.rpc_sync(1u32, add, (1, 2)) })
+            .await
+            .unwrap()
+    });
+    assert_eq!(v.unwrap(), 3);
+    rt.block_on(async {
+        tokio::time::timeout(Duration::from_secs(30), shutdown_all(&agents))
+            .await
+            .unwrap()
+    });
+}
+
+#[test]
+fn rpc_sync_on_a_current_thread_runtime_is_an_error_not_a_hang() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        tokio::time::timeout(Duration::from_secs(30), async {
+            let a = group(2, Transport::Memory(rpc_core::MemoryNetwork::new())).await;
+            let err = a[0].rpc_sync(1u32, add, (1, 2)).unwrap_err();
+            assert!(matches!(err, RpcError::CannotBlock { .. }), "{err:?}");
+            assert_eq!(a[0].rpc_async(1u32, add, (1, 2)).await.unwrap(), 3);
+            shutdown_all(&a).await;
+        })
+        .await
+        .unwrap()
+    });
+}
+
+#[test]
+fn shutdown_lets_calls_in_flight_finish_and_is_idempotent() {
+    each_transport(60, |t| async move {
+        let a = group(3, t).await;
+        let a0 = a[0].clone();
+        let slow = tokio::spawn(async move { a0.rpc_async(1u32, sleep_ms, (700,)).await });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let (r1, r2, r0) = tokio::join!(a[1].shutdown(), a[2].shutdown(), async {
+            // Worker 0 finishes its work (the slow call), then shuts down.
+            let v = slow.await.unwrap();
+            (v, a[0].shutdown().await)
+        });
+        assert_eq!(r0.0.unwrap(), 700, "the call in flight completed");
+        assert!(
+            r1.is_clean() && r2.is_clean() && r0.1.is_clean(),
+            "{r1:?} {r2:?} {:?}",
+            r0.1
+        );
+        // Idempotent: the same report again, immediately.
+        let again = a[1].shutdown().await;
+        assert_eq!(again.elapsed, r1.elapsed);
+        // Use after shutdown is a clear error.
+        let err = a[0].rpc_async(1u32, add, (1, 1)).await.unwrap_err();
+        assert!(
+            matches!(&err, RpcError::Shutdown { worker, .. } if worker == "worker0"),
+            "{err:?}"
+        );
+        let err = a[0].rpc_async(0u32, add, (1, 1)).await.unwrap_err();
+        assert!(matches!(err, RpcError::Shutdown { .. }), "{err:?}");
+    });
+}
+
+#[test]
+fn shutdown_does_not_hang_when_peers_vanish() {
+    each_transport(60, |t| async move {
+        let a = start_group(
+            3,
+            t,
+            Secret::generate(),
+            |_| registry(),
+            |_, c| c.with_shutdown_timeout(Duration::from_millis(500)),
+        )
+        .await
+        .unwrap();
+        // Only worker 0 and 1 shut down; worker 2 never reaches the barrier.
+        let start = Instant::now();
+        let (r0, r1) = tokio::join!(a[0].shutdown(), a[1].shutdown());
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            start.elapsed()
+        );
+        let why = r0.barrier.unwrap_err();
+        assert!(why.contains("[2]"), "rank 0 names the missing rank: {why}");
+        assert!(r1.barrier.is_err());
+        // Worker 2 now finds its peers gone and still returns.
+        let r2 = a[2].shutdown().await;
+        assert!(r2.barrier.is_err(), "{r2:?}");
+        assert!(start.elapsed() < Duration::from_secs(10));
+    });
+}
+
+#[test]
+fn calls_to_a_shut_down_peer_fail_cleanly() {
+    each_transport(60, |t| async move {
+        let a = start_group(
+            3,
+            t,
+            Secret::generate(),
+            |_| registry(),
+            |_, c| c.with_shutdown_timeout(Duration::from_millis(300)),
+        )
+        .await
+        .unwrap();
+        assert_eq!(a[0].rpc_async(1u32, add, (1, 1)).await.unwrap(), 2);
+        let _ = a[1].shutdown().await;
+        let err = a[0].rpc_async(1u32, add, (1, 1)).await.unwrap_err();
+        assert!(
+            matches!(&err,
+                RpcError::ConnectionLost { worker, .. } | RpcError::Unreachable { worker, .. } | RpcError::PeerShuttingDown { worker, .. }
+                if worker == "worker1"),
+            "{err:?}"
+        );
+        let _ = tokio::join!(a[0].shutdown(), a[2].shutdown());
+    });
+}
+
+#[test]
+fn wrong_secret_is_refused_and_the_worker_keeps_serving() {
+    each_transport(30, |t| async move {
+        let a = group(2, t.clone()).await;
+        // A client with the wrong secret.
+        let err = testing::dial_authenticated(&t, a[1].local_addr(), &Secret::new("wrong"), 0)
+            .await
+            .err()
+            .expect("wrong secret refused");
+        assert_eq!(err.kind(), std::io::ErrorKind::PermissionDenied, "{err}");
+        // A client that sends garbage instead of a handshake.
+        let mut raw = testing::dial_raw(&t, a[1].local_addr()).await.unwrap();
+        let mut hello = [0u8; 40];
+        raw.read_exact(&mut hello).await.unwrap();
+        raw.write_all(&[0xAB; 77]).await.unwrap();
+        let mut rest = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), raw.read_to_end(&mut rest))
+            .await
+            .unwrap();
+        assert_eq!(rest, vec![0], "server answers 'rejected' and closes");
+        assert_eq!(a[0].rpc_async(1u32, add, (2, 2)).await.unwrap(), 4);
+        shutdown_all(&a).await;
+    });
+}
+
+#[test]
+fn a_worker_with_the_wrong_secret_cannot_join() {
+    run(30, async {
+        let secret = Secret::generate();
+        let server = rpc_core::RendezvousServer::start(
+            &Transport::Tcp,
+            "127.0.0.1:0",
+            secret,
+            2,
+            Duration::from_secs(2),
+        )
+        .await
+        .unwrap();
+        let cfg = rpc_core::Config::new()
+            .with_rank(1)
+            .with_world_size(2)
+            .with_init_method(format!("tcp://{}", server.local_addr()))
+            .with_serve_rendezvous(false)
+            .with_secret(Secret::new("not the group's"));
+        let err = rpc_core::init(cfg, registry()).await.unwrap_err();
+        assert!(matches!(err, rpc_core::InitError::Auth { .. }), "{err:?}");
+    });
+}
+
+#[test]
+fn oversized_frames_are_refused_and_the_worker_keeps_serving() {
+    each_transport(30, |t| async move {
+        let secret = Secret::generate();
+        let a = start_group(
+            2,
+            t.clone(),
+            secret.clone(),
+            |_| registry(),
+            |_, c| c.with_max_frame_bytes(64 << 10),
+        )
+        .await
+        .unwrap();
+        // A peer that authenticates, then announces a 1 GiB frame.
+        let mut conn = testing::dial_authenticated(&t, a[1].local_addr(), &secret, 0)
+            .await
+            .unwrap();
+        conn.write_all(&(1u32 << 30).to_be_bytes()).await.unwrap();
+        conn.write_all(&[0u8; 1024]).await.unwrap();
+        let mut sink = Vec::new();
+        let closed =
+            tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut sink)).await;
+        assert!(closed.is_ok(), "the connection is closed, not left hanging");
+        // Our own oversized request is refused before it is sent.
+        let err = a[0]
+            .rpc_async(1u32, fail, ("x".repeat(100 << 10),))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, RpcError::TooLarge { .. }), "{err:?}");
+        // Below the limit still works.
+        let ok = a[0]
+            .rpc_async(1u32, echo, (Blob::from(vec![0u8; 40 << 10]),))
+            .await;
+        assert_eq!(ok.unwrap().len(), 40 << 10);
+        // A result over the limit is an error naming the callee, not a broken connection.
+        let err = a[0].rpc_async(1u32, zeros, (100 << 10,)).await.unwrap_err();
+        let r = err.as_remote().expect("remote error");
+        assert!(
+            r.worker == "worker1" && r.message.contains("frame limit"),
+            "{r}"
+        );
+        assert_eq!(a[0].rpc_async(1u32, add, (3, 4)).await.unwrap(), 7);
+        shutdown_all(&a).await;
+    });
+}
+
+#[test]
+fn rendezvous_timeout_names_missing_ranks_and_refuses_duplicates() {
+    each_transport(30, |t| async move {
+        let secret = Secret::generate();
+        let bind = match t {
+            Transport::Tcp => "127.0.0.1:0",
+            _ => "rdv:0",
+        };
+        let server = rpc_core::RendezvousServer::start(
+            &t,
+            bind,
+            secret.clone(),
+            3,
+            Duration::from_millis(800),
+        )
+        .await
+        .unwrap();
+        let cfg = |rank: u32, name: &str| {
+            rpc_core::Config::new()
+                .with_name(name)
+                .with_rank(rank)
+                .with_world_size(3)
+                .with_init_method(format!("tcp://{}", server.local_addr()))
+                .with_serve_rendezvous(false)
+                .with_transport(t.clone())
+                .with_secret(secret.clone())
+                .with_init_timeout(Duration::from_millis(800))
+        };
+        let (r0, r1, dup) = tokio::join!(
+            rpc_core::init(cfg(0, "a"), registry()),
+            rpc_core::init(cfg(1, "b"), registry()),
+            async {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                rpc_core::init(cfg(2, "a"), registry()).await
+            }
+        );
+        for r in [r0, r1] {
+            match r.unwrap_err() {
+                rpc_core::InitError::RendezvousTimeout { missing, .. } => {
+                    assert_eq!(missing, vec![2])
+                }
+                e => panic!("expected RendezvousTimeout, got {e:?}"),
+            }
+        }
+        let e = dup.unwrap_err().to_string();
+        assert!(e.contains("name `a` already taken"), "{e}");
+    });
+}
+
+#[test]
+fn rank_zero_hosts_the_rendezvous_by_default() {
+    run(30, async {
+        // Find a free port, then let rank 0 serve the rendezvous on it.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let secret = Secret::generate();
+        let agents = futures::future::try_join_all((0..3u32).map(|rank| {
+            let cfg = rpc_core::Config::new()
+                .with_rank(rank)
+                .with_world_size(3)
+                .with_init_method(format!("tcp://127.0.0.1:{port}"))
+                .with_secret(secret.clone());
+            rpc_core::init(cfg, registry())
+        }))
+        .await
+        .unwrap();
+        assert_eq!(agents[2].rpc_async(0u32, add, (1, 2)).await.unwrap(), 3);
+        shutdown_all(&agents).await;
+    });
+}
+
+#[test]
+fn duplicate_and_reserved_registrations_are_errors() {
+    let err = rpc_core::Registry::builder()
+        .register(add)
+        .unwrap()
+        .register(add_i64)
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("integration_tests::add"), "{err}");
+    let r = rpc_core::Registry::builder().register(add).unwrap().build();
+    assert!(r.contains(add));
+    assert!(!r.contains(add_i64), "same name, different signature");
+}
