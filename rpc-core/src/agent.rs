@@ -113,7 +113,15 @@ impl ShutdownReport {
 /// Rank 0's shutdown barrier.
 #[derive(Default)]
 struct Barrier {
-    arrived: Mutex<(std::collections::BTreeSet<u32>, Vec<oneshot::Sender<()>>)>,
+    state: Mutex<BarrierState>,
+}
+
+#[derive(Default)]
+struct BarrierState {
+    arrived: std::collections::BTreeSet<u32>,
+    waiters: Vec<oneshot::Sender<Result<(), Vec<u32>>>>,
+    /// Set when rank 0 gave up waiting: the ranks that never arrived.
+    failed: Option<Vec<u32>>,
 }
 
 pub(crate) struct Inner {
@@ -188,8 +196,9 @@ impl RemoteFn for ShutdownBarrier {
     type Args = (u32,);
     type Output = ();
     async fn call(ctx: CallContext, (rank,): (u32,)) -> Result<(), BoxError> {
-        ctx.agent().arrive(rank).await;
-        Ok(())
+        ctx.agent().arrive(rank).await.map_err(|missing| {
+            format!("ranks {missing:?} never reached the shutdown barrier").into()
+        })
     }
 }
 
@@ -633,38 +642,46 @@ impl Agent {
         }
     }
 
-    /// Rank 0's side of the barrier: waits until every rank has arrived.
-    async fn arrive(&self, rank: u32) {
+    /// Rank 0's side of the barrier: waits until every rank has arrived, or until rank 0 gives
+    /// up (then fails with the missing ranks).
+    async fn arrive(&self, rank: u32) -> Result<(), Vec<u32>> {
         let rx = {
-            let mut b = self
-                .inner
-                .barrier
-                .arrived
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
-            b.0.insert(rank);
+            let mut b = self.barrier_state();
+            if let Some(missing) = &b.failed {
+                return Err(missing.clone());
+            }
+            b.arrived.insert(rank);
             let (tx, rx) = oneshot::channel();
-            b.1.push(tx);
-            if b.0.len() == self.world_size() {
-                for tx in b.1.drain(..) {
-                    let _ = tx.send(());
+            b.waiters.push(tx);
+            if b.arrived.len() == self.world_size() {
+                for tx in b.waiters.drain(..) {
+                    let _ = tx.send(Ok(()));
                 }
             }
             rx
         };
-        let _ = rx.await;
+        rx.await.unwrap_or(Ok(()))
     }
 
-    fn missing_at_barrier(&self) -> Vec<u32> {
-        let b = self
-            .inner
+    fn barrier_state(&self) -> std::sync::MutexGuard<'_, BarrierState> {
+        self.inner
             .barrier
-            .arrived
+            .state
             .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        (0..self.world_size() as u32)
-            .filter(|r| !b.0.contains(r))
-            .collect()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Rank 0 gives up on the barrier: every waiter learns which ranks never arrived.
+    fn fail_barrier(&self) -> Vec<u32> {
+        let mut b = self.barrier_state();
+        let missing: Vec<u32> = (0..self.world_size() as u32)
+            .filter(|r| !b.arrived.contains(r))
+            .collect();
+        b.failed = Some(missing.clone());
+        for tx in b.waiters.drain(..) {
+            let _ = tx.send(Err(missing.clone()));
+        }
+        missing
     }
 
     /// Leaves the group gracefully: a group-wide barrier (every worker has called shutdown),
@@ -696,7 +713,7 @@ impl Agent {
                 Ok(()) => Ok(()),
                 Err(e) if self.rank() == 0 => Err(format!(
                     "ranks {:?} never reached the shutdown barrier: {e}",
-                    self.missing_at_barrier()
+                    self.fail_barrier()
                 )),
                 Err(e) => Err(crate::error::error_chain(&e)),
             }

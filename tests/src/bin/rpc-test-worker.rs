@@ -3,6 +3,7 @@
 //! `rpc-test-worker <scenario> --rank R --world N --rendezvous HOST:PORT` with the group secret
 //! in `RPC_SECRET`. Prints `READY <name> <addr>` once the group is formed, then:
 //! - `serve`: serves until every worker has called shutdown;
+//! - `hold`: serves for two minutes without calling shutdown (to be killed);
 //! - `drive`: (rank 0) exercises calls across the processes, prints `RESULT <json>`;
 //! - `drive-kill`: (rank 0) starts a long call to rank 1, prints `CALLING`, and once the test
 //!   has killed rank 1 prints `ERROR <json>` describing how the call failed.
@@ -48,11 +49,17 @@ fn main() -> anyhow::Result<()> {
             .with_init_method(format!("tcp://{rendezvous}"))
             .with_serve_rendezvous(false)
             .with_init_timeout(Duration::from_secs(30))
-            .with_shutdown_timeout(Duration::from_secs(3));
+            // Servers wait long at the barrier (until the driver is done); drivers use a short
+            // timeout so a killed peer is given up on quickly.
+            .with_shutdown_timeout(Duration::from_secs(if scenario == "serve" { 60 } else { 3 }));
         let agent = rpc_core::init(cfg, registry()).await?;
         say(format!("READY {} {}", agent.name(), agent.local_addr()));
         match scenario.as_str() {
             "serve" => {}
+            "hold" => {
+                // Serve without ever reaching the shutdown barrier (the test kills us).
+                tokio::time::sleep(Duration::from_secs(120)).await;
+            }
             "drive" => {
                 let sum = agent.rpc_async("worker1", add, (40, 2)).await?;
                 let hops = agent.rpc_async(2u32, chain, (50, 1, 2)).await?;
