@@ -282,7 +282,7 @@ pub async fn init(config: Config, registry: Registry) -> Result<Agent, InitError
         stop: CancellationToken::new(),
         calls: TaskTracker::new(),
         conns: TaskTracker::new(),
-        bulk: Arc::new(Bulk::new(cfg.world_size)),
+        bulk: Arc::new(Bulk::new(cfg.world_size, cfg.bulk_pool_bytes)),
         barrier: Barrier::default(),
         report: tokio::sync::OnceCell::new(),
         runtime: tokio::runtime::Handle::current(),

@@ -13,11 +13,14 @@
 //!   without one), then fails the call with an error instead of hanging.
 //! - BULK-3: a record longer than the frame limit closes that bulk connection; other
 //!   connections are unaffected.
+//! - BULK-4: receive buffers are recycled through a pool bounded by `bulk_pool_bytes`: a blob
+//!   hands its buffer back when the last `Bytes` referring to it is dropped, so a steady stream
+//!   of large messages does not pay for fresh pages (large allocations are fresh `mmap`s).
 
 use bytes::Bytes;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot};
@@ -37,8 +40,77 @@ enum Slot {
     Waiting(oneshot::Sender<Bytes>),
 }
 
+/// Recycled receive buffers.
+pub(crate) struct BufPool {
+    free: Mutex<Vec<Vec<u8>>>,
+    /// Bytes of capacity currently parked in `free`.
+    parked: AtomicUsize,
+    cap_bytes: usize,
+}
+
+impl BufPool {
+    pub(crate) fn new(cap_bytes: usize) -> Arc<Self> {
+        Arc::new(Self {
+            free: Mutex::new(Vec::new()),
+            parked: AtomicUsize::new(0),
+            cap_bytes,
+        })
+    }
+
+    /// An empty buffer with capacity for at least `len` bytes (at most twice that, so a huge
+    /// parked buffer is not wasted on a small blob).
+    fn take(&self, len: usize) -> Vec<u8> {
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(i) = free
+            .iter()
+            .position(|v| v.capacity() >= len && v.capacity() <= len.saturating_mul(2))
+        {
+            let mut v = free.swap_remove(i);
+            self.parked.fetch_sub(v.capacity(), Ordering::Relaxed);
+            v.clear();
+            return v;
+        }
+        Vec::with_capacity(len)
+    }
+
+    fn give(&self, v: Vec<u8>) {
+        let cap = v.capacity();
+        if self.parked.load(Ordering::Relaxed) + cap > self.cap_bytes {
+            return;
+        }
+        self.parked.fetch_add(cap, Ordering::Relaxed);
+        self.free.lock().unwrap_or_else(|p| p.into_inner()).push(v);
+    }
+
+    fn clear(&self) {
+        self.free.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        self.parked.store(0, Ordering::Relaxed);
+    }
+}
+
+/// A pooled buffer behind a `Bytes`: returns to the pool when the last reference drops.
+struct Pooled {
+    buf: Vec<u8>,
+    pool: Weak<BufPool>,
+}
+
+impl AsRef<[u8]> for Pooled {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        if let Some(pool) = self.pool.upgrade() {
+            pool.give(std::mem::take(&mut self.buf));
+        }
+    }
+}
+
 /// Bulk state of one agent.
 pub(crate) struct Bulk {
+    pool: Arc<BufPool>,
     next_id: AtomicU64,
     inbox: Mutex<Inbox>,
     outboxes: Vec<tokio::sync::Mutex<Option<mpsc::Sender<(u64, Bytes)>>>>,
@@ -51,8 +123,9 @@ struct Inbox {
 }
 
 impl Bulk {
-    pub(crate) fn new(world_size: u32) -> Self {
+    pub(crate) fn new(world_size: u32, pool_bytes: usize) -> Self {
         Self {
+            pool: BufPool::new(pool_bytes),
             next_id: AtomicU64::new(1),
             inbox: Mutex::new(Inbox::default()),
             outboxes: (0..world_size)
@@ -90,6 +163,7 @@ impl Bulk {
 
     pub(crate) fn close(&self) {
         self.inbox().slots.clear();
+        self.pool.clear();
         for o in &self.outboxes {
             if let Ok(mut o) = o.try_lock() {
                 o.take();
@@ -213,14 +287,19 @@ pub(crate) async fn serve_incoming(agent: &Agent, mut conn: Conn, from: u32) {
             return;
         }
         let len = len as usize;
-        let mut buf: Vec<u8> = Vec::with_capacity(len);
+        let mut buf = inner.bulk.pool.take(len);
+        let mut record = (&mut conn).take(len as u64);
         while buf.len() < len {
-            match conn.read_buf(&mut buf).await {
+            match record.read_buf(&mut buf).await {
                 Ok(0) | Err(_) => return,
                 Ok(_) => {}
             }
         }
-        inner.bulk.deposit(from, id, Bytes::from(buf));
+        let pooled = Pooled {
+            buf,
+            pool: Arc::downgrade(&inner.bulk.pool),
+        };
+        inner.bulk.deposit(from, id, Bytes::from_owner(pooled));
     }
 }
 
@@ -274,4 +353,34 @@ pub(crate) async fn receive(
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pool_recycles_within_its_cap_and_size_band() {
+        let pool = BufPool::new(3 << 20);
+        let mut v = pool.take(1 << 20);
+        v.resize(1 << 20, 7);
+        let ptr = v.as_ptr();
+        let b = Bytes::from_owner(Pooled {
+            buf: v,
+            pool: Arc::downgrade(&pool),
+        });
+        let b2 = b.clone();
+        drop(b);
+        assert_eq!(pool.parked.load(Ordering::Relaxed), 0, "still referenced");
+        drop(b2);
+        assert!(pool.parked.load(Ordering::Relaxed) >= 1 << 20);
+        // Too small a request does not take a buffer more than twice its size.
+        assert_ne!(pool.take(100).as_ptr(), ptr);
+        let again = pool.take((1 << 20) - 10);
+        assert_eq!(again.as_ptr(), ptr, "the parked buffer is reused");
+        assert!(again.is_empty());
+        // Over the cap, buffers are freed instead of parked.
+        pool.give(Vec::with_capacity(4 << 20));
+        assert_eq!(pool.parked.load(Ordering::Relaxed), 0);
+    }
 }

@@ -63,6 +63,9 @@ pub struct Config {
     pub max_concurrent_calls: usize,
     /// Blobs of at least this many bytes travel on the bulk connection. Default: 256 KiB.
     pub bulk_threshold: usize,
+    /// Receive buffers of large blobs kept for reuse once their blobs are dropped, in bytes.
+    /// Default: 128 MiB.
+    pub bulk_pool_bytes: usize,
 }
 
 impl Default for Config {
@@ -84,6 +87,7 @@ impl Default for Config {
             max_frame_bytes: 1 << 30,
             max_concurrent_calls: 65_536,
             bulk_threshold: 256 << 10,
+            bulk_pool_bytes: 128 << 20,
         }
     }
 }
@@ -133,6 +137,8 @@ impl Config {
         with_max_concurrent_calls(max_concurrent_calls: usize) => max_concurrent_calls;
         /// Sets [`Config::bulk_threshold`].
         with_bulk_threshold(bulk_threshold: usize) => bulk_threshold;
+        /// Sets [`Config::bulk_pool_bytes`].
+        with_bulk_pool_bytes(bulk_pool_bytes: usize) => bulk_pool_bytes;
     }
 
     pub(crate) fn resolve(self) -> Result<Resolved, InitError> {
@@ -241,6 +247,7 @@ impl Config {
             max_frame_bytes: self.max_frame_bytes,
             max_concurrent_calls: self.max_concurrent_calls,
             bulk_threshold: self.bulk_threshold,
+            bulk_pool_bytes: self.bulk_pool_bytes,
         })
     }
 }
@@ -272,6 +279,7 @@ pub(crate) struct Resolved {
     pub max_frame_bytes: usize,
     pub max_concurrent_calls: usize,
     pub bulk_threshold: usize,
+    pub bulk_pool_bytes: usize,
 }
 
 #[cfg(test)]

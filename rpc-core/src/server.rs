@@ -92,7 +92,10 @@ async fn serve_control(agent: Agent, conn: Conn, caller: u32) {
     let a = agent.clone();
     let serve = tarpc::server::serve(move |ctx: tarpc::context::Context, req: CallRequest| {
         let a = a.clone();
-        async move { Ok(handle(a, ctx.deadline, req, caller).await) }
+        // Boxed once here: the request future is moved through several layers (abort guard,
+        // task tracker, spawn); a pointer moves cheaper than the whole state machine.
+        let fut = Box::pin(handle(a, ctx.deadline, req, caller));
+        async move { Ok(fut.await) }
     });
     channel
         .execute(serve)

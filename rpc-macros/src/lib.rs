@@ -14,6 +14,10 @@ use syn::{parse_macro_input, FnArg, ItemFn, LitStr, ReturnType};
 /// The registered name defaults to `module_path!()::name`; override it with
 /// `#[remote(name = "stable.name")]`. `E` may be any error convertible into `BoxError`
 /// (including `anyhow::Error`).
+///
+/// Because `name` becomes a unit struct, a local binding of the same name in the same scope
+/// (`let echo = ...;` next to `#[remote] async fn echo`) is parsed as a pattern against that
+/// struct and fails to compile; pick another local name.
 #[proc_macro_attribute]
 pub fn remote(attr: TokenStream, item: TokenStream) -> TokenStream {
     let func = parse_macro_input!(item as ItemFn);

@@ -1,0 +1,381 @@
+//! `rpc-bench [all|latency|throughput|tensor] [--threads N]`
+//!
+//! Starts a peer process (this binary, `peer` subcommand) on 127.0.0.1, forms a two-worker
+//! group with it, and prints one JSON object per line: `metric`, `median` and, where they
+//! apply, `p99`, `calls_per_s`, `effective_GBps` (= 2 × bytes / round trip). Raw-TCP baselines
+//! (a 64-byte ping-pong and one-stream bandwidth, both to the same peer process) are measured
+//! in the same run, so the ratios the targets speak of come from one machine state.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use futures::StreamExt;
+use rpc_core::{
+    remote, Agent, Blob, BoxError, CallContext, Config, Registry, RendezvousServer, Secret,
+    Transport,
+};
+use serde_json::json;
+
+/// Does nothing.
+#[remote]
+async fn noop(_ctx: CallContext) -> Result<(), BoxError> {
+    Ok(())
+}
+
+/// Returns its argument.
+#[remote]
+async fn echo(_ctx: CallContext, data: Blob) -> Result<Blob, BoxError> {
+    Ok(data)
+}
+
+/// Peak resident set size of this process, in MB.
+#[remote]
+async fn peak_rss(_ctx: CallContext) -> Result<f64, BoxError> {
+    Ok(peak_rss_mb())
+}
+
+/// Starts raw TCP echo and sink servers in this process; returns their ports.
+#[remote]
+async fn raw_servers(_ctx: CallContext) -> Result<(u16, u16), BoxError> {
+    let echo_l = TcpListener::bind("127.0.0.1:0")?;
+    let sink = TcpListener::bind("127.0.0.1:0")?;
+    let ports = (echo_l.local_addr()?.port(), sink.local_addr()?.port());
+    std::thread::spawn(move || {
+        if let Ok((mut s, _)) = echo_l.accept() {
+            let _ = s.set_nodelay(true);
+            let mut buf = [0u8; 64];
+            while s.read_exact(&mut buf).is_ok() && s.write_all(&buf).is_ok() {}
+        }
+    });
+    std::thread::spawn(move || {
+        if let Ok((mut s, _)) = sink.accept() {
+            let mut len = [0u8; 8];
+            let mut buf = vec![0u8; 1 << 20];
+            while s.read_exact(&mut len).is_ok() {
+                let mut left = u64::from_le_bytes(len) as usize;
+                while left > 0 {
+                    let n = match s.read(&mut buf[..left.min(1 << 20)]) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => n,
+                    };
+                    left -= n;
+                }
+                if s.write_all(&[1]).is_err() {
+                    return;
+                }
+            }
+        }
+    });
+    Ok(ports)
+}
+
+fn registry() -> Registry {
+    Registry::builder()
+        .register(noop)
+        .and_then(|r| r.register(echo))
+        .and_then(|r| r.register(peak_rss))
+        .and_then(|r| r.register(raw_servers))
+        .expect("distinct names")
+        .build()
+}
+
+fn peak_rss_mb() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<f64>().ok())
+        })
+        .map_or(f64::NAN, |kb| kb / 1024.0)
+}
+
+fn runtime(threads: usize) -> Result<tokio::runtime::Runtime> {
+    let rt = if threads == 0 {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?
+    } else {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(threads)
+            .enable_all()
+            .build()?
+    };
+    Ok(rt)
+}
+
+fn config(rank: u32, rendezvous: &str, secret: Secret) -> Config {
+    Config::new()
+        .with_rank(rank)
+        .with_world_size(2)
+        .with_name(if rank == 0 { "bench" } else { "peer" })
+        .with_init_method(format!("tcp://{rendezvous}"))
+        .with_serve_rendezvous(false)
+        .with_secret(secret)
+        .with_init_timeout(Duration::from_secs(30))
+}
+
+struct Stats {
+    median: f64,
+    p99: f64,
+}
+
+fn stats(mut xs: Vec<f64>) -> Stats {
+    xs.sort_by(|a, b| a.total_cmp(b));
+    let at = |q: f64| xs[((xs.len() - 1) as f64 * q).round() as usize];
+    Stats {
+        median: at(0.5),
+        p99: at(0.99),
+    }
+}
+
+fn emit(v: serde_json::Value) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{v}");
+    let _ = out.flush();
+}
+
+/// Kills the peer if the driver fails half way.
+struct PeerGuard(Child);
+impl Drop for PeerGuard {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            let _ = self.0.kill();
+        }
+        let _ = self.0.wait();
+    }
+}
+
+fn main() -> Result<()> {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .try_init();
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mode = args.first().map(String::as_str).unwrap_or("all");
+    let threads = match args.iter().position(|a| a == "--threads") {
+        Some(i) => args
+            .get(i + 1)
+            .context("--threads needs a value")?
+            .parse()?,
+        None => 2,
+    };
+    match mode {
+        "peer" => {
+            let rendezvous = args.get(1).context("peer needs the rendezvous address")?;
+            let rt = runtime(threads)?;
+            rt.block_on(async {
+                let agent = rpc_core::init(
+                    config(1, rendezvous, Secret::from_env()?.context("no secret")?),
+                    registry(),
+                )
+                .await?;
+                let report = agent.shutdown().await;
+                if !report.is_clean() {
+                    bail!("peer shutdown not clean: {report:?}");
+                }
+                Ok(())
+            })
+        }
+        "all" | "latency" | "throughput" | "tensor" => drive(mode, threads),
+        other => bail!("unknown mode {other:?}; use all, latency, throughput or tensor"),
+    }
+}
+
+fn drive(mode: &str, threads: usize) -> Result<()> {
+    let rt = runtime(threads)?;
+    let secret = Secret::generate();
+    let server = rt.block_on(RendezvousServer::start(
+        &Transport::Tcp,
+        "127.0.0.1:0",
+        secret.clone(),
+        2,
+        Duration::from_secs(30),
+    ))?;
+    let addr = server.local_addr().to_owned();
+    let peer = Command::new(std::env::current_exe()?)
+        .args(["peer", &addr, "--threads", &threads.to_string()])
+        .env(
+            rpc_core::SECRET_ENV,
+            secret.as_str().context("generated secrets are text")?,
+        )
+        .stdin(Stdio::null())
+        .spawn()
+        .context("starting the peer process")?;
+    let _guard = PeerGuard(peer);
+    let agent = rt.block_on(rpc_core::init(config(0, &addr, secret), registry()))?;
+    rt.block_on(server.finish(Duration::from_secs(5)));
+    let runtime_name = if threads == 0 {
+        "current_thread".to_owned()
+    } else {
+        format!("multi_thread({threads})")
+    };
+    let ctx = json!({ "runtime": runtime_name, "transport": "tcp" });
+    let tag = |mut v: serde_json::Value| {
+        if let (Some(o), Some(c)) = (v.as_object_mut(), ctx.as_object()) {
+            for (k, x) in c {
+                o.insert(k.clone(), x.clone());
+            }
+        }
+        v
+    };
+    let (echo_port, sink_port) = rt.block_on(agent.rpc_async(1u32, raw_servers, ()))?;
+    if mode == "all" || mode == "latency" {
+        emit(tag(raw_pingpong(echo_port)?));
+        if threads > 0 {
+            emit(tag(rpc_sync_latency(&agent)?));
+        }
+        emit(tag(rt.block_on(rpc_async_latency(&agent))?));
+    }
+    if mode == "all" || mode == "throughput" {
+        emit(tag(rt.block_on(throughput(&agent))?));
+    }
+    // Footprint of the RPC machinery itself, before any bulk payload is held.
+    let peer_rss = rt.block_on(agent.rpc_async(1u32, peak_rss, ()))?;
+    emit(tag(
+        json!({ "metric": "peak_rss_mb", "phase": "control", "process": "bench", "median": peak_rss_mb() }),
+    ));
+    emit(tag(
+        json!({ "metric": "peak_rss_mb", "phase": "control", "process": "peer", "median": peer_rss }),
+    ));
+    if mode == "all" || mode == "tensor" {
+        emit(tag(raw_stream(sink_port)?));
+        for (name, bytes, iters) in [
+            ("echo_1KiB_rtt_us", 1usize << 10, 2000),
+            ("echo_1MiB_rtt_us", 1 << 20, 200),
+            ("echo_64MiB_rtt_us", 64 << 20, 12),
+        ] {
+            emit(tag(rt.block_on(echo_bench(&agent, name, bytes, iters))?));
+        }
+    }
+    if mode == "all" || mode == "tensor" {
+        // Includes the payloads themselves (the bench holds a 64 MiB argument, a 64 MiB reply
+        // and a 64 MiB raw-stream buffer; the peer one 64 MiB blob).
+        let peer_rss = rt.block_on(agent.rpc_async(1u32, peak_rss, ()))?;
+        emit(tag(
+            json!({ "metric": "peak_rss_mb", "phase": "after_64MiB_echo", "process": "bench", "median": peak_rss_mb() }),
+        ));
+        emit(tag(
+            json!({ "metric": "peak_rss_mb", "phase": "after_64MiB_echo", "process": "peer", "median": peer_rss }),
+        ));
+    }
+    let report = rt.block_on(agent.shutdown());
+    if !report.is_clean() {
+        bail!("shutdown not clean: {report:?}");
+    }
+    Ok(())
+}
+
+fn raw_pingpong(port: u16) -> Result<serde_json::Value> {
+    let mut s = TcpStream::connect(("127.0.0.1", port))?;
+    s.set_nodelay(true)?;
+    let mut buf = [7u8; 64];
+    let mut xs = Vec::with_capacity(5000);
+    for i in 0..5500 {
+        let t = Instant::now();
+        s.write_all(&buf)?;
+        s.read_exact(&mut buf)?;
+        if i >= 500 {
+            xs.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    let st = stats(xs);
+    Ok(
+        json!({ "metric": "raw_tcp_pingpong_64B_rtt_us", "median": st.median, "p99": st.p99, "n": 5000 }),
+    )
+}
+
+fn raw_stream(port: u16) -> Result<serde_json::Value> {
+    let mut s = TcpStream::connect(("127.0.0.1", port))?;
+    let data = vec![1u8; 64 << 20];
+    let mut xs = Vec::new();
+    for i in 0..12 {
+        let t = Instant::now();
+        s.write_all(&(data.len() as u64).to_le_bytes())?;
+        s.write_all(&data)?;
+        let mut ack = [0u8; 1];
+        s.read_exact(&mut ack)?;
+        if i >= 2 {
+            xs.push(data.len() as f64 / t.elapsed().as_secs_f64() / 1e9);
+        }
+    }
+    let st = stats(xs);
+    Ok(json!({ "metric": "raw_tcp_stream_GBps", "median": st.median, "p99": st.p99, "n": 10 }))
+}
+
+fn rpc_sync_latency(agent: &Agent) -> Result<serde_json::Value> {
+    let mut xs = Vec::with_capacity(5000);
+    for i in 0..5500 {
+        let t = Instant::now();
+        agent.rpc_sync(1u32, noop, ())?;
+        if i >= 500 {
+            xs.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    let st = stats(xs);
+    Ok(json!({ "metric": "rpc_sync_noop_rtt_us", "median": st.median, "p99": st.p99, "n": 5000 }))
+}
+
+async fn rpc_async_latency(agent: &Agent) -> Result<serde_json::Value> {
+    let mut xs = Vec::with_capacity(5000);
+    for i in 0..5500 {
+        let t = Instant::now();
+        agent.rpc_async(1u32, noop, ()).await?;
+        if i >= 500 {
+            xs.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    let st = stats(xs);
+    Ok(json!({ "metric": "rpc_async_noop_rtt_us", "median": st.median, "p99": st.p99, "n": 5000 }))
+}
+
+async fn throughput(agent: &Agent) -> Result<serde_json::Value> {
+    const CALLS: usize = 20_000;
+    const IN_FLIGHT: usize = 2_000;
+    let mut rates = Vec::new();
+    for _ in 0..7 {
+        let t = Instant::now();
+        let mut results =
+            futures::stream::iter((0..CALLS).map(|_| agent.rpc_async(1u32, noop, ())))
+                .buffer_unordered(IN_FLIGHT);
+        while let Some(r) = results.next().await {
+            r?;
+        }
+        rates.push(CALLS as f64 / t.elapsed().as_secs_f64());
+    }
+    let st = stats(rates[1..].to_vec());
+    Ok(
+        json!({ "metric": "rpc_async_noop_calls_per_s", "median": st.median, "calls_per_s": st.median, "in_flight": IN_FLIGHT, "calls": CALLS, "runs": 6 }),
+    )
+}
+
+async fn echo_bench(
+    agent: &Agent,
+    name: &str,
+    bytes: usize,
+    iters: usize,
+) -> Result<serde_json::Value> {
+    let data = Blob::from((0..bytes).map(|i| (i % 251) as u8).collect::<Vec<u8>>());
+    let warm = (iters / 10).max(2);
+    let mut xs = Vec::with_capacity(iters);
+    for i in 0..iters + warm {
+        let t = Instant::now();
+        let back = agent.rpc_async(1u32, echo, (data.clone(),)).await?;
+        let dt = t.elapsed().as_secs_f64();
+        if back.len() != bytes {
+            bail!("echo returned {} bytes, sent {bytes}", back.len());
+        }
+        if i >= warm {
+            xs.push(dt * 1e6);
+        }
+    }
+    let st = stats(xs);
+    let gbps = 2.0 * bytes as f64 / (st.median / 1e6) / 1e9;
+    Ok(
+        json!({ "metric": name, "median": st.median, "p99": st.p99, "effective_GBps": gbps, "bytes": bytes, "n": iters }),
+    )
+}
