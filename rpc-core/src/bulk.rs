@@ -108,12 +108,15 @@ impl Drop for Pooled {
     }
 }
 
+/// The queue feeding one outgoing bulk connection's writer task.
+type Outbox = mpsc::Sender<(u64, Bytes)>;
+
 /// Bulk state of one agent.
 pub(crate) struct Bulk {
     pool: Arc<BufPool>,
     next_id: AtomicU64,
     inbox: Mutex<Inbox>,
-    outboxes: Vec<tokio::sync::Mutex<Option<mpsc::Sender<(u64, Bytes)>>>>,
+    outboxes: Vec<tokio::sync::Mutex<Option<Outbox>>>,
 }
 
 #[derive(Default)]
@@ -218,7 +221,7 @@ pub(crate) async fn send(
     Ok(out)
 }
 
-async fn outbox(agent: &Agent, to: u32) -> Result<mpsc::Sender<(u64, Bytes)>, String> {
+async fn outbox(agent: &Agent, to: u32) -> Result<Outbox, String> {
     let inner = &agent.inner;
     let mut slot = inner.bulk.outboxes[to as usize].lock().await;
     if let Some(tx) = slot.as_ref().filter(|tx| !tx.is_closed()) {
@@ -375,7 +378,8 @@ mod tests {
         drop(b2);
         assert!(pool.parked.load(Ordering::Relaxed) >= 1 << 20);
         // Too small a request does not take a buffer more than twice its size.
-        assert_ne!(pool.take(100).as_ptr(), ptr);
+        let small = pool.take(100);
+        assert_ne!(small.as_ptr(), ptr);
         let again = pool.take((1 << 20) - 10);
         assert_eq!(again.as_ptr(), ptr, "the parked buffer is reused");
         assert!(again.is_empty());

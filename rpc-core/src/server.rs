@@ -2,8 +2,12 @@
 //!
 //! The accept loop authenticates each connection (bounded by the handshake timeout) before
 //! anything is decoded, then serves it by kind: control connections through tarpc, bulk
-//! connections through `bulk.rs`. Every request runs as its own task: there is no fixed pool
-//! for nested calls to exhaust. Root calls (depth 0) take a permit from a semaphore of
+//! connections through `bulk.rs`. Each request is polled once on its connection's task; if it
+//! has to wait, it becomes a task of its own. There is no fixed pool for nested calls to
+//! exhaust, and a handler that finishes at once costs no spawn or thread hand-off. (A handler
+//! that computes for long before its first `.await` delays the next request on the same
+//! connection, as any blocking code on an async runtime would: move such work to
+//! `spawn_blocking`.) Root calls (depth 0) take a permit from a semaphore of
 //! `max_concurrent_calls`; calls nested in another call never wait for one, so a chain
 //! A→B→A→… of any depth cannot deadlock on the limit.
 //!
@@ -97,9 +101,21 @@ async fn serve_control(agent: Agent, conn: Conn, caller: u32) {
         let fut = Box::pin(handle(a, ctx.deadline, req, caller));
         async move { Ok(fut.await) }
     });
-    channel
-        .execute(serve)
-        .for_each(|call| {
+    let mut requests = channel.requests();
+    while let Some(request) = requests.next().await {
+        let request = match request {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(worker = %agent.name(), caller, cause = %e, "control connection failed");
+                break;
+            }
+        };
+        // Poll each request once on this task: a handler that finishes without waiting
+        // (the common case for small calls) then never pays for a spawn and a cross-thread
+        // wake-up. Only a request that has to wait becomes a task of its own, so a waiting
+        // handler never holds up the connection.
+        let mut call = Box::pin(request.execute(serve.clone()));
+        if futures::poll!(call.as_mut()).is_pending() {
             let stop = agent.inner.stop.clone();
             agent.inner.calls.spawn(async move {
                 tokio::select! {
@@ -107,9 +123,8 @@ async fn serve_control(agent: Agent, conn: Conn, caller: u32) {
                     _ = call => {}
                 }
             });
-            futures::future::ready(())
-        })
-        .await;
+        }
+    }
     tracing::debug!(worker = %agent.name(), caller, "control connection closed");
 }
 

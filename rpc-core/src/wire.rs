@@ -68,19 +68,16 @@ pub(crate) struct CallOk {
 /// What the callee sends back.
 pub(crate) type CallReply = Result<CallOk, RemoteError>;
 
-/// Length-prefixed framing that refuses frames above `max` in both directions.
-pub(crate) fn framed<T>(
-    conn: crate::transport::Conn,
-    max: usize,
-) -> tarpc::serde_transport::Transport<
+/// A tarpc transport over one connection, for one end of it.
+pub(crate) type Framed<T> = tarpc::serde_transport::Transport<
     crate::transport::Conn,
-    T::Item,
-    T::SinkItem,
-    tokio_serde::formats::Bincode<T::Item, T::SinkItem>,
->
-where
-    T: Direction,
-{
+    <T as Direction>::Item,
+    <T as Direction>::SinkItem,
+    tokio_serde::formats::Bincode<<T as Direction>::Item, <T as Direction>::SinkItem>,
+>;
+
+/// Length-prefixed framing that refuses frames above `max` in both directions.
+pub(crate) fn framed<T: Direction>(conn: crate::transport::Conn, max: usize) -> Framed<T> {
     let codec = tokio_util::codec::LengthDelimitedCodec::builder()
         .max_frame_length(max)
         .new_codec();
