@@ -501,6 +501,15 @@ fn calls_to_a_shut_down_peer_fail_cleanly() {
                 if worker == "worker1"),
             "{err:?}"
         );
+        // Its listener is gone: dialling again fails as unreachable, naming worker and address.
+        let err = a[0].rpc_async(1u32, add, (1, 1)).await.unwrap_err();
+        match &err {
+            RpcError::Unreachable { worker, addr, .. } => {
+                assert_eq!(worker, "worker1");
+                assert_eq!(addr, a[1].local_addr());
+            }
+            e => panic!("expected Unreachable, got {e:?}"),
+        }
         let _ = tokio::join!(a[0].shutdown(), a[2].shutdown());
     });
 }
