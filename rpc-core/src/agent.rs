@@ -401,24 +401,33 @@ impl Agent {
                     fn_name: F::NAME.to_owned(),
                 });
             }
-            let call = async {
-                if to == agent.rank() {
-                    agent.call_local::<F>(args, deadline, depth).await
-                } else {
-                    agent.call_remote::<F>(to, args, deadline, depth).await
-                }
-            };
+            if to != agent.rank() {
+                // Bounded inside: the setup by `deadline`, the call by tarpc's own deadline.
+                return agent
+                    .call_remote::<F>(to, args, deadline, depth, started)
+                    .await;
+            }
+            let call = agent.call_local::<F>(args, deadline, depth);
             match deadline {
                 None => call.await,
                 Some(d) => match tokio::time::timeout_at(d.into(), call).await {
                     Ok(r) => r,
-                    Err(_) => Err(RpcError::DeadlineExceeded {
-                        worker: agent.inner.workers[to as usize].name.clone(),
-                        fn_name: F::NAME.to_owned(),
-                        timeout: d.saturating_duration_since(started),
-                    }),
+                    Err(_) => Err(agent.deadline_exceeded::<F>(to, d, started)),
                 },
             }
+        }
+    }
+
+    fn deadline_exceeded<F: RemoteFn>(
+        &self,
+        to: u32,
+        deadline: Instant,
+        started: Instant,
+    ) -> RpcError {
+        RpcError::DeadlineExceeded {
+            worker: self.inner.workers[to as usize].name.clone(),
+            fn_name: F::NAME.to_owned(),
+            timeout: deadline.saturating_duration_since(started),
         }
     }
 
@@ -530,6 +539,7 @@ impl Agent {
         args: F::Args,
         deadline: Option<Instant>,
         depth: u32,
+        started: Instant,
     ) -> Result<F::Output, RpcError> {
         let inner = &self.inner;
         let peer = &inner.peers[to as usize];
@@ -539,20 +549,6 @@ impl Agent {
             fn_name: F::NAME.to_owned(),
             source,
         })?;
-        let blobs = bulk::send(self, to, blobs)
-            .await
-            .map_err(|e| RpcError::Transport {
-                worker: worker(),
-                source: e.into(),
-            })?;
-        let size = payload.len() + bulk::inline_bytes(&blobs) + F::NAME.len();
-        if size + 1024 > inner.cfg.max_frame_bytes {
-            return Err(RpcError::TooLarge {
-                fn_name: F::NAME.to_owned(),
-                size,
-                limit: inner.cfg.max_frame_bytes,
-            });
-        }
         let dial = DialCtx {
             transport: &inner.cfg.transport,
             secret: &inner.cfg.secret,
@@ -561,7 +557,32 @@ impl Agent {
             handshake_timeout: inner.cfg.handshake_timeout,
             max_frame_bytes: inner.cfg.max_frame_bytes,
         };
-        let (gen, client) = peer.client(&dial).await?;
+        // Setup (queueing bulk blobs, dialling) is bounded by the deadline too: a peer that
+        // stopped reading must not hold the caller past it.
+        let setup = async {
+            let blobs = bulk::send(self, to, blobs)
+                .await
+                .map_err(|e| RpcError::Transport {
+                    worker: worker(),
+                    source: e.into(),
+                })?;
+            let size = payload.len() + bulk::inline_bytes(&blobs) + F::NAME.len();
+            if size + 1024 > inner.cfg.max_frame_bytes {
+                return Err(RpcError::TooLarge {
+                    fn_name: F::NAME.to_owned(),
+                    size,
+                    limit: inner.cfg.max_frame_bytes,
+                });
+            }
+            let (gen, client) = peer.client(&dial).await?;
+            Ok((blobs, gen, client))
+        };
+        let (blobs, gen, client) = match deadline {
+            None => setup.await?,
+            Some(d) => tokio::time::timeout_at(d.into(), setup)
+                .await
+                .map_err(|_| self.deadline_exceeded::<F>(to, d, started))??,
+        };
         let req = CallRequest {
             fn_name: F::NAME.to_owned(),
             sig: sig_of::<F>(),
@@ -580,12 +601,11 @@ impl Agent {
         let reply = match reply {
             Ok(r) => r,
             Err(T::DeadlineExceeded) => {
-                return Err(RpcError::DeadlineExceeded {
-                    worker: worker(),
-                    fn_name: F::NAME.to_owned(),
-                    timeout: deadline
-                        .map_or(NO_DEADLINE, |d| d.saturating_duration_since(Instant::now())),
-                })
+                return Err(self.deadline_exceeded::<F>(
+                    to,
+                    deadline.unwrap_or(started + NO_DEADLINE),
+                    started,
+                ))
             }
             Err(T::Shutdown | T::Send(_) | T::Channel(_)) => {
                 peer.invalidate(gen);
