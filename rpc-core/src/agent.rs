@@ -22,16 +22,16 @@ use tokio::sync::{oneshot, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::blob;
+use crate::blob::{self, MessageContext, MessageKind};
 use crate::bulk::{self, Bulk};
 use crate::client::{DialCtx, Peer};
 use crate::config::{Config, Resolved};
 use crate::context::{current_scope, CallContext, Scope, NO_DEADLINE, SCOPE};
 use crate::error::{BoxError, InitError, RemoteError, RemoteErrorKind, RpcError};
-use crate::registry::{sig_of, Registry, RemoteFn};
+use crate::registry::{sig_of, KeptValue, Registry, RemoteFn};
 use crate::rendezvous::{self, Join, RendezvousServer};
 use crate::server;
-use crate::wire::{CallRequest, WorkerId, WorkerInfo};
+use crate::wire::{CallRequest, KeepTarget, WorkerId, WorkerInfo};
 
 const RUNNING: u8 = 0;
 const STOPPING: u8 = 1;
@@ -143,6 +143,28 @@ pub(crate) struct Inner {
     barrier: Barrier,
     report: tokio::sync::OnceCell<ShutdownReport>,
     runtime: tokio::runtime::Handle,
+    extensions: Mutex<HashMap<std::any::TypeId, Arc<dyn std::any::Any + Send + Sync>>>,
+    hooks: Mutex<Vec<ShutdownHook>>,
+}
+
+/// Work to finish before the shutdown barrier (see [`Agent::on_shutdown`]).
+pub type ShutdownHook = Box<dyn Fn() -> futures::future::BoxFuture<'static, ()> + Send + Sync>;
+
+/// A handle that does not keep the agent alive; [`WeakAgent::upgrade`] it to use it.
+#[derive(Clone)]
+pub struct WeakAgent(std::sync::Weak<Inner>);
+
+impl WeakAgent {
+    /// The agent, if it still exists.
+    pub fn upgrade(&self) -> Option<Agent> {
+        self.0.upgrade().map(|inner| Agent { inner })
+    }
+}
+
+impl std::fmt::Debug for WeakAgent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("WeakAgent")
+    }
 }
 
 /// A worker's handle on its group. Cheap to clone; all clones share one worker.
@@ -286,6 +308,8 @@ pub async fn init(config: Config, registry: Registry) -> Result<Agent, InitError
         barrier: Barrier::default(),
         report: tokio::sync::OnceCell::new(),
         runtime: tokio::runtime::Handle::current(),
+        extensions: Mutex::new(HashMap::new()),
+        hooks: Mutex::new(Vec::new()),
         cfg,
     };
     let agent = Agent {
@@ -331,6 +355,46 @@ impl Agent {
     /// The address this worker's listener is reachable at, as advertised to its peers.
     pub fn local_addr(&self) -> &str {
         &self.inner.peers[self.rank() as usize].addr
+    }
+
+    /// A handle that does not keep the agent alive.
+    pub fn downgrade(&self) -> WeakAgent {
+        WeakAgent(Arc::downgrade(&self.inner))
+    }
+
+    /// The runtime the agent runs on (for work started from synchronous code such as `Drop`).
+    pub fn runtime(&self) -> &tokio::runtime::Handle {
+        &self.inner.runtime
+    }
+
+    /// Per-agent state of type `T` for layers built on the agent (created by `init` on first
+    /// use). One value per type per agent.
+    pub fn extension<T: Send + Sync + 'static>(&self, init: impl FnOnce() -> T) -> Arc<T> {
+        let mut ext = self
+            .inner
+            .extensions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let any = ext
+            .entry(std::any::TypeId::of::<T>())
+            .or_insert_with(|| Arc::new(init()))
+            .clone();
+        any.downcast::<T>().expect("keyed by TypeId")
+    }
+
+    /// Registers work that [`Agent::shutdown`] runs (concurrently with other hooks, bounded by
+    /// the shutdown timeout) before the group barrier, while every peer still serves.
+    pub fn on_shutdown(&self, hook: ShutdownHook) {
+        self.inner
+            .hooks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(hook);
+    }
+
+    /// Whether shutdown has begun.
+    pub fn is_shutting_down(&self) -> bool {
+        self.is_stopping()
     }
 
     /// The functions this worker serves.
@@ -404,7 +468,7 @@ impl Agent {
             if to != agent.rank() {
                 // Bounded inside: the setup by `deadline`, the call by tarpc's own deadline.
                 return agent
-                    .call_remote::<F>(to, args, deadline, depth, started)
+                    .call_remote::<F, F::Output>(to, args, deadline, depth, started, None)
                     .await;
             }
             let call = agent.call_local::<F>(args, deadline, depth);
@@ -428,6 +492,83 @@ impl Agent {
             worker: self.inner.workers[to as usize].name.clone(),
             fn_name: F::NAME.to_owned(),
             timeout: deadline.saturating_duration_since(started),
+        }
+    }
+
+    /// Runs `f` on `to` and keeps its result there: instead of returning it, the callee hands
+    /// the typed result (or the error) to the keep sink registered there under `sink`, with
+    /// `token`. Resolves once the sink has taken it. This is how a layer above creates values
+    /// that live on another worker (remote references).
+    ///
+    /// # Cancel safety
+    /// Cancelling abandons the call; whether the sink ran is then unknown.
+    pub fn rpc_keep<F: RemoteFn>(
+        &self,
+        to: impl ToWorker,
+        _f: F,
+        args: F::Args,
+        sink: &'static str,
+        token: Vec<u8>,
+    ) -> impl Future<Output = Result<(), RpcError>> + Send + 'static {
+        let target = self.resolve(&to);
+        let agent = self.clone();
+        let scope = current_scope();
+        let timeout = self.inner.cfg.rpc_timeout;
+        async move {
+            let to = target?;
+            let started = Instant::now();
+            let own = (!timeout.is_zero()).then(|| started + timeout.min(NO_DEADLINE));
+            let deadline = match (own, scope.and_then(|s| s.deadline)) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            let depth = scope.map_or(0, |s| s.depth);
+            if agent.is_stopping() && depth == 0 {
+                return Err(RpcError::Shutdown {
+                    worker: agent.name().to_owned(),
+                    fn_name: F::NAME.to_owned(),
+                });
+            }
+            if to != agent.rank() {
+                let keep = Some(KeepTarget {
+                    sink: sink.to_owned(),
+                    token,
+                });
+                return agent
+                    .call_remote::<F, ()>(to, args, deadline, depth, started, keep)
+                    .await;
+            }
+            let Some(sink_fn) = agent.inner.registry.sink(sink).cloned() else {
+                return Err(RpcError::UnknownFunction {
+                    worker: agent.name().to_owned(),
+                    fn_name: format!("keep sink `{sink}`"),
+                });
+            };
+            let call = agent.call_local::<F>(args, deadline, depth);
+            let out = match deadline {
+                None => call.await,
+                Some(d) => tokio::time::timeout_at(d.into(), call)
+                    .await
+                    .unwrap_or_else(|_| Err(agent.deadline_exceeded::<F>(to, d, started))),
+            };
+            let ctx = CallContext {
+                agent: agent.clone(),
+                caller: agent.inner.me.clone(),
+                deadline,
+            };
+            let result = match out {
+                Ok(v) => Ok(KeptValue::new(v)),
+                Err(RpcError::Remote(r)) => Err(r),
+                Err(e) => {
+                    return Err(e);
+                }
+            };
+            let failed = result.as_ref().err().cloned();
+            sink_fn(ctx, token, result).map_err(RpcError::Remote)?;
+            match failed {
+                Some(r) => Err(RpcError::Remote(r)),
+                None => Ok(()),
+            }
         }
     }
 
@@ -533,22 +674,26 @@ impl Agent {
         }
     }
 
-    async fn call_remote<F: RemoteFn>(
+    #[allow(clippy::too_many_arguments)]
+    async fn call_remote<F: RemoteFn, O: serde::de::DeserializeOwned>(
         &self,
         to: u32,
         args: F::Args,
         deadline: Option<Instant>,
         depth: u32,
         started: Instant,
-    ) -> Result<F::Output, RpcError> {
+        keep: Option<KeepTarget>,
+    ) -> Result<O, RpcError> {
         let inner = &self.inner;
         let peer = &inner.peers[to as usize];
         let worker = || peer.info.name.clone();
-        let (payload, blobs) = blob::encode(&args).map_err(|source| RpcError::Encode {
-            what: "arguments",
-            fn_name: F::NAME.to_owned(),
-            source,
-        })?;
+        let msg = MessageContext::new(self.clone(), WorkerId(to), MessageKind::Request);
+        let (payload, blobs) =
+            blob::encode(&args, Some(msg)).map_err(|source| RpcError::Encode {
+                what: "arguments",
+                fn_name: F::NAME.to_owned(),
+                source,
+            })?;
         let dial = DialCtx {
             transport: &inner.cfg.transport,
             secret: &inner.cfg.secret,
@@ -589,6 +734,7 @@ impl Agent {
             depth,
             payload,
             blobs,
+            keep,
         };
         let mut tctx = tarpc::context::current();
         tctx.deadline = deadline.unwrap_or_else(|| Instant::now() + NO_DEADLINE);
@@ -628,12 +774,13 @@ impl Agent {
                 worker: worker(),
                 source: e.into(),
             })?;
-        blob::decode::<F::Output>(&ok.payload, blobs).map_err(|e| RpcError::TypeMismatch {
+        let msg = MessageContext::new(self.clone(), WorkerId(to), MessageKind::Reply);
+        blob::decode::<O>(&ok.payload, blobs, Some(msg)).map_err(|e| RpcError::TypeMismatch {
             worker: worker(),
             fn_name: F::NAME.to_owned(),
             detail: format!(
                 "cannot decode the result as `{}`: {e}",
-                std::any::type_name::<F::Output>()
+                std::any::type_name::<O>()
             ),
         })
     }
@@ -723,6 +870,17 @@ impl Agent {
         let inner = &self.inner;
         let start = Instant::now();
         let t = inner.cfg.shutdown_timeout;
+        // Phase 0: layers above finish their protocol traffic while every peer still serves.
+        let hooks: Vec<_> = {
+            let hooks = inner.hooks.lock().unwrap_or_else(|p| p.into_inner());
+            hooks.iter().map(|h| h()).collect()
+        };
+        if tokio::time::timeout(t, futures::future::join_all(hooks))
+            .await
+            .is_err()
+        {
+            tracing::warn!(worker = %self.name(), "shutdown hooks did not finish in time");
+        }
         let barrier = if self.world_size() <= 1 {
             Ok(())
         } else {

@@ -18,6 +18,10 @@ use std::cell::RefCell;
 use std::fmt;
 use std::ops::Deref;
 
+use crate::agent::Agent;
+use crate::error::CodecError;
+use crate::wire::WorkerId;
+
 /// An immutable, cheaply cloneable byte buffer that crosses RPCs on the fastest path.
 ///
 /// ```
@@ -76,7 +80,98 @@ impl From<&'static [u8]> for Blob {
     }
 }
 
+/// Which way a message travels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MessageKind {
+    /// Caller to callee.
+    Request,
+    /// Callee to caller.
+    Reply,
+}
+
+/// The message being encoded or decoded on this thread: lets a value that cares (a remote
+/// reference registering a fork) learn which worker the message goes to or comes from.
+#[derive(Clone)]
+pub struct MessageContext {
+    agent: Agent,
+    peer: WorkerId,
+    kind: MessageKind,
+}
+
+impl fmt::Debug for MessageContext {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MessageContext")
+            .field("worker", &self.agent.name())
+            .field("peer", &self.peer)
+            .field("kind", &self.kind)
+            .finish()
+    }
+}
+
+impl MessageContext {
+    /// A context for encoding to, or decoding from, `peer`.
+    pub fn new(agent: Agent, peer: WorkerId, kind: MessageKind) -> Self {
+        Self { agent, peer, kind }
+    }
+
+    /// The context of the message being encoded or decoded on this thread, if any.
+    pub fn current() -> Option<Self> {
+        MESSAGE.with(|m| m.borrow().clone())
+    }
+
+    /// The local agent.
+    pub fn agent(&self) -> &Agent {
+        &self.agent
+    }
+
+    /// The worker the message goes to (encoding) or comes from (decoding).
+    pub fn peer(&self) -> WorkerId {
+        self.peer
+    }
+
+    /// Request or reply.
+    pub fn kind(&self) -> MessageKind {
+        self.kind
+    }
+}
+
+/// A value encoded for the wire together with its blobs. Lets a layer above the RPC core ship a
+/// value whose type only the receiver names (for instance a remote reference's `to_here`): the
+/// sender encodes it into a `Payload`, which travels like any other argument or result (its
+/// blobs on the bulk path), and the receiver decodes the type it expects.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Payload {
+    #[serde(with = "serde_bytes")]
+    bytes: Vec<u8>,
+    blobs: Vec<Blob>,
+}
+
+impl Payload {
+    /// Encodes `value` as a message to `ctx.peer()` would be.
+    pub fn encode<T: Serialize + ?Sized>(
+        value: &T,
+        ctx: Option<MessageContext>,
+    ) -> Result<Self, CodecError> {
+        let (bytes, blobs) = encode(value, ctx).map_err(CodecError)?;
+        Ok(Self {
+            bytes,
+            blobs: blobs.into_iter().map(Blob).collect(),
+        })
+    }
+
+    /// Decodes a `T`, as a message from `ctx.peer()` would be.
+    pub fn decode<T: DeserializeOwned>(self, ctx: Option<MessageContext>) -> Result<T, CodecError> {
+        decode(
+            &self.bytes,
+            self.blobs.into_iter().map(Blob::into_bytes).collect(),
+            ctx,
+        )
+        .map_err(CodecError)
+    }
+}
+
 thread_local! {
+    static MESSAGE: RefCell<Option<MessageContext>> = const { RefCell::new(None) };
     static ENCODE_TABLE: RefCell<Option<Vec<Bytes>>> = const { RefCell::new(None) };
     static DECODE_TABLE: RefCell<Option<Vec<Option<Bytes>>>> = const { RefCell::new(None) };
 }
@@ -148,7 +243,12 @@ impl<T> Drop for Restore<T> {
 }
 
 /// Encodes `value`, collecting its blobs into the side table.
-pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> bincode::Result<(Vec<u8>, Vec<Bytes>)> {
+pub(crate) fn encode<T: Serialize + ?Sized>(
+    value: &T,
+    ctx: Option<MessageContext>,
+) -> bincode::Result<(Vec<u8>, Vec<Bytes>)> {
+    let prev_msg = MESSAGE.with(|m| m.replace(ctx));
+    let _msg = Restore(&MESSAGE, prev_msg);
     let prev = ENCODE_TABLE.with(|t| t.borrow_mut().replace(Vec::new()));
     let guard = Restore(&ENCODE_TABLE, prev);
     // `serialize_into`, not `serialize`: the latter runs a sizing pass first, which would
@@ -163,7 +263,13 @@ pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> bincode::Result<(Vec<u
 }
 
 /// Decodes a `T` whose blobs are in `blobs`.
-pub(crate) fn decode<T: DeserializeOwned>(payload: &[u8], blobs: Vec<Bytes>) -> bincode::Result<T> {
+pub(crate) fn decode<T: DeserializeOwned>(
+    payload: &[u8],
+    blobs: Vec<Bytes>,
+    ctx: Option<MessageContext>,
+) -> bincode::Result<T> {
+    let prev_msg = MESSAGE.with(|m| m.replace(ctx));
+    let _msg = Restore(&MESSAGE, prev_msg);
     let table = blobs.into_iter().map(Some).collect();
     let prev = DECODE_TABLE.with(|t| t.borrow_mut().replace(table));
     let _guard = Restore(&DECODE_TABLE, prev);
@@ -187,7 +293,7 @@ mod tests {
             a: vec![big.clone(), Blob::from(vec![1, 2])],
             b: Some((3, Blob::default())),
         };
-        let (payload, blobs) = encode(&v).unwrap();
+        let (payload, blobs) = encode(&v, None).unwrap();
         assert!(
             payload.len() < 64,
             "payload holds indices only: {}",
@@ -196,14 +302,14 @@ mod tests {
         assert_eq!(blobs.len(), 3);
         // Zero copy: the table shares the blob's memory.
         assert_eq!(blobs[0].as_ptr(), big.as_ptr());
-        let back: Nested = decode(&payload, blobs).unwrap();
+        let back: Nested = decode(&payload, blobs, None).unwrap();
         assert_eq!(back, v);
     }
 
     #[test]
     fn missing_blob_is_an_error() {
-        let (payload, _) = encode(&Blob::from(vec![1u8])).unwrap();
-        let err = decode::<Blob>(&payload, Vec::new()).unwrap_err();
+        let (payload, _) = encode(&Blob::from(vec![1u8]), None).unwrap();
+        let err = decode::<Blob>(&payload, Vec::new(), None).unwrap_err();
         assert!(err.to_string().contains("missing"), "{err}");
     }
 

@@ -316,6 +316,11 @@ pub enum InitError {
     },
 }
 
+/// A value could not be encoded or decoded.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot encode or decode a payload")]
+pub struct CodecError(#[source] pub(crate) bincode::Error);
+
 /// Renders an error and its whole `source()` chain on one line, separated by `: `.
 pub fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
     let mut s = err.to_string();

@@ -71,13 +71,19 @@ pub mod testing;
 mod transport;
 mod wire;
 
-pub use agent::{init, wait_all, Agent, ShutdownReport, ToWorker, WorkerRef};
+pub use agent::{
+    init, wait_all, Agent, ShutdownHook, ShutdownReport, ToWorker, WeakAgent, WorkerRef,
+};
 pub use auth::{Secret, SECRET_ENV, SECRET_FILE_ENV};
-pub use blob::Blob;
+pub use blob::{Blob, MessageContext, MessageKind, Payload};
 pub use config::Config;
 pub use context::CallContext;
-pub use error::{error_chain, BoxError, InitError, RemoteError, RemoteErrorKind, RpcError};
-pub use registry::{IntoHandlerResult, Registry, RegistryBuilder, RegistryError, RemoteFn};
+pub use error::{
+    error_chain, BoxError, CodecError, InitError, RemoteError, RemoteErrorKind, RpcError,
+};
+pub use registry::{
+    IntoHandlerResult, KeepSink, KeptValue, Registry, RegistryBuilder, RegistryError, RemoteFn,
+};
 pub use rendezvous::RendezvousServer;
 pub use rpc_macros::remote;
 pub use transport::{MemoryNetwork, Transport};

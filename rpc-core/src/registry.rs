@@ -11,14 +11,14 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use std::any::type_name;
+use std::any::{type_name, Any};
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
 
-use crate::blob;
+use crate::blob::{self, MessageContext, MessageKind, Payload};
 use crate::context::CallContext;
-use crate::error::{BoxError, RemoteError, RemoteErrorKind};
+use crate::error::{BoxError, CodecError, RemoteError, RemoteErrorKind};
 use crate::wire::signature;
 
 /// A function that can be called remotely.
@@ -83,11 +83,79 @@ type ErasedHandler = Arc<
         + Send
         + Sync,
 >;
+type ErasedKeep = Arc<
+    dyn Fn(CallContext, Vec<u8>, Vec<Bytes>) -> BoxFuture<'static, Result<KeptValue, RemoteError>>
+        + Send
+        + Sync,
+>;
+
+/// A function's result kept on the callee as a typed value instead of being sent back (see
+/// [`Agent::rpc_keep`](crate::Agent::rpc_keep)); it remembers how to encode itself.
+pub struct KeptValue {
+    value: Box<dyn Any + Send>,
+    type_name: &'static str,
+    encode: fn(&(dyn Any + Send), Option<MessageContext>) -> Result<Payload, CodecError>,
+}
+
+impl std::fmt::Debug for KeptValue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "KeptValue({})", self.type_name)
+    }
+}
+
+impl KeptValue {
+    /// Wraps a value.
+    pub fn new<T: Serialize + Send + 'static>(value: T) -> Self {
+        fn enc<T: Serialize + 'static>(
+            v: &(dyn Any + Send),
+            ctx: Option<MessageContext>,
+        ) -> Result<Payload, CodecError> {
+            let v = v
+                .downcast_ref::<T>()
+                .expect("KeptValue holds the type it was made with");
+            Payload::encode(v, ctx)
+        }
+        Self {
+            value: Box::new(value),
+            type_name: type_name::<T>(),
+            encode: enc::<T>,
+        }
+    }
+
+    /// The name of the value's type.
+    pub fn type_name(&self) -> &'static str {
+        self.type_name
+    }
+
+    /// The value, if it is a `T`.
+    pub fn downcast_ref<T: 'static>(&self) -> Option<&T> {
+        self.value.downcast_ref()
+    }
+
+    /// The value, mutably, if it is a `T`.
+    pub fn downcast_mut<T: 'static>(&mut self) -> Option<&mut T> {
+        self.value.downcast_mut()
+    }
+
+    /// Encodes the value for a message to `ctx.peer()`.
+    pub fn encode(&self, ctx: Option<MessageContext>) -> Result<Payload, CodecError> {
+        (self.encode)(&*self.value, ctx)
+    }
+}
+
+/// Receives the typed results of keep-calls on the callee: `(ctx, token, result)`; the token is
+/// the caller's opaque bytes. An `Err` it returns is reported to the caller.
+pub type KeepSink = Arc<
+    dyn Fn(CallContext, Vec<u8>, Result<KeptValue, RemoteError>) -> Result<(), RemoteError>
+        + Send
+        + Sync,
+>;
 
 /// One registered function.
 #[derive(Clone)]
 pub(crate) struct Entry {
     pub handler: ErasedHandler,
+    pub keep: ErasedKeep,
     pub sig: u64,
     pub args_ty: &'static str,
     pub output_ty: &'static str,
@@ -99,37 +167,57 @@ impl Entry {
     }
 }
 
+/// Decodes the arguments and runs `F` (the common part of both erased forms).
+async fn run_typed<F: RemoteFn>(
+    ctx: CallContext,
+    payload: Vec<u8>,
+    blobs: Vec<Bytes>,
+) -> Result<F::Output, RemoteError> {
+    let worker = ctx.agent().name().to_owned();
+    let msg = MessageContext::new(ctx.agent().clone(), ctx.caller().id, MessageKind::Request);
+    let args: F::Args = blob::decode(&payload, blobs, Some(msg)).map_err(|e| {
+        RemoteError::new(
+            RemoteErrorKind::TypeMismatch,
+            F::NAME,
+            &worker,
+            format!(
+                "cannot decode arguments as `{}`: {e}",
+                type_name::<F::Args>()
+            ),
+        )
+    })?;
+    F::call(ctx, args)
+        .await
+        .map_err(|e| RemoteError::from_error(RemoteErrorKind::Handler, F::NAME, &worker, &*e))
+}
+
 fn erase<F: RemoteFn>() -> Entry {
     let handler: ErasedHandler =
         Arc::new(|ctx: CallContext, payload: Vec<u8>, blobs: Vec<Bytes>| {
             Box::pin(async move {
-                let worker = ctx.agent().name().to_owned();
-                let args: F::Args = blob::decode(&payload, blobs).map_err(|e| {
-                    RemoteError::new(
-                        RemoteErrorKind::TypeMismatch,
-                        F::NAME,
-                        &worker,
-                        format!(
-                            "cannot decode arguments as `{}`: {e}",
-                            type_name::<F::Args>()
-                        ),
-                    )
-                })?;
-                let out = F::call(ctx, args).await.map_err(|e| {
-                    RemoteError::from_error(RemoteErrorKind::Handler, F::NAME, &worker, &*e)
-                })?;
-                blob::encode(&out).map_err(|e| {
+                let (agent, caller) = (ctx.agent().clone(), ctx.caller().id);
+                let out = run_typed::<F>(ctx, payload, blobs).await?;
+                let msg = MessageContext::new(agent.clone(), caller, MessageKind::Reply);
+                blob::encode(&out, Some(msg)).map_err(|e| {
                     RemoteError::new(
                         RemoteErrorKind::Protocol,
                         F::NAME,
-                        &worker,
+                        agent.name(),
                         format!("cannot encode result `{}`: {e}", type_name::<F::Output>()),
                     )
                 })
             }) as BoxFuture<'static, _>
         });
+    let keep: ErasedKeep = Arc::new(|ctx: CallContext, payload: Vec<u8>, blobs: Vec<Bytes>| {
+        Box::pin(async move {
+            run_typed::<F>(ctx, payload, blobs)
+                .await
+                .map(KeptValue::new)
+        }) as BoxFuture<'static, _>
+    });
     Entry {
         handler,
+        keep,
         sig: sig_of::<F>(),
         args_ty: type_name::<F::Args>(),
         output_ty: type_name::<F::Output>(),
@@ -146,6 +234,9 @@ pub enum RegistryError {
     /// Names starting with `rpc_core::` are reserved for the framework.
     #[error("the name `{0}` is reserved for the framework")]
     Reserved(&'static str),
+    /// Another keep sink is already registered under this name.
+    #[error("a keep sink named `{0}` is already registered")]
+    DuplicateSink(&'static str),
 }
 
 /// The set of functions a worker serves. Build with [`Registry::builder`].
@@ -162,6 +253,7 @@ pub enum RegistryError {
 #[derive(Clone, Default)]
 pub struct Registry {
     entries: HashMap<&'static str, Entry>,
+    sinks: HashMap<&'static str, KeepSink>,
 }
 
 impl std::fmt::Debug for Registry {
@@ -198,6 +290,10 @@ impl Registry {
         self.entries.get(name)
     }
 
+    pub(crate) fn sink(&self, name: &str) -> Option<&KeepSink> {
+        self.sinks.get(name)
+    }
+
     pub(crate) fn insert_internal<F: RemoteFn>(&mut self) {
         self.entries.insert(F::NAME, erase::<F>());
     }
@@ -219,6 +315,15 @@ impl RegistryBuilder {
             return Err(RegistryError::Duplicate(F::NAME));
         }
         self.registry.entries.insert(F::NAME, erase::<F>());
+        Ok(self)
+    }
+
+    /// Registers a sink for keep-calls (see [`Agent::rpc_keep`](crate::Agent::rpc_keep)).
+    pub fn keep_sink(mut self, name: &'static str, sink: KeepSink) -> Result<Self, RegistryError> {
+        if self.registry.sinks.contains_key(name) {
+            return Err(RegistryError::DuplicateSink(name));
+        }
+        self.registry.sinks.insert(name, sink);
         Ok(self)
     }
 

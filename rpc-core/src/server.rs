@@ -161,6 +161,14 @@ async fn handle(agent: Agent, deadline: Instant, req: CallRequest, caller: u32) 
             format!("no function of that name is registered (registered: {shown:?})"),
         ));
     };
+    if let Some(keep) = &req.keep {
+        if inner.registry.sink(&keep.sink).is_none() {
+            return Err(fail(
+                RemoteErrorKind::UnknownFunction,
+                format!("no keep sink `{}` is registered here", keep.sink),
+            ));
+        }
+    }
     if entry.sig != req.sig {
         return Err(fail(
             RemoteErrorKind::TypeMismatch,
@@ -192,11 +200,24 @@ async fn handle(agent: Agent, deadline: Instant, req: CallRequest, caller: u32) 
         caller: inner.workers[caller as usize].clone(),
         deadline,
     };
-    let fut = (entry.handler)(ctx, req.payload, blobs);
     let scope = Scope {
         deadline,
         depth: req.depth + 1,
     };
+    if let Some(keep) = req.keep {
+        return handle_keep(
+            &agent,
+            &req.fn_name,
+            entry,
+            ctx,
+            scope,
+            keep,
+            req.payload,
+            blobs,
+        )
+        .await;
+    }
+    let fut = (entry.handler)(ctx, req.payload, blobs);
     let (payload, blobs) = match SCOPE
         .scope(scope, AssertUnwindSafe(fut).catch_unwind())
         .await
@@ -223,4 +244,47 @@ async fn handle(agent: Agent, deadline: Instant, req: CallRequest, caller: u32) 
         ));
     }
     Ok(CallOk { payload, blobs })
+}
+
+/// A keep-call: run the function, hand its typed result (or its error) to the sink.
+#[allow(clippy::too_many_arguments)]
+async fn handle_keep(
+    agent: &Agent,
+    fn_name: &str,
+    entry: crate::registry::Entry,
+    ctx: CallContext,
+    scope: Scope,
+    keep: crate::wire::KeepTarget,
+    payload: Vec<u8>,
+    blobs: Vec<bytes::Bytes>,
+) -> CallReply {
+    let sink = agent
+        .inner
+        .registry
+        .sink(&keep.sink)
+        .cloned()
+        .expect("checked before admission");
+    let sink_ctx = ctx.clone();
+    let fut = (entry.keep)(ctx, payload, blobs);
+    let result = match SCOPE
+        .scope(scope, AssertUnwindSafe(fut).catch_unwind())
+        .await
+    {
+        Ok(r) => r,
+        Err(p) => Err(RemoteError::new(
+            RemoteErrorKind::Panic,
+            fn_name,
+            agent.name(),
+            panic_message(&*p),
+        )),
+    };
+    let failed = result.as_ref().err().cloned();
+    sink(sink_ctx, keep.token, result)?;
+    match failed {
+        Some(e) => Err(e),
+        None => Ok(CallOk {
+            payload: Vec::new(),
+            blobs: Vec::new(),
+        }),
+    }
 }

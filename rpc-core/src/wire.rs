@@ -49,6 +49,16 @@ pub(crate) struct CallRequest {
     #[serde(with = "serde_bytes")]
     pub payload: Vec<u8>,
     pub blobs: Vec<WireBlob>,
+    /// Keep the result on the callee and hand it to this sink instead of returning it.
+    pub keep: Option<KeepTarget>,
+}
+
+/// Where a keep-call's result goes on the callee.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct KeepTarget {
+    pub sink: String,
+    #[serde(with = "serde_bytes")]
+    pub token: Vec<u8>,
 }
 
 impl tarpc::RequestName for CallRequest {
