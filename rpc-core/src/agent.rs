@@ -392,6 +392,11 @@ impl Agent {
             .push(hook);
     }
 
+    /// The group's default call timeout (`Duration::ZERO`: none).
+    pub fn rpc_timeout(&self) -> Duration {
+        self.inner.cfg.rpc_timeout
+    }
+
     /// Whether shutdown has begun.
     pub fn is_shutting_down(&self) -> bool {
         self.is_stopping()

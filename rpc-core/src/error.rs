@@ -61,6 +61,11 @@ pub struct RemoteError {
 }
 
 impl RemoteError {
+    /// A protocol error raised by a layer above the RPC core (for instance a malformed token).
+    pub fn new_protocol(fn_name: &str, worker: &str, message: impl Into<String>) -> Self {
+        Self::new(RemoteErrorKind::Protocol, fn_name, worker, message)
+    }
+
     pub(crate) fn new(
         kind: RemoteErrorKind,
         fn_name: &str,

@@ -1,0 +1,221 @@
+//! Per-agent RRef state: the owner table, this worker's pending child forks, counters, and
+//! the background protocol messages.
+//!
+//! Protocol (every case of PyTorch's note reduces to one rule): whenever a handle is
+//! serialized to another worker, the sender mints a *child fork* and holds its own handle in
+//! `pending_children` until the owner confirms the child (G2). The receiver registers the
+//! child with the owner (locally, if it is the owner), and the owner then releases the
+//! parent's hold with `child_accepted`. Deleting a handle sends `delete_fork` (G1). Owner→user,
+//! user→owner and user→user sharing are the same path, so they cannot diverge.
+//!
+//! - CTX-1: a handle's background confirmation task holds the handle, so its delete is sent
+//!   only after its fork's registration was answered.
+//! - CTX-2: a pending child whose registration never arrives (the message carrying it was
+//!   lost) is released after `CHILD_TTL`, with a warning.
+
+use rpc_core::{Agent, WeakAgent};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::id::{ForkId, RRefId};
+use crate::owner::OwnerTable;
+use crate::rref::Handle;
+
+/// A pending child is given up on after this long.
+pub(crate) const CHILD_TTL: Duration = Duration::from_secs(600);
+
+/// Counts that make leaks visible (PyTorch's `_get_debug_info`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DebugInfo {
+    /// Values this worker owns (including ones whose creation is still running).
+    pub owner_values: usize,
+    /// Live handles on this worker to values owned elsewhere.
+    pub user_refs: usize,
+    /// Child forks this worker sent whose registration the owner has not confirmed yet.
+    pub pending_children: usize,
+    /// Handles on this worker not yet confirmed by their owner.
+    pub pending_confirmations: usize,
+    /// Protocol messages (deletes, registrations, acknowledgements) still in flight.
+    pub messages_in_flight: usize,
+}
+
+pub(crate) struct Ctx {
+    pub agent: WeakAgent,
+    pub me: u32,
+    next: AtomicU64,
+    pub owner: Mutex<OwnerTable>,
+    pending_children: Mutex<HashMap<ForkId, (Arc<Handle>, Instant)>>,
+    last_sweep: Mutex<Instant>,
+    pub user_refs: AtomicUsize,
+    pub unconfirmed: AtomicUsize,
+    inflight: AtomicUsize,
+    jitter_us: AtomicU64,
+}
+
+/// The RRef state of `agent` (created on first use).
+pub(crate) fn ctx(agent: &Agent) -> Arc<Ctx> {
+    let mut created = false;
+    let c = agent.extension(|| {
+        created = true;
+        Ctx {
+            agent: agent.downgrade(),
+            me: agent.rank(),
+            next: AtomicU64::new(1),
+            owner: Mutex::new(OwnerTable::default()),
+            pending_children: Mutex::new(HashMap::new()),
+            last_sweep: Mutex::new(Instant::now()),
+            user_refs: AtomicUsize::new(0),
+            unconfirmed: AtomicUsize::new(0),
+            inflight: AtomicUsize::new(0),
+            jitter_us: AtomicU64::new(0),
+        }
+    });
+    if created {
+        let hook_ctx = Arc::downgrade(&c);
+        agent.on_shutdown(Box::new(move || {
+            let c = hook_ctx.clone();
+            Box::pin(async move {
+                if let Some(c) = c.upgrade() {
+                    c.quiesce().await;
+                }
+            })
+        }));
+    }
+    c
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Ctx {
+    pub(crate) fn new_rref_id(&self) -> RRefId {
+        RRefId {
+            created_on: self.me,
+            local: self.next.fetch_add(1, Ordering::Relaxed),
+        }
+    }
+
+    pub(crate) fn new_fork_id(&self) -> ForkId {
+        ForkId {
+            created_on: self.me,
+            local: self.next.fetch_add(1, Ordering::Relaxed),
+        }
+    }
+
+    /// Applies a fork count change to an owned value; drops what it frees outside the lock.
+    pub(crate) fn owner_add(&self, id: RRefId, fork: ForkId, delta: i64) {
+        let removed = lock(&self.owner).add(id, fork, delta);
+        drop(removed);
+    }
+
+    pub(crate) fn hold_child(&self, child: ForkId, parent: Arc<Handle>) {
+        let now = Instant::now();
+        let expired: Vec<_> = {
+            let mut sweep = lock(&self.last_sweep);
+            let mut pending = lock(&self.pending_children);
+            pending.insert(child, (parent, now));
+            if now.duration_since(*sweep) > Duration::from_secs(10) {
+                *sweep = now;
+                let old: Vec<ForkId> = pending
+                    .iter()
+                    .filter(|(_, (_, t))| now.duration_since(*t) > CHILD_TTL)
+                    .map(|(k, _)| *k)
+                    .collect();
+                old.into_iter().filter_map(|k| pending.remove(&k)).collect()
+            } else {
+                Vec::new()
+            }
+        };
+        if !expired.is_empty() {
+            tracing::warn!(
+                count = expired.len(),
+                "released child forks never confirmed by their owner"
+            );
+        }
+    }
+
+    pub(crate) fn release_child(&self, child: ForkId) {
+        let released = lock(&self.pending_children).remove(&child);
+        drop(released);
+    }
+
+    /// Sets a delay of up to `max` before each protocol message (testing reorderings).
+    pub(crate) fn set_jitter(&self, max: Duration) {
+        self.jitter_us
+            .store(max.as_micros() as u64, Ordering::Relaxed);
+    }
+
+    /// Runs a protocol message in the background, counted in `messages_in_flight`.
+    pub(crate) fn background<Fut>(self: &Arc<Self>, agent: &Agent, fut: Fut)
+    where
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        self.inflight.fetch_add(1, Ordering::AcqRel);
+        let me = self.clone();
+        let jitter = self.jitter_us.load(Ordering::Relaxed);
+        let salt = self.next.fetch_add(1, Ordering::Relaxed);
+        agent.runtime().spawn(async move {
+            if jitter > 0 {
+                // A cheap hash of a counter: varied delays without a random-number crate.
+                let r = salt.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 33;
+                tokio::time::sleep(Duration::from_micros(r % (jitter + 1))).await;
+            }
+            fut.await;
+            me.inflight.fetch_sub(1, Ordering::AcqRel);
+        });
+    }
+
+    pub(crate) fn debug_info(&self) -> DebugInfo {
+        DebugInfo {
+            owner_values: lock(&self.owner).len(),
+            user_refs: self.user_refs.load(Ordering::Acquire),
+            pending_children: lock(&self.pending_children).len(),
+            pending_confirmations: self.unconfirmed.load(Ordering::Acquire),
+            messages_in_flight: self.inflight.load(Ordering::Acquire),
+        }
+    }
+
+    /// Waits until this worker has no protocol traffic outstanding (shutdown hook; the agent
+    /// bounds it with its shutdown timeout).
+    async fn quiesce(&self) {
+        loop {
+            let d = self.debug_info();
+            if d.pending_children == 0 && d.messages_in_flight == 0 && d.pending_confirmations == 0
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    pub(crate) fn worker_name(&self, agent: &Agent, rank: u32) -> String {
+        agent
+            .get_worker_info(rank)
+            .map(|w| w.name.clone())
+            .unwrap_or_else(|_| format!("rank {rank}"))
+    }
+}
+
+/// The RRef counters of `agent`'s worker.
+pub fn debug_info(agent: &Agent) -> DebugInfo {
+    ctx(agent).debug_info()
+}
+
+/// Delays each protocol message of `agent` by up to `max` (0 turns it off), so tests and the
+/// stress program can provoke every message order.
+pub fn set_message_jitter(agent: &Agent, max: Duration) {
+    ctx(agent).set_jitter(max);
+}
+
+/// Drops every value this worker owns (after shutdown, to release memory deterministically).
+pub fn clear_owned(agent: &Agent) -> usize {
+    let c = ctx(agent);
+    let drained = lock(&c.owner).drain();
+    let n = drained.len();
+    drop(drained);
+    n
+}

@@ -1,0 +1,581 @@
+//! [`RRef<T>`]: a handle on a value owned by one worker, usable from any worker.
+
+use rpc_core::{Agent, MessageContext, RemoteFn, RpcError, ToWorker, WorkerId};
+use serde::de::{self, DeserializeOwned};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use std::fmt;
+use std::future::Future;
+use std::marker::PhantomData;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::context::{ctx, Ctx};
+use crate::error::RRefError;
+use crate::id::{ForkId, RRefId};
+use crate::owner::{Lookup, Value};
+use crate::protocol::{self, AddFork, ChildAccepted, DeleteFork, Fetch, KEEP_SINK};
+
+/// Where a handle stands with its owner.
+#[derive(Clone, Debug)]
+pub(crate) enum HState {
+    Confirmed,
+    Unconfirmed,
+    /// The constructor failed on the owner (which keeps the failure).
+    Failed(String),
+    /// The creating call never reached the owner: there is nothing to delete.
+    Lost(String),
+}
+
+/// The state shared by all clones of one handle: one fork.
+pub(crate) struct Handle {
+    pub ctx: Arc<Ctx>,
+    pub id: RRefId,
+    pub fork: ForkId,
+    pub owner: u32,
+    /// Made by `remote`: the owner registers this fork together with the value.
+    creator: bool,
+    state: Mutex<HState>,
+}
+
+impl Handle {
+    fn new(ctx: &Arc<Ctx>, id: RRefId, fork: ForkId, owner: u32, state: HState) -> Arc<Self> {
+        Self::with_creator(ctx, id, fork, owner, state, false)
+    }
+
+    fn with_creator(
+        ctx: &Arc<Ctx>,
+        id: RRefId,
+        fork: ForkId,
+        owner: u32,
+        state: HState,
+        creator: bool,
+    ) -> Arc<Self> {
+        if owner != ctx.me {
+            ctx.user_refs.fetch_add(1, Ordering::AcqRel);
+        }
+        if matches!(state, HState::Unconfirmed) {
+            ctx.unconfirmed.fetch_add(1, Ordering::AcqRel);
+        }
+        Arc::new(Self {
+            ctx: ctx.clone(),
+            id,
+            fork,
+            owner,
+            creator,
+            state: Mutex::new(state),
+        })
+    }
+
+    fn state(&self) -> HState {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Records the owner's answer to this handle's creation or registration.
+    fn settle(&self, outcome: Result<(), RpcError>) {
+        let next = match outcome {
+            Ok(()) => HState::Confirmed,
+            Err(e) => {
+                let text = rpc_core::error_chain(&e);
+                match e {
+                    RpcError::Remote(r) => HState::Failed(r.to_string()),
+                    RpcError::Unreachable { .. }
+                    | RpcError::Encode { .. }
+                    | RpcError::TooLarge { .. }
+                    | RpcError::Shutdown { .. }
+                    | RpcError::UnknownWorker { .. }
+                    | RpcError::UnknownFunction { .. }
+                    | RpcError::TypeMismatch { .. }
+                    | RpcError::PeerShuttingDown { .. } => HState::Lost(text),
+                    _ => HState::Failed(text),
+                }
+            }
+        };
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        // Only the first answer counts (a successful fetch may have confirmed us already).
+        if matches!(*s, HState::Unconfirmed) {
+            self.ctx.unconfirmed.fetch_sub(1, Ordering::AcqRel);
+            *s = next;
+        }
+    }
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        let c = &self.ctx;
+        if self.owner != c.me {
+            c.user_refs.fetch_sub(1, Ordering::AcqRel);
+        }
+        let state = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
+        if matches!(state, HState::Unconfirmed) {
+            c.unconfirmed.fetch_sub(1, Ordering::AcqRel);
+        }
+        if matches!(state, HState::Lost(_)) {
+            return;
+        }
+        if self.owner == c.me {
+            c.owner_add(self.id, self.fork, -1);
+            return;
+        }
+        // G1: tell the owner. Never block in drop: the message goes from a background task.
+        let Some(agent) = c.agent.upgrade() else {
+            return;
+        };
+        let (owner, id, fork) = (self.owner, self.id, self.fork);
+        let a = agent.clone();
+        c.background(&agent, async move {
+            if let Err(e) = a.rpc_async(owner, DeleteFork, (id, fork)).await {
+                tracing::debug!(%id, cause = %rpc_core::error_chain(&e), "delete of a fork failed");
+            }
+        });
+    }
+}
+
+/// A reference to a value of type `T` owned by one worker of the group.
+///
+/// Cloning is local (clones share one fork). Sending an `RRef` inside the arguments or result
+/// of any call (nested in structs and collections too) shares it with the receiver: the
+/// protocol registers the new fork with the owner, and the owner keeps the value exactly as
+/// long as a handle exists anywhere. Dropping the last handle on a worker tells the owner, from
+/// a background task (no blocking in `Drop`).
+pub struct RRef<T> {
+    h: Arc<Handle>,
+    _t: PhantomData<fn() -> T>,
+}
+
+impl<T> Clone for RRef<T> {
+    fn clone(&self) -> Self {
+        Self {
+            h: self.h.clone(),
+            _t: PhantomData,
+        }
+    }
+}
+
+impl<T> fmt::Debug for RRef<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RRef")
+            .field("id", &self.h.id)
+            .field("owner", &self.h.owner)
+            .field("fork", &self.h.fork)
+            .field("type", &std::any::type_name::<T>())
+            .finish()
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct WireRRef {
+    id: RRefId,
+    owner: u32,
+    child: ForkId,
+    parent: u32,
+}
+
+impl<T> Serialize for RRef<T> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::Error;
+        let msg =
+            MessageContext::current().ok_or_else(|| S::Error::custom(RRefError::OutsideRpc))?;
+        let c = &self.h.ctx;
+        if msg.agent().rank() != c.me {
+            return Err(S::Error::custom(
+                "an RRef was sent through another worker's agent",
+            ));
+        }
+        // G2: hold our fork until the owner has accepted the child.
+        let child = c.new_fork_id();
+        c.hold_child(child, self.h.clone());
+        WireRRef {
+            id: self.h.id,
+            owner: self.h.owner,
+            child,
+            parent: c.me,
+        }
+        .serialize(s)
+    }
+}
+
+impl<'de, T> Deserialize<'de> for RRef<T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let w = WireRRef::deserialize(d)?;
+        let msg =
+            MessageContext::current().ok_or_else(|| de::Error::custom(RRefError::OutsideRpc))?;
+        let agent = msg.agent().clone();
+        let c = ctx(&agent);
+        if w.owner == c.me {
+            c.owner_add(w.id, w.child, 1);
+            let h = Handle::new(&c, w.id, w.child, w.owner, HState::Confirmed);
+            let parent = w.parent;
+            let child = w.child;
+            let a = agent.clone();
+            c.background(&agent, async move {
+                if let Err(e) = a.rpc_async(parent, ChildAccepted, (child,)).await {
+                    tracing::debug!(%child, cause = %rpc_core::error_chain(&e), "child acceptance not delivered");
+                }
+            });
+            return Ok(Self::from_handle(h));
+        }
+        let h = Handle::new(&c, w.id, w.child, w.owner, HState::Unconfirmed);
+        let held = h.clone();
+        let a = agent.clone();
+        // CTX-1: the task holds the handle, so its delete follows the registration.
+        c.background(&agent, async move {
+            let r = a
+                .rpc_async(w.owner, AddFork, (w.id, w.child, w.parent))
+                .await;
+            held.settle(r);
+        });
+        Ok(Self::from_handle(h))
+    }
+}
+
+/// Runs `f` on `to` and returns at once a reference to its result, which stays on `to`.
+///
+/// The constructor's failure is reported by the next use of the reference.
+///
+/// ```
+/// # #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use rpc_core::{remote, testing, BoxError, CallContext, Registry, Secret, Transport};
+///
+/// #[remote]
+/// async fn make(_ctx: CallContext, n: u32) -> Result<Vec<u32>, BoxError> {
+///     Ok((0..n).collect())
+/// }
+///
+/// let reg = |_| rref::install(Registry::builder().register(make).unwrap()).unwrap().build();
+/// let a = testing::start_group(2, Transport::Tcp, Secret::generate(), reg, |_, c| c).await?;
+/// let r = rref::remote(&a[0], 1u32, make, (4,))?; // returns at once
+/// assert_eq!(r.to_here().await?, vec![0, 1, 2, 3]);
+/// drop(r);
+/// futures::future::join_all(a.iter().map(|w| w.shutdown())).await;
+/// # Ok(()) }
+/// ```
+pub fn remote<F: RemoteFn>(
+    agent: &Agent,
+    to: impl ToWorker,
+    f: F,
+    args: F::Args,
+) -> Result<RRef<F::Output>, RRefError> {
+    let owner = agent
+        .get_worker_info(&to)
+        .map_err(|source| RRefError::Rpc {
+            id: "a new rref".into(),
+            source: Box::new(source),
+        })?
+        .id
+        .0;
+    let c = ctx(agent);
+    let id = c.new_rref_id();
+    let fork = c.new_fork_id();
+    let h = Handle::with_creator(&c, id, fork, owner, HState::Unconfirmed, true);
+    let held = h.clone();
+    let call = agent.rpc_keep(owner, f, args, KEEP_SINK, protocol::token(id, fork));
+    c.background(agent, async move {
+        let r = call.await;
+        held.settle(r);
+    });
+    Ok(RRef::from_handle(h))
+}
+
+/// Waits until the value `id` owned here is settled, or `deadline`.
+pub(crate) async fn settled(c: &Ctx, id: RRefId, deadline: Instant) -> Result<Value, Settled> {
+    for _ in 0..4 {
+        let lookup = c.owner.lock().unwrap_or_else(|p| p.into_inner()).lookup(id);
+        match lookup {
+            Lookup::Ready(v) => return Ok(v),
+            Lookup::Failed(e) => return Err(Settled::Failed(e.to_string())),
+            Lookup::Pending(mut rx) => {
+                if tokio::time::timeout_at(deadline.into(), rx.wait_for(|s| *s))
+                    .await
+                    .is_err()
+                {
+                    let removed = c
+                        .owner
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .forget_if_idle(id);
+                    drop(removed);
+                    return Err(Settled::Timeout);
+                }
+            }
+        }
+    }
+    Err(Settled::Timeout)
+}
+
+pub(crate) enum Settled {
+    Failed(String),
+    Timeout,
+}
+
+fn default_deadline(agent: &Agent) -> Instant {
+    let t = agent.rpc_timeout();
+    Instant::now()
+        + if t.is_zero() {
+            Duration::from_secs(365 * 24 * 3600)
+        } else {
+            t
+        }
+}
+
+/// Builds `(head, a, b, ...)` from `(a, b, ...)`: lets method proxies put the RRef first.
+pub trait PrependArg<H> {
+    /// The tuple with `H` in front.
+    type Out;
+    /// Puts `head` in front.
+    fn prepend(self, head: H) -> Self::Out;
+}
+
+macro_rules! prepend_impls {
+    ($( ( $($n:ident),* ) )*) => {$(
+        impl<H, $($n),*> PrependArg<H> for ($($n,)*) {
+            type Out = (H, $($n,)*);
+            #[allow(non_snake_case, clippy::unused_unit)]
+            fn prepend(self, head: H) -> Self::Out {
+                let ($($n,)*) = self;
+                (head, $($n,)*)
+            }
+        }
+    )*};
+}
+prepend_impls! { () (A) (A, B) (A, B, C) (A, B, C, D) (A, B, C, D, E) (A, B, C, D, E, G) }
+
+/// Exclusive access to an owned value (see [`RRef::local_value`]).
+pub struct LocalValue<T> {
+    v: Value,
+    _t: PhantomData<fn() -> T>,
+}
+
+impl<T: 'static> LocalValue<T> {
+    /// Locks the value for exclusive access.
+    ///
+    /// # Cancel safety
+    /// Cancel safe (tokio's mutex).
+    pub async fn lock(&self) -> tokio::sync::MappedMutexGuard<'_, T> {
+        tokio::sync::MutexGuard::map(self.v.lock().await, |k| {
+            k.downcast_mut::<T>()
+                .expect("type checked when the LocalValue was made")
+        })
+    }
+}
+
+impl<T> RRef<T> {
+    fn from_handle(h: Arc<Handle>) -> Self {
+        Self { h, _t: PhantomData }
+    }
+}
+
+impl<T: 'static> RRef<T> {
+    /// A new value owned by this worker.
+    pub fn new(agent: &Agent, value: T) -> Self
+    where
+        T: Serialize + Send + 'static,
+    {
+        let c = ctx(agent);
+        let id = c.new_rref_id();
+        let fork = c.new_fork_id();
+        c.owner_add(id, fork, 1);
+        let extra = c
+            .owner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .set(id, Ok(rpc_core::KeptValue::new(value)));
+        drop(extra);
+        Self::from_handle(Handle::new(&c, id, fork, c.me, HState::Confirmed))
+    }
+
+    /// The reference's global id.
+    pub fn id(&self) -> RRefId {
+        self.h.id
+    }
+
+    /// The owner's id.
+    pub fn owner(&self) -> WorkerId {
+        WorkerId(self.h.owner)
+    }
+
+    /// The owner's name.
+    pub fn owner_name(&self) -> String {
+        match self.h.ctx.agent.upgrade() {
+            Some(a) => self.h.ctx.worker_name(&a, self.h.owner),
+            None => format!("rank {}", self.h.owner),
+        }
+    }
+
+    /// Whether this worker owns the value.
+    pub fn is_owner(&self) -> bool {
+        self.h.owner == self.h.ctx.me
+    }
+
+    /// Whether the owner has confirmed this handle (always true on the owner).
+    pub fn confirmed_by_owner(&self) -> bool {
+        self.is_owner() || matches!(self.h.state(), HState::Confirmed)
+    }
+
+    fn agent(&self) -> Result<Agent, RRefError> {
+        self.h.ctx.agent.upgrade().ok_or(RRefError::AgentGone)
+    }
+
+    fn check_created(&self) -> Result<(), RRefError> {
+        match self.h.state() {
+            HState::Failed(message) | HState::Lost(message) => Err(RRefError::CreationFailed {
+                id: self.h.id.to_string(),
+                owner: self.owner_name(),
+                message,
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// A copy of the value, fetched from the owner (within the group's default timeout).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: nothing changes on either side.
+    pub async fn to_here(&self) -> Result<T, RRefError>
+    where
+        T: Clone + DeserializeOwned + Send + 'static,
+    {
+        let agent = self.agent()?;
+        let timeout = agent.rpc_timeout();
+        self.to_here_timeout(timeout).await
+    }
+
+    /// [`RRef::to_here`] with an explicit timeout (`Duration::ZERO`: none).
+    pub async fn to_here_timeout(&self, timeout: Duration) -> Result<T, RRefError>
+    where
+        T: Clone + DeserializeOwned + Send + 'static,
+    {
+        self.check_created()?;
+        let agent = self.agent()?;
+        let id = self.h.id.to_string();
+        if self.is_owner() {
+            let v = self.local_value_within(&agent, timeout).await?;
+            let guard = v.lock().await;
+            return Ok(guard.clone());
+        }
+        let fetched = agent
+            .rpc_async_timeout(self.h.owner, Fetch, (self.h.id,), timeout)
+            .await
+            .map_err(|source| RRefError::Rpc {
+                id: id.clone(),
+                source: Box::new(source),
+            })?;
+        let payload = fetched.map_err(|message| RRefError::CreationFailed {
+            id: id.clone(),
+            owner: self.owner_name(),
+            message,
+        })?;
+        if self.h.creator && matches!(self.h.state(), HState::Unconfirmed) {
+            // The owner registers the creator's fork together with the value it just served.
+            self.h.settle(Ok(()));
+        }
+        let msg = MessageContext::new(agent, self.owner(), rpc_core::MessageKind::Reply);
+        payload
+            .decode::<T>(Some(msg))
+            .map_err(|source| RRefError::Decode { id, source })
+    }
+
+    /// The value itself; on the owner only (elsewhere a [`RRefError::NotOwner`] error). Waits
+    /// (within the default timeout) if the constructor is still running.
+    pub async fn local_value(&self) -> Result<LocalValue<T>, RRefError> {
+        let agent = self.agent()?;
+        let timeout = agent.rpc_timeout();
+        self.local_value_within(&agent, timeout).await
+    }
+
+    async fn local_value_within(
+        &self,
+        agent: &Agent,
+        timeout: Duration,
+    ) -> Result<LocalValue<T>, RRefError> {
+        let id = self.h.id.to_string();
+        if !self.is_owner() {
+            return Err(RRefError::NotOwner {
+                id,
+                owner: self.owner_name(),
+                worker: agent.name().to_owned(),
+            });
+        }
+        self.check_created()?;
+        let deadline = if timeout.is_zero() {
+            default_deadline(agent).max(Instant::now() + Duration::from_secs(365 * 24 * 3600))
+        } else {
+            Instant::now() + timeout
+        };
+        let v = settled(&self.h.ctx, self.h.id, deadline)
+            .await
+            .map_err(|e| match e {
+                Settled::Failed(message) => RRefError::CreationFailed {
+                    id: id.clone(),
+                    owner: agent.name().to_owned(),
+                    message,
+                },
+                Settled::Timeout => RRefError::Timeout {
+                    id: id.clone(),
+                    owner: agent.name().to_owned(),
+                    timeout,
+                },
+            })?;
+        {
+            let g = v.lock().await;
+            if g.downcast_ref::<T>().is_none() {
+                return Err(RRefError::TypeMismatch {
+                    id,
+                    expected: std::any::type_name::<T>(),
+                    actual: g.type_name(),
+                });
+            }
+        }
+        Ok(LocalValue { v, _t: PhantomData })
+    }
+
+    /// Calls `f` on the owner with this reference prepended to `args` (a method proxy): `f`
+    /// takes the `RRef<T>` first and reaches the value with [`RRef::local_value`].
+    pub fn rpc_async<F, A>(
+        &self,
+        f: F,
+        args: A,
+    ) -> impl Future<Output = Result<F::Output, RpcError>> + Send + 'static
+    where
+        F: RemoteFn,
+        A: PrependArg<RRef<T>, Out = F::Args>,
+    {
+        let agent = self.agent();
+        let owner = self.h.owner;
+        let args = args.prepend(self.clone());
+        async move {
+            let agent = agent.map_err(|_| RpcError::Shutdown {
+                worker: "(dropped agent)".into(),
+                fn_name: F::NAME.into(),
+            })?;
+            agent.rpc_async(owner, f, args).await
+        }
+    }
+
+    /// Blocking [`RRef::rpc_async`].
+    pub fn rpc_sync<F, A>(&self, f: F, args: A) -> Result<F::Output, RRefError>
+    where
+        F: RemoteFn,
+        A: PrependArg<RRef<T>, Out = F::Args>,
+    {
+        let agent = self.agent()?;
+        agent
+            .rpc_sync(self.h.owner, f, args.prepend(self.clone()))
+            .map_err(|source| RRefError::Rpc {
+                id: self.h.id.to_string(),
+                source: Box::new(source),
+            })
+    }
+
+    /// Runs `f` on the owner with this reference prepended to `args`, keeping the result there:
+    /// returns at once with a reference to it.
+    pub fn remote<F, A>(&self, f: F, args: A) -> Result<RRef<F::Output>, RRefError>
+    where
+        F: RemoteFn,
+        A: PrependArg<RRef<T>, Out = F::Args>,
+    {
+        let agent = self.agent()?;
+        remote(&agent, self.h.owner, f, args.prepend(self.clone()))
+    }
+}

@@ -1,0 +1,355 @@
+//! Remote references across in-process workers, over TCP and the in-memory transport. Every
+//! test waits for quiescence at the end and checks that every constructed value was dropped
+//! and nothing is left (owner values, user references, pending forks, confirmations).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use integration_tests::rref_fns::*;
+use integration_tests::run;
+use rpc_core::testing::{start_group, transport_name, transports};
+use rpc_core::{Agent, Secret, Transport};
+use rref::{RRef, RRefError};
+
+static NS: AtomicU64 = AtomicU64::new(1);
+
+/// A fresh namespace for live-value counting (tests run in parallel).
+fn ns() -> u64 {
+    NS.fetch_add(1, Ordering::Relaxed) + std::process::id() as u64 * 1_000_000
+}
+
+async fn group(n: u32, t: Transport, jitter: Duration) -> Vec<Agent> {
+    let a = start_group(
+        n,
+        t,
+        Secret::generate(),
+        |_| registry(),
+        |_, c| c.with_rpc_timeout(Duration::from_secs(20)),
+    )
+    .await
+    .expect("group starts");
+    for w in &a {
+        rref::set_message_jitter(w, jitter);
+    }
+    a
+}
+
+/// Waits (bounded) until no worker owns, references or awaits anything, and `ns` has no live
+/// value; panics with the counters otherwise.
+async fn assert_quiescent(agents: &[Agent], ns: u64) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let infos: Vec<_> = agents.iter().map(rref::debug_info).collect();
+        let idle = infos.iter().all(|d| *d == rref::DebugInfo::default());
+        if idle && live(ns) == 0 {
+            return;
+        }
+        if Instant::now() > deadline {
+            panic!("not quiescent: live values {} counters {infos:?}", live(ns));
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+async fn shutdown_all(agents: &[Agent]) {
+    let reports = futures::future::join_all(agents.iter().map(|a| a.shutdown())).await;
+    for r in reports {
+        assert!(r.is_clean(), "{r:?}");
+    }
+}
+
+fn each_transport<F, Fut>(secs: u64, mut body: F)
+where
+    F: FnMut(Transport) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    for t in transports() {
+        eprintln!("-- over {}", transport_name(&t));
+        run(secs, body(t));
+    }
+}
+
+#[test]
+fn remote_returns_at_once_and_to_here_fetches_the_value() {
+    each_transport(60, |t| async move {
+        let a = group(3, t, Duration::ZERO).await;
+        let ns = ns();
+        let start = Instant::now();
+        let r = rref::remote(&a[0], "worker1", make_slow, (ns, 7, 300)).unwrap();
+        assert!(
+            start.elapsed() < Duration::from_millis(200),
+            "remote must not wait for the owner"
+        );
+        assert!(!r.is_owner());
+        assert_eq!(r.owner().0, 1);
+        assert_eq!(r.owner_name(), "worker1");
+        let v = r.to_here().await.unwrap();
+        assert_eq!(v, Tracked::new(ns + 1_000_000_000, 7));
+        assert!(!v.is_counted(), "to_here gives a copy");
+        assert!(r.confirmed_by_owner());
+        assert_eq!(live(ns), 1);
+        drop(r);
+        assert_quiescent(&a, ns).await;
+        shutdown_all(&a).await;
+    });
+}
+
+#[test]
+fn methods_run_on_the_owner_with_access_to_the_value() {
+    each_transport(60, |t| async move {
+        let a = group(3, t, Duration::ZERO).await;
+        let ns = ns();
+        let r = rref::remote(&a[0], 2u32, make, (ns, 5)).unwrap();
+        assert_eq!(r.rpc_async(id_of, ()).await.unwrap(), 5);
+        let before = r.to_here().await.unwrap().data.len();
+        assert_eq!(r.rpc_async(push, (99,)).await.unwrap(), before + 1);
+        assert_eq!(*r.to_here().await.unwrap().data.last().unwrap(), 99);
+        // local_value is for the owner only.
+        match r.local_value().await {
+            Err(RRefError::NotOwner { owner, worker, .. }) => {
+                assert_eq!((owner.as_str(), worker.as_str()), ("worker2", "worker0"))
+            }
+            Err(e) => panic!("expected NotOwner, got {e:?}"),
+            Ok(_) => panic!("expected NotOwner, got a value"),
+        }
+        // A method that makes a new remote value from two references: the pipeline of
+        // `y = shard.remote(f, x); z = shard2.rpc_async(g, y)` without waiting in between.
+        let x = rref::remote(&a[0], 1u32, make_slow, (ns, 3, 200)).unwrap();
+        let y = r.remote(combine, (x.clone(), ns)).unwrap();
+        let z = a[0].rpc_async(1u32, read_id, (y.clone(),)).await.unwrap();
+        assert_eq!(z, 5003);
+        drop((r, x, y));
+        assert_quiescent(&a, ns).await;
+        shutdown_all(&a).await;
+    });
+}
+
+#[test]
+fn owner_local_references() {
+    each_transport(60, |t| async move {
+        let a = group(2, t, Duration::ZERO).await;
+        let ns = ns();
+        let r = RRef::new(&a[0], Tracked::new(ns, 11));
+        assert!(r.is_owner() && r.confirmed_by_owner());
+        assert_eq!(r.local_value().await.unwrap().lock().await.id, 11);
+        assert_eq!(r.to_here().await.unwrap().id, 11);
+        // Owner → user, then the user reads it back.
+        assert_eq!(
+            a[0].rpc_async(1u32, read_id, (r.clone(),)).await.unwrap(),
+            11
+        );
+        // remote() to oneself.
+        let s = rref::remote(&a[1], 1u32, make, (ns, 12)).unwrap();
+        assert!(s.is_owner());
+        assert_eq!(s.to_here().await.unwrap().id, 12);
+        drop((r, s));
+        assert_quiescent(&a, ns).await;
+        shutdown_all(&a).await;
+    });
+}
+
+#[test]
+fn sharing_in_every_direction_keeps_values_exactly_as_long_as_referenced() {
+    for jitter in [Duration::ZERO, Duration::from_millis(5)] {
+        each_transport(90, |t| async move {
+            let a = group(3, t, jitter).await;
+            let ns = ns();
+            // Owned by worker1, created by worker0.
+            let r = rref::remote(&a[0], 1u32, make, (ns, 21)).unwrap();
+            // user→user before the owner confirmed anything: worker0 gives it to worker2.
+            a[0].rpc_async(2u32, keep, (1, r.clone())).await.unwrap();
+            // user→owner: worker0 gives it to its owner.
+            assert!(
+                a[0].rpc_async(1u32, keep, (2, r.clone())).await.unwrap(),
+                "the owner's handle is confirmed"
+            );
+            drop(r);
+            // The value lives on through the kept forks.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            assert_eq!(live(ns), 1);
+            // A reference in a result: worker0 gets it back from worker2.
+            let back = a[0]
+                .rpc_async(2u32, give, (1,))
+                .await
+                .unwrap()
+                .expect("kept");
+            assert_eq!(back.to_here().await.unwrap().id, 21);
+            // owner→user: worker1 (owner) hands its handle to worker2.
+            let from_owner = a[0].rpc_async(1u32, give, (2,)).await.unwrap().unwrap();
+            assert_eq!(
+                a[0].rpc_async(2u32, read_id, (from_owner.clone(),))
+                    .await
+                    .unwrap(),
+                21
+            );
+            // Nested in a struct, in both directions.
+            let other = rref::remote(&a[0], 2u32, make, (ns, 4)).unwrap();
+            let bundle = Bundle {
+                label: "b".into(),
+                refs: vec![back.clone(), other.clone()],
+                extra: Some(Box::new(from_owner.clone())),
+            };
+            assert_eq!(
+                a[0].rpc_async(1u32, bundle_sum, (bundle.clone(),))
+                    .await
+                    .unwrap(),
+                21 + 4 + 21
+            );
+            assert_eq!(
+                a[0].rpc_async(2u32, bundle_sum, (bundle,)).await.unwrap(),
+                21 + 4 + 21
+            );
+            assert!(a[1].rpc_async(1u32, release, (2,)).await.unwrap());
+            assert!(a[0].rpc_async(2u32, release, (1,)).await.unwrap());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            assert_eq!(live(ns), 2, "still referenced by worker0's handles");
+            drop((back, from_owner, other));
+            assert_quiescent(&a, ns).await;
+            shutdown_all(&a).await;
+        });
+    }
+}
+
+#[test]
+fn a_failed_constructor_is_reported_on_next_use() {
+    each_transport(60, |t| async move {
+        let a = group(2, t, Duration::ZERO).await;
+        let r = rref::remote(&a[0], 1u32, make_fail, ("no GPU on this node".into(),)).unwrap();
+        match r.to_here().await {
+            Err(RRefError::CreationFailed { owner, message, .. }) => {
+                assert_eq!(owner, "worker1");
+                assert!(message.contains("no GPU on this node"), "{message}");
+            }
+            other => panic!("expected CreationFailed, got {other:?}"),
+        }
+        // Users who got the reference from the creator see the failure too.
+        let err = a[0]
+            .rpc_async(1u32, read_id, (r.clone(),))
+            .await
+            .unwrap_err();
+        assert!(
+            rpc_core::error_chain(&err).contains("no GPU on this node"),
+            "{err}"
+        );
+        drop(r);
+        assert_quiescent(&a, 0).await;
+        shutdown_all(&a).await;
+    });
+}
+
+#[test]
+fn an_unreachable_owner_is_an_error_within_the_timeout() {
+    each_transport(60, |t| async move {
+        let a = start_group(
+            2,
+            t,
+            Secret::generate(),
+            |_| registry(),
+            |_, c| {
+                c.with_rpc_timeout(Duration::from_secs(2))
+                    .with_shutdown_timeout(Duration::from_millis(300))
+            },
+        )
+        .await
+        .unwrap();
+        let ns = ns();
+        let r = rref::remote(&a[0], 1u32, make, (ns, 1)).unwrap();
+        assert_eq!(r.to_here().await.unwrap().id, 1);
+        let _ = a[1].shutdown().await;
+        let start = Instant::now();
+        let err = r.to_here().await.unwrap_err();
+        assert!(start.elapsed() < Duration::from_secs(5));
+        let text = rpc_core::error_chain(&err);
+        assert!(text.contains("worker1"), "{text}");
+        drop(r);
+        let _ = a[0].shutdown().await;
+        rref::clear_owned(&a[1]);
+    });
+}
+
+/// A seeded random program over four workers with message jitter: create, share in every
+/// direction (args and results), read, call methods, drop; at the end nothing is left.
+#[test]
+fn random_programs_leave_nothing_behind() {
+    each_transport(120, |t| async move {
+        let a = group(4, t, Duration::from_millis(2)).await;
+        let ns = ns();
+        let mut seed = 0x5eed_u64 ^ ns;
+        let mut rnd = move |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        let mut mine: Vec<(usize, RRef<Tracked>, u64)> = Vec::new();
+        let mut kept_keys: Vec<(usize, u64)> = Vec::new();
+        for step in 0..300u64 {
+            match rnd(6) {
+                0 | 1 => {
+                    let (by, owner) = (rnd(4) as usize, rnd(4) as u32);
+                    let r = rref::remote(&a[by], owner, make, (ns, step)).unwrap();
+                    mine.push((by, r, step));
+                }
+                2 if !mine.is_empty() => {
+                    let (by, r, id) = &mine[rnd(mine.len() as u64) as usize];
+                    let to = rnd(4) as usize;
+                    a[*by].rpc_async(to, keep, (step, r.clone())).await.unwrap();
+                    kept_keys.push((to, step));
+                    let _ = id;
+                }
+                3 if !mine.is_empty() => {
+                    let (by, r, id) = &mine[rnd(mine.len() as u64) as usize];
+                    let reader = rnd(4) as usize;
+                    let got = a[*by]
+                        .rpc_async(reader, read_id, (r.clone(),))
+                        .await
+                        .unwrap();
+                    assert_eq!(got, *id);
+                }
+                4 if !mine.is_empty() => {
+                    let i = rnd(mine.len() as u64) as usize;
+                    drop(mine.swap_remove(i));
+                }
+                5 if !kept_keys.is_empty() => {
+                    let (w, key) = kept_keys.swap_remove(rnd(kept_keys.len() as u64) as usize);
+                    let from = rnd(4) as usize;
+                    if let Some(r) = a[from].rpc_async(w, give, (key,)).await.unwrap() {
+                        assert_eq!(
+                            r.rpc_async(id_of, ()).await.unwrap(),
+                            r.to_here().await.unwrap().id
+                        );
+                    }
+                    assert!(a[from].rpc_async(w, release, (key,)).await.unwrap());
+                }
+                _ => {}
+            }
+        }
+        drop(mine);
+        for w in 0..4usize {
+            a[0].rpc_async(w, release_all, ()).await.unwrap();
+        }
+        assert_quiescent(&a, ns).await;
+        shutdown_all(&a).await;
+    });
+}
+
+#[test]
+fn references_cannot_be_serialized_outside_rpc() {
+    run(30, async {
+        let a = group(
+            1,
+            Transport::Memory(rpc_core::MemoryNetwork::new()),
+            Duration::ZERO,
+        )
+        .await;
+        let r = RRef::new(&a[0], 5u32);
+        let err = serde_json_like(&r);
+        assert!(err.contains("inside RPC"), "{err}");
+        drop(r);
+        shutdown_all(&a).await;
+    });
+}
+
+fn serde_json_like(r: &RRef<u32>) -> String {
+    serde_json::to_string(r).unwrap_err().to_string()
+}
