@@ -195,6 +195,11 @@ pub async fn double_local(_ctx: CallContext, v: Unserializable) -> Result<u32, B
 
 /// The registry every test worker serves.
 pub fn registry() -> Registry {
+    registry_builder().build()
+}
+
+/// The test functions, ready for more to be added.
+pub fn registry_builder() -> rpc_core::RegistryBuilder {
     Registry::builder()
         .register(add)
         .and_then(|r| r.register(echo))
@@ -211,5 +216,4 @@ pub fn registry() -> Registry {
         .and_then(|r| r.register(double_local))
         .and_then(|r| r.register(zeros))
         .expect("test functions have distinct names")
-        .build()
 }

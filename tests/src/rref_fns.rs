@@ -235,10 +235,14 @@ pub async fn rref_debug(ctx: CallContext) -> Result<(usize, usize, usize, usize,
     ))
 }
 
-/// The registry of a worker in the RRef tests and the stress program.
+/// The registry of a worker in the RRef tests.
 pub fn registry() -> rpc_core::Registry {
-    let b = rpc_core::Registry::builder()
-        .register(make)
+    register(rpc_core::Registry::builder()).build()
+}
+
+/// Adds the RRef test functions and the RRef protocol to `b`.
+pub fn register(b: rpc_core::RegistryBuilder) -> rpc_core::RegistryBuilder {
+    b.register(make)
         .and_then(|b| b.register(make_slow))
         .and_then(|b| b.register(make_fail))
         .and_then(|b| b.register(id_of))
@@ -252,6 +256,5 @@ pub fn registry() -> rpc_core::Registry {
         .and_then(|b| b.register(release_all))
         .and_then(|b| b.register(rref_debug))
         .and_then(rref::install)
-        .expect("distinct names");
-    b.build()
+        .expect("distinct names")
 }

@@ -176,3 +176,24 @@ fn a_killed_peer_fails_the_call_in_flight_and_shutdown_still_ends() {
     let codes = p.wait_all(Duration::from_secs(30));
     assert_eq!((codes[0], codes[2]), (Some(0), Some(0)));
 }
+
+#[test]
+fn remote_references_across_processes_are_counted_exactly() {
+    let (_rt, mut p) = start(&["drive-rref", "serve", "serve"]);
+    let result = p.expect(0, "RESULT", Duration::from_secs(60));
+    let v: serde_json::Value = serde_json::from_str(&result).unwrap();
+    assert_eq!(v["read_by_2"], 9);
+    assert_eq!(v["method"], 9);
+    assert_eq!(v["fetched"], 9);
+    assert_eq!(
+        v["quiescent"], true,
+        "no owner values, user refs or pending forks left: {v}"
+    );
+    for rank in 0..3 {
+        assert_eq!(
+            p.expect(rank, "SHUTDOWN", Duration::from_secs(30)),
+            "clean=true barrier=Ok(())"
+        );
+    }
+    assert_eq!(p.wait_all(Duration::from_secs(30)), vec![Some(0); 3]);
+}

@@ -5,6 +5,8 @@
 //! - `serve`: serves until every worker has called shutdown;
 //! - `hold`: serves for two minutes without calling shutdown (to be killed);
 //! - `drive`: (rank 0) exercises calls across the processes, prints `RESULT <json>`;
+//! - `drive-rref`: (rank 0) shares remote references across the processes in every direction,
+//!   drops them, waits for every worker to be quiescent, prints `RESULT <json>`;
 //! - `drive-kill`: (rank 0) starts a long call to rank 1, prints `CALLING`, and once the test
 //!   has killed rank 1 prints `ERROR <json>` describing how the call failed.
 
@@ -52,7 +54,8 @@ fn main() -> anyhow::Result<()> {
             // Servers wait long at the barrier (until the driver is done); drivers use a short
             // timeout so a killed peer is given up on quickly.
             .with_shutdown_timeout(Duration::from_secs(if scenario == "serve" { 60 } else { 3 }));
-        let agent = rpc_core::init(cfg, registry()).await?;
+        let registry = integration_tests::rref_fns::register(registry_builder()).build();
+        let agent = rpc_core::init(cfg, registry).await?;
         say(format!("READY {} {}", agent.name(), agent.local_addr()));
         match scenario.as_str() {
             "serve" => {}
@@ -82,6 +85,40 @@ fn main() -> anyhow::Result<()> {
                         "panic_kind": format!("{:?}", panic.as_remote().map(|r| r.kind)),
                         "after_panic": after_panic,
                     })
+                ));
+            }
+            "drive-rref" => {
+                use integration_tests::rref_fns as f;
+                let ns = 77;
+                // Created by rank 0, owned by rank 1.
+                let r = rref::remote(&agent, 1u32, f::make, (ns, 9))?;
+                // user→user (0 → 2) before confirmation, user→owner (0 → 1).
+                agent.rpc_async(2u32, f::keep, (1, r.clone())).await?;
+                agent.rpc_async(1u32, f::keep, (1, r.clone())).await?;
+                let read_by_2 = agent.rpc_async(2u32, f::read_id, (r.clone(),)).await?;
+                let method = r.rpc_async(f::id_of, ()).await?;
+                // A reference in a result, from rank 2 back to rank 0.
+                let back = agent.rpc_async(2u32, f::give, (1,)).await?.context("kept on rank 2")?;
+                let fetched = back.to_here().await?.id;
+                drop((r, back));
+                for w in 0..3u32 {
+                    agent.rpc_async(w, f::release_all, ()).await?;
+                }
+                let deadline = Instant::now() + Duration::from_secs(20);
+                let quiet = loop {
+                    let mut total = 0;
+                    for w in 0..3u32 {
+                        let (a, b, c, d, e) = agent.rpc_async(w, f::rref_debug, ()).await?;
+                        total += a + b + c + d + e;
+                    }
+                    if total == 0 || Instant::now() > deadline {
+                        break total == 0;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                };
+                say(format!(
+                    "RESULT {}",
+                    serde_json::json!({ "read_by_2": read_by_2, "method": method, "fetched": fetched, "quiescent": quiet })
                 ));
             }
             "drive-kill" => {
