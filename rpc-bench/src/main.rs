@@ -1,4 +1,4 @@
-//! `rpc-bench [all|latency|throughput|tensor] [--threads N]`
+//! `rpc-bench [all|latency|throughput|tensor|rref] [--threads N]`
 //!
 //! Starts a peer process (this binary, `peer` subcommand) on 127.0.0.1, forms a two-worker
 //! group with it, and prints one JSON object per line: `metric`, `median` and, where they
@@ -72,12 +72,36 @@ async fn raw_servers(_ctx: CallContext) -> Result<(u16, u16), BoxError> {
     Ok(ports)
 }
 
+/// A small remote object (PyTorch's benchmark uses the same shape).
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+struct Counter {
+    value: i64,
+}
+
+/// Constructor of a `Counter`.
+#[remote]
+async fn new_counter(_ctx: CallContext, start: i64) -> Result<Counter, BoxError> {
+    Ok(Counter { value: start })
+}
+
+/// Method: adds `by`, returns the new value.
+#[remote]
+async fn incr(_ctx: CallContext, this: rref::RRef<Counter>, by: i64) -> Result<i64, BoxError> {
+    let v = this.local_value().await?;
+    let mut c = v.lock().await;
+    c.value += by;
+    Ok(c.value)
+}
+
 fn registry() -> Registry {
     Registry::builder()
         .register(noop)
         .and_then(|r| r.register(echo))
         .and_then(|r| r.register(peak_rss))
         .and_then(|r| r.register(raw_servers))
+        .and_then(|r| r.register(new_counter))
+        .and_then(|r| r.register(incr))
+        .and_then(rref::install)
         .expect("distinct names")
         .build()
 }
@@ -181,8 +205,8 @@ fn main() -> Result<()> {
                 Ok(())
             })
         }
-        "all" | "latency" | "throughput" | "tensor" => drive(mode, threads),
-        other => bail!("unknown mode {other:?}; use all, latency, throughput or tensor"),
+        "all" | "latency" | "throughput" | "tensor" | "rref" => drive(mode, threads),
+        other => bail!("unknown mode {other:?}; use all, latency, throughput, tensor or rref"),
     }
 }
 
@@ -234,6 +258,13 @@ fn drive(mode: &str, threads: usize) -> Result<()> {
         emit(tag(
             rt.block_on(rt.spawn(async move { throughput(&a).await }))??
         ));
+    }
+    if mode == "all" || mode == "rref" {
+        let a = agent.clone();
+        for v in rt.block_on(rt.spawn(async move { rref_bench(&a).await }))?? {
+            emit(tag(v));
+        }
+        emit(tag(rref_sync_method(&agent)?));
     }
     // Footprint of the RPC machinery itself, before any bulk payload is held.
     let peer_rss = rt.block_on(agent.rpc_async(1u32, peak_rss, ()))?;
@@ -407,4 +438,94 @@ async fn echo_bench(
     Ok(
         json!({ "metric": name, "median": st.median, "p99": st.p99, "effective_GBps": gbps, "bytes": bytes, "n": iters }),
     )
+}
+
+const RREF_WARMUP: usize = 500;
+const RREF_N: usize = 3000;
+
+fn sample(name: &str, xs: Vec<f64>) -> serde_json::Value {
+    let st = stats(xs);
+    json!({ "metric": name, "median": st.median, "p99": st.p99, "n": RREF_N })
+}
+
+/// `remote` (+ `to_here`) and `to_here` on an existing reference, as in PyTorch's
+/// `bench_rref.py`.
+async fn rref_bench(agent: &Agent) -> Result<Vec<serde_json::Value>> {
+    let mut out = Vec::new();
+    // remote + to_here; the handle is dropped each time (delete traffic included).
+    let mut xs = Vec::with_capacity(RREF_N);
+    for i in 0..RREF_WARMUP + RREF_N {
+        let t = Instant::now();
+        let r = rref::remote(agent, 1u32, new_counter, (1,))?;
+        let c = r.to_here().await?;
+        let dt = t.elapsed().as_secs_f64() * 1e6;
+        anyhow::ensure!(c.value == 1, "wrong value");
+        if i >= RREF_WARMUP {
+            xs.push(dt);
+        }
+    }
+    out.push(sample("remote_to_here_us", xs));
+    // remote alone: returns without waiting for the owner.
+    let mut keep = Vec::with_capacity(RREF_WARMUP + RREF_N);
+    let mut xs = Vec::with_capacity(RREF_N);
+    for i in 0..RREF_WARMUP + RREF_N {
+        let t = Instant::now();
+        keep.push(rref::remote(agent, 1u32, new_counter, (1,))?);
+        if i >= RREF_WARMUP {
+            xs.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    out.push(sample("remote_create_us", xs));
+    // Let the creations settle before the next measurement, then release them.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !keep.iter().all(|r| r.confirmed_by_owner()) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    drop(keep);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while rref::debug_info(agent).messages_in_flight > 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // to_here on an existing reference.
+    let existing = rref::remote(agent, 1u32, new_counter, (5,))?;
+    existing.to_here().await?;
+    let mut xs = Vec::with_capacity(RREF_N);
+    for i in 0..RREF_WARMUP + RREF_N {
+        let t = Instant::now();
+        let c = existing.to_here().await?;
+        let dt = t.elapsed().as_secs_f64() * 1e6;
+        anyhow::ensure!(c.value == 5, "wrong value");
+        if i >= RREF_WARMUP {
+            xs.push(dt);
+        }
+    }
+    out.push(sample("to_here_existing_us", xs));
+    // Method calls through the reference, from a task.
+    let persistent = rref::remote(agent, 1u32, new_counter, (0,))?;
+    let mut xs = Vec::with_capacity(RREF_N);
+    for i in 0..RREF_WARMUP + RREF_N {
+        let t = Instant::now();
+        persistent.rpc_async(incr, (1,)).await?;
+        if i >= RREF_WARMUP {
+            xs.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    out.push(sample("rref_rpc_async_method_us", xs));
+    Ok(out)
+}
+
+/// `rref.rpc_sync(method)` from a plain thread, as PyTorch's `rref.rpc_sync().incr(1)`.
+fn rref_sync_method(agent: &Agent) -> Result<serde_json::Value> {
+    let persistent = rref::remote(agent, 1u32, new_counter, (0,))?;
+    let mut xs = Vec::with_capacity(RREF_N);
+    for i in 0..RREF_WARMUP + RREF_N {
+        let t = Instant::now();
+        let v = persistent.rpc_sync(incr, (1,))?;
+        let dt = t.elapsed().as_secs_f64() * 1e6;
+        anyhow::ensure!(v == i as i64 + 1, "counter went wrong");
+        if i >= RREF_WARMUP {
+            xs.push(dt);
+        }
+    }
+    Ok(sample("rref_rpc_sync_method_us", xs))
 }
