@@ -26,7 +26,7 @@ use crate::blob::{self, MessageContext, MessageKind};
 use crate::bulk::{self, Bulk};
 use crate::client::{DialCtx, Peer};
 use crate::config::{Config, Resolved};
-use crate::context::{current_scope, CallContext, Scope, NO_DEADLINE, SCOPE};
+use crate::context::{current_meta, current_scope, CallContext, Scope, META, NO_DEADLINE, SCOPE};
 use crate::error::{BoxError, InitError, RemoteError, RemoteErrorKind, RpcError};
 use crate::registry::{sig_of, KeptValue, Registry, RemoteFn};
 use crate::rendezvous::{self, Join, RendezvousServer};
@@ -452,7 +452,8 @@ impl Agent {
         let target = self.resolve(&to);
         let agent = self.clone();
         let scope = current_scope();
-        async move {
+        let meta = current_meta();
+        META.scope(meta, async move {
             let to = target?;
             let started = Instant::now();
             let own = (!timeout.is_zero()).then(|| Instant::now() + timeout.min(NO_DEADLINE));
@@ -484,7 +485,7 @@ impl Agent {
                     Err(_) => Err(agent.deadline_exceeded::<F>(to, d, started)),
                 },
             }
-        }
+        })
     }
 
     fn deadline_exceeded<F: RemoteFn>(
@@ -519,7 +520,8 @@ impl Agent {
         let agent = self.clone();
         let scope = current_scope();
         let timeout = self.inner.cfg.rpc_timeout;
-        async move {
+        let meta = current_meta();
+        META.scope(meta, async move {
             let to = target?;
             let started = Instant::now();
             let own = (!timeout.is_zero()).then(|| started + timeout.min(NO_DEADLINE));
@@ -574,7 +576,7 @@ impl Agent {
                 Some(r) => Err(RpcError::Remote(r)),
                 None => Ok(()),
             }
-        }
+        })
     }
 
     /// Blocking [`Agent::rpc_async`], for code that is not async.
@@ -740,6 +742,7 @@ impl Agent {
             payload,
             blobs,
             keep,
+            meta: current_meta(),
         };
         let mut tctx = tarpc::context::current();
         tctx.deadline = deadline.unwrap_or_else(|| Instant::now() + NO_DEADLINE);

@@ -5,6 +5,8 @@
 //! `depth + 1`, so nested calls never outlive the call that caused them and are admitted without
 //! waiting for a root-call permit (see `server.rs`).
 
+use serde::{Deserialize, Serialize};
+use std::future::Future;
 use std::time::{Duration, Instant};
 
 use crate::agent::Agent;
@@ -21,6 +23,59 @@ pub(crate) struct Scope {
 
 tokio::task_local! {
     pub(crate) static SCOPE: Scope;
+    pub(crate) static META: CallMeta;
+}
+
+/// Per-call metadata that layers above the RPC core attach to calls (for instance the
+/// distributed autograd context id). Set it with [`with_call_meta`]; every call made inside
+/// carries it, and the callee's handler (with its argument decoding, its nested calls and its
+/// reply encoding) runs with it, so it follows chains of calls in both directions.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CallMeta(Vec<(String, Vec<u8>)>);
+
+impl CallMeta {
+    fn get(&self, key: &str) -> Option<&[u8]> {
+        self.0
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_slice())
+    }
+
+    fn with(&self, key: &str, value: Vec<u8>) -> Self {
+        let mut m = self.clone();
+        match m.0.iter_mut().find(|(k, _)| k == key) {
+            Some(slot) => slot.1 = value,
+            None => m.0.push((key.to_owned(), value)),
+        }
+        m
+    }
+
+    fn without(&self, key: &str) -> Self {
+        Self(self.0.iter().filter(|(k, _)| k != key).cloned().collect())
+    }
+}
+
+/// The metadata of the current task (empty outside [`with_call_meta`] and handlers).
+pub(crate) fn current_meta() -> CallMeta {
+    META.try_with(|m| m.clone()).unwrap_or_default()
+}
+
+/// The value of `key` in the current task's call metadata.
+pub fn call_meta(key: &str) -> Option<Vec<u8>> {
+    META.try_with(|m| m.get(key).map(<[u8]>::to_vec))
+        .ok()
+        .flatten()
+}
+
+/// Runs `fut` with `key` set to `value` (`None` removes it) in its call metadata, on top of
+/// whatever the current task carries.
+pub async fn with_call_meta<F: Future>(key: &str, value: Option<Vec<u8>>, fut: F) -> F::Output {
+    let base = current_meta();
+    let meta = match value {
+        Some(v) => base.with(key, v),
+        None => base.without(key),
+    };
+    META.scope(meta, fut).await
 }
 
 /// The scope of the current task, if it is running a handler.

@@ -77,7 +77,7 @@ pub use agent::{
 pub use auth::{Secret, SECRET_ENV, SECRET_FILE_ENV};
 pub use blob::{Blob, MessageContext, MessageKind, Payload};
 pub use config::Config;
-pub use context::CallContext;
+pub use context::{call_meta, with_call_meta, CallContext, CallMeta};
 pub use error::{
     error_chain, BoxError, CodecError, InitError, RemoteError, RemoteErrorKind, RpcError,
 };

@@ -22,7 +22,7 @@ use tarpc::server::Channel as _;
 
 use crate::agent::Agent;
 use crate::auth::{self, ConnKind};
-use crate::context::{CallContext, Scope, NO_DEADLINE, SCOPE};
+use crate::context::{CallContext, Scope, META, NO_DEADLINE, SCOPE};
 use crate::error::{RemoteError, RemoteErrorKind};
 use crate::transport::{Conn, Listener};
 use crate::wire::{self, CallOk, CallReply, CallRequest, ServerEnd};
@@ -204,8 +204,9 @@ async fn handle(agent: Agent, deadline: Instant, req: CallRequest, caller: u32) 
         deadline,
         depth: req.depth + 1,
     };
+    let meta = req.meta;
     if let Some(keep) = req.keep {
-        return handle_keep(
+        let fut = handle_keep(
             &agent,
             &req.fn_name,
             entry,
@@ -214,10 +215,10 @@ async fn handle(agent: Agent, deadline: Instant, req: CallRequest, caller: u32) 
             keep,
             req.payload,
             blobs,
-        )
-        .await;
+        );
+        return META.scope(meta, fut).await;
     }
-    let fut = (entry.handler)(ctx, req.payload, blobs);
+    let fut = META.scope(meta, (entry.handler)(ctx, req.payload, blobs));
     let (payload, blobs) = match SCOPE
         .scope(scope, AssertUnwindSafe(fut).catch_unwind())
         .await

@@ -51,6 +51,8 @@ pub(crate) struct CallRequest {
     pub blobs: Vec<WireBlob>,
     /// Keep the result on the callee and hand it to this sink instead of returning it.
     pub keep: Option<KeepTarget>,
+    /// The caller's call metadata (see `context::CallMeta`).
+    pub meta: crate::context::CallMeta,
 }
 
 /// Where a keep-call's result goes on the callee.

@@ -80,6 +80,22 @@ pub async fn whoami(ctx: CallContext) -> Result<(String, String), BoxError> {
     Ok((ctx.caller().name.clone(), ctx.agent().name().to_owned()))
 }
 
+/// Returns the value of call metadata `key` as this worker sees it, and as the worker `next`
+/// sees it from a nested call (if `next` is given).
+#[remote]
+pub async fn meta_seen(
+    ctx: CallContext,
+    key: String,
+    next: Option<u32>,
+) -> Result<(Option<Vec<u8>>, Option<Vec<u8>>), BoxError> {
+    let here = rpc_core::call_meta(&key);
+    let nested = match next {
+        Some(n) => ctx.agent().rpc_async(n, meta_seen, (key, None)).await?.0,
+        None => None,
+    };
+    Ok((here, nested))
+}
+
 /// Returns `n` zero bytes (a result much larger than its arguments).
 #[remote]
 pub async fn zeros(_ctx: CallContext, n: usize) -> Result<Blob, BoxError> {
@@ -215,5 +231,6 @@ pub fn registry_builder() -> rpc_core::RegistryBuilder {
         .and_then(|r| r.register(hang))
         .and_then(|r| r.register(double_local))
         .and_then(|r| r.register(zeros))
+        .and_then(|r| r.register(meta_seen))
         .expect("test functions have distinct names")
 }

@@ -696,3 +696,35 @@ fn duplicate_and_reserved_registrations_are_errors() {
     assert!(r.contains(add));
     assert!(!r.contains(add_i64), "same name, different signature");
 }
+
+#[test]
+fn call_metadata_follows_calls_nested_calls_and_self_calls() {
+    each_transport(30, |t| async move {
+        let a = group(3, t).await;
+        let key = "test.ctx".to_string();
+        let plain = a[0]
+            .rpc_async(1u32, meta_seen, (key.clone(), Some(2)))
+            .await
+            .unwrap();
+        assert_eq!(plain, (None, None));
+        let with = rpc_core::with_call_meta(&key, Some(b"ctx-7".to_vec()), async {
+            let remote = a[0]
+                .rpc_async(1u32, meta_seen, (key.clone(), Some(2)))
+                .await
+                .unwrap();
+            let local = a[0]
+                .rpc_async(0u32, meta_seen, (key.clone(), Some(0)))
+                .await
+                .unwrap();
+            // A future created inside the scope keeps the metadata when awaited elsewhere.
+            let fut = a[0].rpc_async(2u32, meta_seen, (key.clone(), None));
+            (remote, local, fut)
+        })
+        .await;
+        let expect = Some(b"ctx-7".to_vec());
+        assert_eq!(with.0, (expect.clone(), expect.clone()));
+        assert_eq!(with.1, (expect.clone(), expect.clone()));
+        assert_eq!(with.2.await.unwrap().0, expect);
+        shutdown_all(&a).await;
+    });
+}
