@@ -12,6 +12,23 @@ use std::time::Duration;
 /// `anyhow::Error` via `?`) converts into it.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
+/// Longest message a remote error carries (some libraries put whole backtraces in theirs).
+const MAX_MESSAGE: usize = 2048;
+/// Deepest source chain a remote error carries.
+const MAX_CHAIN: usize = 16;
+
+fn bounded(mut s: String) -> String {
+    if s.len() > MAX_MESSAGE {
+        let mut cut = MAX_MESSAGE;
+        while !s.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        s.truncate(cut);
+        s.push_str(" … (truncated)");
+    }
+    s
+}
+
 /// What went wrong on the remote side of a call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[non_exhaustive]
@@ -76,7 +93,7 @@ impl RemoteError {
             kind,
             fn_name: fn_name.to_owned(),
             worker: worker.to_owned(),
-            message: message.into(),
+            message: bounded(message.into()),
             chain: Vec::new(),
         }
     }
@@ -90,14 +107,18 @@ impl RemoteError {
         let mut chain = Vec::new();
         let mut cur = err.source();
         while let Some(e) = cur {
-            chain.push(e.to_string());
+            if chain.len() == MAX_CHAIN {
+                chain.push("…".to_owned());
+                break;
+            }
+            chain.push(bounded(e.to_string()));
             cur = e.source();
         }
         Self {
             kind,
             fn_name: fn_name.to_owned(),
             worker: worker.to_owned(),
-            message: err.to_string(),
+            message: bounded(err.to_string()),
             chain,
         }
     }

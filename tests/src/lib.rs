@@ -9,6 +9,7 @@ use std::future::Future;
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
+pub mod autograd_fns;
 pub mod rref_fns;
 
 use rpc_core::{remote, Blob, BoxError, CallContext, Registry};

@@ -1,0 +1,361 @@
+//! Distributed autograd: contexts, send/recv recording, and backward across workers.
+//!
+//! Semantics follow PyTorch's "Distributed Autograd Design" note. Inside a context (its id
+//! travels in the call metadata under [`CTX_KEY`]), every tensor that takes part in a graph
+//! and is sent in an argument or result records a *send* on the sender (the tensor, with its
+//! graph) and a *recv* on the receiver (a fresh leaf `Var`), both keyed by the sender's message
+//! id. `backward` runs candle's backward locally, keeps the gradients of the worker's own leaf
+//! variables in the context, and sends the gradient of every recv leaf to its sender, which
+//! backpropagates the surrogate `sum(y * g)` (g held constant) from the recorded tensor `y`, and
+//! so on recursively. Each backward RPC returns when its whole subtree is done.
+//!
+//! - AD-1: gradients accumulate in the context, per worker, keyed by the variable's id; the
+//!   variables themselves are never touched.
+//! - AD-2: backward is linear in the incoming gradient, so a tensor sent to several places
+//!   simply receives several gradient messages whose contributions add up.
+//! - AD-3: a recv leaf that got no gradient (an RPC output unused by the loss) sends nothing; no
+//!   worker waits for gradients that will not come.
+//! - AD-4: backward RPCs run without the context in their metadata, so gradients never record
+//!   new send/recv pairs.
+//! - AD-5: releasing a context removes its state on this worker and forwards the release to
+//!   every peer it exchanged tensors with; a worker without state for it stops the cascade.
+
+use candle_core::{Tensor, TensorId, Var};
+use futures::future::BoxFuture;
+use rpc_core::{Agent, BoxError, CallContext, MessageContext, RemoteFn};
+use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crate::error::AutogradError;
+use crate::tensor::{RTensor, Tag};
+
+/// The call-metadata key carrying the current context id.
+pub const CTX_KEY: &str = "autograd.ctx";
+
+#[derive(Default)]
+struct CtxState {
+    sends: HashMap<u64, Tensor>,
+    recvs: HashMap<TensorId, (u32, u64)>,
+    grads: HashMap<TensorId, (Tensor, Tensor)>,
+    peers: BTreeSet<u32>,
+}
+
+pub(crate) struct Container {
+    me: u32,
+    next_ctx: AtomicU64,
+    next_msg: AtomicU64,
+    contexts: Mutex<HashMap<u64, CtxState>>,
+}
+
+fn container(agent: &Agent) -> Arc<Container> {
+    agent.extension(|| Container {
+        me: agent.rank(),
+        next_ctx: AtomicU64::new(1),
+        next_msg: AtomicU64::new(1),
+        contexts: Mutex::new(HashMap::new()),
+    })
+}
+
+impl Container {
+    fn with<R>(&self, ctx: u64, f: impl FnOnce(&mut CtxState) -> R) -> R {
+        let mut m = self.contexts.lock().unwrap_or_else(|p| p.into_inner());
+        f(m.entry(ctx).or_default())
+    }
+}
+
+/// The context id in the current task's call metadata, if any.
+pub fn current_context_id() -> Option<u64> {
+    rpc_core::call_meta(CTX_KEY)
+        .and_then(|b| b.try_into().ok())
+        .map(u64::from_le_bytes)
+}
+
+pub(crate) fn record_send(msg: &MessageContext, t: &Tensor) -> Option<Tag> {
+    let ctx = current_context_id()?;
+    if !t.track_op() {
+        return None;
+    }
+    let c = container(msg.agent());
+    let id = c.next_msg.fetch_add(1, Ordering::Relaxed);
+    c.with(ctx, |s| {
+        s.sends.insert(id, t.clone());
+        s.peers.insert(msg.peer().0);
+    });
+    Some(Tag {
+        ctx,
+        sender: c.me,
+        msg: id,
+    })
+}
+
+pub(crate) fn record_recv(
+    msg: &MessageContext,
+    tag: Tag,
+    t: Tensor,
+) -> candle_core::Result<Tensor> {
+    let c = container(msg.agent());
+    let var = Var::from_tensor(&t)?;
+    let leaf = var.as_tensor().clone();
+    c.with(tag.ctx, |s| {
+        s.recvs.insert(leaf.id(), (tag.sender, tag.msg));
+        s.peers.insert(tag.sender);
+    });
+    Ok(leaf)
+}
+
+/// A distributed autograd context on the worker that opened it. Calls made inside
+/// [`DistContext::run`] carry it; dropping the guard releases it on every worker it touched
+/// (in the background; [`DistContext::release`] waits for it).
+pub struct DistContext {
+    id: u64,
+    agent: Agent,
+    released: bool,
+}
+
+impl std::fmt::Debug for DistContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DistContext({:#x})", self.id)
+    }
+}
+
+/// Opens a context; its id is `rank << 48 | counter`.
+pub fn context(agent: &Agent) -> DistContext {
+    let c = container(agent);
+    let id = (u64::from(agent.rank()) << 48) | c.next_ctx.fetch_add(1, Ordering::Relaxed);
+    c.with(id, |_| ());
+    DistContext {
+        id,
+        agent: agent.clone(),
+        released: false,
+    }
+}
+
+impl DistContext {
+    /// The context's id.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Runs `fut` inside the context: tensors sent in the calls it makes are recorded.
+    pub async fn run<F: std::future::Future>(&self, fut: F) -> F::Output {
+        rpc_core::with_call_meta(CTX_KEY, Some(self.id.to_le_bytes().to_vec()), fut).await
+    }
+
+    /// Runs backward from `roots` (their sum) across every worker the graph touched. Returns
+    /// when every worker has finished; fails naming the worker if one fails or is unreachable.
+    pub async fn backward(&self, roots: &[Tensor]) -> Result<(), AutogradError> {
+        let mut loss: Option<Tensor> = None;
+        for r in roots {
+            let s = r.sum_all()?;
+            loss = Some(match loss {
+                None => s,
+                Some(l) => (l + s)?,
+            });
+        }
+        match loss {
+            Some(l) => run_backward(self.agent.clone(), self.id, l).await,
+            None => Ok(()),
+        }
+    }
+
+    /// This worker's accumulated gradients in the context, by variable id.
+    pub fn gradients(&self) -> HashMap<TensorId, Tensor> {
+        gradients(&self.agent, self.id)
+    }
+
+    /// The gradient of `var` on this worker, if backward reached it.
+    pub fn gradient(&self, var: &Tensor) -> Option<Tensor> {
+        self.gradients().remove(&var.id())
+    }
+
+    /// Releases the context on every worker it touched and waits for that.
+    pub async fn release(mut self) -> Result<(), AutogradError> {
+        self.released = true;
+        release_from(&self.agent, self.id, None).await
+    }
+}
+
+impl Drop for DistContext {
+    fn drop(&mut self) {
+        if self.released {
+            return;
+        }
+        let (agent, id) = (self.agent.clone(), self.id);
+        self.agent.runtime().spawn(async move {
+            if let Err(e) = release_from(&agent, id, None).await {
+                tracing::debug!(ctx = id, cause = %e, "context release incomplete");
+            }
+        });
+    }
+}
+
+/// The gradients accumulated on `agent`'s worker in context `ctx` (for code running on other
+/// workers, such as an optimizer step).
+pub fn gradients(agent: &Agent, ctx: u64) -> HashMap<TensorId, Tensor> {
+    let c = container(agent);
+    let m = c.contexts.lock().unwrap_or_else(|p| p.into_inner());
+    m.get(&ctx)
+        .map(|s| s.grads.iter().map(|(k, (_, g))| (*k, g.clone())).collect())
+        .unwrap_or_default()
+}
+
+/// Number of contexts with state on `agent`'s worker (leaks show here).
+pub fn live_contexts(agent: &Agent) -> usize {
+    container(agent)
+        .contexts
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .len()
+}
+
+fn run_backward(
+    agent: Agent,
+    ctx: u64,
+    loss: Tensor,
+) -> BoxFuture<'static, Result<(), AutogradError>> {
+    Box::pin(async move {
+        let grads = loss.backward()?;
+        let c = container(&agent);
+        let mut outgoing: HashMap<u32, Vec<(u64, RTensor)>> = HashMap::new();
+        {
+            let mut m = c.contexts.lock().unwrap_or_else(|p| p.into_inner());
+            let st = m.entry(ctx).or_default();
+            for node in loss.sorted_nodes() {
+                if !node.is_variable() {
+                    continue;
+                }
+                let Some(g) = grads.get(node) else { continue };
+                let g = g.detach();
+                if let Some((sender, msg)) = st.recvs.get(&node.id()) {
+                    outgoing
+                        .entry(*sender)
+                        .or_default()
+                        .push((*msg, RTensor(g)));
+                } else {
+                    let acc = match st.grads.remove(&node.id()) {
+                        Some((_, old)) => (old + g)?,
+                        None => g,
+                    };
+                    st.grads.insert(node.id(), (node.clone(), acc));
+                }
+            }
+        }
+        // AD-4: upstream gradients travel without the context in the metadata.
+        let calls = outgoing.into_iter().map(|(sender, items)| {
+            let a = agent.clone();
+            async move {
+                rpc_core::with_call_meta(
+                    CTX_KEY,
+                    None,
+                    a.rpc_async(sender, BackwardStep, (ctx, items)),
+                )
+                .await
+                .map_err(|source| AutogradError::Rpc {
+                    worker: a
+                        .get_worker_info(sender)
+                        .map(|w| w.name.clone())
+                        .unwrap_or_default(),
+                    source: Box::new(source),
+                })
+            }
+        });
+        futures::future::try_join_all(calls).await?;
+        Ok(())
+    })
+}
+
+/// Backward step on a sender: gradients for tensors it sent.
+pub(crate) struct BackwardStep;
+
+impl RemoteFn for BackwardStep {
+    const NAME: &'static str = "autograd_dist::backward_step";
+    type Args = (u64, Vec<(u64, RTensor)>);
+    type Output = ();
+    async fn call(
+        cx: CallContext,
+        (ctx, items): (u64, Vec<(u64, RTensor)>),
+    ) -> Result<(), BoxError> {
+        let agent = cx.agent().clone();
+        let c = container(&agent);
+        let pairs: Vec<(Tensor, Tensor)> = {
+            let m = c.contexts.lock().unwrap_or_else(|p| p.into_inner());
+            let st = m.get(&ctx).ok_or_else(|| {
+                format!("no autograd context {ctx:#x} on this worker (released?)")
+            })?;
+            items
+                .into_iter()
+                .map(|(msg, g)| {
+                    st.sends
+                        .get(&msg)
+                        .cloned()
+                        .map(|y| (y, g.0))
+                        .ok_or_else(|| format!("no send {msg} in context {ctx:#x}"))
+                })
+                .collect::<Result<_, _>>()?
+        };
+        let mut surrogate: Option<Tensor> = None;
+        for (y, g) in pairs {
+            let g = g.to_device(y.device())?.to_dtype(y.dtype())?;
+            let s = (y * g)?.sum_all()?;
+            surrogate = Some(match surrogate {
+                None => s,
+                Some(t) => (t + s)?,
+            });
+        }
+        if let Some(s) = surrogate {
+            run_backward(agent, ctx, s).await?;
+        }
+        Ok(())
+    }
+}
+
+/// Release of a context, forwarded along the peers that exchanged tensors in it.
+pub(crate) struct ReleaseContext;
+
+impl RemoteFn for ReleaseContext {
+    const NAME: &'static str = "autograd_dist::release_context";
+    type Args = (u64,);
+    type Output = ();
+    async fn call(cx: CallContext, (ctx,): (u64,)) -> Result<(), BoxError> {
+        let from = cx.caller().id.0;
+        release_from(cx.agent(), ctx, Some(from)).await?;
+        Ok(())
+    }
+}
+
+fn release_from<'a>(
+    agent: &'a Agent,
+    ctx: u64,
+    from: Option<u32>,
+) -> BoxFuture<'a, Result<(), AutogradError>> {
+    Box::pin(async move {
+        let c = container(agent);
+        let removed = c
+            .contexts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&ctx);
+        let Some(state) = removed else { return Ok(()) };
+        let peers: Vec<u32> = state
+            .peers
+            .iter()
+            .copied()
+            .filter(|p| Some(*p) != from && *p != c.me)
+            .collect();
+        drop(state);
+        let calls = peers.into_iter().map(|p| async move {
+            rpc_core::with_call_meta(CTX_KEY, None, agent.rpc_async(p, ReleaseContext, (ctx,)))
+                .await
+                .map_err(|source| AutogradError::Rpc {
+                    worker: agent
+                        .get_worker_info(p)
+                        .map(|w| w.name.clone())
+                        .unwrap_or_default(),
+                    source: Box::new(source),
+                })
+        });
+        futures::future::try_join_all(calls).await?;
+        Ok(())
+    })
+}

@@ -1,0 +1,21 @@
+//! Errors of distributed autograd.
+
+use rpc_core::RpcError;
+
+/// Why a distributed autograd operation failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AutogradError {
+    /// Local tensor computation failed.
+    #[error("tensor operation failed")]
+    Candle(#[from] candle_core::Error),
+    /// A worker of the graph failed or could not be reached.
+    #[error("distributed autograd step on worker `{worker}` failed")]
+    Rpc {
+        /// The worker.
+        worker: String,
+        /// The cause.
+        #[source]
+        source: Box<RpcError>,
+    },
+}

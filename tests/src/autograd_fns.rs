@@ -1,0 +1,138 @@
+//! Remote functions for the distributed autograd tests: parameters live on workers in a
+//! per-process map and are initialized deterministically, so every test can recompute its
+//! model in one process with the same values.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+
+use autograd_dist::RTensor;
+use candle_core::{DType, Device, Tensor, Var};
+use rpc_core::{remote, BoxError, CallContext};
+
+type Params = Mutex<HashMap<(String, String), Var>>;
+
+fn params() -> &'static Params {
+    static P: OnceLock<Params> = OnceLock::new();
+    P.get_or_init(Default::default)
+}
+
+/// Deterministic values for a parameter called `name`.
+pub fn init_value(name: &str, rows: usize, cols: usize) -> Tensor {
+    let salt = name
+        .bytes()
+        .fold(7u64, |h, b| h.wrapping_mul(31).wrapping_add(u64::from(b)));
+    let v: Vec<f64> = (0..rows * cols)
+        .map(|i| {
+            (((i as u64).wrapping_mul(2_654_435_761).wrapping_add(salt) % 1000) as f64 / 1000.0
+                - 0.5)
+                * 0.8
+        })
+        .collect();
+    Tensor::from_vec(v, (rows, cols), &Device::Cpu).expect("shape matches")
+}
+
+fn param(ctx: &CallContext, name: &str) -> Result<Var, BoxError> {
+    params()
+        .lock()
+        .unwrap()
+        .get(&(ctx.agent().name().to_owned(), name.to_owned()))
+        .cloned()
+        .ok_or_else(|| format!("no parameter {name} on {}", ctx.agent().name()).into())
+}
+
+/// Creates parameter `name` on this worker.
+#[remote]
+pub async fn init_param(
+    ctx: CallContext,
+    name: String,
+    rows: usize,
+    cols: usize,
+) -> Result<(), BoxError> {
+    let v = Var::from_tensor(&init_value(&name, rows, cols))?;
+    params()
+        .lock()
+        .unwrap()
+        .insert((ctx.agent().name().to_owned(), name), v);
+    Ok(())
+}
+
+/// `x @ W` (then ReLU if asked) with this worker's parameter `w`.
+#[remote]
+pub async fn linear(
+    ctx: CallContext,
+    w: String,
+    x: RTensor,
+    relu: bool,
+) -> Result<RTensor, BoxError> {
+    let y = x.matmul(param(&ctx, &w)?.as_tensor())?;
+    Ok(RTensor(if relu { y.relu()? } else { y }))
+}
+
+/// `linear` here, then `linear` with `next_w` on worker `next` (a nested call), returned back.
+#[remote]
+pub async fn linear_then(
+    ctx: CallContext,
+    w: String,
+    x: RTensor,
+    next: u32,
+    next_w: String,
+) -> Result<RTensor, BoxError> {
+    let h = x.matmul(param(&ctx, &w)?.as_tensor())?.tanh()?;
+    let out = ctx
+        .agent()
+        .rpc_async(next, linear, (next_w, RTensor(h), false))
+        .await?;
+    Ok(RTensor((out.0 * 2.0)?))
+}
+
+/// The gradient of parameter `w` in autograd context `ctx_id` on this worker.
+#[remote]
+pub async fn param_grad(
+    ctx: CallContext,
+    ctx_id: u64,
+    w: String,
+) -> Result<Option<RTensor>, BoxError> {
+    let v = param(&ctx, &w)?;
+    Ok(autograd_dist::gradients(ctx.agent(), ctx_id)
+        .remove(&v.as_tensor().id())
+        .map(RTensor))
+}
+
+/// Number of autograd contexts with state on this worker.
+#[remote]
+pub async fn live_contexts(ctx: CallContext) -> Result<usize, BoxError> {
+    Ok(autograd_dist::live_contexts(ctx.agent()))
+}
+
+/// Returns its argument (tensors of any dtype and layout).
+#[remote]
+pub async fn echo_tensor(_ctx: CallContext, t: RTensor) -> Result<RTensor, BoxError> {
+    Ok(t)
+}
+
+/// Constructor of a remote tensor: `x @ W` kept on this worker.
+#[remote]
+pub async fn make_activation(ctx: CallContext, w: String, x: RTensor) -> Result<RTensor, BoxError> {
+    Ok(RTensor(x.matmul(param(&ctx, &w)?.as_tensor())?))
+}
+
+/// A deterministic input batch.
+pub fn input(rows: usize, cols: usize) -> Tensor {
+    init_value("input", rows, cols)
+        .to_dtype(DType::F64)
+        .expect("f64")
+}
+
+/// Adds these functions and the engine's to `b`.
+pub fn register(b: rpc_core::RegistryBuilder) -> rpc_core::RegistryBuilder {
+    b.register(init_param)
+        .and_then(|b| b.register(linear))
+        .and_then(|b| b.register(linear_then))
+        .and_then(|b| b.register(param_grad))
+        .and_then(|b| b.register(live_contexts))
+        .and_then(|b| b.register(echo_tensor))
+        .and_then(|b| b.register(make_activation))
+        .and_then(autograd_dist::install)
+        .and_then(rref::install)
+        .expect("distinct names")
+}
