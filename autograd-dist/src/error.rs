@@ -18,4 +18,12 @@ pub enum AutogradError {
         #[source]
         source: Box<RpcError>,
     },
+    /// An optimizer could not be set up.
+    #[error("optimizer on worker `{worker}`: {message}")]
+    Optimizer {
+        /// The owner.
+        worker: String,
+        /// What went wrong.
+        message: String,
+    },
 }

@@ -5,6 +5,7 @@
 //! - [`DeviceSpec`]: `cpu` or `cuda:N` as plain data; CUDA behind the `cuda` feature.
 //! - [`context`]: distributed autograd contexts; [`DistContext::backward`] runs backward
 //!   across every worker the graph touched.
+//! - [`DistributedOptimizer`]: steps every parameter where it lives (SGD, Adam, AdamW).
 //!
 //! Install the engine's functions in every worker's registry with [`install`].
 //!
@@ -12,24 +13,29 @@
 //! - `tensor`: the wire form of tensors and the send/recv hooks.
 //! - `device`: device identity and creation (dummy CUDA module without the feature).
 //! - `engine`: contexts, recording, backward, release (AD-1…).
+//! - `optim`: [`DistributedOptimizer`], [`Parameter`].
 //! - `error`: [`AutogradError`].
 #![deny(missing_docs)]
 
 mod device;
 mod engine;
 mod error;
+mod optim;
 mod tensor;
 
 pub use device::{DeviceError, DeviceSpec};
 pub use engine::{context, current_context_id, gradients, live_contexts, DistContext, CTX_KEY};
 pub use error::AutogradError;
+pub use optim::{parameter_var, DistributedOptimizer, LocalOptimizer, OptimizerKind, Parameter};
 pub use tensor::RTensor;
 
 /// Adds the engine's functions to a worker's registry.
 pub fn install(
     builder: rpc_core::RegistryBuilder,
 ) -> Result<rpc_core::RegistryBuilder, rpc_core::RegistryError> {
-    builder
-        .register(engine::BackwardStep)?
-        .register(engine::ReleaseContext)
+    optim::register(
+        builder
+            .register(engine::BackwardStep)?
+            .register(engine::ReleaseContext)?,
+    )
 }
