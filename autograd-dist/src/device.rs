@@ -9,7 +9,7 @@ use std::fmt;
 use std::str::FromStr;
 
 /// Where a tensor lives: plain identity data, never a handle.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum DeviceSpec {
     /// The CPU.
     Cpu,

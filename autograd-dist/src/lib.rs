@@ -12,18 +12,21 @@
 //! # Layout
 //! - `tensor`: the wire form of tensors and the send/recv hooks.
 //! - `device`: device identity and creation (dummy CUDA module without the feature).
+//! - `devmap`: per-peer device maps, inverted on the reply path (DM-1).
 //! - `engine`: contexts, recording, backward, release (AD-1…).
 //! - `optim`: [`DistributedOptimizer`], [`Parameter`].
 //! - `error`: [`AutogradError`].
 #![deny(missing_docs)]
 
 mod device;
+mod devmap;
 mod engine;
 mod error;
 mod optim;
 mod tensor;
 
 pub use device::{DeviceError, DeviceSpec};
+pub use devmap::{DeviceMapError, DeviceMaps};
 pub use engine::{context, current_context_id, gradients, live_contexts, DistContext, CTX_KEY};
 pub use error::AutogradError;
 pub use optim::{parameter_var, DistributedOptimizer, LocalOptimizer, OptimizerKind, Parameter};

@@ -15,7 +15,7 @@ use serde::ser::{self, Serializer};
 use serde::{Deserialize, Serialize};
 
 use crate::device::DeviceSpec;
-use crate::engine;
+use crate::{devmap, engine};
 
 /// A tensor that can be sent in RPC arguments and results (alone or inside any serde type).
 ///
@@ -165,14 +165,18 @@ fn dtype_name(d: DType) -> &'static str {
 impl Serialize for RTensor {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         let data = to_bytes(&self.0).map_err(ser::Error::custom)?;
-        let tag = match MessageContext::current() {
-            Some(msg) => engine::record_send(&msg, &self.0),
-            None => None,
+        let here = DeviceSpec::of(self.0.device());
+        let (tag, device) = match MessageContext::current() {
+            Some(msg) => (
+                engine::record_send(&msg, &self.0),
+                devmap::target(msg.agent(), msg.peer().0, msg.kind(), here),
+            ),
+            None => (None, here),
         };
         Wire {
             dtype: dtype_name(self.0.dtype()).to_owned(),
             shape: self.0.dims().to_vec(),
-            device: DeviceSpec::of(self.0.device()),
+            device,
             data: Blob::new(data),
             tag,
         }

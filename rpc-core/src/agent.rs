@@ -145,7 +145,12 @@ pub(crate) struct Inner {
     runtime: tokio::runtime::Handle,
     extensions: Mutex<HashMap<std::any::TypeId, Arc<dyn std::any::Any + Send + Sync>>>,
     hooks: Mutex<Vec<ShutdownHook>>,
+    providers: std::sync::RwLock<Vec<(&'static str, MetaProvider)>>,
 }
+
+/// Computes a call-metadata value for each outgoing call from its destination (see
+/// [`Agent::set_meta_provider`]); `None` removes the key for that call.
+pub type MetaProvider = Arc<dyn Fn(WorkerId) -> Option<Vec<u8>> + Send + Sync>;
 
 /// Work to finish before the shutdown barrier (see [`Agent::on_shutdown`]).
 pub type ShutdownHook = Box<dyn Fn() -> futures::future::BoxFuture<'static, ()> + Send + Sync>;
@@ -310,6 +315,7 @@ pub async fn init(config: Config, registry: Registry) -> Result<Agent, InitError
         runtime: tokio::runtime::Handle::current(),
         extensions: Mutex::new(HashMap::new()),
         hooks: Mutex::new(Vec::new()),
+        providers: std::sync::RwLock::new(Vec::new()),
         cfg,
     };
     let agent = Agent {
@@ -390,6 +396,37 @@ impl Agent {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .push(hook);
+    }
+
+    /// Sets the call-metadata key `key` of every outgoing remote call (calls to oneself run
+    /// without serialization and keep the caller's metadata) to what `provider` returns for the
+    /// call's destination. Unlike [`with_call_meta`](crate::with_call_meta),
+    /// the value is per destination and per hop: a callee's own calls get its own providers'
+    /// values. Replaces an earlier provider of the same key.
+    pub fn set_meta_provider(&self, key: &'static str, provider: MetaProvider) {
+        let mut p = self
+            .inner
+            .providers
+            .write()
+            .unwrap_or_else(|e| e.into_inner());
+        p.retain(|(k, _)| *k != key);
+        p.push((key, provider));
+    }
+
+    fn outgoing_meta(&self, to: u32) -> crate::context::CallMeta {
+        let mut meta = current_meta();
+        let p = self
+            .inner
+            .providers
+            .read()
+            .unwrap_or_else(|e| e.into_inner());
+        for (key, provider) in p.iter() {
+            meta = match provider(WorkerId(to)) {
+                Some(v) => meta.with(key, v),
+                None => meta.without(key),
+            };
+        }
+        meta
     }
 
     /// The group's default call timeout (`Duration::ZERO`: none).
@@ -742,7 +779,7 @@ impl Agent {
             payload,
             blobs,
             keep,
-            meta: current_meta(),
+            meta: self.outgoing_meta(to),
         };
         let mut tctx = tarpc::context::current();
         tctx.deadline = deadline.unwrap_or_else(|| Instant::now() + NO_DEADLINE);

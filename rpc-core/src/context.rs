@@ -41,7 +41,7 @@ impl CallMeta {
             .map(|(_, v)| v.as_slice())
     }
 
-    fn with(&self, key: &str, value: Vec<u8>) -> Self {
+    pub(crate) fn with(&self, key: &str, value: Vec<u8>) -> Self {
         let mut m = self.clone();
         match m.0.iter_mut().find(|(k, _)| k == key) {
             Some(slot) => slot.1 = value,
@@ -50,7 +50,7 @@ impl CallMeta {
         m
     }
 
-    fn without(&self, key: &str) -> Self {
+    pub(crate) fn without(&self, key: &str) -> Self {
         Self(self.0.iter().filter(|(k, _)| k != key).cloned().collect())
     }
 }

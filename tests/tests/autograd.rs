@@ -367,3 +367,66 @@ fn asking_for_cuda_without_support_is_an_error() {
         .unwrap_err();
     assert!(err.to_string().contains("cuda:0"), "{err}");
 }
+
+#[test]
+fn device_maps_are_validated_at_install_and_applied_to_requests() {
+    run(60, async {
+        let a = group(3, Transport::Tcp).await;
+        use autograd_dist::{DeviceMapError, DeviceMaps};
+        let err = DeviceMaps::new()
+            .map("nobody", "cpu", "cpu")
+            .unwrap()
+            .install(&a[0])
+            .unwrap_err();
+        assert!(matches!(err, DeviceMapError::UnknownPeer(_)), "{err}");
+        let err = DeviceMaps::new()
+            .map("worker0", "cpu", "cpu")
+            .unwrap()
+            .install(&a[0])
+            .unwrap_err();
+        assert!(matches!(err, DeviceMapError::SelfMap(_)), "{err}");
+        let err = DeviceMaps::new()
+            .map("worker1", "cuda:0", "cpu")
+            .unwrap()
+            .install(&a[0])
+            .unwrap_err();
+        assert!(
+            rpc_core::error_chain(&err).contains("cuda:0"),
+            "a local device that is not usable here: {err}"
+        );
+        // cpu -> cuda:0 for worker1: requests land on cuda:0 there, which this build lacks, so
+        // the callee refuses the arguments with an error naming the device.
+        DeviceMaps::new()
+            .map("worker1", "cpu", "cuda:0")
+            .unwrap()
+            .install(&a[0])
+            .unwrap();
+        let t = RTensor(Tensor::ones(3, DType::F32, &Device::Cpu).unwrap());
+        let err = a[0]
+            .rpc_async(1u32, echo_tensor, (t.clone(),))
+            .await
+            .unwrap_err();
+        assert!(rpc_core::error_chain(&err).contains("cuda:0"), "{err}");
+        // Peers without a map are unaffected; a cpu -> cpu map changes nothing.
+        assert_eq!(
+            a[0].rpc_async(2u32, echo_tensor, (t.clone(),))
+                .await
+                .unwrap()
+                .dims(),
+            &[3]
+        );
+        DeviceMaps::new()
+            .map("worker1", "cpu", "cpu")
+            .unwrap()
+            .install(&a[0])
+            .unwrap();
+        assert_eq!(
+            a[0].rpc_async(1u32, echo_tensor, (t,))
+                .await
+                .unwrap()
+                .dims(),
+            &[3]
+        );
+        shutdown_all(&a).await;
+    });
+}

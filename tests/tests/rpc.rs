@@ -728,3 +728,39 @@ fn call_metadata_follows_calls_nested_calls_and_self_calls() {
         shutdown_all(&a).await;
     });
 }
+
+#[test]
+fn meta_providers_set_a_value_per_destination() {
+    each_transport(30, |t| async move {
+        let a = group(3, t).await;
+        a[0].set_meta_provider(
+            "test.hop",
+            std::sync::Arc::new(|to: rpc_core::WorkerId| Some(vec![to.0 as u8])),
+        );
+        let key = "test.hop".to_string();
+        // worker1 sees the value computed for it; its own call to worker2 carries its handler's
+        // metadata (worker1 has no provider of its own).
+        assert_eq!(
+            a[0].rpc_async(1u32, meta_seen, (key.clone(), Some(2)))
+                .await
+                .unwrap(),
+            (Some(vec![1]), Some(vec![1]))
+        );
+        assert_eq!(
+            a[0].rpc_async(2u32, meta_seen, (key.clone(), None))
+                .await
+                .unwrap()
+                .0,
+            Some(vec![2])
+        );
+        // A provider overrides an inherited value, and `None` removes it.
+        a[1].set_meta_provider("test.hop", std::sync::Arc::new(|_| None));
+        assert_eq!(
+            a[0].rpc_async(1u32, meta_seen, (key, Some(2)))
+                .await
+                .unwrap(),
+            (Some(vec![1]), None)
+        );
+        shutdown_all(&a).await;
+    });
+}
