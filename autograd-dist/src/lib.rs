@@ -29,7 +29,9 @@ pub use device::{DeviceError, DeviceSpec};
 pub use devmap::{DeviceMapError, DeviceMaps};
 pub use engine::{context, current_context_id, gradients, live_contexts, DistContext, CTX_KEY};
 pub use error::AutogradError;
-pub use optim::{parameter_var, DistributedOptimizer, LocalOptimizer, OptimizerKind, Parameter};
+pub use optim::{
+    parameter_rrefs, parameter_var, DistributedOptimizer, LocalOptimizer, OptimizerKind, Parameter,
+};
 pub use tensor::RTensor;
 
 /// Adds the engine's functions to a worker's registry.

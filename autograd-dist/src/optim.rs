@@ -45,6 +45,22 @@ impl<'de> Deserialize<'de> for Parameter {
     }
 }
 
+/// Owner-local references to a shard's parameters, to return from a remote method and hand to
+/// a [`DistributedOptimizer`] (PyTorch's `parameter_rrefs()`). The references share the
+/// variables: optimizer steps update the shard's model in place.
+///
+/// ```
+/// # async fn demo(agent: rpc_core::Agent) {
+/// let varmap = candle_nn::VarMap::new();
+/// let refs = autograd_dist::parameter_rrefs(&agent, varmap.all_vars());
+/// # }
+/// ```
+pub fn parameter_rrefs(agent: &Agent, vars: impl IntoIterator<Item = Var>) -> Vec<RRef<Parameter>> {
+    vars.into_iter()
+        .map(|v| RRef::new(agent, Parameter(v)))
+        .collect()
+}
+
 /// The variable behind a parameter reference (on its owner).
 pub async fn parameter_var(p: &RRef<Parameter>) -> Result<Var, RRefError> {
     Ok(p.local_value().await?.lock().await.0.clone())

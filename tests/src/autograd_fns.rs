@@ -123,7 +123,30 @@ pub fn input(rows: usize, cols: usize) -> Tensor {
         .expect("f64")
 }
 
-/// Adds these functions and the engine's to `b`.
+/// A remote tensor's method: adds `t` to the tensor behind `this` (runs on its owner).
+#[remote]
+pub async fn add_to(
+    _ctx: CallContext,
+    this: rref::RRef<RTensor>,
+    t: RTensor,
+) -> Result<RTensor, BoxError> {
+    let v = this.local_value().await?;
+    let g = v.lock().await;
+    Ok(RTensor((&g.0 + &t.0)?))
+}
+
+/// Calls `add_to` on a tensor reference from this worker (a user of it): RRef method proxy
+/// with a tensor argument and result.
+#[remote]
+pub async fn keep_and_add(
+    _ctx: CallContext,
+    r: rref::RRef<RTensor>,
+    t: RTensor,
+) -> Result<RTensor, BoxError> {
+    Ok(r.rpc_async(add_to, (t,)).await?)
+}
+
+/// Adds these functions and the engine's to `b` (which must already have `rref::install`).
 pub fn register(b: rpc_core::RegistryBuilder) -> rpc_core::RegistryBuilder {
     b.register(init_param)
         .and_then(|b| b.register(linear))
@@ -132,7 +155,8 @@ pub fn register(b: rpc_core::RegistryBuilder) -> rpc_core::RegistryBuilder {
         .and_then(|b| b.register(live_contexts))
         .and_then(|b| b.register(echo_tensor))
         .and_then(|b| b.register(make_activation))
+        .and_then(|b| b.register(add_to))
+        .and_then(|b| b.register(keep_and_add))
         .and_then(autograd_dist::install)
-        .and_then(rref::install)
         .expect("distinct names")
 }

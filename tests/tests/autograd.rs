@@ -10,12 +10,16 @@ use integration_tests::run;
 use rpc_core::testing::{start_group, transport_name, transports};
 use rpc_core::{Agent, Registry, Secret, Transport};
 
+fn registry() -> Registry {
+    register(rref::install(Registry::builder()).unwrap()).build()
+}
+
 async fn group(n: u32, t: Transport) -> Vec<Agent> {
     start_group(
         n,
         t,
         Secret::generate(),
-        |_| register(Registry::builder()).build(),
+        |_| registry(),
         |_, c| c.with_rpc_timeout(Duration::from_secs(20)),
     )
     .await
@@ -301,6 +305,28 @@ fn tensors_of_every_dtype_and_layout_round_trip() {
                 assert!(back.is_contiguous());
             }
         }
+        // Tensors through remote references: created remotely, an RRef method with a tensor
+        // argument, to_here.
+        let r = rref::RRef::new(&a[1], RTensor(base.clone()));
+        let sum = a[1]
+            .rpc_async(0u32, echo_tensor, (RTensor(base.clone()),))
+            .await
+            .unwrap();
+        let shared = a[1]
+            .rpc_async(0u32, keep_and_add, (r.clone(), sum))
+            .await
+            .unwrap();
+        assert_eq!(
+            shared
+                .to_dtype(DType::F64)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap(),
+            2.0 * 276.0
+        );
+        assert_eq!(r.to_here().await.unwrap().dims(), &[2, 3, 4]);
         // A large tensor takes the bulk path.
         let big = Tensor::ones((1024, 1024), DType::F32, &Device::Cpu).unwrap();
         let back = a[0]
@@ -322,7 +348,7 @@ fn a_dead_worker_fails_backward_naming_it() {
             2,
             Transport::Tcp,
             Secret::generate(),
-            |_| register(Registry::builder()).build(),
+            |_| registry(),
             |_, c| {
                 c.with_rpc_timeout(Duration::from_secs(3))
                     .with_shutdown_timeout(Duration::from_millis(300))

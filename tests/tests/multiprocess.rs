@@ -197,3 +197,19 @@ fn remote_references_across_processes_are_counted_exactly() {
     }
     assert_eq!(p.wait_all(Duration::from_secs(30)), vec![Some(0); 3]);
 }
+
+#[test]
+fn distributed_backward_across_processes_matches_one_process() {
+    let (_rt, mut p) = start(&["drive-autograd", "serve", "serve"]);
+    let result = p.expect(0, "RESULT", Duration::from_secs(60));
+    let v: serde_json::Value = serde_json::from_str(&result).unwrap();
+    let d = v["max_abs_diff"].as_f64().unwrap();
+    assert!(d <= 1e-6, "max abs diff {d}");
+    for rank in 0..3 {
+        assert_eq!(
+            p.expect(rank, "SHUTDOWN", Duration::from_secs(30)),
+            "clean=true barrier=Ok(())"
+        );
+    }
+    assert_eq!(p.wait_all(Duration::from_secs(30)), vec![Some(0); 3]);
+}

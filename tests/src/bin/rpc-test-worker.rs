@@ -7,6 +7,9 @@
 //! - `drive`: (rank 0) exercises calls across the processes, prints `RESULT <json>`;
 //! - `drive-rref`: (rank 0) shares remote references across the processes in every direction,
 //!   drops them, waits for every worker to be quiescent, prints `RESULT <json>`;
+//! - `drive-autograd`: (rank 0) runs distributed backward through an MLP split over the three
+//!   processes and prints `RESULT <json>` with the largest difference from one-process
+//!   gradients;
 //! - `drive-kill`: (rank 0) starts a long call to rank 1, prints `CALLING`, and once the test
 //!   has killed rank 1 prints `ERROR <json>` describing how the call failed.
 
@@ -54,7 +57,7 @@ fn main() -> anyhow::Result<()> {
             // Servers wait long at the barrier (until the driver is done); drivers use a short
             // timeout so a killed peer is given up on quickly.
             .with_shutdown_timeout(Duration::from_secs(if scenario == "serve" { 60 } else { 3 }));
-        let registry = integration_tests::rref_fns::register(registry_builder()).build();
+        let registry = integration_tests::autograd_fns::register(integration_tests::rref_fns::register(registry_builder())).build();
         let agent = rpc_core::init(cfg, registry).await?;
         say(format!("READY {} {}", agent.name(), agent.local_addr()));
         match scenario.as_str() {
@@ -120,6 +123,52 @@ fn main() -> anyhow::Result<()> {
                     "RESULT {}",
                     serde_json::json!({ "read_by_2": read_by_2, "method": method, "fetched": fetched, "quiescent": quiet })
                 ));
+            }
+            "drive-autograd" => {
+                use autograd_dist::RTensor;
+                use integration_tests::autograd_fns as f;
+                for (w, name, r, c) in [(0u32, "p.w0", 4, 8), (1, "p.w1", 8, 6), (2, "p.w2", 6, 3)] {
+                    agent.rpc_async(w, f::init_param, (name.to_string(), r, c)).await?;
+                }
+                let x = f::input(5, 4);
+                let ctx = autograd_dist::context(&agent);
+                let loss = ctx
+                    .run(async {
+                        let h0 = agent.rpc_async(0u32, f::linear, ("p.w0".into(), RTensor(x.clone()), true)).await?;
+                        let h1 = agent.rpc_async(1u32, f::linear, ("p.w1".into(), h0, true)).await?;
+                        let h2 = agent.rpc_async(2u32, f::linear, ("p.w2".into(), h1, false)).await?;
+                        anyhow::Ok(h2.0.sqr()?.mean_all()?)
+                    })
+                    .await?;
+                ctx.backward(&[loss]).await?;
+                let vars: Vec<_> = [("p.w0", 4, 8), ("p.w1", 8, 6), ("p.w2", 6, 3)]
+                    .iter()
+                    .map(|(n, r, c)| candle_core::Var::from_tensor(&f::init_value(n, *r, *c)))
+                    .collect::<Result<_, _>>()?;
+                let local = x
+                    .matmul(vars[0].as_tensor())?
+                    .relu()?
+                    .matmul(vars[1].as_tensor())?
+                    .relu()?
+                    .matmul(vars[2].as_tensor())?
+                    .sqr()?
+                    .mean_all()?;
+                let g = local.backward()?;
+                let mut worst = 0f64;
+                for (w, (name, v)) in ["p.w0", "p.w1", "p.w2"].iter().zip(&vars).enumerate() {
+                    let remote = agent
+                        .rpc_async(w as u32, f::param_grad, (ctx.id(), name.to_string()))
+                        .await?
+                        .context("missing gradient")?;
+                    let d = (remote.0 - g.get(v.as_tensor()).context("missing local gradient")?)?
+                        .abs()?
+                        .flatten_all()?
+                        .max(0)?
+                        .to_scalar::<f64>()?;
+                    worst = worst.max(d);
+                }
+                ctx.release().await?;
+                say(format!("RESULT {}", serde_json::json!({ "max_abs_diff": worst })));
             }
             "drive-kill" => {
                 let call = agent.rpc_async(1u32, hang, (1, 60));
