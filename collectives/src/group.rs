@@ -1,0 +1,453 @@
+//! Process groups and the ring collectives.
+
+use candle_core::{DType, Tensor};
+use rpc_core::Agent;
+use std::sync::Arc;
+
+use crate::mailbox::{effective_timeout, mailbox, send_tagged, Abort, Header, P2pError, Tag};
+
+/// How values combine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ReduceOp {
+    /// Element-wise sum.
+    Sum,
+    /// Element-wise mean over the group's members.
+    Mean,
+    /// Element-wise maximum.
+    Max,
+    /// Element-wise minimum.
+    Min,
+}
+
+/// Why a collective failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CollectiveError {
+    /// This worker is not a member of the group.
+    #[error("rank {rank} is not a member of group {members:?}")]
+    NotMember {
+        /// This worker's rank.
+        rank: u32,
+        /// The group's ranks.
+        members: Vec<u32>,
+    },
+    /// The group's members disagree (COL-1) or the call is invalid.
+    #[error("{op} on group {members:?} failed: {message}")]
+    Failed {
+        /// The collective.
+        op: &'static str,
+        /// The group's ranks.
+        members: Vec<u32>,
+        /// What went wrong (the same on every member for a mismatch).
+        message: String,
+    },
+    /// Sending or receiving failed.
+    #[error("{op} on group {members:?}: message exchange failed")]
+    Exchange {
+        /// The collective.
+        op: &'static str,
+        /// The group's ranks.
+        members: Vec<u32>,
+        /// The cause.
+        #[source]
+        source: P2pError,
+    },
+    /// Local tensor computation failed.
+    #[error("tensor operation failed")]
+    Candle(#[from] candle_core::Error),
+}
+
+/// A set of ranks that run collectives together. Handles on the same ranks share one sequence
+/// of operations per worker, so creating the group again continues where the last handle was.
+#[derive(Clone)]
+pub struct ProcessGroup {
+    agent: Agent,
+    ranks: Arc<Vec<u32>>,
+    id: u64,
+}
+
+impl std::fmt::Debug for ProcessGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProcessGroup")
+            .field("ranks", &self.ranks)
+            .finish()
+    }
+}
+
+/// The group of every worker.
+pub fn world(agent: &Agent) -> ProcessGroup {
+    let ranks: Vec<u32> = (0..agent.world_size() as u32).collect();
+    new_group(agent, &ranks).expect("the world is a valid group")
+}
+
+/// A group of `ranks` (every member must create it with the same ranks).
+pub fn new_group(agent: &Agent, ranks: &[u32]) -> Result<ProcessGroup, CollectiveError> {
+    let mut r = ranks.to_vec();
+    r.sort_unstable();
+    r.dedup();
+    if r.is_empty() || r.iter().any(|&x| x as usize >= agent.world_size()) {
+        return Err(CollectiveError::Failed {
+            op: "new_group",
+            members: r,
+            message: format!(
+                "ranks must be non-empty and below the world size {}",
+                agent.world_size()
+            ),
+        });
+    }
+    // FNV-1a over the member list: the same id on every member; never 0 (point to point).
+    let id = r
+        .iter()
+        .flat_map(|x| x.to_le_bytes())
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+        })
+        | 1;
+    Ok(ProcessGroup {
+        agent: agent.clone(),
+        ranks: Arc::new(r),
+        id,
+    })
+}
+
+/// A collective running in the background; `wait` for its result.
+#[must_use = "a collective's outcome is only known by waiting for it"]
+pub struct Work<T>(tokio::task::JoinHandle<Result<T, CollectiveError>>);
+
+impl<T> Work<T> {
+    /// Waits for the collective.
+    pub async fn wait(self) -> Result<T, CollectiveError> {
+        self.0.await.map_err(|e| CollectiveError::Exchange {
+            op: "task",
+            members: Vec::new(),
+            source: P2pError::Task(e.to_string()),
+        })?
+    }
+}
+
+fn combine(op: ReduceOp, a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    match op {
+        ReduceOp::Sum | ReduceOp::Mean => a + b,
+        ReduceOp::Max => a.maximum(b),
+        ReduceOp::Min => a.minimum(b),
+    }
+}
+
+/// One collective call's bookkeeping.
+struct Op<'a> {
+    g: &'a ProcessGroup,
+    name: &'static str,
+    seq: u64,
+    me: usize,
+    header: Header,
+}
+
+impl Op<'_> {
+    fn n(&self) -> usize {
+        self.g.ranks.len()
+    }
+
+    fn peer(&self, offset: isize) -> u32 {
+        let n = self.n() as isize;
+        self.g.ranks[((self.me as isize + offset) % n + n) as usize % self.n()]
+    }
+
+    fn tag(&self, step: u32) -> Tag {
+        Tag {
+            group: self.g.id,
+            seq: self.seq,
+            step,
+        }
+    }
+
+    fn exchange_err(&self, source: P2pError) -> CollectiveError {
+        CollectiveError::Exchange {
+            op: self.name,
+            members: self.g.ranks.to_vec(),
+            source,
+        }
+    }
+
+    async fn send(&self, to: u32, step: u32, t: Tensor) -> Result<(), CollectiveError> {
+        send_tagged(&self.g.agent, to, self.tag(step), self.header.clone(), t)
+            .await
+            .map_err(|e| self.exchange_err(e))
+    }
+
+    /// Receives and checks the sender's header against ours (COL-1).
+    async fn recv(&self, from: u32, step: u32) -> Result<Tensor, CollectiveError> {
+        let timeout = effective_timeout(&self.g.agent);
+        let got = mailbox(&self.g.agent)
+            .take(from, self.tag(step), timeout)
+            .await;
+        let (h, t) = got.map_err(|message| CollectiveError::Failed {
+            op: self.name,
+            members: self.g.ranks.to_vec(),
+            message,
+        })?;
+        if h != self.header {
+            let why = format!(
+                "rank {from} has a {} tensor of shape {:?}, rank {} has a {} tensor of shape {:?}",
+                h.dtype,
+                h.dims,
+                self.g.agent.rank(),
+                self.header.dtype,
+                self.header.dims
+            );
+            self.abort_all(&why).await;
+            return Err(CollectiveError::Failed {
+                op: self.name,
+                members: self.g.ranks.to_vec(),
+                message: why,
+            });
+        }
+        Ok(t)
+    }
+
+    async fn abort_all(&self, why: &str) {
+        let agent = &self.g.agent;
+        mailbox(agent).abort(self.g.id, self.seq, why.to_owned());
+        let calls = self
+            .g
+            .ranks
+            .iter()
+            .filter(|&&r| r != agent.rank())
+            .map(|&r| {
+                rpc_core::with_call_meta(
+                    autograd_dist::CTX_KEY,
+                    None,
+                    agent.rpc_async(r, Abort, (self.g.id, self.seq, why.to_owned())),
+                )
+            });
+        let _ = futures::future::join_all(calls).await;
+    }
+}
+
+impl ProcessGroup {
+    /// The group's ranks, sorted.
+    pub fn ranks(&self) -> &[u32] {
+        &self.ranks
+    }
+
+    /// The number of members.
+    pub fn size(&self) -> usize {
+        self.ranks.len()
+    }
+
+    fn begin(&self, name: &'static str, t: &Tensor) -> Result<Op<'_>, CollectiveError> {
+        let seq = mailbox(&self.agent).next_seq(self.id);
+        self.begin_at(name, t, seq)
+    }
+
+    fn begin_at(
+        &self,
+        name: &'static str,
+        t: &Tensor,
+        seq: u64,
+    ) -> Result<Op<'_>, CollectiveError> {
+        let rank = self.agent.rank();
+        let me = self.ranks.iter().position(|&r| r == rank).ok_or_else(|| {
+            CollectiveError::NotMember {
+                rank,
+                members: self.ranks.to_vec(),
+            }
+        })?;
+        Ok(Op {
+            g: self,
+            name,
+            seq,
+            me,
+            header: Header {
+                dims: t.dims().to_vec(),
+                dtype: t.dtype().as_str().to_owned(),
+            },
+        })
+    }
+
+    fn end(&self, op: &Op<'_>) {
+        mailbox(&self.agent).finish(self.id, op.seq);
+    }
+
+    /// Reduces `t` element-wise over the group; every member gets the same result.
+    ///
+    /// The ring: `n - 1` reduce-scatter steps, then `n - 1` all-gather steps, each sending one
+    /// `1/n` chunk to the next rank while receiving one from the previous.
+    pub async fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor, CollectiveError> {
+        let o = self.begin("all_reduce", t)?;
+        let out = self.ring_all_reduce(&o, t, op).await;
+        self.end(&o);
+        out
+    }
+
+    async fn ring_all_reduce(
+        &self,
+        o: &Op<'_>,
+        t: &Tensor,
+        op: ReduceOp,
+    ) -> Result<Tensor, CollectiveError> {
+        let n = o.n();
+        if n == 1 {
+            return Ok(t.clone());
+        }
+        let mut chunks = self.split(t, n)?;
+        self.reduce_scatter_steps(o, &mut chunks, op).await?;
+        self.all_gather_steps(o, &mut chunks, n as u32 - 1).await?;
+        let mut out = Tensor::cat(&chunks, 0)?.reshape(t.dims())?;
+        if op == ReduceOp::Mean {
+            out = (out / n as f64)?;
+        }
+        Ok(out)
+    }
+
+    /// `n` chunks of the flattened tensor, sizes differing by at most one element.
+    fn split(&self, t: &Tensor, n: usize) -> candle_core::Result<Vec<Tensor>> {
+        let flat = t.flatten_all()?;
+        let len = flat.elem_count();
+        let (base, extra) = (len / n, len % n);
+        let mut start = 0;
+        (0..n)
+            .map(|i| {
+                let size = base + usize::from(i < extra);
+                let c = flat.narrow(0, start, size);
+                start += size;
+                c
+            })
+            .collect()
+    }
+
+    /// After these steps member `i` holds the fully reduced chunk `i`.
+    async fn reduce_scatter_steps(
+        &self,
+        o: &Op<'_>,
+        chunks: &mut [Tensor],
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
+        let n = o.n();
+        let (next, prev) = (o.peer(1), o.peer(-1));
+        for s in 0..n - 1 {
+            let send_idx = (o.me + 2 * n - s - 1) % n;
+            let recv_idx = (o.me + 2 * n - s - 2) % n;
+            let (sent, got) = tokio::join!(
+                o.send(next, s as u32, chunks[send_idx].clone()),
+                o.recv(prev, s as u32)
+            );
+            sent?;
+            chunks[recv_idx] = combine(op, &chunks[recv_idx], &got?)?;
+        }
+        Ok(())
+    }
+
+    /// Circulates the chunks: after these steps every member holds every chunk.
+    async fn all_gather_steps(
+        &self,
+        o: &Op<'_>,
+        chunks: &mut [Tensor],
+        first_step: u32,
+    ) -> Result<(), CollectiveError> {
+        let n = o.n();
+        let (next, prev) = (o.peer(1), o.peer(-1));
+        for s in 0..n - 1 {
+            let send_idx = (o.me + n - s) % n;
+            let recv_idx = (o.me + 2 * n - s - 1) % n;
+            let step = first_step + s as u32;
+            let (sent, got) = tokio::join!(
+                o.send(next, step, chunks[send_idx].clone()),
+                o.recv(prev, step)
+            );
+            sent?;
+            chunks[recv_idx] = got?;
+        }
+        Ok(())
+    }
+
+    /// Reduces `t` over the group and returns this member's `1/n` chunk of the flattened
+    /// result (member `i` gets chunk `i`; chunk sizes differ by at most one element).
+    pub async fn reduce_scatter(
+        &self,
+        t: &Tensor,
+        op: ReduceOp,
+    ) -> Result<Tensor, CollectiveError> {
+        let o = self.begin("reduce_scatter", t)?;
+        let out = async {
+            let n = o.n();
+            let mut chunks = self.split(t, n)?;
+            if n > 1 {
+                self.reduce_scatter_steps(&o, &mut chunks, op).await?;
+            }
+            let mine = chunks.swap_remove(o.me);
+            Ok(if op == ReduceOp::Mean {
+                (mine / n as f64)?
+            } else {
+                mine
+            })
+        }
+        .await;
+        self.end(&o);
+        out
+    }
+
+    /// Every member's `t`, in member order (all must have the same shape and dtype).
+    pub async fn all_gather(&self, t: &Tensor) -> Result<Vec<Tensor>, CollectiveError> {
+        let o = self.begin("all_gather", t)?;
+        let out = async {
+            let n = o.n();
+            let mut all: Vec<Tensor> = vec![t.clone(); n];
+            if n > 1 {
+                self.all_gather_steps(&o, &mut all, 0).await?;
+            }
+            Ok(all)
+        }
+        .await;
+        self.end(&o);
+        out
+    }
+
+    /// `root`'s `t` on every member (`t` gives the shape and dtype on the others).
+    pub async fn broadcast(&self, t: &Tensor, root: u32) -> Result<Tensor, CollectiveError> {
+        let o = self.begin("broadcast", t)?;
+        let out = async {
+            if !self.ranks.contains(&root) {
+                return Err(CollectiveError::Failed {
+                    op: "broadcast",
+                    members: self.ranks.to_vec(),
+                    message: format!("root {root} is not a member"),
+                });
+            }
+            if self.agent.rank() == root {
+                let sends = self
+                    .ranks
+                    .iter()
+                    .filter(|&&r| r != root)
+                    .map(|&r| o.send(r, 0, t.clone()));
+                futures::future::try_join_all(sends).await?;
+                Ok(t.clone())
+            } else {
+                o.recv(root, 0).await
+            }
+        }
+        .await;
+        self.end(&o);
+        out
+    }
+
+    /// Returns once every member has called it.
+    pub async fn barrier(&self) -> Result<(), CollectiveError> {
+        let token = Tensor::zeros(1, DType::U8, &candle_core::Device::Cpu)?;
+        self.all_reduce(&token, ReduceOp::Max).await.map(|_| ())
+    }
+
+    /// [`ProcessGroup::all_reduce`] in the background, so communication overlaps computation.
+    pub fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Work<Tensor> {
+        let (g, t) = (self.clone(), t.clone());
+        // The sequence number is taken now, in call order, not when the task first runs:
+        // every member must pair this call with the same call on the others.
+        let seq = mailbox(&self.agent).next_seq(self.id);
+        Work(self.agent.runtime().spawn(async move {
+            let o = g.begin_at("all_reduce", &t, seq)?;
+            let out = g.ring_all_reduce(&o, &t, op).await;
+            g.end(&o);
+            out
+        }))
+    }
+}

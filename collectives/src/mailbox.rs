@@ -1,0 +1,296 @@
+//! Messages matched by (source, tag), and per-operation aborts.
+
+use candle_core::Tensor;
+use rpc_core::{Agent, BoxError, CallContext, RemoteFn, ToWorker};
+use serde::{Deserialize, Serialize};
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::oneshot;
+
+use autograd_dist::RTensor;
+
+/// Names a message: its operation (group and sequence number, or the user's p2p tag) and step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub(crate) struct Tag {
+    pub group: u64,
+    pub seq: u64,
+    pub step: u32,
+}
+
+/// The group id of user point-to-point messages.
+pub(crate) const P2P: u64 = 0;
+
+/// Shape and dtype of a collective's whole input, checked by every receiver (COL-1).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Header {
+    pub dims: Vec<usize>,
+    pub dtype: String,
+}
+
+type Msg = Result<(Header, Tensor), String>;
+
+#[derive(Default)]
+struct Inner {
+    queued: HashMap<(u32, Tag), VecDeque<(Header, Tensor)>>,
+    waiting: HashMap<(u32, Tag), VecDeque<oneshot::Sender<Msg>>>,
+    /// Aborted operations; kept after they end so that their late messages are dropped.
+    aborted: HashMap<(u64, u64), String>,
+    /// Next sequence number per group, shared by every handle on the group.
+    next_seq: HashMap<u64, u64>,
+}
+
+#[derive(Default)]
+pub(crate) struct Mailbox {
+    inner: Mutex<Inner>,
+}
+
+pub(crate) fn mailbox(agent: &Agent) -> Arc<Mailbox> {
+    agent.extension(Mailbox::default)
+}
+
+impl Mailbox {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes the group's next sequence number.
+    pub(crate) fn next_seq(&self, group: u64) -> u64 {
+        let mut m = self.lock();
+        let s = m.next_seq.entry(group).or_insert(1);
+        *s += 1;
+        *s - 1
+    }
+
+    fn deliver(&self, from: u32, tag: Tag, header: Header, t: Tensor) {
+        let mut m = self.lock();
+        if m.aborted.contains_key(&(tag.group, tag.seq)) {
+            return;
+        }
+        let key = (from, tag);
+        let mut item = Some((header, t));
+        if let Some(ws) = m.waiting.get_mut(&key) {
+            while let Some(w) = ws.pop_front() {
+                match w.send(Ok(item.take().expect("one item"))) {
+                    Ok(()) => break,
+                    Err(back) => item = back.ok(),
+                }
+            }
+            if ws.is_empty() {
+                m.waiting.remove(&key);
+            }
+        }
+        if let Some(item) = item {
+            m.queued.entry(key).or_default().push_back(item);
+        }
+    }
+
+    pub(crate) fn abort(&self, group: u64, seq: u64, why: String) {
+        let mut m = self.lock();
+        m.aborted.insert((group, seq), why.clone());
+        let keys: Vec<_> = m
+            .waiting
+            .keys()
+            .filter(|(_, t)| t.group == group && t.seq == seq)
+            .copied()
+            .collect();
+        for k in keys {
+            for w in m.waiting.remove(&k).unwrap_or_default() {
+                let _ = w.send(Err(why.clone()));
+            }
+        }
+    }
+
+    /// Drops what an operation left queued (messages of an aborted operation).
+    pub(crate) fn finish(&self, group: u64, seq: u64) {
+        let mut m = self.lock();
+        m.queued
+            .retain(|(_, t), _| !(t.group == group && t.seq == seq));
+    }
+
+    pub(crate) async fn take(&self, from: u32, tag: Tag, timeout: Duration) -> Msg {
+        let rx = {
+            let mut m = self.lock();
+            if let Some(why) = m.aborted.get(&(tag.group, tag.seq)) {
+                return Err(why.clone());
+            }
+            let key = (from, tag);
+            if let Some(q) = m.queued.get_mut(&key) {
+                if let Some(item) = q.pop_front() {
+                    if q.is_empty() {
+                        m.queued.remove(&key);
+                    }
+                    return Ok(item);
+                }
+            }
+            let (tx, rx) = oneshot::channel();
+            m.waiting.entry(key).or_default().push_back(tx);
+            rx
+        };
+        let until = Instant::now() + timeout;
+        match tokio::time::timeout_at(until.into(), rx).await {
+            Ok(Ok(m)) => m,
+            Ok(Err(_)) => Err("the mailbox closed".into()),
+            Err(_) => Err(format!(
+                "no message from rank {from} (tag {tag:?}) within {timeout:?}"
+            )),
+        }
+    }
+}
+
+/// Sender → receiver: one tensor message.
+pub(crate) struct Deliver;
+
+impl RemoteFn for Deliver {
+    const NAME: &'static str = "collectives::deliver";
+    type Args = (Tag, Header, RTensor);
+    type Output = ();
+    async fn call(cx: CallContext, (tag, header, t): Self::Args) -> Result<(), BoxError> {
+        mailbox(cx.agent()).deliver(cx.caller().id.0, tag, header, t.0);
+        Ok(())
+    }
+}
+
+/// Any member → every member: the operation failed.
+pub(crate) struct Abort;
+
+impl RemoteFn for Abort {
+    const NAME: &'static str = "collectives::abort";
+    type Args = (u64, u64, String);
+    type Output = ();
+    async fn call(cx: CallContext, (group, seq, why): Self::Args) -> Result<(), BoxError> {
+        mailbox(cx.agent()).abort(group, seq, why);
+        Ok(())
+    }
+}
+
+/// Why a point-to-point operation failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum P2pError {
+    /// The message could not be delivered.
+    #[error("send to worker `{worker}` failed")]
+    Send {
+        /// The receiver.
+        worker: String,
+        /// The cause.
+        #[source]
+        source: Box<rpc_core::RpcError>,
+    },
+    /// No message arrived in time, or the operation was aborted.
+    #[error("receive failed: {0}")]
+    Recv(String),
+    /// The background task failed.
+    #[error("the operation's task failed: {0}")]
+    Task(String),
+}
+
+pub(crate) async fn send_tagged(
+    agent: &Agent,
+    to: u32,
+    tag: Tag,
+    header: Header,
+    t: Tensor,
+) -> Result<(), P2pError> {
+    // Collective traffic never takes part in distributed autograd.
+    let call = agent.rpc_async(to, Deliver, (tag, header, RTensor(t)));
+    rpc_core::with_call_meta(autograd_dist::CTX_KEY, None, call)
+        .await
+        .map_err(|source| P2pError::Send {
+            worker: agent
+                .get_worker_info(to)
+                .map(|w| w.name.clone())
+                .unwrap_or_default(),
+            source: Box::new(source),
+        })
+}
+
+fn header(t: &Tensor) -> Header {
+    Header {
+        dims: t.dims().to_vec(),
+        dtype: t.dtype().as_str().to_owned(),
+    }
+}
+
+fn rank_of(agent: &Agent, w: impl ToWorker) -> Result<u32, P2pError> {
+    agent
+        .get_worker_info(w)
+        .map(|i| i.id.0)
+        .map_err(|e| P2pError::Recv(e.to_string()))
+}
+
+/// Sends `t` to `to` under `tag`; returns once it is in the receiver's mailbox.
+pub async fn send(agent: &Agent, to: impl ToWorker, tag: u64, t: &Tensor) -> Result<(), P2pError> {
+    let to = rank_of(agent, to)?;
+    send_tagged(
+        agent,
+        to,
+        Tag {
+            group: P2P,
+            seq: tag,
+            step: 0,
+        },
+        header(t),
+        t.clone(),
+    )
+    .await
+}
+
+/// Receives the next tensor `from` sent under `tag` (within the group's call timeout).
+pub async fn recv(agent: &Agent, from: impl ToWorker, tag: u64) -> Result<Tensor, P2pError> {
+    let from = rank_of(agent, from)?;
+    let timeout = effective_timeout(agent);
+    mailbox(agent)
+        .take(
+            from,
+            Tag {
+                group: P2P,
+                seq: tag,
+                step: 0,
+            },
+            timeout,
+        )
+        .await
+        .map(|(_, t)| t)
+        .map_err(P2pError::Recv)
+}
+
+pub(crate) fn effective_timeout(agent: &Agent) -> Duration {
+    let t = agent.rpc_timeout();
+    if t.is_zero() {
+        Duration::from_secs(365 * 24 * 3600)
+    } else {
+        t
+    }
+}
+
+/// A running operation; `wait` for its result.
+#[must_use = "an operation's outcome is only known by waiting for it"]
+pub struct Handle<T>(tokio::task::JoinHandle<Result<T, P2pError>>);
+
+impl<T> Handle<T> {
+    /// Waits for the operation.
+    pub async fn wait(self) -> Result<T, P2pError> {
+        self.0.await.map_err(|e| P2pError::Task(e.to_string()))?
+    }
+}
+
+/// Non-blocking [`send`].
+pub fn isend(agent: &Agent, to: u32, tag: u64, t: &Tensor) -> Handle<()> {
+    let (a, t) = (agent.clone(), t.clone());
+    Handle(
+        agent
+            .runtime()
+            .spawn(async move { send(&a, to, tag, &t).await }),
+    )
+}
+
+/// Non-blocking [`recv`].
+pub fn irecv(agent: &Agent, from: u32, tag: u64) -> Handle<Tensor> {
+    let a = agent.clone();
+    Handle(
+        agent
+            .runtime()
+            .spawn(async move { recv(&a, from, tag).await }),
+    )
+}

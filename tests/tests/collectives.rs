@@ -1,0 +1,300 @@
+//! Point-to-point messages and ring collectives across in-process workers (TCP and memory).
+
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device, Tensor};
+use collectives::{P2pError, ReduceOp};
+use integration_tests::run;
+use rpc_core::testing::{start_group, transport_name, transports};
+use rpc_core::{Agent, Registry, Secret, Transport};
+
+async fn group(n: u32, t: Transport) -> Vec<Agent> {
+    start_group(
+        n,
+        t,
+        Secret::generate(),
+        |_| collectives::install(Registry::builder()).unwrap().build(),
+        |_, c| c.with_rpc_timeout(Duration::from_secs(20)),
+    )
+    .await
+    .expect("group starts")
+}
+
+fn each_transport<F, Fut>(secs: u64, mut body: F)
+where
+    F: FnMut(Transport) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    for t in transports() {
+        eprintln!("-- over {}", transport_name(&t));
+        run(secs, body(t));
+    }
+}
+
+/// Rank `r`'s input: distinct per rank, awkward length.
+fn input(r: u32, len: usize) -> Tensor {
+    let v: Vec<f32> = (0..len)
+        .map(|i| ((i * 7 + r as usize * 13) % 101) as f32 * 0.37 - 11.0)
+        .collect();
+    Tensor::from_vec(v, len, &Device::Cpu).unwrap()
+}
+
+async fn shutdown_all(agents: &[Agent]) {
+    for r in futures::future::join_all(agents.iter().map(|a| a.shutdown())).await {
+        assert!(r.is_clean(), "{r:?}");
+    }
+}
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .map(|x| x.to_bits())
+        .collect()
+}
+
+#[test]
+fn point_to_point_is_matched_by_source_and_tag() {
+    each_transport(30, |t| async move {
+        let a = group(3, t).await;
+        let x = Tensor::new(&[1f32, 2.], &Device::Cpu).unwrap();
+        let y = Tensor::new(&[3f32], &Device::Cpu).unwrap();
+        // Tag 7 sent after tag 5, received first; a message from rank 2 does not match rank 1.
+        collectives::send(&a[1], 0u32, 5, &x).await.unwrap();
+        collectives::send(&a[1], 0u32, 7, &y).await.unwrap();
+        collectives::send(&a[2], 0u32, 5, &y).await.unwrap();
+        assert_eq!(
+            collectives::recv(&a[0], 1u32, 7)
+                .await
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap(),
+            vec![3.]
+        );
+        assert_eq!(
+            collectives::recv(&a[0], 1u32, 5)
+                .await
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap(),
+            vec![1., 2.]
+        );
+        assert_eq!(
+            collectives::recv(&a[0], 2u32, 5)
+                .await
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap(),
+            vec![3.]
+        );
+        // Non-blocking: the receive is posted before the send.
+        let h = collectives::irecv(&a[2], 0, 9);
+        collectives::isend(&a[0], 2, 9, &x).wait().await.unwrap();
+        assert_eq!(
+            h.wait().await.unwrap().to_vec1::<f32>().unwrap(),
+            vec![1., 2.]
+        );
+        shutdown_all(&a).await;
+    });
+}
+
+#[test]
+fn all_reduce_matches_a_local_reduction_and_is_identical_everywhere() {
+    for n in [2u32, 3, 4] {
+        each_transport(60, |t| async move {
+            let a = group(n, t).await;
+            for (op, len) in [
+                (ReduceOp::Sum, 1001usize),
+                (ReduceOp::Mean, 7),
+                (ReduceOp::Max, 3),
+                (ReduceOp::Min, 70_000),
+            ] {
+                let outs = futures::future::join_all(a.iter().map(|w| {
+                    let g = collectives::world(w);
+                    let x = input(w.rank(), len);
+                    async move { g.all_reduce(&x, op).await.unwrap() }
+                }))
+                .await;
+                let xs: Vec<Tensor> = (0..n).map(|r| input(r, len)).collect();
+                let mut expect = xs[0].clone();
+                for x in &xs[1..] {
+                    expect = match op {
+                        ReduceOp::Sum | ReduceOp::Mean => (&expect + x).unwrap(),
+                        ReduceOp::Max => expect.maximum(x).unwrap(),
+                        _ => expect.minimum(x).unwrap(),
+                    };
+                }
+                if op == ReduceOp::Mean {
+                    expect = (expect / n as f64).unwrap();
+                }
+                let err = (&outs[0] - &expect)
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .max(0)
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap();
+                assert!(err < 1e-3, "{op:?} n={n}: {err}");
+                for o in &outs[1..] {
+                    assert_eq!(
+                        bits(o),
+                        bits(&outs[0]),
+                        "{op:?}: every rank gets bit-identical results"
+                    );
+                }
+            }
+            shutdown_all(&a).await;
+        });
+    }
+}
+
+#[test]
+fn broadcast_all_gather_reduce_scatter_barrier_and_subgroups() {
+    each_transport(60, |t| async move {
+        let a = group(4, t).await;
+        let run_all = |f: fn(
+            collectives::ProcessGroup,
+            u32,
+        ) -> futures::future::BoxFuture<'static, Vec<f32>>| {
+            futures::future::join_all(a.iter().map(move |w| f(collectives::world(w), w.rank())))
+        };
+        let b = run_all(|g, r| {
+            Box::pin(async move {
+                g.broadcast(&input(r, 5), 2)
+                    .await
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap()
+            })
+        })
+        .await;
+        assert!(b
+            .iter()
+            .all(|v| *v == input(2, 5).to_vec1::<f32>().unwrap()));
+        let gathered = run_all(|g, r| {
+            Box::pin(async move {
+                let all = g.all_gather(&input(r, 3)).await.unwrap();
+                Tensor::cat(&all, 0).unwrap().to_vec1().unwrap()
+            })
+        })
+        .await;
+        let expect: Vec<f32> = (0..4)
+            .flat_map(|r| input(r, 3).to_vec1::<f32>().unwrap())
+            .collect();
+        assert!(gathered.iter().all(|v| *v == expect));
+        let scattered = run_all(|g, r| {
+            Box::pin(async move {
+                g.reduce_scatter(&input(r, 10), ReduceOp::Sum)
+                    .await
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap()
+            })
+        })
+        .await;
+        let total: Vec<f32> = (0..4)
+            .map(|r| input(r, 10))
+            .reduce(|x, y| (x + y).unwrap())
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        assert_eq!(scattered.concat().len(), 10);
+        for (got, want) in scattered.concat().iter().zip(&total) {
+            assert!((got - want).abs() < 1e-4);
+        }
+        // A barrier holds everyone until the last arrives.
+        let start = Instant::now();
+        futures::future::join_all(a.iter().map(|w| async move {
+            if w.rank() == 3 {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            collectives::world(w).barrier().await.unwrap();
+            assert!(
+                start.elapsed() >= Duration::from_millis(190),
+                "rank {} left the barrier early",
+                w.rank()
+            );
+        }))
+        .await;
+        // A subgroup {0, 2}; rank 1 is not a member.
+        let sub = futures::future::join_all([0usize, 2].map(|i| {
+            let g = collectives::new_group(&a[i], &[0, 2]).unwrap();
+            async move {
+                g.all_reduce(&input(i as u32, 4), ReduceOp::Sum)
+                    .await
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+            }
+        }))
+        .await;
+        let want = (input(0, 4) + input(2, 4))
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        assert!(sub.iter().all(|v| *v == want));
+        let err = collectives::new_group(&a[1], &[0, 2])
+            .unwrap()
+            .all_reduce(&input(1, 4), ReduceOp::Sum)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, collectives::CollectiveError::NotMember { rank: 1, .. }),
+            "{err}"
+        );
+        shutdown_all(&a).await;
+    });
+}
+
+#[test]
+fn mismatched_shapes_fail_everywhere_promptly() {
+    each_transport(60, |t| async move {
+        let a = group(3, t).await;
+        let start = Instant::now();
+        let outs = futures::future::join_all(a.iter().map(|w| {
+            let g = collectives::world(w);
+            let len = if w.rank() == 1 { 9 } else { 8 };
+            async move { g.all_reduce(&input(w.rank(), len), ReduceOp::Sum).await }
+        }))
+        .await;
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "a mismatch must not wait for the timeout"
+        );
+        for o in outs {
+            let e = o.unwrap_err().to_string();
+            assert!(e.contains("shape"), "{e}");
+        }
+        // The group still works afterwards.
+        let ok = futures::future::join_all(a.iter().map(|w| {
+            let g = collectives::world(w);
+            async move { g.all_reduce(&input(0, 4), ReduceOp::Sum).await.unwrap() }
+        }))
+        .await;
+        assert_eq!(ok.len(), 3);
+        shutdown_all(&a).await;
+    });
+}
+
+#[test]
+fn async_collectives_overlap_and_pair_in_call_order() {
+    each_transport(60, |t| async move {
+        let a = group(2, t).await;
+        let outs = futures::future::join_all(a.iter().map(|w| {
+            let g = collectives::world(w);
+            let r = w.rank();
+            async move {
+                let w1 = g.all_reduce_async(&input(r, 100), ReduceOp::Sum);
+                let w2 = g.all_reduce_async(&input(r + 10, 50), ReduceOp::Max);
+                let (x, y) = (w1.wait().await.unwrap(), w2.wait().await.unwrap());
+                (x.dims().to_vec(), y.dims().to_vec())
+            }
+        }))
+        .await;
+        assert!(outs.iter().all(|(x, y)| x == &[100] && y == &[50]));
+        shutdown_all(&a).await;
+    });
+}
