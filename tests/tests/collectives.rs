@@ -2,8 +2,8 @@
 
 use std::time::{Duration, Instant};
 
-use candle_core::{DType, Device, Tensor};
-use collectives::{P2pError, ReduceOp};
+use candle_core::{Device, Tensor};
+use collectives::ReduceOp;
 use integration_tests::run;
 use rpc_core::testing::{start_group, transport_name, transports};
 use rpc_core::{Agent, Registry, Secret, Transport};
