@@ -1,4 +1,4 @@
-//! `rpc-bench [all|latency|throughput|tensor|rref] [--threads N]`
+//! `rpc-bench [all|latency|throughput|tensor|rref|allreduce] [--threads N]`
 //!
 //! Starts a peer process (this binary, `peer` subcommand) on 127.0.0.1, forms a two-worker
 //! group with it, and prints one JSON object per line: `metric`, `median` and, where they
@@ -102,6 +102,7 @@ fn registry() -> Registry {
         .and_then(|r| r.register(new_counter))
         .and_then(|r| r.register(incr))
         .and_then(rref::install)
+        .and_then(collectives::install)
         .expect("distinct names")
         .build()
 }
@@ -205,8 +206,32 @@ fn main() -> Result<()> {
                 Ok(())
             })
         }
+        "allreduce-rank" => {
+            // One member of an all-reduce benchmark group (started by `allreduce`).
+            let n: u32 = args.get(1).context("world size")?.parse()?;
+            let rank: u32 = args.get(2).context("rank")?.parse()?;
+            let rendezvous = args.get(3).context("rendezvous address")?;
+            let rt = runtime(threads)?;
+            rt.block_on(async {
+                let cfg = config(rank, rendezvous, Secret::from_env()?.context("no secret")?)
+                    .with_world_size(n)
+                    .with_name(format!("rank{rank}"));
+                let agent = rpc_core::init(cfg, registry()).await?;
+                allreduce_loop(&agent).await?;
+                agent.shutdown().await;
+                Ok(())
+            })
+        }
+        "allreduce" => {
+            for n in [2u32, 4] {
+                allreduce_bench(n, threads)?;
+            }
+            Ok(())
+        }
         "all" | "latency" | "throughput" | "tensor" | "rref" => drive(mode, threads),
-        other => bail!("unknown mode {other:?}; use all, latency, throughput, tensor or rref"),
+        other => {
+            bail!("unknown mode {other:?}; use all, latency, throughput, tensor, rref or allreduce")
+        }
     }
 }
 
@@ -528,4 +553,94 @@ fn rref_sync_method(agent: &Agent) -> Result<serde_json::Value> {
         }
     }
     Ok(sample("rref_rpc_sync_method_us", xs))
+}
+
+const ALLREDUCE_ITERS: usize = 8;
+
+/// The timed loop every member runs: a barrier, then all-reduces of 64 MiB and 1 MiB. Returns
+/// the per-iteration times seen by this member, in milliseconds.
+async fn allreduce_loop(agent: &Agent) -> Result<Vec<(usize, Vec<f64>)>> {
+    let g = collectives::world(agent);
+    let mut out = Vec::new();
+    for bytes in [64usize << 20, 1 << 20] {
+        let x = candle_core::Tensor::ones(
+            bytes / 4,
+            candle_core::DType::F32,
+            &candle_core::Device::Cpu,
+        )?;
+        let mut times = Vec::new();
+        for i in 0..ALLREDUCE_ITERS + 2 {
+            g.barrier().await?;
+            let t = Instant::now();
+            let y = g.all_reduce(&x, collectives::ReduceOp::Sum).await?;
+            let dt = t.elapsed().as_secs_f64() * 1e3;
+            if i == 0 {
+                let s = y.narrow(0, 0, 1)?.to_vec1::<f32>()?[0];
+                anyhow::ensure!(s == g.size() as f32, "all_reduce gave {s}");
+            }
+            if i >= 2 {
+                times.push(dt);
+            }
+        }
+        out.push((bytes, times));
+    }
+    Ok(out)
+}
+
+fn allreduce_bench(n: u32, threads: usize) -> Result<()> {
+    let rt = runtime(threads)?;
+    let secret = Secret::generate();
+    let server = rt.block_on(RendezvousServer::start(
+        &Transport::Tcp,
+        "127.0.0.1:0",
+        secret.clone(),
+        n,
+        Duration::from_secs(30),
+    ))?;
+    let addr = server.local_addr().to_owned();
+    let mut peers = Vec::new();
+    for rank in 1..n {
+        let child = Command::new(std::env::current_exe()?)
+            .args([
+                "allreduce-rank",
+                &n.to_string(),
+                &rank.to_string(),
+                &addr,
+                "--threads",
+                &threads.to_string(),
+            ])
+            .env(
+                rpc_core::SECRET_ENV,
+                secret.as_str().context("text secret")?,
+            )
+            .stdin(Stdio::null())
+            .spawn()?;
+        peers.push(PeerGuard(child));
+    }
+    let agent = rt.block_on(rpc_core::init(
+        config(0, &addr, secret)
+            .with_world_size(n)
+            .with_name("rank0"),
+        registry(),
+    ))?;
+    rt.block_on(server.finish(Duration::from_secs(5)));
+    let a = agent.clone();
+    let results = rt.block_on(rt.spawn(async move { allreduce_loop(&a).await }))??;
+    for (bytes, times) in results {
+        let st = stats(times);
+        let busbw = 2.0 * (n as f64 - 1.0) / n as f64 * bytes as f64 / (st.median / 1e3) / 1e9;
+        let name = if bytes == 64 << 20 {
+            "all_reduce_64MiB_ms"
+        } else {
+            "all_reduce_1MiB_ms"
+        };
+        emit(
+            json!({ "metric": name, "processes": n, "median": st.median, "p99": st.p99, "busbw_GBps": busbw, "n": ALLREDUCE_ITERS, "transport": "tcp" }),
+        );
+    }
+    emit(
+        json!({ "metric": "peak_rss_mb", "phase": "allreduce", "processes": n, "process": "rank0", "median": peak_rss_mb() }),
+    );
+    rt.block_on(agent.shutdown());
+    Ok(())
 }
