@@ -4,7 +4,9 @@ use candle_core::{DType, Tensor};
 use rpc_core::Agent;
 use std::sync::Arc;
 
-use crate::mailbox::{effective_timeout, mailbox, send_tagged, Abort, Header, P2pError, Tag};
+use crate::mailbox::{
+    effective_timeout, mailbox, send_raw, send_tagged, Abort, Body, Header, P2pError, Tag,
+};
 
 /// How values combine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -175,8 +177,44 @@ impl Op<'_> {
             .map_err(|e| self.exchange_err(e))
     }
 
-    /// Receives and checks the sender's header against ours (COL-1).
+    /// Receives a tensor and checks the sender's header against ours (COL-1).
     async fn recv(&self, from: u32, step: u32) -> Result<Tensor, CollectiveError> {
+        match self.recv_body(from, step).await? {
+            Body::Tensor(t) => Ok(t),
+            Body::Raw(_) => Err(self.failed("got raw elements where a tensor was expected".into())),
+        }
+    }
+
+    /// Receives raw elements (the fast path).
+    async fn recv_raw(&self, from: u32, step: u32) -> Result<bytes::Bytes, CollectiveError> {
+        match self.recv_body(from, step).await? {
+            Body::Raw(b) => Ok(b),
+            Body::Tensor(_) => {
+                Err(self.failed("got a tensor where raw elements were expected".into()))
+            }
+        }
+    }
+
+    fn failed(&self, message: String) -> CollectiveError {
+        CollectiveError::Failed {
+            op: self.name,
+            members: self.g.ranks.to_vec(),
+            message,
+        }
+    }
+
+    async fn send_raw(
+        &self,
+        to: u32,
+        step: u32,
+        data: bytes::Bytes,
+    ) -> Result<(), CollectiveError> {
+        send_raw(&self.g.agent, to, self.tag(step), self.header.clone(), data)
+            .await
+            .map_err(|e| self.exchange_err(e))
+    }
+
+    async fn recv_body(&self, from: u32, step: u32) -> Result<Body, CollectiveError> {
         let timeout = effective_timeout(&self.g.agent);
         let got = mailbox(&self.g.agent)
             .take(from, self.tag(step), timeout)
@@ -290,10 +328,68 @@ impl ProcessGroup {
         if n == 1 {
             return Ok(t.clone());
         }
+        if matches!(t.device(), candle_core::Device::Cpu) {
+            match t.dtype() {
+                DType::F32 => return self.ring_flat::<f32>(o, t, op).await,
+                DType::F64 => return self.ring_flat::<f64>(o, t, op).await,
+                _ => {}
+            }
+        }
         let mut chunks = self.split(t, n)?;
         self.reduce_scatter_steps(o, &mut chunks, op).await?;
         self.all_gather_steps(o, &mut chunks, n as u32 - 1).await?;
         let mut out = Tensor::cat(&chunks, 0)?.reshape(t.dims())?;
+        if op == ReduceOp::Mean {
+            out = (out / n as f64)?;
+        }
+        Ok(out)
+    }
+
+    /// The fast ring for CPU floats: one flat buffer, chunks sent as raw elements, received
+    /// chunks reduced in place straight from the receive buffer, the result built from the
+    /// buffer without a copy.
+    async fn ring_flat<T: Elem>(
+        &self,
+        o: &Op<'_>,
+        t: &Tensor,
+        op: ReduceOp,
+    ) -> Result<Tensor, CollectiveError> {
+        let n = o.n();
+        let mut buf: Vec<T> = t.flatten_all()?.to_vec1::<T>()?;
+        let (base, extra) = (buf.len() / n, buf.len() % n);
+        let mut ranges = Vec::with_capacity(n);
+        let mut start = 0;
+        for i in 0..n {
+            let size = base + usize::from(i < extra);
+            ranges.push(start..start + size);
+            start += size;
+        }
+        let (next, prev) = (o.peer(1), o.peer(-1));
+        for s in 0..n - 1 {
+            let send_idx = (o.me + 2 * n - s - 1) % n;
+            let recv_idx = (o.me + 2 * n - s - 2) % n;
+            let out = raw_bytes(&buf[ranges[send_idx].clone()]);
+            let (sent, got) =
+                tokio::join!(o.send_raw(next, s as u32, out), o.recv_raw(prev, s as u32));
+            sent?;
+            let got = got?;
+            let dst = &mut buf[ranges[recv_idx].clone()];
+            check_len::<T>(o, dst.len(), got.len())?;
+            T::reduce_into(op, dst, &got);
+        }
+        for s in 0..n - 1 {
+            let send_idx = (o.me + n - s) % n;
+            let recv_idx = (o.me + 2 * n - s - 1) % n;
+            let step = (n - 1 + s) as u32;
+            let out = raw_bytes(&buf[ranges[send_idx].clone()]);
+            let (sent, got) = tokio::join!(o.send_raw(next, step, out), o.recv_raw(prev, step));
+            sent?;
+            let got = got?;
+            let dst = &mut buf[ranges[recv_idx].clone()];
+            check_len::<T>(o, dst.len(), got.len())?;
+            T::copy_into(dst, &got);
+        }
+        let mut out = Tensor::from_vec(buf, t.dims(), t.device())?;
         if op == ReduceOp::Mean {
             out = (out / n as f64)?;
         }
@@ -449,5 +545,84 @@ impl ProcessGroup {
             g.end(&o);
             out
         }))
+    }
+}
+
+fn check_len<T>(o: &Op<'_>, elems: usize, bytes: usize) -> Result<(), CollectiveError> {
+    if bytes == elems * std::mem::size_of::<T>() {
+        Ok(())
+    } else {
+        Err(o.failed(format!(
+            "a chunk of {bytes} bytes arrived where {elems} elements were expected"
+        )))
+    }
+}
+
+/// The elements' bytes, copied once into a buffer the transport can own.
+fn raw_bytes<T: Elem>(s: &[T]) -> bytes::Bytes {
+    // SAFETY: `T` is f32 or f64 (see `Elem`): plain data, no padding, every byte initialized.
+    let b =
+        unsafe { std::slice::from_raw_parts(s.as_ptr().cast::<u8>(), std::mem::size_of_val(s)) };
+    bytes::Bytes::copy_from_slice(b)
+}
+
+/// Element types of the fast ring.
+trait Elem: candle_core::WithDType + Copy + PartialOrd + std::ops::Add<Output = Self> {
+    fn from_le(b: &[u8]) -> Self;
+
+    fn combine(op: ReduceOp, a: Self, b: Self) -> Self {
+        match op {
+            ReduceOp::Sum | ReduceOp::Mean => a + b,
+            ReduceOp::Max => {
+                if b > a {
+                    b
+                } else {
+                    a
+                }
+            }
+            ReduceOp::Min => {
+                if b < a {
+                    b
+                } else {
+                    a
+                }
+            }
+        }
+    }
+
+    /// `dst[i] = combine(dst[i], src[i])`, reading `src` as little-endian elements.
+    fn reduce_into(op: ReduceOp, dst: &mut [Self], src: &[u8]) {
+        // SAFETY: reinterpreting initialized bytes as f32/f64 is sound for any bit pattern;
+        // `align_to` only yields the aligned middle part.
+        let (pre, mid, post) = unsafe { src.align_to::<Self>() };
+        if pre.is_empty() && post.is_empty() && cfg!(target_endian = "little") {
+            for (d, s) in dst.iter_mut().zip(mid) {
+                *d = Self::combine(op, *d, *s);
+            }
+        } else {
+            let w = std::mem::size_of::<Self>();
+            for (d, s) in dst.iter_mut().zip(src.chunks_exact(w)) {
+                *d = Self::combine(op, *d, Self::from_le(s));
+            }
+        }
+    }
+
+    fn copy_into(dst: &mut [Self], src: &[u8]) {
+        let w = std::mem::size_of::<Self>();
+        for (d, s) in dst.iter_mut().zip(src.chunks_exact(w)) {
+            *d = Self::from_le(s);
+        }
+    }
+}
+
+impl Elem for f32 {
+    fn from_le(b: &[u8]) -> Self {
+        f32::from_le_bytes(b.try_into().expect("4 bytes"))
+    }
+}
+
+impl Elem for f64 {
+    fn from_le(b: &[u8]) -> Self {
+        f64::from_le_bytes(b.try_into().expect("8 bytes"))
     }
 }

@@ -33,5 +33,7 @@ pub use mailbox::{irecv, isend, recv, send, Handle, P2pError};
 pub fn install(
     b: rpc_core::RegistryBuilder,
 ) -> Result<rpc_core::RegistryBuilder, rpc_core::RegistryError> {
-    b.register(mailbox::Deliver)?.register(mailbox::Abort)
+    b.register(mailbox::Deliver)?
+        .register(mailbox::DeliverRaw)?
+        .register(mailbox::Abort)
 }

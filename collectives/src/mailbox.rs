@@ -28,11 +28,17 @@ pub(crate) struct Header {
     pub dtype: String,
 }
 
-type Msg = Result<(Header, Tensor), String>;
+/// A message's content: a tensor, or raw elements (the ring's fast path).
+pub(crate) enum Body {
+    Tensor(Tensor),
+    Raw(bytes::Bytes),
+}
+
+type Msg = Result<(Header, Body), String>;
 
 #[derive(Default)]
 struct Inner {
-    queued: HashMap<(u32, Tag), VecDeque<(Header, Tensor)>>,
+    queued: HashMap<(u32, Tag), VecDeque<(Header, Body)>>,
     waiting: HashMap<(u32, Tag), VecDeque<oneshot::Sender<Msg>>>,
     /// Aborted operations; kept after they end so that their late messages are dropped.
     aborted: HashMap<(u64, u64), String>,
@@ -62,7 +68,7 @@ impl Mailbox {
         *s - 1
     }
 
-    fn deliver(&self, from: u32, tag: Tag, header: Header, t: Tensor) {
+    fn deliver(&self, from: u32, tag: Tag, header: Header, t: Body) {
         let mut m = self.lock();
         if m.aborted.contains_key(&(tag.group, tag.seq)) {
             return;
@@ -146,9 +152,41 @@ impl RemoteFn for Deliver {
     type Args = (Tag, Header, RTensor);
     type Output = ();
     async fn call(cx: CallContext, (tag, header, t): Self::Args) -> Result<(), BoxError> {
-        mailbox(cx.agent()).deliver(cx.caller().id.0, tag, header, t.0);
+        mailbox(cx.agent()).deliver(cx.caller().id.0, tag, header, Body::Tensor(t.0));
         Ok(())
     }
+}
+
+/// Sender → receiver: raw elements (no tensor decoding; large ones take the bulk path).
+pub(crate) struct DeliverRaw;
+
+impl RemoteFn for DeliverRaw {
+    const NAME: &'static str = "collectives::deliver_raw";
+    type Args = (Tag, Header, rpc_core::Blob);
+    type Output = ();
+    async fn call(cx: CallContext, (tag, header, data): Self::Args) -> Result<(), BoxError> {
+        mailbox(cx.agent()).deliver(cx.caller().id.0, tag, header, Body::Raw(data.into_bytes()));
+        Ok(())
+    }
+}
+
+pub(crate) async fn send_raw(
+    agent: &Agent,
+    to: u32,
+    tag: Tag,
+    header: Header,
+    data: bytes::Bytes,
+) -> Result<(), P2pError> {
+    let call = agent.rpc_async(to, DeliverRaw, (tag, header, rpc_core::Blob::new(data)));
+    rpc_core::with_call_meta(autograd_dist::CTX_KEY, None, call)
+        .await
+        .map_err(|source| P2pError::Send {
+            worker: agent
+                .get_worker_info(to)
+                .map(|w| w.name.clone())
+                .unwrap_or_default(),
+            source: Box::new(source),
+        })
 }
 
 /// Any member → every member: the operation failed.
@@ -240,19 +278,18 @@ pub async fn send(agent: &Agent, to: impl ToWorker, tag: u64, t: &Tensor) -> Res
 pub async fn recv(agent: &Agent, from: impl ToWorker, tag: u64) -> Result<Tensor, P2pError> {
     let from = rank_of(agent, from)?;
     let timeout = effective_timeout(agent);
-    mailbox(agent)
-        .take(
-            from,
-            Tag {
-                group: P2P,
-                seq: tag,
-                step: 0,
-            },
-            timeout,
-        )
-        .await
-        .map(|(_, t)| t)
-        .map_err(P2pError::Recv)
+    let tag = Tag {
+        group: P2P,
+        seq: tag,
+        step: 0,
+    };
+    match mailbox(agent).take(from, tag, timeout).await {
+        Ok((_, Body::Tensor(t))) => Ok(t),
+        Ok((_, Body::Raw(_))) => Err(P2pError::Recv(
+            "got raw elements where a tensor was expected".into(),
+        )),
+        Err(e) => Err(P2pError::Recv(e)),
+    }
 }
 
 pub(crate) fn effective_timeout(agent: &Agent) -> Duration {
