@@ -20,12 +20,15 @@
 //! # Layout
 //! - `mailbox`: per-worker matching of messages by (source, tag), aborts.
 //! - `group`: [`ProcessGroup`], the ring algorithms, [`ReduceOp`].
+//! - `ddp`: [`DistributedDataParallel`] (bucketed gradient averaging), [`DistributedSampler`].
 #![deny(missing_docs)]
 
+mod ddp;
 mod group;
 mod mailbox;
 
 pub use autograd_dist::RTensor;
+pub use ddp::{DistributedDataParallel, DistributedSampler};
 pub use group::{new_group, world, CollectiveError, ProcessGroup, ReduceOp, Work};
 pub use mailbox::{irecv, isend, recv, send, Handle, P2pError};
 

@@ -298,3 +298,138 @@ fn async_collectives_overlap_and_pair_in_call_order() {
         shutdown_all(&a).await;
     });
 }
+
+/// The dataset of the data-parallel test: 32 samples, 6 features, 3 targets.
+fn dataset() -> (Tensor, Tensor) {
+    let x: Vec<f64> = (0..32 * 6)
+        .map(|i| ((i * 37 % 101) as f64 / 101.0) - 0.5)
+        .collect();
+    let y: Vec<f64> = (0..32 * 3)
+        .map(|i| ((i * 53 % 97) as f64 / 97.0) - 0.5)
+        .collect();
+    (
+        Tensor::from_vec(x, (32, 6), &Device::Cpu).unwrap(),
+        Tensor::from_vec(y, (32, 3), &Device::Cpu).unwrap(),
+    )
+}
+
+fn init_params(offset: f64) -> Vec<candle_core::Var> {
+    let mk = |r: usize, c: usize, salt: usize| {
+        let v: Vec<f64> = (0..r * c)
+            .map(|i| (((i * 31 + salt) % 17) as f64 / 17.0 - 0.5) * 0.5 + offset)
+            .collect();
+        candle_core::Var::from_tensor(&Tensor::from_vec(v, (r, c), &Device::Cpu).unwrap()).unwrap()
+    };
+    vec![mk(6, 8, 1), mk(1, 8, 2), mk(8, 3, 3)]
+}
+
+fn mlp_loss(p: &[candle_core::Var], x: &Tensor, y: &Tensor) -> Tensor {
+    let h = x
+        .matmul(p[0].as_tensor())
+        .unwrap()
+        .broadcast_add(p[1].as_tensor())
+        .unwrap()
+        .tanh()
+        .unwrap();
+    let out = h.matmul(p[2].as_tensor()).unwrap();
+    (out - y).unwrap().sqr().unwrap().mean_all().unwrap()
+}
+
+#[test]
+fn data_parallel_training_tracks_single_process_training() {
+    use candle_nn::Optimizer;
+    const B: usize = 8;
+    const STEPS: usize = 20;
+    for n in [2u32, 4] {
+        run(120, async move {
+            let a = group(n, Transport::Memory(rpc_core::MemoryNetwork::new())).await;
+            let (x, y) = dataset();
+            // One process, global batch B.
+            let reference = init_params(0.0);
+            let mut sgd = candle_nn::SGD::new(reference.clone(), 0.1).unwrap();
+            let sampler = collectives::DistributedSampler::new(32, 1, 0, 99);
+            for step in 0..STEPS {
+                let (epoch, k) = ((step * B / 32) as u64, step % (32 / B));
+                let idx: Vec<u32> = sampler.permutation(epoch)[k * B..(k + 1) * B]
+                    .iter()
+                    .map(|&i| i as u32)
+                    .collect();
+                let ids = Tensor::new(idx.as_slice(), &Device::Cpu).unwrap();
+                let l = mlp_loss(
+                    &reference,
+                    &x.index_select(&ids, 0).unwrap(),
+                    &y.index_select(&ids, 0).unwrap(),
+                );
+                sgd.step(&l.backward().unwrap()).unwrap();
+            }
+            // N ranks on B/N each; non-root ranks start from other values (broadcast fixes that).
+            let finals = futures::future::join_all(a.iter().map(|w| {
+                let (x, y) = (x.clone(), y.clone());
+                async move {
+                    let r = w.rank() as usize;
+                    let ddp = collectives::DistributedDataParallel::with_bucket_bytes(
+                        collectives::world(w),
+                        init_params(r as f64 * 0.3),
+                        200,
+                    )
+                    .await
+                    .unwrap();
+                    let mut sgd = candle_nn::SGD::new(ddp.vars().to_vec(), 0.1).unwrap();
+                    let sampler = collectives::DistributedSampler::new(32, n as usize, r, 99);
+                    let b = B / n as usize;
+                    for step in 0..STEPS {
+                        let (epoch, k) = ((step * B / 32) as u64, step % (32 / B));
+                        let mine = sampler.indices(epoch);
+                        let idx: Vec<u32> =
+                            mine[k * b..(k + 1) * b].iter().map(|&i| i as u32).collect();
+                        let ids = Tensor::new(idx.as_slice(), &Device::Cpu).unwrap();
+                        let l = mlp_loss(
+                            ddp.vars(),
+                            &x.index_select(&ids, 0).unwrap(),
+                            &y.index_select(&ids, 0).unwrap(),
+                        );
+                        let mut g = l.backward().unwrap();
+                        ddp.average_gradients(&mut g).await.unwrap();
+                        sgd.step(&g).unwrap();
+                    }
+                    ddp.vars()
+                        .iter()
+                        .map(|v| v.as_tensor().clone())
+                        .collect::<Vec<_>>()
+                }
+            }))
+            .await;
+            for (rank, params) in finals.iter().enumerate() {
+                for (p, q) in params.iter().zip(&reference) {
+                    let d = (p - q.as_tensor())
+                        .unwrap()
+                        .abs()
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .max(0)
+                        .unwrap()
+                        .to_scalar::<f64>()
+                        .unwrap();
+                    assert!(d <= 1e-5, "n={n} rank {rank}: parameter differs by {d}");
+                }
+            }
+            // The model moved, so matching means something.
+            let moved = (reference[2].as_tensor() - init_params(0.0)[2].as_tensor())
+                .unwrap()
+                .abs()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .max(0)
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap();
+            assert!(
+                moved > 1e-3,
+                "training moved the parameters by only {moved}"
+            );
+            shutdown_all(&a).await;
+        });
+    }
+}

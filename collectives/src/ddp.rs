@@ -1,0 +1,199 @@
+//! Data parallelism: [`DistributedDataParallel`] and [`DistributedSampler`].
+//!
+//! In the spirit of Horovod's `DistributedOptimizer` and PyTorch's DDP: parameters are
+//! broadcast from the group's first rank at construction, and after each local backward the
+//! gradients are averaged across the group with the ring all-reduce, in buckets (flattened and
+//! concatenated up to `bucket_bytes`) so that many small tensors cost few messages. With equal
+//! per-rank batches, the averaged gradient is the gradient of the global batch's mean loss.
+
+use candle_core::backprop::GradStore;
+use candle_core::{Tensor, Var};
+
+use crate::group::{CollectiveError, ProcessGroup, ReduceOp};
+
+/// Keeps a model's replicas identical across a group.
+pub struct DistributedDataParallel {
+    group: ProcessGroup,
+    vars: Vec<Var>,
+    bucket_bytes: usize,
+}
+
+impl std::fmt::Debug for DistributedDataParallel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DistributedDataParallel")
+            .field("group", &self.group)
+            .field("params", &self.vars.len())
+            .field("bucket_bytes", &self.bucket_bytes)
+            .finish()
+    }
+}
+
+impl DistributedDataParallel {
+    /// Wraps `vars` (the same parameters, in the same order, on every member) and makes them
+    /// equal to the first rank's values. Buckets default to 25 MiB, like PyTorch's DDP.
+    pub async fn new(group: ProcessGroup, vars: Vec<Var>) -> Result<Self, CollectiveError> {
+        Self::with_bucket_bytes(group, vars, 25 << 20).await
+    }
+
+    /// [`DistributedDataParallel::new`] with an explicit bucket size.
+    pub async fn with_bucket_bytes(
+        group: ProcessGroup,
+        vars: Vec<Var>,
+        bucket_bytes: usize,
+    ) -> Result<Self, CollectiveError> {
+        let root = group.ranks()[0];
+        for v in &vars {
+            let t = group.broadcast(v.as_tensor(), root).await?;
+            // The root gets its own tensor back.
+            if t.id() != v.as_tensor().id() {
+                v.set(&t)?;
+            }
+        }
+        Ok(Self {
+            group,
+            vars,
+            bucket_bytes: bucket_bytes.max(1),
+        })
+    }
+
+    /// The wrapped parameters.
+    pub fn vars(&self) -> &[Var] {
+        &self.vars
+    }
+
+    /// Replaces each parameter's gradient in `grads` by its mean over the group (a parameter
+    /// without a gradient here counts as zero, so every member sends the same buckets).
+    pub async fn average_gradients(&self, grads: &mut GradStore) -> Result<(), CollectiveError> {
+        let mut bucket: Vec<usize> = Vec::new();
+        let mut size = 0usize;
+        for i in 0..self.vars.len() {
+            let t = self.vars[i].as_tensor();
+            bucket.push(i);
+            size += t.elem_count() * t.dtype().size_in_bytes();
+            if size >= self.bucket_bytes || i + 1 == self.vars.len() {
+                self.reduce_bucket(&bucket, grads).await?;
+                bucket.clear();
+                size = 0;
+            }
+        }
+        Ok(())
+    }
+
+    async fn reduce_bucket(
+        &self,
+        idx: &[usize],
+        grads: &mut GradStore,
+    ) -> Result<(), CollectiveError> {
+        let flats: Vec<Tensor> = idx
+            .iter()
+            .map(|&i| {
+                let v = self.vars[i].as_tensor();
+                match grads.get(v) {
+                    Some(g) => g.flatten_all(),
+                    None => v.zeros_like()?.flatten_all(),
+                }
+            })
+            .collect::<candle_core::Result<_>>()?;
+        let joined = Tensor::cat(&flats, 0)?;
+        let mean = self.group.all_reduce(&joined, ReduceOp::Mean).await?;
+        let mut at = 0;
+        for &i in idx {
+            let v = self.vars[i].as_tensor();
+            let n = v.elem_count();
+            grads.insert(v, mean.narrow(0, at, n)?.reshape(v.dims())?);
+            at += n;
+        }
+        Ok(())
+    }
+}
+
+/// Splits a dataset's indices across a group's members, reshuffled each epoch.
+///
+/// Like PyTorch's `DistributedSampler`: the permutation depends only on `seed` and the epoch,
+/// so every member computes the same one; it is padded (by repeating its start) to a multiple
+/// of the number of replicas, and member `rank` takes every `replicas`-th index from `rank`.
+///
+/// ```
+/// let s = collectives::DistributedSampler::new(10, 3, 1, 42);
+/// let mine = s.indices(0);
+/// assert_eq!(mine.len(), 4);
+/// ```
+#[derive(Clone, Debug)]
+pub struct DistributedSampler {
+    len: usize,
+    replicas: usize,
+    rank: usize,
+    seed: u64,
+}
+
+impl DistributedSampler {
+    /// A sampler over `len` items for member `rank` of `replicas`.
+    pub fn new(len: usize, replicas: usize, rank: usize, seed: u64) -> Self {
+        assert!(
+            replicas > 0 && rank < replicas,
+            "rank {rank} must be below replicas {replicas}"
+        );
+        Self {
+            len,
+            replicas,
+            rank,
+            seed,
+        }
+    }
+
+    /// The whole epoch's permutation (the same on every member).
+    pub fn permutation(&self, epoch: u64) -> Vec<usize> {
+        let mut p: Vec<usize> = (0..self.len).collect();
+        let mut s = (self.seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15)) | 1;
+        for i in (1..p.len()).rev() {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            p.swap(i, (s % (i as u64 + 1)) as usize);
+        }
+        p
+    }
+
+    /// This member's indices for `epoch`.
+    pub fn indices(&self, epoch: u64) -> Vec<usize> {
+        let mut p = self.permutation(epoch);
+        if p.is_empty() {
+            return p;
+        }
+        let total = p.len().div_ceil(self.replicas) * self.replicas;
+        let mut k = 0;
+        while p.len() < total {
+            p.push(p[k]);
+            k += 1;
+        }
+        p.into_iter()
+            .skip(self.rank)
+            .step_by(self.replicas)
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sampler_partitions_the_epoch_and_reshuffles() {
+        let n = 3;
+        let parts: Vec<Vec<usize>> = (0..n)
+            .map(|r| DistributedSampler::new(10, n, r, 7).indices(0))
+            .collect();
+        assert!(parts.iter().all(|p| p.len() == 4));
+        let mut all: Vec<usize> = parts.concat();
+        all.sort_unstable();
+        all.dedup();
+        assert_eq!(all, (0..10).collect::<Vec<_>>(), "every item is served");
+        let s = DistributedSampler::new(10, n, 0, 7);
+        assert_ne!(s.permutation(0), s.permutation(1), "a new order each epoch");
+        assert_eq!(
+            s.permutation(3),
+            DistributedSampler::new(10, n, 2, 7).permutation(3),
+            "same on every rank"
+        );
+    }
+}
