@@ -21,16 +21,19 @@
 //! - `mailbox`: per-worker matching of messages by (source, tag), aborts.
 //! - `group`: [`ProcessGroup`], the ring algorithms, [`ReduceOp`].
 //! - `ddp`: [`DistributedDataParallel`] (bucketed gradient averaging), [`DistributedSampler`].
+//! - `ps`: a parameter server with BSP, SSP and ASP consistency ([`PsClient`], PS-1).
 #![deny(missing_docs)]
 
 mod ddp;
 mod group;
 mod mailbox;
+mod ps;
 
 pub use autograd_dist::RTensor;
 pub use ddp::{DistributedDataParallel, DistributedSampler};
 pub use group::{new_group, world, CollectiveError, ProcessGroup, ReduceOp, Work};
 pub use mailbox::{irecv, isend, recv, send, Handle, P2pError};
+pub use ps::{serve_shard, shard_stats, Consistency, PsClient};
 
 /// Adds the collectives' functions to a worker's registry.
 pub fn install(
@@ -38,5 +41,7 @@ pub fn install(
 ) -> Result<rpc_core::RegistryBuilder, rpc_core::RegistryError> {
     b.register(mailbox::Deliver)?
         .register(mailbox::DeliverRaw)?
-        .register(mailbox::Abort)
+        .register(mailbox::Abort)?
+        .register(ps::Pull)?
+        .register(ps::Push)
 }

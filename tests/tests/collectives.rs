@@ -433,3 +433,106 @@ fn data_parallel_training_tracks_single_process_training() {
         });
     }
 }
+
+/// Trainer `t`'s regression sample: features and target.
+fn ps_sample(t: usize, step: u64) -> (Vec<f64>, f64) {
+    let x: Vec<f64> = (0..4)
+        .map(|i| (((t * 7 + i * 3 + step as usize) % 11) as f64 / 11.0) - 0.4)
+        .collect();
+    (x, (t as f64 + 1.0) * 0.25)
+}
+
+/// One trainer's gradient of (x . w - y)^2 for the full weight vector `w`.
+fn ps_grad(w: &[f64], t: usize, step: u64) -> Vec<f64> {
+    let (x, y) = ps_sample(t, step);
+    let err = x.iter().zip(w).map(|(a, b)| a * b).sum::<f64>() - y;
+    x.iter().map(|a| 2.0 * err * a).collect()
+}
+
+#[test]
+fn parameter_server_consistency_modes_bound_staleness() {
+    use collectives::{Consistency, PsClient};
+    const STEPS: u64 = 8;
+    const LR: f64 = 0.05;
+    for mode in [Consistency::Bsp, Consistency::Ssp(2), Consistency::Asp] {
+        run(120, async move {
+            let a = group(5, Transport::Memory(rpc_core::MemoryNetwork::new())).await;
+            // Ranks 0 and 1 serve one half of the weights each; ranks 2..5 are trainers 0..3.
+            for (server, shard) in [(0usize, 10u64), (1, 11)] {
+                let half = Tensor::zeros(2, candle_core::DType::F64, &Device::Cpu).unwrap();
+                collectives::serve_shard(&a[server], shard, vec![half], LR, mode, 3);
+            }
+            futures::future::join_all((0..3usize).map(|t| {
+                let client = PsClient::new(&a[t + 2], vec![(0, 10), (1, 11)], t);
+                async move {
+                    for step in 0..STEPS {
+                        let shards = client.pull(step).await.unwrap();
+                        let w: Vec<f64> = shards
+                            .iter()
+                            .flat_map(|s| s[0].to_vec1::<f64>().unwrap())
+                            .collect();
+                        if t == 0 {
+                            // The deliberately slow trainer.
+                            tokio::time::sleep(Duration::from_millis(40)).await;
+                        }
+                        let g = ps_grad(&w, t, step);
+                        let halves = vec![
+                            vec![Tensor::new(&g[..2], &Device::Cpu).unwrap()],
+                            vec![Tensor::new(&g[2..], &Device::Cpu).unwrap()],
+                        ];
+                        client.push(step, halves).await.unwrap();
+                    }
+                }
+            }))
+            .await;
+            let (s0, clocks) = collectives::shard_stats(&a[0], 10).unwrap();
+            let (s1, _) = collectives::shard_stats(&a[1], 11).unwrap();
+            let observed = s0.max(s1);
+            assert_eq!(clocks, vec![STEPS; 3], "every trainer finished");
+            match mode {
+                Consistency::Bsp => {
+                    assert_eq!(observed, 0, "BSP lets no trainer ahead");
+                    // BSP is deterministic: every step applies all trainers' gradients computed
+                    // from the same parameters.
+                    let mut w = vec![0.0f64; 4];
+                    for step in 0..STEPS {
+                        let gs: Vec<Vec<f64>> = (0..3).map(|t| ps_grad(&w, t, step)).collect();
+                        for g in gs {
+                            for (wi, gi) in w.iter_mut().zip(g) {
+                                *wi -= LR * gi;
+                            }
+                        }
+                    }
+                    let got: Vec<f64> = [(0usize, 10u64), (1, 11)]
+                        .iter()
+                        .flat_map(|&(srv, sh)| {
+                            let c = PsClient::new(&a[srv], vec![(srv as u32, sh)], 0);
+                            futures::executor::block_on(async { c.pull(STEPS).await.unwrap() })[0]
+                                [0]
+                            .to_vec1::<f64>()
+                            .unwrap()
+                        })
+                        .collect();
+                    for (x, y) in got.iter().zip(&w) {
+                        assert!((x - y).abs() < 1e-12, "{got:?} vs {w:?}");
+                    }
+                }
+                Consistency::Ssp(s) => {
+                    assert!(
+                        observed <= s,
+                        "SSP({s}) let a trainer {observed} steps ahead"
+                    );
+                    assert!(
+                        observed > 0,
+                        "with a slow trainer the others run ahead within the bound"
+                    );
+                }
+                Consistency::Asp => assert!(
+                    observed > 2,
+                    "ASP does not hold fast trainers back: {observed}"
+                ),
+            }
+            shutdown_all(&a).await;
+        });
+    }
+}
