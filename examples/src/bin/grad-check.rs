@@ -6,7 +6,6 @@
 //! if any case fails.
 
 use std::collections::HashMap;
-use std::process::{Child, Command};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
@@ -14,7 +13,7 @@ use anyhow::{Context, Result};
 use autograd_dist::{DistributedOptimizer, OptimizerKind, Parameter, RTensor};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::Optimizer;
-use rpc_core::{remote, Agent, BoxError, CallContext, Config, Registry, Secret};
+use rpc_core::{remote, Agent, BoxError, CallContext, Registry};
 use rref::RRef;
 
 fn params() -> &'static Mutex<HashMap<String, RRef<Parameter>>> {
@@ -133,71 +132,28 @@ fn registry() -> Result<Registry> {
     Ok(autograd_dist::install(rref::install(b)?)?.build())
 }
 
-/// Worker processes, killed if the trainer fails half way.
-struct Children(Vec<Child>);
-impl Drop for Children {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            if matches!(c.try_wait(), Ok(None)) {
-                let _ = c.kill();
-            }
-            let _ = c.wait();
-        }
-    }
-}
-
 fn main() -> Result<()> {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,tarpc=off")),
-        )
-        .with_writer(std::io::stderr)
-        .try_init();
+    examples::init_tracing();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
-    if std::env::var_os("RANK").is_some() {
-        return rt.block_on(async {
-            let cfg = Config::new().with_shutdown_timeout(Duration::from_secs(120));
-            let agent = rpc_core::init(cfg, registry()?).await?;
-            let report = agent.shutdown().await;
-            anyhow::ensure!(report.is_clean(), "{}: {report:?}", agent.name());
-            Ok(())
-        });
+    if examples::is_worker() {
+        return rt.block_on(examples::serve_until_shutdown(
+            registry()?,
+            Duration::from_secs(120),
+        ));
     }
     if std::env::args().len() > 1 {
         anyhow::bail!("grad-check takes no arguments");
     }
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
-    let secret = Secret::generate();
-    let mut children = Children(Vec::new());
-    for rank in 1..3 {
-        children.0.push(
-            Command::new(std::env::current_exe()?)
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", "3")
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env(
-                    rpc_core::SECRET_ENV,
-                    secret.as_str().context("text secret")?,
-                )
-                .spawn()?,
-        );
-    }
+    let workers = examples::Workers::spawn(3)?;
     let all_ok = rt.block_on(async {
-        let cfg = Config::new()
-            .with_rank(0)
-            .with_world_size(3)
-            .with_init_method(format!("tcp://127.0.0.1:{port}"))
-            .with_secret(secret)
-            .with_init_timeout(Duration::from_secs(60))
-            .with_shutdown_timeout(Duration::from_secs(120));
-        let agent = rpc_core::init(cfg, registry()?).await?;
+        let agent = rpc_core::init(
+            workers.rank0_config("trainer", Duration::from_secs(120)),
+            registry()?,
+        )
+        .await?;
         let result = run_cases(&agent).await;
         for w in 0..3u32 {
             agent.rpc_async(w, drop_params, ()).await?;
@@ -206,10 +162,7 @@ fn main() -> Result<()> {
         anyhow::ensure!(report.is_clean(), "trainer shutdown: {report:?}");
         result
     })?;
-    for c in &mut children.0 {
-        let status = c.wait()?;
-        anyhow::ensure!(status.success(), "a worker exited with {status}");
-    }
+    workers.wait_success()?;
     anyhow::ensure!(all_ok, "some cases failed");
     Ok(())
 }

@@ -6,11 +6,10 @@
 //! `RPC_SECRET` already set, the binary instead joins that external group as one worker, so the
 //! same program runs across machines.
 
-use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
-use rpc_core::{remote, Agent, Blob, BoxError, CallContext, Config, Registry, RpcError, Secret};
+use anyhow::Result;
+use rpc_core::{remote, Agent, Blob, BoxError, CallContext, Config, Registry, RpcError};
 
 /// Counts the vowels of a text on whichever worker is called.
 #[remote]
@@ -64,35 +63,13 @@ fn registry() -> Result<Registry> {
         .build())
 }
 
-/// Child processes, killed if the master fails half way.
-struct Children(Vec<Child>);
-
-impl Drop for Children {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            if matches!(c.try_wait(), Ok(None)) {
-                let _ = c.kill();
-            }
-            let _ = c.wait();
-        }
-    }
-}
-
 fn main() -> Result<()> {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                // tarpc logs a callee-side deadline expiry at ERROR; the caller already gets a
-                // precise DeadlineExceeded, so keep tarpc quiet unless asked.
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,tarpc=off")),
-        )
-        .with_writer(std::io::stderr)
-        .try_init();
+    examples::init_tracing();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
-    if std::env::var_os("RANK").is_some() {
+    if examples::is_worker() {
         // Part of an external (or launched) group: configuration comes from the environment.
         return rt.block_on(async {
             let agent = rpc_core::init(Config::new(), registry()?).await?;
@@ -108,35 +85,9 @@ fn main() -> Result<()> {
             Ok(())
         });
     }
-    // Launcher: a free port for the rendezvous, a fresh secret, two worker processes.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
-    let secret = Secret::generate();
-    let mut children = Children(Vec::new());
-    for rank in 1..3 {
-        children.0.push(
-            Command::new(std::env::current_exe()?)
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", "3")
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env(
-                    rpc_core::SECRET_ENV,
-                    secret.as_str().context("generated secrets are text")?,
-                )
-                .spawn()
-                .context("starting a worker process")?,
-        );
-    }
+    let workers = examples::Workers::spawn(3)?;
     rt.block_on(async {
-        let cfg = Config::new()
-            .with_rank(0)
-            .with_world_size(3)
-            .with_name("master")
-            .with_init_method(format!("tcp://127.0.0.1:{port}"))
-            .with_secret(secret)
-            .with_init_timeout(Duration::from_secs(30));
+        let cfg = workers.rank0_config("master", Duration::from_secs(60));
         let agent = rpc_core::init(cfg, registry()?).await?;
         master(&agent).await?;
         let report = agent.shutdown().await;
@@ -147,10 +98,7 @@ fn main() -> Result<()> {
         anyhow::ensure!(report.is_clean(), "unclean shutdown: {report:?}");
         Ok::<_, anyhow::Error>(())
     })?;
-    for (i, c) in children.0.iter_mut().enumerate() {
-        let status = c.wait()?;
-        anyhow::ensure!(status.success(), "worker {} exited with {status}", i + 1);
-    }
+    workers.wait_success()?;
     println!("all 3 processes exited cleanly");
     Ok(())
 }

@@ -8,13 +8,12 @@
 //! `staleness_bound`, `steps_per_s`, `test_accuracy` and `max_staleness_observed`.
 
 use std::collections::HashMap;
-use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use collectives::{Consistency, PsClient};
-use rpc_core::{remote, Agent, BoxError, CallContext, Config, Registry, Secret};
+use rpc_core::{remote, Agent, BoxError, CallContext, Registry};
 
 const DIM: usize = 4096;
 const HALF: usize = DIM / 2;
@@ -163,18 +162,6 @@ fn registry() -> Result<Registry> {
     Ok(collectives::install(b)?.build())
 }
 
-struct Children(Vec<Child>);
-impl Drop for Children {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            if matches!(c.try_wait(), Ok(None)) {
-                let _ = c.kill();
-            }
-            let _ = c.wait();
-        }
-    }
-}
-
 struct Args {
     slow_factor: f64,
     steps: u64,
@@ -212,70 +199,34 @@ fn parse_args() -> Result<Args> {
 }
 
 fn main() -> Result<()> {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,tarpc=off")),
-        )
-        .with_writer(std::io::stderr)
-        .try_init();
+    examples::init_tracing();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
-    if std::env::var_os("RANK").is_some() {
-        return rt.block_on(async {
-            let cfg = Config::new()
-                .with_shutdown_timeout(Duration::from_secs(300))
-                .with_rpc_timeout(Duration::from_secs(300));
-            let agent = rpc_core::init(cfg, registry()?).await?;
-            let report = agent.shutdown().await;
-            anyhow::ensure!(report.is_clean(), "{}: {report:?}", agent.name());
-            Ok(())
-        });
+    if examples::is_worker() {
+        return rt.block_on(examples::serve_until_shutdown(
+            registry()?,
+            Duration::from_secs(300),
+        ));
     }
     let args = parse_args()?;
     let test = load("test.tsv")?;
     load("train.tsv")?;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
-    let secret = Secret::generate();
-    let mut children = Children(Vec::new());
-    for rank in 1..5 {
-        children.0.push(
-            Command::new(std::env::current_exe()?)
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", "5")
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env(
-                    rpc_core::SECRET_ENV,
-                    secret.as_str().context("text secret")?,
-                )
-                .spawn()?,
-        );
-    }
+    let workers = examples::Workers::spawn(5)?;
     rt.block_on(async {
-        let cfg = Config::new()
-            .with_rank(0)
-            .with_world_size(5)
-            .with_init_method(format!("tcp://127.0.0.1:{port}"))
-            .with_secret(secret)
-            .with_rpc_timeout(Duration::from_secs(300))
-            .with_shutdown_timeout(Duration::from_secs(300));
-        let agent = rpc_core::init(cfg, registry()?).await?;
+        let agent = rpc_core::init(
+            workers.rank0_config("server0", Duration::from_secs(300)),
+            registry()?,
+        )
+        .await?;
         let result = run_modes(&agent, &args, &test).await;
         let report = agent.shutdown().await;
         result?;
         anyhow::ensure!(report.is_clean(), "shutdown: {report:?}");
         Ok::<_, anyhow::Error>(())
     })?;
-    for c in &mut children.0 {
-        let status = c.wait()?;
-        anyhow::ensure!(status.success(), "a worker exited with {status}");
-    }
-    Ok(())
+    workers.wait_success()
 }
 
 async fn run_modes(agent: &Agent, args: &Args, test: &[(String, usize)]) -> Result<()> {

@@ -11,13 +11,12 @@
 //! nothing left, both error counts zero. The exit status is non-zero otherwise.
 
 use std::collections::HashMap;
-use std::process::{Child, Command};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use rpc_core::{remote, Agent, BoxError, CallContext, Config, Registry, Secret};
+use rpc_core::{remote, Agent, BoxError, CallContext, Registry};
 use rref::RRef;
 use serde::{Deserialize, Serialize};
 
@@ -296,69 +295,22 @@ fn parse_args() -> Result<Args> {
     Ok(a)
 }
 
-/// Worker processes, killed if the driver fails half way.
-struct Children(Vec<Child>);
-impl Drop for Children {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            if matches!(c.try_wait(), Ok(None)) {
-                let _ = c.kill();
-            }
-            let _ = c.wait();
-        }
-    }
-}
-
 fn main() -> Result<()> {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,tarpc=off")),
-        )
-        .with_writer(std::io::stderr)
-        .try_init();
+    examples::init_tracing();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
-    if std::env::var_os("RANK").is_some() {
-        return rt.block_on(async {
-            let cfg = Config::new().with_shutdown_timeout(Duration::from_secs(120));
-            let agent = rpc_core::init(cfg, registry()?).await?;
-            let report = agent.shutdown().await;
-            rref::clear_owned(&agent);
-            anyhow::ensure!(report.is_clean(), "{}: {report:?}", agent.name());
-            Ok(())
-        });
+    if examples::is_worker() {
+        return rt.block_on(examples::serve_until_shutdown(
+            registry()?,
+            Duration::from_secs(120),
+        ));
     }
     let args = parse_args()?;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
-    let secret = Secret::generate();
-    let mut children = Children(Vec::new());
-    for rank in 1..args.workers {
-        children.0.push(
-            Command::new(std::env::current_exe()?)
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", args.workers.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env(
-                    rpc_core::SECRET_ENV,
-                    secret.as_str().context("text secret")?,
-                )
-                .spawn()?,
-        );
-    }
+    let workers = examples::Workers::spawn(args.workers)?;
     let summary = rt.block_on(async {
-        let cfg = Config::new()
-            .with_rank(0)
-            .with_world_size(args.workers)
-            .with_init_method(format!("tcp://127.0.0.1:{port}"))
-            .with_secret(secret)
-            .with_init_timeout(Duration::from_secs(60))
-            .with_shutdown_timeout(Duration::from_secs(120));
+        let cfg = workers.rank0_config("driver", Duration::from_secs(120));
         let agent = rpc_core::init(cfg, registry()?).await?;
         let summary = drive(&agent, &args).await;
         let report = agent.shutdown().await;
@@ -367,10 +319,7 @@ fn main() -> Result<()> {
         anyhow::ensure!(report.is_clean(), "driver shutdown: {report:?}");
         Ok::<_, anyhow::Error>(summary)
     })?;
-    for (i, c) in children.0.iter_mut().enumerate() {
-        let status = c.wait()?;
-        anyhow::ensure!(status.success(), "worker {} exited with {status}", i + 1);
-    }
+    workers.wait_success()?;
     println!("{summary}");
     let ok = summary["values_created"] == summary["values_deleted"]
         && summary["owner_values_left"] == 0

@@ -1,0 +1,119 @@
+//! Plumbing shared by the example programs: logging, and launching a group of worker processes
+//! on this machine (each example's binary is also its own worker).
+//!
+//! A launched worker finds `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` and the group
+//! secret in its environment, which is also how the same binary joins a group spread over
+//! several machines.
+
+use std::process::{Child, Command};
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use rpc_core::{Config, Registry, Secret};
+
+/// Logs to stderr: `RUST_LOG` if set, else warnings (tarpc's own callee-side deadline logs are
+/// off: the caller already gets a precise error).
+pub fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,tarpc=off")),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// Whether this process was started as a worker of a group (its environment names a rank).
+pub fn is_worker() -> bool {
+    std::env::var_os("RANK").is_some()
+}
+
+/// Worker side: joins the group described by the environment, serves `registry` until every
+/// worker has called shutdown, and checks that the shutdown was clean.
+pub async fn serve_until_shutdown(registry: Registry, timeout: Duration) -> Result<()> {
+    let cfg = Config::new()
+        .with_shutdown_timeout(timeout)
+        .with_rpc_timeout(timeout);
+    let agent = rpc_core::init(cfg, registry).await?;
+    let report = agent.shutdown().await;
+    anyhow::ensure!(
+        report.is_clean(),
+        "{} shut down uncleanly: {report:?}",
+        agent.name()
+    );
+    Ok(())
+}
+
+/// Worker processes started by a launcher; killed and reaped if the launcher stops early.
+pub struct Workers {
+    children: Vec<Child>,
+    port: u16,
+    secret: Secret,
+    world: u32,
+}
+
+impl Drop for Workers {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            if matches!(c.try_wait(), Ok(None)) {
+                let _ = c.kill();
+            }
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Workers {
+    /// Starts ranks `1..world` as copies of this binary on 127.0.0.1, with a fresh secret and a
+    /// free rendezvous port (rank 0, the caller, serves the rendezvous).
+    pub fn spawn(world: u32) -> Result<Self> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let secret = Secret::generate();
+        let mut children = Vec::new();
+        for rank in 1..world {
+            children.push(
+                Command::new(std::env::current_exe()?)
+                    .env("RANK", rank.to_string())
+                    .env("WORLD_SIZE", world.to_string())
+                    .env("MASTER_ADDR", "127.0.0.1")
+                    .env("MASTER_PORT", port.to_string())
+                    .env(
+                        rpc_core::SECRET_ENV,
+                        secret.as_str().context("generated secrets are text")?,
+                    )
+                    .spawn()
+                    .context("starting a worker process")?,
+            );
+        }
+        Ok(Self {
+            children,
+            port,
+            secret,
+            world,
+        })
+    }
+
+    /// The config of rank 0 (this process) in the group.
+    pub fn rank0_config(&self, name: &str, timeout: Duration) -> Config {
+        Config::new()
+            .with_rank(0)
+            .with_world_size(self.world)
+            .with_name(name)
+            .with_init_method(format!("tcp://127.0.0.1:{}", self.port))
+            .with_secret(self.secret.clone())
+            .with_init_timeout(Duration::from_secs(60))
+            .with_rpc_timeout(timeout)
+            .with_shutdown_timeout(timeout)
+    }
+
+    /// Waits for every worker to exit; fails if one did not exit successfully.
+    pub fn wait_success(mut self) -> Result<()> {
+        for (i, c) in self.children.iter_mut().enumerate() {
+            let status = c.wait()?;
+            anyhow::ensure!(status.success(), "worker {} exited with {status}", i + 1);
+        }
+        Ok(())
+    }
+}
