@@ -34,6 +34,26 @@ pub fn run<F: Future>(secs: u64, f: F) -> F::Output {
     })
 }
 
+/// Runs `body` once per transport (TCP on 127.0.0.1, then the in-memory network), each run
+/// bounded by `secs` seconds.
+pub fn each_transport<F, Fut>(secs: u64, mut body: F)
+where
+    F: FnMut(rpc_core::Transport) -> Fut,
+    Fut: Future<Output = ()>,
+{
+    for t in rpc_core::testing::transports() {
+        eprintln!("-- over {}", rpc_core::testing::transport_name(&t));
+        run(secs, body(t));
+    }
+}
+
+/// Shuts every agent down together and asserts each shutdown was clean.
+pub async fn shutdown_all(agents: &[rpc_core::Agent]) {
+    for r in futures::future::join_all(agents.iter().map(|a| a.shutdown())).await {
+        assert!(r.is_clean(), "unclean shutdown: {r:?}");
+    }
+}
+
 /// Adds two numbers.
 #[remote]
 pub async fn add(_ctx: CallContext, a: i32, b: i32) -> Result<i32, BoxError> {

@@ -6,8 +6,8 @@ use std::time::Duration;
 use autograd_dist::RTensor;
 use candle_core::{DType, Device, IndexOp, Tensor, Var};
 use integration_tests::autograd_fns::*;
-use integration_tests::run;
-use rpc_core::testing::{start_group, transport_name, transports};
+use integration_tests::{each_transport, run, shutdown_all};
+use rpc_core::testing::start_group;
 use rpc_core::{Agent, Registry, Secret, Transport};
 
 fn registry() -> Registry {
@@ -24,17 +24,6 @@ async fn group(n: u32, t: Transport) -> Vec<Agent> {
     )
     .await
     .expect("group starts")
-}
-
-fn each_transport<F, Fut>(secs: u64, mut body: F)
-where
-    F: FnMut(Transport) -> Fut,
-    Fut: std::future::Future<Output = ()>,
-{
-    for t in transports() {
-        eprintln!("-- over {}", transport_name(&t));
-        run(secs, body(t));
-    }
 }
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
@@ -66,12 +55,6 @@ async fn init(a: &Agent, worker: u32, w: &str, r: usize, c: usize) {
 
 fn local(w: &str, r: usize, c: usize) -> Var {
     Var::from_tensor(&init_value(w, r, c)).unwrap()
-}
-
-async fn shutdown_all(agents: &[Agent]) {
-    for r in futures::future::join_all(agents.iter().map(|a| a.shutdown())).await {
-        assert!(r.is_clean(), "{r:?}");
-    }
 }
 
 #[test]

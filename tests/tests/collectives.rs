@@ -4,8 +4,8 @@ use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
 use collectives::ReduceOp;
-use integration_tests::run;
-use rpc_core::testing::{start_group, transport_name, transports};
+use integration_tests::{each_transport, run, shutdown_all};
+use rpc_core::testing::start_group;
 use rpc_core::{Agent, Registry, Secret, Transport};
 
 async fn group(n: u32, t: Transport) -> Vec<Agent> {
@@ -20,29 +20,12 @@ async fn group(n: u32, t: Transport) -> Vec<Agent> {
     .expect("group starts")
 }
 
-fn each_transport<F, Fut>(secs: u64, mut body: F)
-where
-    F: FnMut(Transport) -> Fut,
-    Fut: std::future::Future<Output = ()>,
-{
-    for t in transports() {
-        eprintln!("-- over {}", transport_name(&t));
-        run(secs, body(t));
-    }
-}
-
 /// Rank `r`'s input: distinct per rank, awkward length.
 fn input(r: u32, len: usize) -> Tensor {
     let v: Vec<f32> = (0..len)
         .map(|i| ((i * 7 + r as usize * 13) % 101) as f32 * 0.37 - 11.0)
         .collect();
     Tensor::from_vec(v, len, &Device::Cpu).unwrap()
-}
-
-async fn shutdown_all(agents: &[Agent]) {
-    for r in futures::future::join_all(agents.iter().map(|a| a.shutdown())).await {
-        assert!(r.is_clean(), "{r:?}");
-    }
 }
 
 fn bits(t: &Tensor) -> Vec<u32> {

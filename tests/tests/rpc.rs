@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use integration_tests::*;
-use rpc_core::testing::{self, start_group, transport_name, transports};
+use rpc_core::testing::{self, start_group};
 use rpc_core::{Agent, Blob, RemoteErrorKind, RpcError, Secret, Transport};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -12,26 +12,6 @@ async fn group(n: u32, t: Transport) -> Vec<Agent> {
     start_group(n, t, Secret::generate(), |_| registry(), |_, c| c)
         .await
         .expect("group starts")
-}
-
-async fn shutdown_all(agents: &[Agent]) {
-    let reports = futures::future::join_all(agents.iter().map(|a| a.shutdown())).await;
-    for r in reports {
-        assert!(r.is_clean(), "unclean shutdown: {r:?}");
-    }
-}
-
-/// Runs `body` once per transport.
-fn each_transport<F, Fut>(secs: u64, mut body: F)
-where
-    F: FnMut(Transport) -> Fut,
-    Fut: std::future::Future<Output = ()>,
-{
-    for t in transports() {
-        let name = transport_name(&t);
-        eprintln!("-- over {name}");
-        run(secs, body(t));
-    }
 }
 
 #[test]

@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use integration_tests::rref_fns::*;
-use integration_tests::run;
-use rpc_core::testing::{start_group, transport_name, transports};
+use integration_tests::{each_transport, run, shutdown_all};
+use rpc_core::testing::start_group;
 use rpc_core::{Agent, Secret, Transport};
 use rref::{RRef, RRefError};
 
@@ -48,24 +48,6 @@ async fn assert_quiescent(agents: &[Agent], ns: u64) {
             panic!("not quiescent: live values {} counters {infos:?}", live(ns));
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
-async fn shutdown_all(agents: &[Agent]) {
-    let reports = futures::future::join_all(agents.iter().map(|a| a.shutdown())).await;
-    for r in reports {
-        assert!(r.is_clean(), "{r:?}");
-    }
-}
-
-fn each_transport<F, Fut>(secs: u64, mut body: F)
-where
-    F: FnMut(Transport) -> Fut,
-    Fut: std::future::Future<Output = ()>,
-{
-    for t in transports() {
-        eprintln!("-- over {}", transport_name(&t));
-        run(secs, body(t));
     }
 }
 
