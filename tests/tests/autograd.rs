@@ -288,6 +288,21 @@ fn tensors_of_every_dtype_and_layout_round_trip() {
                 assert!(back.is_contiguous());
             }
         }
+        // Candle's packed formats (stored as raw bytes) round-trip too.
+        for dt in [DType::F6E2M3, DType::F6E3M2, DType::F4, DType::F8E8M0] {
+            let raw: Vec<u8> = (0..24u8).map(|i| i.wrapping_mul(37)).collect();
+            let t = Tensor::from_raw_buffer(&raw, dt, &[2, 12], &Device::Cpu).unwrap();
+            let back = a[0]
+                .rpc_async(1u32, echo_tensor, (RTensor(t.clone()),))
+                .await
+                .unwrap();
+            assert_eq!((back.dtype(), back.dims()), (dt, &[2usize, 12][..]));
+            assert_eq!(
+                back.to_le_bytes().unwrap(),
+                RTensor(t).to_le_bytes().unwrap(),
+                "{dt:?}"
+            );
+        }
         // Tensors through remote references: created remotely, an RRef method with a tensor
         // argument, to_here.
         let r = rref::RRef::new(&a[1], RTensor(base.clone()));
