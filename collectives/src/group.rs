@@ -284,6 +284,16 @@ impl ProcessGroup {
         t: &Tensor,
         seq: u64,
     ) -> Result<Op<'_>, CollectiveError> {
+        self.begin_header(name, t.dims().to_vec(), t.dtype().as_str(), seq)
+    }
+
+    fn begin_header(
+        &self,
+        name: &'static str,
+        dims: Vec<usize>,
+        dtype: &str,
+        seq: u64,
+    ) -> Result<Op<'_>, CollectiveError> {
         let rank = self.agent.rank();
         let me = self.ranks.iter().position(|&r| r == rank).ok_or_else(|| {
             CollectiveError::NotMember {
@@ -297,8 +307,8 @@ impl ProcessGroup {
             seq,
             me,
             header: Header {
-                dims: t.dims().to_vec(),
-                dtype: t.dtype().as_str().to_owned(),
+                dims,
+                dtype: dtype.to_owned(),
             },
         })
     }
@@ -348,14 +358,25 @@ impl ProcessGroup {
     /// The fast ring for CPU floats: one flat buffer, chunks sent as raw elements, received
     /// chunks reduced in place straight from the receive buffer, the result built from the
     /// buffer without a copy.
-    async fn ring_flat<T: Elem>(
+    async fn ring_flat<T: Element>(
         &self,
         o: &Op<'_>,
         t: &Tensor,
         op: ReduceOp,
     ) -> Result<Tensor, CollectiveError> {
-        let n = o.n();
         let mut buf: Vec<T> = t.flatten_all()?.to_vec1::<T>()?;
+        self.ring_slice(o, &mut buf, op).await?;
+        Ok(Tensor::from_vec(buf, t.dims(), t.device())?)
+    }
+
+    /// The ring over a flat buffer, in place (`Mean` divides at the end).
+    async fn ring_slice<T: Element>(
+        &self,
+        o: &Op<'_>,
+        buf: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
+        let n = o.n();
         let (base, extra) = (buf.len() / n, buf.len() % n);
         let mut ranges = Vec::with_capacity(n);
         let mut start = 0;
@@ -389,11 +410,12 @@ impl ProcessGroup {
             check_len::<T>(o, dst.len(), got.len())?;
             T::copy_into(dst, &got);
         }
-        let mut out = Tensor::from_vec(buf, t.dims(), t.device())?;
         if op == ReduceOp::Mean {
-            out = (out / n as f64)?;
+            for x in buf.iter_mut() {
+                *x = x.div_by(n);
+            }
         }
-        Ok(out)
+        Ok(())
     }
 
     /// `n` chunks of the flattened tensor, sizes differing by at most one element.
@@ -464,7 +486,17 @@ impl ProcessGroup {
         t: &Tensor,
         op: ReduceOp,
     ) -> Result<Tensor, CollectiveError> {
-        let o = self.begin("reduce_scatter", t)?;
+        let seq = mailbox(&self.agent).next_seq(self.id);
+        self.reduce_scatter_at(t, op, seq).await
+    }
+
+    async fn reduce_scatter_at(
+        &self,
+        t: &Tensor,
+        op: ReduceOp,
+        seq: u64,
+    ) -> Result<Tensor, CollectiveError> {
+        let o = self.begin_at("reduce_scatter", t, seq)?;
         let out = async {
             let n = o.n();
             let mut chunks = self.split(t, n)?;
@@ -485,7 +517,12 @@ impl ProcessGroup {
 
     /// Every member's `t`, in member order (all must have the same shape and dtype).
     pub async fn all_gather(&self, t: &Tensor) -> Result<Vec<Tensor>, CollectiveError> {
-        let o = self.begin("all_gather", t)?;
+        let seq = mailbox(&self.agent).next_seq(self.id);
+        self.all_gather_at(t, seq).await
+    }
+
+    async fn all_gather_at(&self, t: &Tensor, seq: u64) -> Result<Vec<Tensor>, CollectiveError> {
+        let o = self.begin_at("all_gather", t, seq)?;
         let out = async {
             let n = o.n();
             let mut all: Vec<Tensor> = vec![t.clone(); n];
@@ -501,7 +538,17 @@ impl ProcessGroup {
 
     /// `root`'s `t` on every member (`t` gives the shape and dtype on the others).
     pub async fn broadcast(&self, t: &Tensor, root: u32) -> Result<Tensor, CollectiveError> {
-        let o = self.begin("broadcast", t)?;
+        let seq = mailbox(&self.agent).next_seq(self.id);
+        self.broadcast_at(t, root, seq).await
+    }
+
+    async fn broadcast_at(
+        &self,
+        t: &Tensor,
+        root: u32,
+        seq: u64,
+    ) -> Result<Tensor, CollectiveError> {
+        let o = self.begin_at("broadcast", t, seq)?;
         let out = async {
             if !self.ranks.contains(&root) {
                 return Err(CollectiveError::Failed {
@@ -533,6 +580,63 @@ impl ProcessGroup {
         self.all_reduce(&token, ReduceOp::Max).await.map(|_| ())
     }
 
+    /// Reduces `data` element-wise over the group, in place: the ring runs on the caller's
+    /// buffer, with no copy of the input or the result (every member passes a buffer of the
+    /// same length and element type).
+    pub async fn all_reduce_in_place<T: Element>(
+        &self,
+        data: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
+        let seq = mailbox(&self.agent).next_seq(self.id);
+        let o = self.begin_header(
+            "all_reduce_in_place",
+            vec![data.len()],
+            T::DTYPE.as_str(),
+            seq,
+        )?;
+        let out = if o.n() == 1 {
+            Ok(())
+        } else {
+            self.ring_slice(&o, data, op).await
+        };
+        self.end(&o);
+        out
+    }
+
+    /// [`ProcessGroup::broadcast`] in the background.
+    pub fn broadcast_async(&self, t: &Tensor, root: u32) -> Work<Tensor> {
+        let (g, t) = (self.clone(), t.clone());
+        let seq = mailbox(&self.agent).next_seq(self.id);
+        Work(
+            self.agent
+                .runtime()
+                .spawn(async move { g.broadcast_at(&t, root, seq).await }),
+        )
+    }
+
+    /// [`ProcessGroup::all_gather`] in the background.
+    pub fn all_gather_async(&self, t: &Tensor) -> Work<Vec<Tensor>> {
+        let (g, t) = (self.clone(), t.clone());
+        let seq = mailbox(&self.agent).next_seq(self.id);
+        Work(
+            self.agent
+                .runtime()
+                .spawn(async move { g.all_gather_at(&t, seq).await }),
+        )
+    }
+
+    /// [`ProcessGroup::reduce_scatter`] in the background.
+    pub fn reduce_scatter_async(&self, t: &Tensor, op: ReduceOp) -> Work<Tensor> {
+        let (g, t) = (self.clone(), t.clone());
+        let seq = mailbox(&self.agent).next_seq(self.id);
+        Work(
+            self.agent
+                .runtime()
+                .spawn(async move { g.reduce_scatter_at(&t, op, seq).await }),
+        )
+    }
+
     /// [`ProcessGroup::all_reduce`] in the background, so communication overlaps computation.
     pub fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Work<Tensor> {
         let (g, t) = (self.clone(), t.clone());
@@ -559,17 +663,30 @@ fn check_len<T>(o: &Op<'_>, elems: usize, bytes: usize) -> Result<(), Collective
 }
 
 /// The elements' bytes, copied once into a buffer the transport can own.
-fn raw_bytes<T: Elem>(s: &[T]) -> bytes::Bytes {
+fn raw_bytes<T: Element>(s: &[T]) -> bytes::Bytes {
     // SAFETY: `T` is f32 or f64 (see `Elem`): plain data, no padding, every byte initialized.
     let b =
         unsafe { std::slice::from_raw_parts(s.as_ptr().cast::<u8>(), std::mem::size_of_val(s)) };
     bytes::Bytes::copy_from_slice(b)
 }
 
-/// Element types of the fast ring.
-trait Elem: candle_core::WithDType + Copy + PartialOrd + std::ops::Add<Output = Self> {
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for f64 {}
+}
+
+/// Element types the ring reduces directly (`f32`, `f64`).
+pub trait Element:
+    sealed::Sealed + candle_core::WithDType + Copy + PartialOrd + std::ops::Add<Output = Self>
+{
+    /// `self / n`.
+    fn div_by(self, n: usize) -> Self;
+
+    /// Reads a little-endian element.
     fn from_le(b: &[u8]) -> Self;
 
+    /// Combines two elements under `op` (`Mean` sums; the division comes at the end).
     fn combine(op: ReduceOp, a: Self, b: Self) -> Self {
         match op {
             ReduceOp::Sum | ReduceOp::Mean => a + b,
@@ -607,6 +724,7 @@ trait Elem: candle_core::WithDType + Copy + PartialOrd + std::ops::Add<Output = 
         }
     }
 
+    /// Overwrites `dst` with the little-endian elements in `src`.
     fn copy_into(dst: &mut [Self], src: &[u8]) {
         let w = std::mem::size_of::<Self>();
         for (d, s) in dst.iter_mut().zip(src.chunks_exact(w)) {
@@ -615,13 +733,21 @@ trait Elem: candle_core::WithDType + Copy + PartialOrd + std::ops::Add<Output = 
     }
 }
 
-impl Elem for f32 {
+impl Element for f32 {
+    fn div_by(self, n: usize) -> Self {
+        self / n as f32
+    }
+
     fn from_le(b: &[u8]) -> Self {
         f32::from_le_bytes(b.try_into().expect("4 bytes"))
     }
 }
 
-impl Elem for f64 {
+impl Element for f64 {
+    fn div_by(self, n: usize) -> Self {
+        self / n as f64
+    }
+
     fn from_le(b: &[u8]) -> Self {
         f64::from_le_bytes(b.try_into().expect("8 bytes"))
     }

@@ -31,7 +31,7 @@ mod ps;
 
 pub use autograd_dist::RTensor;
 pub use ddp::{DistributedDataParallel, DistributedSampler};
-pub use group::{new_group, world, CollectiveError, ProcessGroup, ReduceOp, Work};
+pub use group::{new_group, world, CollectiveError, Element, ProcessGroup, ReduceOp, Work};
 pub use mailbox::{irecv, isend, recv, send, Handle, P2pError};
 pub use ps::{serve_shard, shard_stats, Consistency, PsClient};
 

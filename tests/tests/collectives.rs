@@ -519,3 +519,62 @@ fn parameter_server_consistency_modes_bound_staleness() {
         });
     }
 }
+
+#[test]
+fn in_place_and_async_variants() {
+    each_transport(60, |t| async move {
+        let a = group(3, t).await;
+        let outs = futures::future::join_all(a.iter().map(|w| {
+            let g = collectives::world(w);
+            let r = w.rank();
+            async move {
+                // In place, on the caller's own buffer.
+                let mut buf: Vec<f32> = input(r, 1000).to_vec1().unwrap();
+                g.all_reduce_in_place(&mut buf, ReduceOp::Sum)
+                    .await
+                    .unwrap();
+                // Async variants, issued together and paired in call order.
+                let b = g.broadcast_async(&input(r, 4), 1);
+                let ga = g.all_gather_async(&input(r, 2));
+                let rs = g.reduce_scatter_async(&input(r, 9), ReduceOp::Max);
+                let (b, ga, rs) = (
+                    b.wait().await.unwrap(),
+                    ga.wait().await.unwrap(),
+                    rs.wait().await.unwrap(),
+                );
+                (
+                    buf,
+                    b.to_vec1::<f32>().unwrap(),
+                    ga.len(),
+                    rs.dims().to_vec(),
+                )
+            }
+        }))
+        .await;
+        let want: Vec<f32> = (0..3)
+            .map(|r| input(r, 1000))
+            .reduce(|x, y| (x + y).unwrap())
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        for (buf, b, ga, rs) in &outs {
+            assert!(buf.iter().zip(&want).all(|(x, y)| (x - y).abs() < 1e-3));
+            assert_eq!(buf, &outs[0].0, "bit-identical on every rank");
+            assert_eq!(b, &input(1, 4).to_vec1::<f32>().unwrap());
+            assert_eq!((*ga, rs.as_slice()), (3, &[3usize][..]));
+        }
+        // Mismatched lengths in place fail on every rank.
+        let errs = futures::future::join_all(a.iter().map(|w| {
+            let g = collectives::world(w);
+            let len = if w.rank() == 2 { 11 } else { 10 };
+            async move {
+                g.all_reduce_in_place(&mut vec![1f64; len], ReduceOp::Sum)
+                    .await
+                    .is_err()
+            }
+        }))
+        .await;
+        assert!(errs.iter().all(|e| *e));
+        shutdown_all(&a).await;
+    });
+}
