@@ -252,10 +252,7 @@ fn run_backward(
                 )
                 .await
                 .map_err(|source| AutogradError::Rpc {
-                    worker: a
-                        .get_worker_info(sender)
-                        .map(|w| w.name.clone())
-                        .unwrap_or_default(),
+                    worker: a.name_of(sender),
                     source: Box::new(source),
                 })
             }
@@ -348,10 +345,7 @@ fn release_from<'a>(
             rpc_core::with_call_meta(CTX_KEY, None, agent.rpc_async(p, ReleaseContext, (ctx,)))
                 .await
                 .map_err(|source| AutogradError::Rpc {
-                    worker: agent
-                        .get_worker_info(p)
-                        .map(|w| w.name.clone())
-                        .unwrap_or_default(),
+                    worker: agent.name_of(p),
                     source: Box::new(source),
                 })
         });

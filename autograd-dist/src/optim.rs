@@ -348,10 +348,7 @@ impl DistributedOptimizer {
             );
             async move {
                 call.await.map_err(|source| AutogradError::Rpc {
-                    worker: agent
-                        .get_worker_info(*owner)
-                        .map(|w| w.name.clone())
-                        .unwrap_or_default(),
+                    worker: agent.name_of(*owner),
                     source: Box::new(source),
                 })
             }

@@ -177,14 +177,26 @@ pub(crate) async fn send_raw(
     header: Header,
     data: bytes::Bytes,
 ) -> Result<(), P2pError> {
-    let call = agent.rpc_async(to, DeliverRaw, (tag, header, rpc_core::Blob::new(data)));
-    rpc_core::with_call_meta(autograd_dist::CTX_KEY, None, call)
+    deliver(
+        agent,
+        to,
+        DeliverRaw,
+        (tag, header, rpc_core::Blob::new(data)),
+    )
+    .await
+}
+
+/// Sends one message; collective traffic never takes part in distributed autograd.
+async fn deliver<F: RemoteFn<Output = ()>>(
+    agent: &Agent,
+    to: u32,
+    f: F,
+    args: F::Args,
+) -> Result<(), P2pError> {
+    rpc_core::with_call_meta(autograd_dist::CTX_KEY, None, agent.rpc_async(to, f, args))
         .await
         .map_err(|source| P2pError::Send {
-            worker: agent
-                .get_worker_info(to)
-                .map(|w| w.name.clone())
-                .unwrap_or_default(),
+            worker: agent.name_of(to),
             source: Box::new(source),
         })
 }
@@ -230,17 +242,7 @@ pub(crate) async fn send_tagged(
     header: Header,
     t: Tensor,
 ) -> Result<(), P2pError> {
-    // Collective traffic never takes part in distributed autograd.
-    let call = agent.rpc_async(to, Deliver, (tag, header, RTensor(t)));
-    rpc_core::with_call_meta(autograd_dist::CTX_KEY, None, call)
-        .await
-        .map_err(|source| P2pError::Send {
-            worker: agent
-                .get_worker_info(to)
-                .map(|w| w.name.clone())
-                .unwrap_or_default(),
-            source: Box::new(source),
-        })
+    deliver(agent, to, Deliver, (tag, header, RTensor(t))).await
 }
 
 fn header(t: &Tensor) -> Header {

@@ -439,6 +439,18 @@ impl Agent {
         self.is_stopping()
     }
 
+    /// The name of a worker for messages: its name, or a description of the reference if it
+    /// names no worker of the group.
+    pub fn name_of(&self, to: impl ToWorker) -> String {
+        match self.get_worker_info(&to) {
+            Ok(w) => w.name.clone(),
+            Err(_) => match to.worker_ref() {
+                WorkerRef::Name(n) => n.to_owned(),
+                WorkerRef::Rank(r) => format!("rank {r}"),
+            },
+        }
+    }
+
     /// The functions this worker serves.
     pub fn registry(&self) -> &Registry {
         &self.inner.registry

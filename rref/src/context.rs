@@ -191,13 +191,6 @@ impl Ctx {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
-
-    pub(crate) fn worker_name(&self, agent: &Agent, rank: u32) -> String {
-        agent
-            .get_worker_info(rank)
-            .map(|w| w.name.clone())
-            .unwrap_or_else(|_| format!("rank {rank}"))
-    }
 }
 
 /// The RRef counters of `agent`'s worker.

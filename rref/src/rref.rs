@@ -398,7 +398,7 @@ impl<T: 'static> RRef<T> {
     /// The owner's name.
     pub fn owner_name(&self) -> String {
         match self.h.ctx.agent.upgrade() {
-            Some(a) => self.h.ctx.worker_name(&a, self.h.owner),
+            Some(a) => a.name_of(self.h.owner),
             None => format!("rank {}", self.h.owner),
         }
     }
