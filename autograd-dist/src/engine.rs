@@ -17,6 +17,13 @@
 //!   worker waits for gradients that will not come.
 //! - AD-4: backward RPCs run without the context in their metadata, so gradients never record
 //!   new send/recv pairs.
+//! - AD-6: one local pass per wave. While a worker executes backward in a context, gradients
+//!   that reach it for the same context (typically from the workers it is waiting on, whose
+//!   inputs it sent) are queued and answered at once; the executing pass folds them all into
+//!   one more local backward before it returns. A master whose encoder feeds several workers
+//!   thus backpropagates through the encoder once per step, not once per worker. Every
+//!   executing pass is awaited by its caller and drains its queue before returning, so
+//!   `backward` still returns only when all the work is done.
 //! - AD-5: releasing a context removes its state on this worker and forwards the release to
 //!   every peer it exchanged tensors with; a worker without state for it stops the cascade.
 
@@ -39,6 +46,11 @@ struct CtxState {
     recvs: HashMap<TensorId, (u32, u64)>,
     grads: HashMap<TensorId, (Tensor, Tensor)>,
     peers: BTreeSet<u32>,
+    /// A backward pass is executing on this worker in this context (AD-6).
+    running: bool,
+    /// Gradients for this worker's sends that arrived while it was running: (sent tensor,
+    /// gradient), folded into its next local pass.
+    pending: Vec<(Tensor, Tensor)>,
 }
 
 pub(crate) struct Container {
@@ -153,10 +165,16 @@ impl DistContext {
                 Some(l) => (l + s)?,
             });
         }
-        match loss {
-            Some(l) => run_backward(self.agent.clone(), self.id, l).await,
-            None => Ok(()),
+        let Some(loss) = loss else { return Ok(()) };
+        let c = container(&self.agent);
+        let already = c.with(self.id, |st| std::mem::replace(&mut st.running, true));
+        if already {
+            return Err(AutogradError::State(format!(
+                "backward is already running in context {:#x}",
+                self.id
+            )));
         }
+        execute(self.agent.clone(), self.id, loss).await
     }
 
     /// This worker's accumulated gradients in the context, by variable id.
@@ -209,57 +227,102 @@ pub fn live_contexts(agent: &Agent) -> usize {
         .len()
 }
 
-fn run_backward(
-    agent: Agent,
-    ctx: u64,
-    loss: Tensor,
-) -> BoxFuture<'static, Result<(), AutogradError>> {
-    Box::pin(async move {
-        let grads = loss.backward()?;
-        let c = container(&agent);
-        let mut outgoing: HashMap<u32, Vec<(u64, RTensor)>> = HashMap::new();
-        {
-            let mut m = c.contexts.lock().unwrap_or_else(|p| p.into_inner());
-            let st = m.entry(ctx).or_default();
-            for node in loss.sorted_nodes() {
-                if !node.is_variable() {
-                    continue;
-                }
-                let Some(g) = grads.get(node) else { continue };
-                let g = g.detach();
-                if let Some((sender, msg)) = st.recvs.get(&node.id()) {
-                    outgoing
-                        .entry(*sender)
-                        .or_default()
-                        .push((*msg, RTensor(g)));
-                } else {
-                    let acc = match st.grads.remove(&node.id()) {
-                        Some((_, old)) => (old + g)?,
-                        None => g,
-                    };
-                    st.grads.insert(node.id(), (node.clone(), acc));
-                }
+/// Runs backward passes on this worker for context `ctx` (whose `running` flag the caller
+/// set) until no gradients are pending, then clears the flag (AD-6).
+async fn execute(agent: Agent, ctx: u64, first: Tensor) -> Result<(), AutogradError> {
+    let c = container(&agent);
+    let mut next = Some(first);
+    loop {
+        if let Some(surrogate) = next.take() {
+            if let Err(e) = local_pass(&agent, ctx, surrogate).await {
+                c.with(ctx, |st| {
+                    st.running = false;
+                    st.pending.clear();
+                });
+                return Err(e);
             }
         }
-        // AD-4: upstream gradients travel without the context in the metadata.
-        let calls = outgoing.into_iter().map(|(sender, items)| {
-            let a = agent.clone();
-            async move {
-                rpc_core::with_call_meta(
-                    CTX_KEY,
-                    None,
-                    a.rpc_async(sender, BackwardStep, (ctx, items)),
-                )
-                .await
-                .map_err(|source| AutogradError::Rpc {
-                    worker: a.name_of(sender),
-                    source: Box::new(source),
-                })
+        let pending = c.with(ctx, |st| {
+            let p = std::mem::take(&mut st.pending);
+            if p.is_empty() {
+                st.running = false;
             }
+            p
         });
-        futures::future::try_join_all(calls).await?;
-        Ok(())
-    })
+        if pending.is_empty() {
+            return Ok(());
+        }
+        next = surrogate_of(pending).inspect_err(|_| {
+            c.with(ctx, |st| {
+                st.running = false;
+                st.pending.clear();
+            });
+        })?;
+    }
+}
+
+/// `sum(y * g)` over the pairs, `g` held constant: backpropagating it gives each sent tensor
+/// `y` the gradient `g`.
+fn surrogate_of(pairs: Vec<(Tensor, Tensor)>) -> candle_core::Result<Option<Tensor>> {
+    let mut surrogate: Option<Tensor> = None;
+    for (y, g) in pairs {
+        let g = g.to_device(y.device())?.to_dtype(y.dtype())?;
+        let s = (y * g)?.sum_all()?;
+        surrogate = Some(match surrogate {
+            None => s,
+            Some(t) => (t + s)?,
+        });
+    }
+    Ok(surrogate)
+}
+
+/// One local backward from `loss`: gradients of this worker's variables accumulate in the
+/// context; gradients of recv leaves go to their senders, concurrently, and are awaited.
+async fn local_pass(agent: &Agent, ctx: u64, loss: Tensor) -> Result<(), AutogradError> {
+    let grads = loss.backward()?;
+    let c = container(agent);
+    let mut outgoing: HashMap<u32, Vec<(u64, RTensor)>> = HashMap::new();
+    {
+        let mut m = c.contexts.lock().unwrap_or_else(|p| p.into_inner());
+        let st = m.entry(ctx).or_default();
+        for node in loss.sorted_nodes() {
+            if !node.is_variable() {
+                continue;
+            }
+            let Some(g) = grads.get(node) else { continue };
+            let g = g.detach();
+            if let Some((sender, msg)) = st.recvs.get(&node.id()) {
+                outgoing
+                    .entry(*sender)
+                    .or_default()
+                    .push((*msg, RTensor(g)));
+            } else {
+                let acc = match st.grads.remove(&node.id()) {
+                    Some((_, old)) => (old + g)?,
+                    None => g,
+                };
+                st.grads.insert(node.id(), (node.clone(), acc));
+            }
+        }
+    }
+    // AD-4: upstream gradients travel without the context in the metadata.
+    let calls = outgoing.into_iter().map(|(sender, items)| {
+        let a = agent.clone();
+        async move {
+            rpc_core::with_call_meta(
+                CTX_KEY,
+                None,
+                a.rpc_async(sender, BackwardStep, (ctx, items)),
+            )
+            .await
+            .map_err(|source| AutogradError::Rpc {
+                worker: a.name_of(sender),
+                source: Box::new(source),
+            })
+        }
+    });
+    futures::future::try_join_all(calls).await?;
+    Ok(())
 }
 
 /// Backward step on a sender: gradients for tensors it sent.
@@ -276,11 +339,11 @@ impl RemoteFn for BackwardStep {
         let agent = cx.agent().clone();
         let c = container(&agent);
         let pairs: Vec<(Tensor, Tensor)> = {
-            let m = c.contexts.lock().unwrap_or_else(|p| p.into_inner());
-            let st = m.get(&ctx).ok_or_else(|| {
+            let mut m = c.contexts.lock().unwrap_or_else(|p| p.into_inner());
+            let st = m.get_mut(&ctx).ok_or_else(|| {
                 format!("no autograd context {ctx:#x} on this worker (released?)")
             })?;
-            items
+            let pairs = items
                 .into_iter()
                 .map(|(msg, g)| {
                     st.sends
@@ -289,19 +352,25 @@ impl RemoteFn for BackwardStep {
                         .map(|y| (y, g.0))
                         .ok_or_else(|| format!("no send {msg} in context {ctx:#x}"))
                 })
-                .collect::<Result<_, _>>()?
+                .collect::<Result<Vec<_>, _>>()?;
+            if st.running {
+                // AD-6: the pass executing here folds these in before it returns.
+                st.pending.extend(pairs);
+                return Ok(());
+            }
+            st.running = true;
+            pairs
         };
-        let mut surrogate: Option<Tensor> = None;
-        for (y, g) in pairs {
-            let g = g.to_device(y.device())?.to_dtype(y.dtype())?;
-            let s = (y * g)?.sum_all()?;
-            surrogate = Some(match surrogate {
-                None => s,
-                Some(t) => (t + s)?,
-            });
-        }
-        if let Some(s) = surrogate {
-            run_backward(agent, ctx, s).await?;
+        let surrogate = match surrogate_of(pairs) {
+            Ok(s) => s,
+            Err(e) => {
+                c.with(ctx, |st| st.running = false);
+                return Err(e.into());
+            }
+        };
+        match surrogate {
+            Some(s) => execute(agent, ctx, s).await?,
+            None => c.with(ctx, |st| st.running = false),
         }
         Ok(())
     }

@@ -26,4 +26,7 @@ pub enum AutogradError {
         /// What went wrong.
         message: String,
     },
+    /// An optimizer state does not fit the optimizer's parameters.
+    #[error("optimizer state mismatch: {0}")]
+    State(String),
 }

@@ -5,7 +5,9 @@
 //! - [`DeviceSpec`]: `cpu` or `cuda:N` as plain data; CUDA behind the `cuda` feature.
 //! - [`context`]: distributed autograd contexts; [`DistContext::backward`] runs backward
 //!   across every worker the graph touched.
-//! - [`DistributedOptimizer`]: steps every parameter where it lives (SGD, Adam, AdamW).
+//! - [`DistributedOptimizer`]: steps every parameter where it lives (SGD, Adam, AdamW), with
+//!   the same arithmetic as the local [`Optimizer`], a [`GradientHook`] for data-parallel
+//!   replicas, and state export for checkpoints.
 //!
 //! Install the engine's functions in every worker's registry with [`install`].
 //!
@@ -30,7 +32,8 @@ pub use devmap::{DeviceMapError, DeviceMaps};
 pub use engine::{context, current_context_id, gradients, live_contexts, DistContext, CTX_KEY};
 pub use error::AutogradError;
 pub use optim::{
-    parameter_rrefs, parameter_var, DistributedOptimizer, LocalOptimizer, OptimizerKind, Parameter,
+    parameter_rrefs, parameter_var, set_gradient_hook, DistributedOptimizer, GradientHook,
+    Gradients, LocalOptimizer, Optimizer, OptimizerKind, OptimizerState, Parameter,
 };
 pub use tensor::RTensor;
 

@@ -8,11 +8,14 @@
 //! decoupled weight decay, both bias-corrected. (candle-nn's optimizers take a `GradStore`, which
 //! cannot be built outside candle, so the rules are written out here.)
 
-use candle_core::{Tensor, Var};
+use candle_core::backprop::GradStore;
+use candle_core::{Tensor, TensorId, Var};
+use futures::future::BoxFuture;
 use rpc_core::{Agent, BoxError, CallContext, RemoteFn};
 use rref::{RRef, RRefError};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
 use crate::engine;
 use crate::error::AutogradError;
@@ -131,16 +134,214 @@ impl OptimizerKind {
     }
 }
 
-/// One owner's optimizer: its parameters and their state. Lives on the owner; it cannot be
-/// copied to another worker.
-pub struct LocalOptimizer {
+/// Gradients looked up by variable: candle's `GradStore` and a context's gradient map.
+pub trait Gradients {
+    /// The gradient of `var`, if it has one.
+    fn grad(&self, var: &Tensor) -> Option<Tensor>;
+    /// Replaces (or sets) the gradient of `var`.
+    fn set_grad(&mut self, var: &Tensor, grad: Tensor);
+}
+
+impl Gradients for GradStore {
+    fn grad(&self, var: &Tensor) -> Option<Tensor> {
+        self.get(var).cloned()
+    }
+    fn set_grad(&mut self, var: &Tensor, grad: Tensor) {
+        self.insert(var, grad);
+    }
+}
+
+impl Gradients for HashMap<TensorId, Tensor> {
+    fn grad(&self, var: &Tensor) -> Option<Tensor> {
+        self.get(&var.id()).cloned()
+    }
+    fn set_grad(&mut self, var: &Tensor, grad: Tensor) {
+        self.insert(var.id(), grad);
+    }
+}
+
+/// An optimizer over variables of this process: the update rules of [`OptimizerKind`] with
+/// their per-parameter state. [`DistributedOptimizer`] runs one on every owner; single-process
+/// training uses it directly, with the same arithmetic.
+///
+/// ```
+/// use autograd_dist::{Optimizer, OptimizerKind};
+/// use candle_core::{Device, Tensor, Var};
+/// let w = Var::new(&[1.0f32, 2.0], &Device::Cpu).unwrap();
+/// let mut opt = Optimizer::new(OptimizerKind::sgd(0.5), vec![w.clone()]);
+/// let loss = w.as_tensor().sqr().unwrap().sum_all().unwrap();
+/// opt.step(&loss.backward().unwrap()).unwrap();
+/// assert_eq!(w.as_tensor().to_vec1::<f32>().unwrap(), vec![0.0, 0.0]);
+/// ```
+pub struct Optimizer {
     kind: OptimizerKind,
-    params: Vec<RRef<Parameter>>,
+    vars: Vec<Var>,
     /// Momentum buffer (SGD) or first moment (Adam), per parameter.
     m: Vec<Option<Tensor>>,
     /// Second moment (Adam), per parameter.
     v: Vec<Option<Tensor>>,
     steps: u64,
+}
+
+impl std::fmt::Debug for Optimizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Optimizer")
+            .field("kind", &self.kind)
+            .field("params", &self.vars.len())
+            .field("steps", &self.steps)
+            .finish()
+    }
+}
+
+/// An optimizer's state, for checkpoints: the step count and each parameter's moments (in the
+/// order the parameters were given; `None` before a parameter's first update).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct OptimizerState {
+    /// Steps taken.
+    pub steps: u64,
+    /// First moment (or momentum buffer) per parameter.
+    pub m: Vec<Option<RTensor>>,
+    /// Second moment per parameter.
+    pub v: Vec<Option<RTensor>>,
+}
+
+impl Optimizer {
+    /// An optimizer over `vars`, with fresh state.
+    pub fn new(kind: OptimizerKind, vars: Vec<Var>) -> Self {
+        let n = vars.len();
+        Self {
+            kind,
+            vars,
+            m: vec![None; n],
+            v: vec![None; n],
+            steps: 0,
+        }
+    }
+
+    /// The parameters, in order.
+    pub fn vars(&self) -> &[Var] {
+        &self.vars
+    }
+
+    /// The learning rate.
+    pub fn lr(&self) -> f64 {
+        match self.kind {
+            OptimizerKind::Sgd { lr, .. } | OptimizerKind::Adam { lr, .. } => lr,
+        }
+    }
+
+    /// Changes the learning rate (for a schedule); the state is kept.
+    pub fn set_lr(&mut self, new: f64) {
+        match &mut self.kind {
+            OptimizerKind::Sgd { lr, .. } | OptimizerKind::Adam { lr, .. } => *lr = new,
+        }
+    }
+
+    /// Steps taken so far.
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// Updates every parameter that has a gradient in `grads`; returns how many did.
+    pub fn step(&mut self, grads: &impl Gradients) -> candle_core::Result<usize> {
+        self.steps += 1;
+        let t = i32::try_from(self.steps).unwrap_or(i32::MAX);
+        let mut updated = 0;
+        for i in 0..self.vars.len() {
+            let var = &self.vars[i];
+            let Some(g) = grads.grad(var.as_tensor()) else {
+                continue;
+            };
+            let p = var.as_tensor().detach();
+            let new = update(self.kind, &p, &g, &mut self.m[i], &mut self.v[i], t)?;
+            var.set(&new)?;
+            updated += 1;
+        }
+        Ok(updated)
+    }
+
+    /// A copy of the state.
+    pub fn state(&self) -> OptimizerState {
+        let copy = |x: &Vec<Option<Tensor>>| x.iter().map(|t| t.clone().map(RTensor)).collect();
+        OptimizerState {
+            steps: self.steps,
+            m: copy(&self.m),
+            v: copy(&self.v),
+        }
+    }
+
+    /// Replaces the state by `state` (from [`Optimizer::state`] of an optimizer over the same
+    /// parameters); checks the number of parameters and every moment's shape.
+    pub fn load_state(&mut self, state: OptimizerState) -> Result<(), AutogradError> {
+        let n = self.vars.len();
+        if state.m.len() != n || state.v.len() != n {
+            return Err(AutogradError::State(format!(
+                "the state holds {} and {} moments for {n} parameters",
+                state.m.len(),
+                state.v.len()
+            )));
+        }
+        let mut m = Vec::with_capacity(n);
+        let mut v = Vec::with_capacity(n);
+        for (i, (a, b)) in state.m.into_iter().zip(state.v).enumerate() {
+            let var = self.vars[i].as_tensor();
+            for (slot, out) in [(a, &mut m), (b, &mut v)] {
+                let t = match slot {
+                    Some(RTensor(t)) if t.dims() != var.dims() || t.dtype() != var.dtype() => {
+                        return Err(AutogradError::State(format!(
+                            "parameter {i} is {:?} {:?} but its saved moment is {:?} {:?}",
+                            var.dims(),
+                            var.dtype(),
+                            t.dims(),
+                            t.dtype()
+                        )))
+                    }
+                    Some(RTensor(t)) => Some(t.to_device(var.device())?),
+                    None => None,
+                };
+                out.push(t);
+            }
+        }
+        self.m = m;
+        self.v = v;
+        self.steps = state.steps;
+        Ok(())
+    }
+}
+
+/// Runs on a parameter owner before each local optimizer step there, with that step's
+/// gradients: the place to combine gradients across data-parallel replicas (see
+/// `collectives::DistributedDataParallel`). Set with [`set_gradient_hook`].
+pub trait GradientHook: Send + Sync + 'static {
+    /// Rewrites `grads` (the context's gradients on this worker) before the update.
+    fn before_step<'a>(
+        &'a self,
+        grads: &'a mut HashMap<TensorId, Tensor>,
+    ) -> BoxFuture<'a, Result<(), BoxError>>;
+}
+
+#[derive(Default)]
+struct HookSlot(std::sync::Mutex<Option<Arc<dyn GradientHook>>>);
+
+/// Installs `hook` on `agent`'s worker (replacing any earlier one): every local step of a
+/// [`DistributedOptimizer`] here runs it first.
+pub fn set_gradient_hook(agent: &Agent, hook: Arc<dyn GradientHook>) {
+    let slot = agent.extension(HookSlot::default);
+    *slot.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(hook);
+}
+
+fn gradient_hook(agent: &Agent) -> Option<Arc<dyn GradientHook>> {
+    let slot = agent.extension(HookSlot::default);
+    let hook = slot.0.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    hook
+}
+
+/// One owner's part of a [`DistributedOptimizer`]: its parameters and their state. Lives on
+/// the owner; it cannot be copied to another worker.
+pub struct LocalOptimizer {
+    /// Keeps the parameters alive as long as the optimizer.
+    _params: Vec<RRef<Parameter>>,
+    opt: Optimizer,
 }
 
 impl Serialize for LocalOptimizer {
@@ -161,21 +362,11 @@ impl<'de> Deserialize<'de> for LocalOptimizer {
 
 impl LocalOptimizer {
     async fn step(&mut self, agent: &Agent, ctx: u64) -> Result<usize, BoxError> {
-        let grads = engine::gradients(agent, ctx);
-        self.steps += 1;
-        let t = self.steps as i32;
-        let mut updated = 0;
-        for i in 0..self.params.len() {
-            let var = parameter_var(&self.params[i]).await?;
-            let Some(g) = grads.get(&var.as_tensor().id()) else {
-                continue;
-            };
-            let p = var.as_tensor().detach();
-            let new = update(self.kind, &p, g, &mut self.m[i], &mut self.v[i], t)?;
-            var.set(&new)?;
-            updated += 1;
+        let mut grads = engine::gradients(agent, ctx);
+        if let Some(hook) = gradient_hook(agent) {
+            hook.before_step(&mut grads).await?;
         }
-        Ok(updated)
+        Ok(self.opt.step(&grads)?)
     }
 }
 
@@ -258,13 +449,13 @@ impl RemoteFn for NewLocalOptimizer {
         _cx: CallContext,
         (kind, params): Self::Args,
     ) -> Result<LocalOptimizer, BoxError> {
-        let n = params.len();
+        let mut vars = Vec::with_capacity(params.len());
+        for p in &params {
+            vars.push(parameter_var(p).await?);
+        }
         Ok(LocalOptimizer {
-            kind,
-            params,
-            m: vec![None; n],
-            v: vec![None; n],
-            steps: 0,
+            _params: params,
+            opt: Optimizer::new(kind, vars),
         })
     }
 }
@@ -280,6 +471,48 @@ impl RemoteFn for LocalStep {
         let local = opt.local_value().await?;
         let mut guard = local.lock().await;
         guard.step(cx.agent(), ctx).await
+    }
+}
+
+/// A copy of an owner's optimizer state.
+struct LocalState;
+
+impl RemoteFn for LocalState {
+    const NAME: &'static str = "autograd_dist::local_state";
+    type Args = (RRef<LocalOptimizer>,);
+    type Output = OptimizerState;
+    async fn call(_cx: CallContext, (opt,): Self::Args) -> Result<OptimizerState, BoxError> {
+        let local = opt.local_value().await?;
+        let guard = local.lock().await;
+        Ok(guard.opt.state())
+    }
+}
+
+/// Replaces an owner's optimizer state.
+struct LoadLocalState;
+
+impl RemoteFn for LoadLocalState {
+    const NAME: &'static str = "autograd_dist::load_local_state";
+    type Args = (RRef<LocalOptimizer>, OptimizerState);
+    type Output = ();
+    async fn call(_cx: CallContext, (opt, state): Self::Args) -> Result<(), BoxError> {
+        let local = opt.local_value().await?;
+        let mut guard = local.lock().await;
+        Ok(guard.opt.load_state(state)?)
+    }
+}
+
+/// Changes an owner's learning rate.
+struct SetLocalLr;
+
+impl RemoteFn for SetLocalLr {
+    const NAME: &'static str = "autograd_dist::set_local_lr";
+    type Args = (RRef<LocalOptimizer>, f64);
+    type Output = ();
+    async fn call(_cx: CallContext, (opt, lr): Self::Args) -> Result<(), BoxError> {
+        let local = opt.local_value().await?;
+        local.lock().await.opt.set_lr(lr);
+        Ok(())
     }
 }
 
@@ -358,12 +591,79 @@ impl DistributedOptimizer {
             .into_iter()
             .sum())
     }
+
+    /// Sets the learning rate on every owner (for a schedule, e.g. once per epoch).
+    pub async fn set_lr(&self, lr: f64) -> Result<(), AutogradError> {
+        if !(lr.is_finite() && lr >= 0.0) {
+            return Err(AutogradError::State(format!(
+                "learning rate {lr} is not a finite non-negative number"
+            )));
+        }
+        let calls = self.locals.iter().map(|(owner, opt)| {
+            let call = opt.rpc_async(SetLocalLr, (lr,));
+            async move {
+                call.await.map_err(|source| AutogradError::Rpc {
+                    worker: self.agent.name_of(*owner),
+                    source: Box::new(source),
+                })
+            }
+        });
+        futures::future::try_join_all(calls).await?;
+        Ok(())
+    }
+
+    /// The workers that own parameters, in the order of [`DistributedOptimizer::state`].
+    pub fn owners(&self) -> Vec<u32> {
+        self.locals.iter().map(|(o, _)| *o).collect()
+    }
+
+    /// Every owner's optimizer state (for a checkpoint), in [`DistributedOptimizer::owners`]
+    /// order; each lists its parameters in the order they were given to `new`.
+    pub async fn state(&self) -> Result<Vec<OptimizerState>, AutogradError> {
+        let calls = self.locals.iter().map(|(owner, opt)| {
+            let call = opt.rpc_async(LocalState, ());
+            async move {
+                call.await.map_err(|source| AutogradError::Rpc {
+                    worker: self.agent.name_of(*owner),
+                    source: Box::new(source),
+                })
+            }
+        });
+        futures::future::try_join_all(calls).await
+    }
+
+    /// Restores every owner's state from [`DistributedOptimizer::state`] of an optimizer over
+    /// the same parameters.
+    pub async fn load_state(&self, states: Vec<OptimizerState>) -> Result<(), AutogradError> {
+        if states.len() != self.locals.len() {
+            return Err(AutogradError::State(format!(
+                "{} states for {} owners",
+                states.len(),
+                self.locals.len()
+            )));
+        }
+        let calls = self.locals.iter().zip(states).map(|((owner, opt), st)| {
+            let call = opt.rpc_async(LoadLocalState, (st,));
+            async move {
+                call.await.map_err(|source| AutogradError::Rpc {
+                    worker: self.agent.name_of(*owner),
+                    source: Box::new(source),
+                })
+            }
+        });
+        futures::future::try_join_all(calls).await?;
+        Ok(())
+    }
 }
 
 pub(crate) fn register(
     b: rpc_core::RegistryBuilder,
 ) -> Result<rpc_core::RegistryBuilder, rpc_core::RegistryError> {
-    b.register(NewLocalOptimizer)?.register(LocalStep)
+    b.register(NewLocalOptimizer)?
+        .register(LocalStep)?
+        .register(LocalState)?
+        .register(LoadLocalState)?
+        .register(SetLocalLr)
 }
 
 #[cfg(test)]

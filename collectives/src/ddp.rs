@@ -6,8 +6,12 @@
 //! concatenated up to `bucket_bytes`) so that many small tensors cost few messages. With equal
 //! per-rank batches, the averaged gradient is the gradient of the global batch's mean loss.
 
-use candle_core::backprop::GradStore;
-use candle_core::{Tensor, Var};
+use std::collections::HashMap;
+
+use autograd_dist::{GradientHook, Gradients};
+use candle_core::{Tensor, TensorId, Var};
+use futures::future::BoxFuture;
+use rpc_core::BoxError;
 
 use crate::group::{CollectiveError, ProcessGroup, ReduceOp};
 
@@ -16,6 +20,7 @@ pub struct DistributedDataParallel {
     group: ProcessGroup,
     vars: Vec<Var>,
     bucket_bytes: usize,
+    op: ReduceOp,
 }
 
 impl std::fmt::Debug for DistributedDataParallel {
@@ -24,6 +29,7 @@ impl std::fmt::Debug for DistributedDataParallel {
             .field("group", &self.group)
             .field("params", &self.vars.len())
             .field("bucket_bytes", &self.bucket_bytes)
+            .field("op", &self.op)
             .finish()
     }
 }
@@ -53,7 +59,16 @@ impl DistributedDataParallel {
             group,
             vars,
             bucket_bytes: bucket_bytes.max(1),
+            op: ReduceOp::Mean,
         })
+    }
+
+    /// Combines gradients with `op` instead of the mean: `ReduceOp::Sum` where every replica's
+    /// gradient is already scaled for the global batch (as when one loss over the whole batch
+    /// is backpropagated through every replica).
+    pub fn with_reduce_op(mut self, op: ReduceOp) -> Self {
+        self.op = op;
+        self
     }
 
     /// The wrapped parameters.
@@ -61,9 +76,13 @@ impl DistributedDataParallel {
         &self.vars
     }
 
-    /// Replaces each parameter's gradient in `grads` by its mean over the group (a parameter
-    /// without a gradient here counts as zero, so every member sends the same buckets).
-    pub async fn average_gradients(&self, grads: &mut GradStore) -> Result<(), CollectiveError> {
+    /// Replaces each parameter's gradient in `grads` by its mean (or the operation set with
+    /// [`DistributedDataParallel::with_reduce_op`]) over the group. A parameter without a
+    /// gradient here counts as zero, so every member sends the same buckets.
+    pub async fn reduce_gradients(
+        &self,
+        grads: &mut impl Gradients,
+    ) -> Result<(), CollectiveError> {
         let mut bucket: Vec<usize> = Vec::new();
         let mut size = 0usize;
         for i in 0..self.vars.len() {
@@ -82,28 +101,39 @@ impl DistributedDataParallel {
     async fn reduce_bucket(
         &self,
         idx: &[usize],
-        grads: &mut GradStore,
+        grads: &mut impl Gradients,
     ) -> Result<(), CollectiveError> {
         let flats: Vec<Tensor> = idx
             .iter()
             .map(|&i| {
                 let v = self.vars[i].as_tensor();
-                match grads.get(v) {
+                match grads.grad(v) {
                     Some(g) => g.flatten_all(),
                     None => v.zeros_like()?.flatten_all(),
                 }
             })
             .collect::<candle_core::Result<_>>()?;
         let joined = Tensor::cat(&flats, 0)?;
-        let mean = self.group.all_reduce(&joined, ReduceOp::Mean).await?;
+        let reduced = self.group.all_reduce(&joined, self.op).await?;
         let mut at = 0;
         for &i in idx {
             let v = self.vars[i].as_tensor();
             let n = v.elem_count();
-            grads.insert(v, mean.narrow(0, at, n)?.reshape(v.dims())?);
+            grads.set_grad(v, reduced.narrow(0, at, n)?.reshape(v.dims())?);
             at += n;
         }
         Ok(())
+    }
+}
+
+/// As a [`GradientHook`] (`autograd_dist::set_gradient_hook`), the replicas' gradients are
+/// combined inside every `DistributedOptimizer` step on the members, before the update.
+impl GradientHook for DistributedDataParallel {
+    fn before_step<'a>(
+        &'a self,
+        grads: &'a mut HashMap<TensorId, Tensor>,
+    ) -> BoxFuture<'a, Result<(), BoxError>> {
+        Box::pin(async move { Ok(self.reduce_gradients(grads).await?) })
     }
 }
 

@@ -372,7 +372,7 @@ fn data_parallel_training_tracks_single_process_training() {
                             &y.index_select(&ids, 0).unwrap(),
                         );
                         let mut g = l.backward().unwrap();
-                        ddp.average_gradients(&mut g).await.unwrap();
+                        ddp.reduce_gradients(&mut g).await.unwrap();
                         sgd.step(&g).unwrap();
                     }
                     ddp.vars()

@@ -13,47 +13,15 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use collectives::{Consistency, PsClient};
+use examples::wordlang::LANGS;
 use rpc_core::{remote, Agent, BoxError, CallContext, Registry};
 
 const DIM: usize = 4096;
 const HALF: usize = DIM / 2;
 const BATCH: usize = 64;
 const LR: f64 = 0.5;
-const LANGS: [&str; 8] = [
-    "american-english",
-    "french",
-    "ngerman",
-    "spanish",
-    "italian",
-    "dutch",
-    "polish",
-    "swedish",
-];
-
-fn data_dir() -> std::path::PathBuf {
-    std::env::var_os("WORDLANG_DIR")
-        .map(Into::into)
-        .unwrap_or_else(|| {
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/wordlang")
-        })
-}
-
 fn load(name: &str) -> Result<Vec<(String, usize)>> {
-    let path = data_dir().join(name);
-    let text = std::fs::read_to_string(&path)
-        .with_context(|| format!("cannot read the dataset at {}", path.display()))?;
-    text.lines()
-        .map(|l| {
-            let (w, lang) = l
-                .split_once('\t')
-                .with_context(|| format!("bad line {l:?} in {}", path.display()))?;
-            let y = LANGS
-                .iter()
-                .position(|x| *x == lang)
-                .with_context(|| format!("unknown language {lang:?}"))?;
-            Ok((w.to_owned(), y))
-        })
-        .collect()
+    examples::wordlang::load(&examples::wordlang::data_dir(), name)
 }
 
 /// Hashed character 1–3-grams of `^word$`.

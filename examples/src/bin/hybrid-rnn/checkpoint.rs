@@ -1,0 +1,162 @@
+//! Checkpoints: every parameter, every optimizer state and the training history in one
+//! safetensors file per epoch (`epoch-N.safetensors`), readable by any safetensors loader.
+//!
+//! Names: `encoder.<param>`, `head.<param>` (the replicas are identical; one copy is kept),
+//! `optimizer.<rank>.{steps,params}` and `optimizer.<rank>.{m,v}.<i>` per parameter owner,
+//! `train.{epoch,step}`, `history.*`, and `config` (the flags that shape the run, checked on
+//! resume).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use autograd_dist::{OptimizerState, RTensor};
+use candle_core::{DType, Device, Tensor};
+
+use crate::report::History;
+
+/// Everything a resumed run needs.
+pub struct Checkpoint {
+    /// Completed epochs.
+    pub epoch: u64,
+    /// Completed steps.
+    pub step: u64,
+    /// The flags that shape the run (see `Args::shape`).
+    pub config: Vec<f64>,
+    /// Encoder parameters by name.
+    pub encoder: Vec<(String, Tensor)>,
+    /// Head parameters by name.
+    pub head: Vec<(String, Tensor)>,
+    /// Optimizer state per owner rank.
+    pub optim: Vec<(u32, OptimizerState)>,
+    /// Curves so far.
+    pub history: History,
+}
+
+fn scalar(x: u64) -> Result<Tensor> {
+    Ok(Tensor::new(&[x as i64], &Device::Cpu)?)
+}
+
+fn floats(v: &[f64]) -> Result<Tensor> {
+    Ok(Tensor::new(v, &Device::Cpu)?)
+}
+
+impl Checkpoint {
+    /// Writes `dir/epoch-<epoch>.safetensors` (through a temporary file, so a crash never
+    /// leaves a truncated checkpoint) and returns its path.
+    pub fn save(&self, dir: &Path) -> Result<PathBuf> {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("cannot create the checkpoint directory {}", dir.display()))?;
+        let mut m: HashMap<String, Tensor> = HashMap::new();
+        m.insert("train.epoch".into(), scalar(self.epoch)?);
+        m.insert("train.step".into(), scalar(self.step)?);
+        m.insert("config".into(), floats(&self.config)?);
+        for (n, t) in &self.encoder {
+            m.insert(format!("encoder.{n}"), t.clone());
+        }
+        for (n, t) in &self.head {
+            m.insert(format!("head.{n}"), t.clone());
+        }
+        for (rank, st) in &self.optim {
+            m.insert(format!("optimizer.{rank}.steps"), scalar(st.steps)?);
+            m.insert(
+                format!("optimizer.{rank}.params"),
+                scalar(st.m.len() as u64)?,
+            );
+            for (kind, slots) in [("m", &st.m), ("v", &st.v)] {
+                for (i, t) in slots.iter().enumerate() {
+                    if let Some(RTensor(t)) = t {
+                        m.insert(
+                            format!("optimizer.{rank}.{kind}.{i}"),
+                            t.to_device(&Device::Cpu)?,
+                        );
+                    }
+                }
+            }
+        }
+        self.history.save(&mut m)?;
+        let path = dir.join(format!("epoch-{}.safetensors", self.epoch));
+        let tmp = dir.join(format!(".epoch-{}.safetensors.tmp", self.epoch));
+        candle_core::safetensors::save(&m, &tmp)
+            .with_context(|| format!("cannot write {}", tmp.display()))?;
+        std::fs::rename(&tmp, &path)
+            .with_context(|| format!("cannot move the checkpoint to {}", path.display()))?;
+        Ok(path)
+    }
+
+    /// Reads a checkpoint written by [`Checkpoint::save`], with `encoder` and `head` naming
+    /// the parameters expected.
+    pub fn load(path: &Path, encoder: &[&str], head: &[&str], owners: &[u32]) -> Result<Self> {
+        let m = candle_core::safetensors::load(path, &Device::Cpu)
+            .with_context(|| format!("cannot read the checkpoint {}", path.display()))?;
+        let get = |name: &str| -> Result<Tensor> {
+            m.get(name)
+                .cloned()
+                .with_context(|| format!("checkpoint {} has no tensor `{name}`", path.display()))
+        };
+        let int = |name: &str| -> Result<u64> {
+            let v = get(name)?.to_dtype(DType::I64)?.to_vec1::<i64>()?;
+            match v.as_slice() {
+                [x] if *x >= 0 => Ok(*x as u64),
+                _ => bail!("checkpoint tensor `{name}` is not a count"),
+            }
+        };
+        let named = |prefix: &str, names: &[&str]| -> Result<Vec<(String, Tensor)>> {
+            names
+                .iter()
+                .map(|n| Ok((n.to_string(), get(&format!("{prefix}.{n}"))?)))
+                .collect()
+        };
+        let mut optim = Vec::new();
+        for &rank in owners {
+            let n = int(&format!("optimizer.{rank}.params"))? as usize;
+            let slot = |kind: &str, i: usize| {
+                m.get(&format!("optimizer.{rank}.{kind}.{i}"))
+                    .cloned()
+                    .map(RTensor)
+            };
+            optim.push((
+                rank,
+                OptimizerState {
+                    steps: int(&format!("optimizer.{rank}.steps"))?,
+                    m: (0..n).map(|i| slot("m", i)).collect(),
+                    v: (0..n).map(|i| slot("v", i)).collect(),
+                },
+            ));
+        }
+        Ok(Self {
+            epoch: int("train.epoch")?,
+            step: int("train.step")?,
+            config: get("config")?.to_dtype(DType::F64)?.to_vec1()?,
+            encoder: named("encoder", encoder)?,
+            head: named("head", head)?,
+            optim,
+            history: History::load(&m)?,
+        })
+    }
+
+    /// The checkpoint of the highest epoch in `dir`, if any.
+    pub fn latest(dir: &Path) -> Result<Option<PathBuf>> {
+        let entries = match std::fs::read_dir(dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e).with_context(|| format!("cannot list {}", dir.display())),
+        };
+        let mut best: Option<(u64, PathBuf)> = None;
+        for e in entries {
+            let path = e?.path();
+            let epoch = path.file_name().and_then(|n| n.to_str()).and_then(|n| {
+                n.strip_prefix("epoch-")?
+                    .strip_suffix(".safetensors")?
+                    .parse()
+                    .ok()
+            });
+            if let Some(epoch) = epoch {
+                if best.as_ref().is_none_or(|(b, _)| epoch > *b) {
+                    best = Some((epoch, path));
+                }
+            }
+        }
+        Ok(best.map(|(_, p)| p))
+    }
+}

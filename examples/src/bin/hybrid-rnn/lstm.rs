@@ -1,0 +1,451 @@
+//! The LSTM recurrence as one operation with a hand-written backward (as cuDNN does).
+//!
+//! Written with candle's operations, each time step is a dozen element-wise operations forward
+//! and about thirty backward, each a fresh allocation; and every per-step slice of the input
+//! projection makes its backward materialize a zero tensor of the whole sequence. At this
+//! model's size those costs dominate a training step. [`lstm`] runs the whole sequence in one
+//! operation: per step one matrix product and one fused pass over the gates; its backward is
+//! one pass back through time with one product per step, and the recurrent weight's gradient
+//! accumulated in place, as is the bias's.
+//!
+//! Output layout `[T, 2, B, H]`: per step the hidden state `h` and the cell state `c`. Gates
+//! are in PyTorch's order (input, forget, cell, output); the operation keeps their activations
+//! for its backward instead of recomputing them.
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
+
+/// `exp(x)` to about 2e-7 relative error, in plain arithmetic the compiler vectorizes (libm's
+/// `expf` is a call per element).
+#[inline(always)]
+fn exp(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding and subtracting rounds to an integer
+    let x = x.clamp(-87.0, 88.0);
+    let n = (x * LOG2E + ROUND) - ROUND;
+    let r = (x - n * LN2_HI) - n * LN2_LO;
+    let p = 1.0
+        + r * (1.0
+            + r * (0.5
+                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
+#[inline(always)]
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + exp(-x))
+}
+
+#[inline(always)]
+fn tanh(x: f32) -> f32 {
+    1.0 - 2.0 / (1.0 + exp(2.0 * x))
+}
+
+/// A matrix operand: element (r, c) at `data[r * rs + c * cs]`.
+#[derive(Clone, Copy)]
+struct Mat<'a> {
+    data: &'a [f32],
+    rs: usize,
+    cs: usize,
+}
+
+/// `dst[m × n] (row stride dst_rs) = (dst if acc) + a[m × k] · b[k × n]`, one thread.
+fn matmul([m, n, k]: [usize; 3], dst: &mut [f32], dst_rs: usize, acc: bool, a: Mat, b: Mat) {
+    let last = |rows: usize, cols: usize, rs: usize, cs: usize| (rows - 1) * rs + (cols - 1) * cs;
+    assert!(m > 0 && n > 0 && k > 0, "empty product");
+    assert!(
+        last(m, n, dst_rs, 1) < dst.len(),
+        "product destination out of bounds"
+    );
+    assert!(
+        last(m, k, a.rs, a.cs) < a.data.len(),
+        "left operand out of bounds"
+    );
+    assert!(
+        last(k, n, b.rs, b.cs) < b.data.len(),
+        "right operand out of bounds"
+    );
+    // SAFETY: the asserts above keep every element gemm reads or writes inside the slices;
+    // `dst` is borrowed mutably, so it cannot alias the operands.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            dst_rs as isize,
+            acc,
+            a.data.as_ptr(),
+            a.cs as isize,
+            a.rs as isize,
+            b.data.as_ptr(),
+            b.cs as isize,
+            b.rs as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+}
+
+fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<&'a [f32]> {
+    let (a, b) = l
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg(format!("lstm: {what} is not contiguous")))?;
+    Ok(&s.as_slice::<f32>()?[a..b])
+}
+
+/// Input projections `[T, B, 4H]`, recurrent weight `[4H, H]` and bias `[4H]` to the states
+/// `[T, 2, B, H]`, from a zero initial state. Keeps the activated gates for its backward.
+#[derive(Default)]
+struct LstmSeq {
+    /// `[T, 4, B, H]`: input, forget, cell and output gates after their activations.
+    gates: Mutex<Option<Arc<Vec<f32>>>>,
+}
+
+impl CustomOp3 for LstmSeq {
+    fn name(&self) -> &'static str {
+        "lstm-sequence"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (t, b, h4) = l1.shape().dims3()?;
+        let h = h4 / 4;
+        if l2.shape().dims2()? != (h4, h) || l3.shape().dims1()? != h4 || h4 % 4 != 0 {
+            candle_core::bail!(
+                "lstm: weight {:?} and bias {:?} do not fit gates of width {h4}",
+                l2.shape(),
+                l3.shape()
+            );
+        }
+        let xp = f32_slice(s1, l1, "the input projection")?;
+        let w = f32_slice(s2, l2, "the recurrent weight")?;
+        let bias = &f32_slice(s3, l3, "the bias")?[..h4];
+        let bh = b * h;
+        let mut out = vec![0f32; t * 2 * bh];
+        let mut gates = vec![0f32; t * 4 * bh];
+        let zeros = vec![0f32; bh];
+        let mut pre = vec![0f32; b * h4];
+        for step in 0..t {
+            pre.copy_from_slice(&xp[step * b * h4..(step + 1) * b * h4]);
+            let (done, rest) = out.split_at_mut(step * 2 * bh);
+            let (h_prev, c_prev) = if step > 0 {
+                done[(step - 1) * 2 * bh..].split_at(bh)
+            } else {
+                (&zeros[..], &zeros[..])
+            };
+            if step > 0 {
+                // pre += h_{t-1} · W_hhᵀ
+                let hp = Mat {
+                    data: h_prev,
+                    rs: h,
+                    cs: 1,
+                };
+                matmul(
+                    [b, h4, h],
+                    &mut pre,
+                    h4,
+                    true,
+                    hp,
+                    Mat {
+                        data: w,
+                        rs: 1,
+                        cs: h,
+                    },
+                );
+            }
+            let (h_out, c_out) = rest[..2 * bh].split_at_mut(bh);
+            let g = &mut gates[step * 4 * bh..(step + 1) * 4 * bh];
+            let (gi, g) = g.split_at_mut(bh);
+            let (gf, g) = g.split_at_mut(bh);
+            let (gg, go) = g.split_at_mut(bh);
+            for r in 0..b {
+                let row = r * h..(r + 1) * h;
+                let p = &pre[r * h4..(r + 1) * h4];
+                let (pi, pf, pg, po) = (&p[..h], &p[h..2 * h], &p[2 * h..3 * h], &p[3 * h..]);
+                let (bi, bf, bg, bo) = (
+                    &bias[..h],
+                    &bias[h..2 * h],
+                    &bias[2 * h..3 * h],
+                    &bias[3 * h..],
+                );
+                let (ai, af) = (&mut gi[row.clone()], &mut gf[row.clone()]);
+                let (ag, ao) = (&mut gg[row.clone()], &mut go[row.clone()]);
+                let cp = &c_prev[row.clone()];
+                let (ho, co) = (&mut h_out[row.clone()], &mut c_out[row]);
+                for j in 0..h {
+                    let (i, f) = (sigmoid(pi[j] + bi[j]), sigmoid(pf[j] + bf[j]));
+                    let (g, o) = (tanh(pg[j] + bg[j]), sigmoid(po[j] + bo[j]));
+                    let c = f * cp[j] + i * g;
+                    (ai[j], af[j], ag[j], ao[j]) = (i, f, g, o);
+                    co[j] = c;
+                    ho[j] = o * tanh(c);
+                }
+            }
+        }
+        *self.gates.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(gates));
+        Ok((CpuStorage::F32(out), Shape::from((t, 2, b, h))))
+    }
+
+    fn bwd(
+        &self,
+        xp: &Tensor,
+        w: &Tensor,
+        bias: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let gates = self
+            .gates
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .ok_or_else(|| candle_core::Error::Msg("lstm: backward before forward".into()))?;
+        let back = LstmSeqBackward { gates };
+        let flat = res.apply_op3_no_bwd(&w.contiguous()?, &grad.contiguous()?, &back)?;
+        let (n, nw) = (xp.elem_count(), w.elem_count());
+        let d_xp = flat.narrow(0, 0, n)?.reshape(xp.shape())?;
+        let d_w = flat.narrow(0, n, nw)?.reshape(w.shape())?;
+        let d_b = flat.narrow(0, n + nw, bias.elem_count())?;
+        Ok((Some(d_xp), Some(d_w), Some(d_b)))
+    }
+}
+
+/// Back through time: from the forward's states, the recurrent weight and the states'
+/// gradient, the gradients of the input projections, the weight and the bias, flattened one
+/// after the other (`[T*B*4H + 4H*H + 4H]`).
+struct LstmSeqBackward {
+    gates: Arc<Vec<f32>>,
+}
+
+impl CustomOp3 for LstmSeqBackward {
+    fn name(&self) -> &'static str {
+        "lstm-sequence-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (t, two, b, h) = l1.shape().dims4()?;
+        if two != 2 || l3.shape() != l1.shape() || self.gates.len() != t * 4 * b * h {
+            candle_core::bail!(
+                "lstm backward: unexpected shapes {:?} {:?}",
+                l1.shape(),
+                l3.shape()
+            );
+        }
+        let out = f32_slice(s1, l1, "the forward output")?;
+        let w = f32_slice(s2, l2, "the recurrent weight")?;
+        let grad = f32_slice(s3, l3, "the output gradient")?;
+        let (bh, h4) = (b * h, 4 * h);
+        let mut result = vec![0f32; t * b * h4 + h4 * h + h4];
+        let (d_xp, d_wb) = result.split_at_mut(t * b * h4);
+        let (d_w, d_b) = d_wb.split_at_mut(h4 * h);
+        let zeros = vec![0f32; bh];
+        let mut dh_next = vec![0f32; bh];
+        let mut dc_next = vec![0f32; bh];
+        for step in (0..t).rev() {
+            let (h_cur, c_cur) = out[step * 2 * bh..(step + 1) * 2 * bh].split_at(bh);
+            let (dh_out, dc_out) = grad[step * 2 * bh..(step + 1) * 2 * bh].split_at(bh);
+            let c_prev = if step > 0 {
+                &out[(step - 1) * 2 * bh + bh..step * 2 * bh]
+            } else {
+                &zeros[..]
+            };
+            let g = &self.gates[step * 4 * bh..(step + 1) * 4 * bh];
+            let (gi, g) = g.split_at(bh);
+            let (gf, g) = g.split_at(bh);
+            let (gg, go) = g.split_at(bh);
+            let dpre = &mut d_xp[step * b * h4..(step + 1) * b * h4];
+            for r in 0..b {
+                let row = r * h..(r + 1) * h;
+                let (i, f, gv, o) = (
+                    &gi[row.clone()],
+                    &gf[row.clone()],
+                    &gg[row.clone()],
+                    &go[row.clone()],
+                );
+                let (c, cp) = (&c_cur[row.clone()], &c_prev[row.clone()]);
+                let (hv, dho, dco) = (
+                    &h_cur[row.clone()],
+                    &dh_out[row.clone()],
+                    &dc_out[row.clone()],
+                );
+                let dhn = &dh_next[row.clone()];
+                let dcn = &mut dc_next[row];
+                let dp = &mut dpre[r * h4..(r + 1) * h4];
+                let (di, dp) = dp.split_at_mut(h);
+                let (df, dp) = dp.split_at_mut(h);
+                let (dg, d_o) = dp.split_at_mut(h);
+                for j in 0..h {
+                    // tanh(c) = h / o, except where o underflows.
+                    let tc = if o[j] > 1e-6 {
+                        hv[j] / o[j]
+                    } else {
+                        tanh(c[j])
+                    };
+                    let dh = dho[j] + dhn[j];
+                    let dc = dco[j] + dcn[j] + dh * o[j] * (1.0 - tc * tc);
+                    di[j] = dc * gv[j] * i[j] * (1.0 - i[j]);
+                    df[j] = dc * cp[j] * f[j] * (1.0 - f[j]);
+                    dg[j] = dc * i[j] * (1.0 - gv[j] * gv[j]);
+                    d_o[j] = dh * tc * o[j] * (1.0 - o[j]);
+                    dcn[j] = dc * f[j];
+                }
+                for (db, dpj) in d_b.iter_mut().zip(&dpre[r * h4..(r + 1) * h4]) {
+                    *db += dpj;
+                }
+            }
+            if step > 0 {
+                let dpre = Mat {
+                    data: &d_xp[step * b * h4..(step + 1) * b * h4],
+                    rs: h4,
+                    cs: 1,
+                };
+                // dh_{t-1} = dpre · W_hh
+                matmul(
+                    [b, h, h4],
+                    &mut dh_next,
+                    h,
+                    false,
+                    dpre,
+                    Mat {
+                        data: w,
+                        rs: h,
+                        cs: 1,
+                    },
+                );
+                // dW_hh += dpreᵀ · h_{t-1}
+                let h_prev = Mat {
+                    data: &out[(step - 1) * 2 * bh..(step - 1) * 2 * bh + bh],
+                    rs: h,
+                    cs: 1,
+                };
+                matmul(
+                    [h4, h, b],
+                    d_w,
+                    h,
+                    true,
+                    Mat {
+                        rs: 1,
+                        cs: h4,
+                        ..dpre
+                    },
+                    h_prev,
+                );
+            }
+        }
+        let n = result.len();
+        Ok((CpuStorage::F32(result), Shape::from(n)))
+    }
+}
+
+/// Runs the LSTM over input projections `xp` `[T, B, 4H]` (without bias) with recurrent
+/// weight `w_hh` `[4H, H]` and bias `b` `[4H]` from a zero state; returns the hidden and cell
+/// states of every step, `[T, 2, B, H]`.
+pub fn lstm(xp: &Tensor, w_hh: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    xp.contiguous()?
+        .apply_op3(&w_hh.contiguous()?, &b.contiguous()?, LstmSeq::default())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    #[test]
+    fn fast_exp_is_close_to_libm() {
+        for i in -2000..2000 {
+            let x = i as f32 * 0.04;
+            let (a, b) = (exp(x), x.exp());
+            assert!(((a - b) / b).abs() < 5e-7, "exp({x}) = {a}, libm {b}");
+        }
+    }
+
+    /// The fused sequence against the textbook formulas in candle's own operations: outputs
+    /// and the gradients of both inputs.
+    #[test]
+    fn lstm_matches_the_unfused_formulas() {
+        let dev = Device::Cpu;
+        let (t, b, h) = (4, 3, 5);
+        let xp = Var::from_tensor(&Tensor::randn(0f32, 1.0, (t, b, 4 * h), &dev).unwrap()).unwrap();
+        let w = Var::from_tensor(&Tensor::randn(0f32, 0.5, (4 * h, h), &dev).unwrap()).unwrap();
+        let bias = Var::from_tensor(&Tensor::randn(0f32, 0.5, 4 * h, &dev).unwrap()).unwrap();
+        let weights = Tensor::randn(0f32, 1.0, (t, b, h), &dev).unwrap();
+        let cweights = Tensor::randn(0f32, 1.0, (b, h), &dev).unwrap();
+
+        let fused = lstm(xp.as_tensor(), w.as_tensor(), bias.as_tensor()).unwrap();
+        let f_h = fused.narrow(1, 0, 1).unwrap().squeeze(1).unwrap();
+        let f_c = fused.get(t - 1).unwrap().get(1).unwrap();
+
+        let (mut hs, mut hprev, mut cprev) = (
+            vec![],
+            Tensor::zeros((b, h), candle_core::DType::F32, &dev).unwrap(),
+            Tensor::zeros((b, h), candle_core::DType::F32, &dev).unwrap(),
+        );
+        for s in 0..t {
+            let p = (xp.as_tensor().get(s).unwrap()
+                + hprev.matmul(&w.as_tensor().t().unwrap()).unwrap())
+            .unwrap()
+            .broadcast_add(bias.as_tensor())
+            .unwrap();
+            let sg = candle_nn::ops::sigmoid(&p).unwrap();
+            let i = sg.narrow(1, 0, h).unwrap();
+            let f = sg.narrow(1, h, h).unwrap();
+            let g = p.narrow(1, 2 * h, h).unwrap().tanh().unwrap();
+            let o = sg.narrow(1, 3 * h, h).unwrap();
+            let c = ((f * &cprev).unwrap() + (i * g).unwrap()).unwrap();
+            let hh = (o * c.tanh().unwrap()).unwrap();
+            hs.push(hh.clone());
+            hprev = hh;
+            cprev = c;
+        }
+        let r_h = Tensor::stack(&hs, 0).unwrap();
+        let diff = |a: &Tensor, b: &Tensor| {
+            (a - b)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .max(0)
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+        };
+        assert!(diff(&f_h, &r_h) < 1e-5);
+        assert!(diff(&f_c, &cprev) < 1e-5);
+        let objective = |hs: &Tensor, c: &Tensor| {
+            ((hs * &weights).unwrap().sum_all().unwrap()
+                + (c * &cweights).unwrap().sum_all().unwrap())
+            .unwrap()
+        };
+        let gf = objective(&f_h, &f_c).backward().unwrap();
+        let gr = objective(&r_h, &cprev).backward().unwrap();
+        for v in [xp.as_tensor(), w.as_tensor(), bias.as_tensor()] {
+            let (a, b) = (gf.get(v).unwrap(), gr.get(v).unwrap());
+            assert!(diff(a, b) < 1e-5, "gradient differs by {}", diff(a, b));
+        }
+    }
+}

@@ -1,0 +1,771 @@
+//! Hybrid-parallel character-LSTM language identifier: a master and two workers.
+//!
+//! `cargo run --release -p examples --bin hybrid-rnn` trains end to end with all three
+//! processes on 127.0.0.1: the master (rank 0) holds the embedding and the bidirectional LSTM
+//! encoder and drives training; worker 1 holds `NetShard1`, the classifier head on one device;
+//! worker 2 holds `NetShard2`, the same head split across two devices. Each step the master
+//! splits the batch in two and sends each half's encodings to one worker (model parallelism),
+//! computes the loss, runs distributed backward and steps a `DistributedOptimizer` over every
+//! parameter; the workers sum their replicas' gradients with a ring all-reduce before their
+//! update (data parallelism). With `RANK`, `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT` set,
+//! each process joins that group instead (rank 0 is the master), so the same binary runs on
+//! three machines.
+//!
+//! The master first trains a copy of the same model in one process for `--local-steps` steps
+//! on the same batches: its step time is `local_ms_per_step_median`, and its losses are
+//! compared with the distributed run's (`max_loss_diff`). `--check-equivalence` does only that
+//! comparison, over 20 steps. The last line of the output is JSON.
+
+mod checkpoint;
+mod data;
+mod local;
+mod lstm;
+mod model;
+mod report;
+mod shard;
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{ensure, Context, Result};
+use autograd_dist::{DeviceSpec, DistributedOptimizer, OptimizerKind, OptimizerState, RTensor};
+use candle_core::{Device, Tensor};
+use clap::Parser;
+use examples::wordlang::{self, LANGS};
+use rpc_core::{Agent, Config, Registry};
+use rref::RRef;
+use serde_json::json;
+
+use checkpoint::Checkpoint;
+use data::{Batch, Split, Vocab};
+use local::LocalModel;
+use model::{Dims, Encoder, EncoderInput, HEAD_PARAMS};
+use report::History;
+use shard::NetShard;
+
+/// Steps excluded from step-time medians.
+const WARMUP: usize = 10;
+/// Words per evaluation batch.
+const EVAL_BATCH: usize = 1000;
+/// Steps compared by `--check-equivalence`.
+const EQUIVALENCE_STEPS: usize = 20;
+/// Largest loss difference `--check-equivalence` accepts.
+const EQUIVALENCE_TOLERANCE: f64 = 1e-4;
+
+/// Trains the hybrid-parallel language identifier (master + 2 workers on 127.0.0.1).
+#[derive(Parser, Debug, Clone)]
+#[command(name = "hybrid-rnn", version, about)]
+struct Args {
+    /// Epochs to train (in total, counting those of a resumed checkpoint).
+    #[arg(long, default_value_t = 5)]
+    epochs: u64,
+    /// Words per step (split in two halves, one per worker).
+    #[arg(long, default_value_t = 64)]
+    batch: usize,
+    /// Adam's initial learning rate; it follows a cosine down to 5% of it by the last epoch.
+    #[arg(long, default_value_t = 2e-3)]
+    lr: f64,
+    /// Dropout probability on the encoding (0 disables it).
+    #[arg(long, default_value_t = 0.3)]
+    dropout: f32,
+    /// Character embedding width.
+    #[arg(long, default_value_t = 64)]
+    embedding: usize,
+    /// LSTM state width per direction.
+    #[arg(long, default_value_t = 128)]
+    hidden: usize,
+    /// The head's hidden width.
+    #[arg(long, default_value_t = 128)]
+    head_hidden: usize,
+    /// Read words in one direction only (the PyTorch reference's encoder).
+    #[arg(long)]
+    unidirectional: bool,
+    /// Seed of the initial parameters, the batch order and the dropout masks.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Where checkpoints (`epoch-N.safetensors`) and the plot (`training.png`) go.
+    #[arg(long, default_value = "target/hybrid-rnn")]
+    out_dir: PathBuf,
+    /// Continue from the latest checkpoint in `--out-dir`.
+    #[arg(long)]
+    resume: bool,
+    /// Only compare 20 distributed steps with the same steps in one process, and fail if a
+    /// loss differs by more than 1e-4.
+    #[arg(long)]
+    check_equivalence: bool,
+    /// Steps of the one-process baseline measured before training (0: none).
+    #[arg(long, default_value_t = 40)]
+    local_steps: usize,
+    /// The dataset directory (default: `$WORDLANG_DIR`, else the repository's data/wordlang).
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// Use only the first N training words (quick runs).
+    #[arg(long)]
+    train_limit: Option<usize>,
+    /// Use only the first N test words (quick runs).
+    #[arg(long)]
+    test_limit: Option<usize>,
+    /// NetShard1's device: `cpu` or `cuda:N`.
+    #[arg(long, default_value = "cpu")]
+    shard1_device: DeviceSpec,
+    /// NetShard2's two devices, `A,B` (e.g. `cuda:0,cuda:1`); `auto` picks two GPUs where the
+    /// build has CUDA and two exist, else `cpu,cpu`.
+    #[arg(long, default_value = "auto")]
+    shard2_devices: String,
+    /// Timeout of every remote call, and how long a worker waits for the master.
+    #[arg(long, default_value_t = 120)]
+    timeout_secs: u64,
+    /// No progress bar.
+    #[arg(long)]
+    quiet: bool,
+}
+
+impl Args {
+    fn validate(&self) -> Result<()> {
+        ensure!(
+            self.batch >= 2 && self.batch % 2 == 0,
+            "--batch must be even and at least 2"
+        );
+        ensure!(
+            (0.0..1.0).contains(&self.dropout),
+            "--dropout must be in [0, 1)"
+        );
+        ensure!(
+            self.lr > 0.0 && self.lr.is_finite(),
+            "--lr must be positive"
+        );
+        ensure!(self.epochs > 0, "--epochs must be positive");
+        ensure!(
+            self.embedding > 0 && self.hidden > 0 && self.head_hidden > 0,
+            "layer widths must be positive"
+        );
+        ensure!(self.timeout_secs > 0, "--timeout-secs must be positive");
+        self.shard2_devices()?;
+        Ok(())
+    }
+
+    fn shard2_devices(&self) -> Result<(DeviceSpec, DeviceSpec)> {
+        if self.shard2_devices == "auto" {
+            let two_gpus = candle_core::utils::cuda_is_available() && Device::new_cuda(1).is_ok();
+            return Ok(if two_gpus {
+                (DeviceSpec::Cuda(0), DeviceSpec::Cuda(1))
+            } else {
+                (DeviceSpec::Cpu, DeviceSpec::Cpu)
+            });
+        }
+        let (a, b) = self
+            .shard2_devices
+            .split_once(',')
+            .context("--shard2-devices takes two devices, `A,B`, or `auto`")?;
+        Ok((a.trim().parse()?, b.trim().parse()?))
+    }
+
+    fn dims(&self, vocab: usize) -> Dims {
+        Dims {
+            vocab,
+            emb: self.embedding,
+            hidden: self.hidden,
+            head_hidden: self.head_hidden,
+            classes: LANGS.len(),
+            bidirectional: !self.unidirectional,
+        }
+    }
+
+    /// The numbers that must match for a checkpoint to continue this run.
+    fn shape(&self, dims: &Dims) -> Vec<f64> {
+        vec![
+            dims.vocab as f64,
+            dims.emb as f64,
+            dims.hidden as f64,
+            dims.head_hidden as f64,
+            dims.classes as f64,
+            f64::from(u8::from(dims.bidirectional)),
+            self.batch as f64,
+            self.lr,
+            f64::from(self.dropout),
+            self.seed as f64,
+            self.train_limit.map_or(-1.0, |n| n as f64),
+        ]
+    }
+
+    fn optimizer(&self) -> OptimizerKind {
+        OptimizerKind::adam(self.lr)
+    }
+
+    /// The learning rate of `epoch` (0-based): cosine annealing from `lr` to `lr / 20`.
+    fn lr_at(&self, epoch: u64) -> f64 {
+        let min = self.lr / 20.0;
+        let frac = epoch as f64 / self.epochs.max(1) as f64;
+        min + 0.5 * (self.lr - min) * (1.0 + (std::f64::consts::PI * frac).cos())
+    }
+}
+
+fn main() {
+    examples::init_tracing();
+    examples::keep_freed_memory();
+    // One compute thread per process: three processes share the machine (and the baseline
+    // measures the same thread count). Set before any other thread exists.
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        std::env::set_var("RAYON_NUM_THREADS", "1");
+    }
+    let code = match run() {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("hybrid-rnn: error: {e:#}");
+            1
+        }
+    };
+    std::process::exit(code);
+}
+
+fn registry() -> Result<Registry> {
+    let b = Registry::builder();
+    let b = rref::install(b)?;
+    let b = autograd_dist::install(b)?;
+    let b = collectives::install(b)?;
+    Ok(b.register(shard::new_net_shard1)?
+        .register(shard::new_net_shard2)?
+        .register(shard::shard_forward)?
+        .register(shard::shard_parameters)?
+        .register(shard::shard_values)?
+        .register(shard::load_shard_values)?
+        .register(shard::peak_rss_mb)?
+        .build())
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?)
+}
+
+fn run() -> Result<i32> {
+    let rank: Option<u32> = match std::env::var("RANK") {
+        Ok(r) => Some(
+            r.parse()
+                .with_context(|| format!("RANK={r:?} is not a rank"))?,
+        ),
+        Err(_) => None,
+    };
+    if let Some(r) = rank.filter(|&r| r != 0) {
+        // A worker: serve until the master shuts the group down.
+        let timeout = std::env::var("HYBRID_RNN_WORKER_TIMEOUT")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(3600);
+        return runtime()?
+            .block_on(examples::serve_until_shutdown(
+                registry()?,
+                Duration::from_secs(timeout),
+            ))
+            .map(|()| 0)
+            .with_context(|| format!("worker rank {r}"));
+    }
+    let args = Args::parse();
+    args.validate()?;
+    let data = Data::load(&args)?;
+    let timeout = Duration::from_secs(args.timeout_secs);
+    let rt = runtime()?;
+    // Spawned workers wait for the master as long as the training may take.
+    std::env::set_var(
+        "HYBRID_RNN_WORKER_TIMEOUT",
+        (args.timeout_secs.max(3600)).to_string(),
+    );
+    let (cfg, workers) = match rank {
+        Some(_) => (
+            Config::new()
+                .with_name("master")
+                .with_rpc_timeout(timeout)
+                .with_shutdown_timeout(timeout),
+            None,
+        ),
+        None => {
+            let w = examples::Workers::spawn(3)?;
+            (w.rank0_config("master", timeout), Some(w))
+        }
+    };
+    let outcome = rt.block_on(async {
+        let agent = rpc_core::init(cfg, registry()?)
+            .await
+            .context("forming the group (master, worker1, worker2)")?;
+        ensure!(
+            agent.world_size() == 3,
+            "the group has {} workers; this example needs 3 (a master and two workers)",
+            agent.world_size()
+        );
+        let result = master(&agent, &args, &data).await;
+        let report = agent.shutdown().await;
+        let code = result?;
+        ensure!(report.is_clean(), "shutdown was not clean: {report:?}");
+        Ok(code)
+    });
+    if let Some(w) = workers {
+        match &outcome {
+            Ok(_) => w.wait_success()?,
+            Err(_) => drop(w), // kills and reaps them
+        }
+    }
+    outcome
+}
+
+/// The dataset, encoded.
+struct Data {
+    train: Split,
+    test: Split,
+    vocab: usize,
+}
+
+impl Data {
+    fn load(args: &Args) -> Result<Self> {
+        let dir = args.data_dir.clone().unwrap_or_else(wordlang::data_dir);
+        let train = wordlang::load(&dir, "train.tsv")?;
+        let test = wordlang::load(&dir, "test.tsv")?;
+        let vocab = Vocab::new(train.iter().map(|(w, _)| w.as_str()));
+        let mut tr = Split::new(&vocab, &train);
+        let mut te = Split::new(&vocab, &test);
+        if let Some(n) = args.train_limit {
+            tr.truncate(n);
+        }
+        if let Some(n) = args.test_limit {
+            te.truncate(n);
+        }
+        ensure!(
+            tr.len() >= args.batch,
+            "{} training words are fewer than one batch of {}",
+            tr.len(),
+            args.batch
+        );
+        ensure!(te.len() > 0, "the test set is empty");
+        Ok(Self {
+            train: tr,
+            test: te,
+            vocab: vocab.len(),
+        })
+    }
+}
+
+/// The master's model: the encoder here, the two head replicas on the workers, and one
+/// optimizer over all of them.
+struct Hybrid {
+    agent: Agent,
+    encoder: Encoder,
+    shards: [RRef<NetShard>; 2],
+    opt: DistributedOptimizer,
+    half: usize,
+}
+
+impl Hybrid {
+    async fn new(agent: &Agent, args: &Args, dims: &Dims) -> Result<Self> {
+        let encoder = Encoder::new(dims, args.seed)?;
+        let (d0, d1) = args.shard2_devices()?;
+        let s1 = rref::remote(
+            agent,
+            shard::SHARD_RANKS[0],
+            shard::new_net_shard1,
+            (*dims, args.seed + 1, args.shard1_device),
+        )?;
+        let s2 = rref::remote(
+            agent,
+            shard::SHARD_RANKS[1],
+            shard::new_net_shard2,
+            (*dims, args.seed + 1, d0, d1),
+        )?;
+        let mut params = autograd_dist::parameter_rrefs(agent, encoder.vars());
+        let (p1, p2) = futures::try_join!(
+            s1.rpc_async(shard::shard_parameters, ()),
+            s2.rpc_async(shard::shard_parameters, ())
+        )
+        .context("creating the head replicas on the workers")?;
+        params.extend(p1);
+        params.extend(p2);
+        let opt = DistributedOptimizer::new(agent, args.optimizer(), params)?;
+        Ok(Self {
+            agent: agent.clone(),
+            encoder,
+            shards: [s1, s2],
+            opt,
+            half: args.batch / 2,
+        })
+    }
+
+    /// Logits of `enc`'s rows: the first half on worker 1, the rest on worker 2.
+    async fn heads(&self, enc: &Tensor, half: usize) -> Result<Tensor> {
+        let n = enc.dim(0)?;
+        let a = RTensor(enc.narrow(0, 0, half)?);
+        let b = RTensor(enc.narrow(0, half, n - half)?);
+        let (o1, o2) = futures::try_join!(
+            self.shards[0].rpc_async(shard::shard_forward, (a,)),
+            self.shards[1].rpc_async(shard::shard_forward, (b,))
+        )?;
+        Ok(Tensor::cat(&[o1.0, o2.0], 0)?)
+    }
+
+    /// One distributed training step; returns the loss and the logits.
+    async fn step(&self, batch: &Batch, dropout: Option<&Tensor>) -> Result<(f32, Tensor)> {
+        let ctx = autograd_dist::context(&self.agent);
+        let (loss, logits) = ctx
+            .run(async {
+                let enc = self.encoder.forward(&input(batch, dropout))?;
+                let logits = self.heads(&enc, self.half).await?;
+                let loss = model::loss(&logits, &batch.labels)?;
+                Ok::<_, anyhow::Error>((loss, logits))
+            })
+            .await?;
+        ctx.backward(std::slice::from_ref(&loss)).await?;
+        self.opt.step(&ctx).await?;
+        // The context is released on every worker in the background.
+        drop(ctx);
+        Ok((loss.to_scalar::<f32>()?, logits.detach()))
+    }
+
+    /// Predictions for every word of `split`.
+    async fn predict(&self, split: &Split) -> Result<Vec<u32>> {
+        let idx: Vec<usize> = (0..split.len()).collect();
+        let mut preds = Vec::with_capacity(split.len());
+        for chunk in idx.chunks(EVAL_BATCH) {
+            let batch = split.batch(chunk)?;
+            let enc = self.encoder.forward(&input(&batch, None))?.detach();
+            let logits = self.heads(&enc, chunk.len() / 2).await?;
+            preds.extend(model::predictions(&logits)?);
+        }
+        Ok(preds)
+    }
+
+    fn encoder_named(&self, dims: &Dims) -> Vec<(String, Tensor)> {
+        model::encoder_param_names(dims)
+            .into_iter()
+            .zip(self.encoder.vars())
+            .map(|(n, v)| (n.to_string(), v.as_tensor().detach()))
+            .collect()
+    }
+
+    async fn checkpoint(
+        &self,
+        dims: &Dims,
+        args: &Args,
+        epoch: u64,
+        step: u64,
+        history: &History,
+    ) -> Result<PathBuf> {
+        let head = self.shards[0].rpc_async(shard::shard_values, ()).await?;
+        let states = self.opt.state().await?;
+        let ck = Checkpoint {
+            epoch,
+            step,
+            config: args.shape(dims),
+            encoder: self.encoder_named(dims),
+            head: HEAD_PARAMS
+                .iter()
+                .map(|n| n.to_string())
+                .zip(head.into_iter().map(|t| t.0))
+                .collect(),
+            optim: self.opt.owners().into_iter().zip(states).collect(),
+            history: history.clone(),
+        };
+        ck.save(&args.out_dir)
+    }
+
+    async fn restore(&self, ck: Checkpoint) -> Result<()> {
+        for ((_, t), v) in ck.encoder.iter().zip(self.encoder.vars()) {
+            ensure!(
+                t.dims() == v.dims(),
+                "checkpoint encoder parameter is {:?}, model has {:?}",
+                t.dims(),
+                v.dims()
+            );
+            v.set(t)?;
+        }
+        let head: Vec<RTensor> = ck.head.into_iter().map(|(_, t)| RTensor(t)).collect();
+        futures::try_join!(
+            self.shards[0].rpc_async(shard::load_shard_values, (head.clone(),)),
+            self.shards[1].rpc_async(shard::load_shard_values, (head,))
+        )?;
+        let owners = self.opt.owners();
+        let mut states: Vec<OptimizerState> = Vec::new();
+        for o in owners {
+            let st = ck
+                .optim
+                .iter()
+                .find(|(r, _)| *r == o)
+                .with_context(|| format!("checkpoint has no optimizer state for rank {o}"))?;
+            states.push(st.1.clone());
+        }
+        self.opt.load_state(states).await?;
+        Ok(())
+    }
+}
+
+fn input<'a>(b: &'a Batch, dropout: Option<&'a Tensor>) -> EncoderInput<'a> {
+    EncoderInput {
+        ids: &b.ids,
+        rev_ids: &b.rev_ids,
+        last: &b.last,
+        t: b.t,
+        b: b.b,
+        dropout,
+    }
+}
+
+fn median_ms(mut v: Vec<f64>) -> Option<f64> {
+    let skip = if v.len() > WARMUP { WARMUP } else { 0 };
+    v.drain(..skip);
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    Some(v[v.len() / 2])
+}
+
+fn correct(logits: &Tensor, labels: &Tensor) -> Result<usize> {
+    let p = model::predictions(logits)?;
+    let y = labels.to_vec1::<u32>()?;
+    Ok(p.iter().zip(&y).filter(|(a, b)| a == b).count())
+}
+
+/// The one-process baseline over the first `steps` batches: step times and losses.
+fn local_baseline(
+    args: &Args,
+    dims: &Dims,
+    data: &Data,
+    steps: usize,
+) -> Result<(Vec<f64>, Vec<f64>)> {
+    let mut model = LocalModel::new(dims, args.seed, args.optimizer())?;
+    let batches = data::epoch_batches(data.train.len(), args.batch, args.seed, 0);
+    let (mut times, mut losses) = (Vec::new(), Vec::new());
+    for (step, idx) in batches.iter().take(steps).enumerate() {
+        let t0 = Instant::now();
+        let batch = data.train.batch(idx)?;
+        let mask = data::dropout_mask(
+            args.dropout,
+            batch.b,
+            dims.encoding(),
+            args.seed,
+            step as u64,
+        )?;
+        let loss = model.step(&batch, mask.as_ref())?;
+        times.push(t0.elapsed().as_secs_f64() * 1e3);
+        losses.push(f64::from(loss));
+    }
+    Ok((times, losses))
+}
+
+async fn master(agent: &Agent, args: &Args, data: &Data) -> Result<i32> {
+    let dims = args.dims(data.vocab);
+    let start = Instant::now();
+    let baseline_steps = if args.check_equivalence {
+        EQUIVALENCE_STEPS
+    } else {
+        args.local_steps
+    };
+    let (local_times, local_losses) = local_baseline(args, &dims, data, baseline_steps)?;
+    let model = Hybrid::new(agent, args, &dims).await?;
+
+    let mut history = History::default();
+    let (mut epoch0, mut step) = (0u64, 0u64);
+    if args.resume {
+        let path = Checkpoint::latest(&args.out_dir)?
+            .with_context(|| format!("--resume: no checkpoint in {}", args.out_dir.display()))?;
+        let ck = Checkpoint::load(
+            &path,
+            &model::encoder_param_names(&dims),
+            &HEAD_PARAMS,
+            &model.opt.owners(),
+        )?;
+        ensure!(
+            ck.config == args.shape(&dims),
+            "--resume: {} was written with other model or data flags ({:?} vs {:?})",
+            path.display(),
+            ck.config,
+            args.shape(&dims)
+        );
+        (epoch0, step) = (ck.epoch, ck.step);
+        history = ck.history.clone();
+        model.restore(ck).await?;
+        println!(
+            "resumed from {} (epoch {epoch0}, step {step})",
+            path.display()
+        );
+    }
+
+    if args.check_equivalence {
+        return check_equivalence(&model, args, &dims, data, &local_losses).await;
+    }
+
+    let mut step_times = Vec::new();
+    let mut dist_losses = Vec::new();
+    let mut last_preds = None;
+    let mut last_ckpt = None;
+    for epoch in epoch0..args.epochs {
+        let batches = data::epoch_batches(data.train.len(), args.batch, args.seed, epoch);
+        model.opt.set_lr(args.lr_at(epoch)).await?;
+        let bar = progress_bar(args, batches.len() as u64, epoch);
+        let (mut loss_sum, mut window, mut window_n, mut hits, mut seen) =
+            (0.0, 0.0, 0, 0usize, 0usize);
+        let epoch_start = Instant::now();
+        for (k, idx) in batches.iter().enumerate() {
+            let t0 = Instant::now();
+            let batch = data.train.batch(idx)?;
+            let mask = data::dropout_mask(args.dropout, batch.b, dims.encoding(), args.seed, step)?;
+            let (loss, logits) = model
+                .step(&batch, mask.as_ref())
+                .await
+                .with_context(|| format!("training step {step}"))?;
+            step_times.push(t0.elapsed().as_secs_f64() * 1e3);
+            ensure!(
+                loss.is_finite(),
+                "the loss diverged at step {step} ({loss})"
+            );
+            if epoch == 0 && k < local_losses.len() {
+                dist_losses.push(f64::from(loss));
+            }
+            step += 1;
+            loss_sum += f64::from(loss);
+            (window, window_n) = (window + f64::from(loss), window_n + 1);
+            if window_n == 50 {
+                history.loss.push((step as f64, window / 50.0));
+                (window, window_n) = (0.0, 0);
+            }
+            hits += correct(&logits, &batch.labels)?;
+            seen += batch.b;
+            bar.set_message(format!(
+                "loss {:.3}  acc {:.3}  {:.1} steps/s",
+                loss_sum / (k + 1) as f64,
+                hits as f64 / seen as f64,
+                (k + 1) as f64 / epoch_start.elapsed().as_secs_f64()
+            ));
+            bar.inc(1);
+        }
+        bar.finish_and_clear();
+        let preds = model.predict(&data.test).await?;
+        let test_acc = accuracy(&preds, data.test.labels());
+        history.train_acc.push(hits as f64 / seen.max(1) as f64);
+        history.test_acc.push(test_acc);
+        let path = model
+            .checkpoint(&dims, args, epoch + 1, step, &history)
+            .await?;
+        println!(
+            "epoch {}/{}: train loss {:.4}, train accuracy {:.4}, test accuracy {:.4}, {:.1} s, checkpoint {}",
+            epoch + 1,
+            args.epochs,
+            loss_sum / batches.len().max(1) as f64,
+            hits as f64 / seen.max(1) as f64,
+            test_acc,
+            epoch_start.elapsed().as_secs_f64(),
+            path.display()
+        );
+        last_preds = Some(preds);
+        last_ckpt = Some(path);
+    }
+    let preds = match last_preds {
+        Some(p) => p,
+        None => model.predict(&data.test).await?, // resumed after the last epoch
+    };
+    let test_acc = accuracy(&preds, data.test.labels());
+    println!(
+        "\nconfusion matrix (test set):\n{}",
+        report::confusion_matrix(data.test.labels(), &preds, &LANGS)
+    );
+    let plot = args.out_dir.join("training.png");
+    report::plot(&history, &plot)?;
+    println!("plot: {}", plot.display());
+
+    let rss = futures::try_join!(
+        agent.rpc_async(shard::SHARD_RANKS[0], shard::peak_rss_mb, ()),
+        agent.rpc_async(shard::SHARD_RANKS[1], shard::peak_rss_mb, ())
+    )?;
+    let dist = median_ms(step_times);
+    let local = median_ms(local_times);
+    let max_diff =
+        (!dist_losses.is_empty() && epoch0 == 0).then(|| max_abs_diff(&dist_losses, &local_losses));
+    let line = json!({
+        "test_accuracy": round(test_acc, 4),
+        "epochs": args.epochs,
+        "steps": step,
+        "ms_per_step_median": dist.map(|x| round(x, 2)),
+        "local_ms_per_step_median": local.map(|x| round(x, 2)),
+        "distributed_over_local": dist.zip(local).map(|(d, l)| round(d / l, 3)),
+        "max_loss_diff": max_diff,
+        "languages": LANGS.len(),
+        "encoder": if dims.bidirectional { "bilstm" } else { "lstm" },
+        "master_peak_rss_mb": round(examples::peak_rss_mb(), 1),
+        "worker_peak_rss_mb": [round(rss.0, 1), round(rss.1, 1)],
+        "wall_s": round(start.elapsed().as_secs_f64(), 1),
+        "checkpoint": last_ckpt.map(|p| p.display().to_string()),
+        "plot": plot.display().to_string(),
+    });
+    println!("{line}");
+    Ok(0)
+}
+
+async fn check_equivalence(
+    model: &Hybrid,
+    args: &Args,
+    dims: &Dims,
+    data: &Data,
+    local: &[f64],
+) -> Result<i32> {
+    ensure!(
+        !args.resume,
+        "--check-equivalence starts from the initial parameters; drop --resume"
+    );
+    let batches = data::epoch_batches(data.train.len(), args.batch, args.seed, 0);
+    let mut dist = Vec::new();
+    for (step, idx) in batches.iter().take(local.len()).enumerate() {
+        let batch = data.train.batch(idx)?;
+        let mask = data::dropout_mask(
+            args.dropout,
+            batch.b,
+            dims.encoding(),
+            args.seed,
+            step as u64,
+        )?;
+        let (loss, _) = model.step(&batch, mask.as_ref()).await?;
+        dist.push(f64::from(loss));
+        println!(
+            "step {step:>2}: distributed loss {loss:.6}, one process {:.6}",
+            local[step]
+        );
+    }
+    let diff = max_abs_diff(&dist, local);
+    let ok = dist.len() == local.len() && diff <= EQUIVALENCE_TOLERANCE;
+    println!(
+        "{}",
+        json!({"check": "equivalence", "steps": dist.len(), "max_loss_diff": diff,
+               "tolerance": EQUIVALENCE_TOLERANCE, "ok": ok})
+    );
+    Ok(if ok { 0 } else { 1 })
+}
+
+fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max)
+}
+
+fn accuracy(preds: &[u32], labels: &[u32]) -> f64 {
+    preds.iter().zip(labels).filter(|(p, y)| p == y).count() as f64 / labels.len().max(1) as f64
+}
+
+fn round(x: f64, digits: i32) -> f64 {
+    let f = 10f64.powi(digits);
+    (x * f).round() / f
+}
+
+fn progress_bar(args: &Args, len: u64, epoch: u64) -> indicatif::ProgressBar {
+    if args.quiet {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(len);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(&format!(
+            "epoch {}/{} [{{bar:30}}] {{pos}}/{{len}} {{msg}} ({{elapsed}}<{{eta}})",
+            epoch + 1,
+            args.epochs
+        ))
+        .expect("the template is valid")
+        .progress_chars("=> "),
+    );
+    bar
+}

@@ -1,0 +1,317 @@
+//! What the user sees: the training history, the confusion matrix and the PNG plot.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use candle_core::{Device, Tensor};
+use embedded_graphics::mono_font::ascii::FONT_6X10;
+use embedded_graphics::mono_font::MonoTextStyle;
+use embedded_graphics::pixelcolor::Rgb888;
+use embedded_graphics::prelude::*;
+use embedded_graphics::primitives::{Line, Polyline, PrimitiveStyle, Rectangle};
+use embedded_graphics::text::Text;
+
+/// Loss and accuracy curves.
+#[derive(Clone, Debug, Default)]
+pub struct History {
+    /// (global step, mean training loss over the last window).
+    pub loss: Vec<(f64, f64)>,
+    /// Per epoch: training accuracy (with dropout) and test accuracy.
+    pub train_acc: Vec<f64>,
+    /// Per epoch.
+    pub test_acc: Vec<f64>,
+}
+
+impl History {
+    /// Adds the curves to a checkpoint's tensors.
+    pub fn save(&self, m: &mut HashMap<String, Tensor>) -> Result<()> {
+        let dev = &Device::Cpu;
+        let (steps, losses): (Vec<f64>, Vec<f64>) = self.loss.iter().copied().unzip();
+        m.insert(
+            "history.loss_step".into(),
+            Tensor::new(steps.as_slice(), dev)?,
+        );
+        m.insert("history.loss".into(), Tensor::new(losses.as_slice(), dev)?);
+        m.insert(
+            "history.train_accuracy".into(),
+            Tensor::new(self.train_acc.as_slice(), dev)?,
+        );
+        m.insert(
+            "history.test_accuracy".into(),
+            Tensor::new(self.test_acc.as_slice(), dev)?,
+        );
+        Ok(())
+    }
+
+    /// Reads the curves back from a checkpoint's tensors.
+    pub fn load(m: &HashMap<String, Tensor>) -> Result<Self> {
+        let get = |n: &str| -> Result<Vec<f64>> {
+            Ok(m.get(n)
+                .with_context(|| format!("checkpoint has no `{n}`"))?
+                .to_dtype(candle_core::DType::F64)?
+                .to_vec1()?)
+        };
+        let steps = get("history.loss_step")?;
+        let losses = get("history.loss")?;
+        Ok(Self {
+            loss: steps.into_iter().zip(losses).collect(),
+            train_acc: get("history.train_accuracy")?,
+            test_acc: get("history.test_accuracy")?,
+        })
+    }
+}
+
+/// A confusion matrix as text: rows are true languages, columns predictions.
+pub fn confusion_matrix(labels: &[u32], preds: &[u32], names: &[&str]) -> String {
+    let n = names.len();
+    let mut m = vec![vec![0usize; n]; n];
+    for (&y, &p) in labels.iter().zip(preds) {
+        if (y as usize) < n && (p as usize) < n {
+            m[y as usize][p as usize] += 1;
+        }
+    }
+    let short: Vec<String> = names.iter().map(|s| s.chars().take(7).collect()).collect();
+    let mut out = format!("{:>18}", "true \\ predicted");
+    for s in &short {
+        out += &format!(" {s:>7}");
+    }
+    out += "   recall\n";
+    for (i, row) in m.iter().enumerate() {
+        out += &format!("{:>18}", names[i]);
+        for c in row {
+            out += &format!(" {c:>7}");
+        }
+        let total: usize = row.iter().sum();
+        out += &format!("   {:.3}\n", row[i] as f64 / total.max(1) as f64);
+    }
+    out
+}
+
+struct Canvas {
+    w: u32,
+    h: u32,
+    rgb: Vec<u8>,
+}
+
+impl OriginDimensions for Canvas {
+    fn size(&self) -> Size {
+        Size::new(self.w, self.h)
+    }
+}
+
+impl DrawTarget for Canvas {
+    type Color = Rgb888;
+    type Error = std::convert::Infallible;
+
+    fn draw_iter<I: IntoIterator<Item = Pixel<Rgb888>>>(
+        &mut self,
+        pixels: I,
+    ) -> Result<(), Self::Error> {
+        for Pixel(p, c) in pixels {
+            if p.x >= 0 && p.y >= 0 && (p.x as u32) < self.w && (p.y as u32) < self.h {
+                let i = 3 * (p.y as usize * self.w as usize + p.x as usize);
+                self.rgb[i..i + 3].copy_from_slice(&[c.r(), c.g(), c.b()]);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One chart panel: axes with labelled ranges and a title, then series mapped into it.
+struct Panel {
+    x0: i32,
+    y0: i32,
+    w: i32,
+    h: i32,
+    xr: (f64, f64),
+    yr: (f64, f64),
+}
+
+impl Panel {
+    fn point(&self, x: f64, y: f64) -> Point {
+        let fx = (x - self.xr.0) / (self.xr.1 - self.xr.0).max(1e-12);
+        let fy = (y - self.yr.0) / (self.yr.1 - self.yr.0).max(1e-12);
+        Point::new(
+            self.x0 + (fx * self.w as f64).round() as i32,
+            self.y0 + self.h - (fy * self.h as f64).round() as i32,
+        )
+    }
+
+    fn axes(&self, c: &mut Canvas, title: &str, xlabel: &str) {
+        let black = Rgb888::BLACK;
+        let grey = Rgb888::new(220, 220, 220);
+        let text = MonoTextStyle::new(&FONT_6X10, black);
+        for k in 0..=4 {
+            let y = self.yr.0 + (self.yr.1 - self.yr.0) * k as f64 / 4.0;
+            let p = self.point(self.xr.0, y);
+            let _ = Line::new(p, Point::new(self.x0 + self.w, p.y))
+                .into_styled(PrimitiveStyle::with_stroke(grey, 1))
+                .draw(c);
+            let _ = Text::new(&format!("{y:.2}"), Point::new(self.x0 - 34, p.y + 3), text).draw(c);
+        }
+        let _ = Rectangle::new(
+            Point::new(self.x0, self.y0),
+            Size::new(self.w as u32, self.h as u32),
+        )
+        .into_styled(PrimitiveStyle::with_stroke(black, 1))
+        .draw(c);
+        let _ = Text::new(title, Point::new(self.x0, self.y0 - 8), text).draw(c);
+        let (lo, hi) = (format!("{:.0}", self.xr.0), format!("{:.0}", self.xr.1));
+        let base = self.y0 + self.h + 14;
+        let _ = Text::new(&lo, Point::new(self.x0, base), text).draw(c);
+        let _ = Text::new(
+            &hi,
+            Point::new(self.x0 + self.w - 6 * hi.len() as i32, base),
+            text,
+        )
+        .draw(c);
+        let _ = Text::new(
+            xlabel,
+            Point::new(self.x0 + self.w / 2 - 3 * xlabel.len() as i32, base),
+            text,
+        )
+        .draw(c);
+    }
+
+    fn series(&self, c: &mut Canvas, pts: &[(f64, f64)], color: Rgb888, label: &str, slot: i32) {
+        let mapped: Vec<Point> = pts.iter().map(|&(x, y)| self.point(x, y)).collect();
+        let style = PrimitiveStyle::with_stroke(color, 2);
+        if mapped.len() == 1 {
+            let _ = Rectangle::with_center(mapped[0], Size::new(5, 5))
+                .into_styled(PrimitiveStyle::with_fill(color))
+                .draw(c);
+        } else {
+            let _ = Polyline::new(&mapped).into_styled(style).draw(c);
+        }
+        for p in &mapped {
+            let _ = Rectangle::with_center(*p, Size::new(3, 3))
+                .into_styled(PrimitiveStyle::with_fill(color))
+                .draw(c);
+        }
+        let ly = self.y0 + 12 + 12 * slot;
+        let lx = self.x0 + self.w - 130;
+        let _ = Line::new(Point::new(lx, ly - 3), Point::new(lx + 16, ly - 3))
+            .into_styled(style)
+            .draw(c);
+        let _ = Text::new(
+            label,
+            Point::new(lx + 22, ly),
+            MonoTextStyle::new(&FONT_6X10, Rgb888::BLACK),
+        )
+        .draw(c);
+    }
+}
+
+/// Draws the training loss (per step window) and the accuracies (per epoch) into a PNG.
+pub fn plot(history: &History, path: &Path) -> Result<()> {
+    let (w, h) = (960u32, 420u32);
+    let mut c = Canvas {
+        w,
+        h,
+        rgb: vec![255; (w * h * 3) as usize],
+    };
+    let maxl = history
+        .loss
+        .iter()
+        .map(|p| p.1)
+        .fold(0.0, f64::max)
+        .max(1e-3);
+    let maxs = history.loss.last().map_or(1.0, |p| p.0).max(1.0);
+    let left = Panel {
+        x0: 60,
+        y0: 40,
+        w: 380,
+        h: 320,
+        xr: (0.0, maxs),
+        yr: (0.0, maxl * 1.05),
+    };
+    left.axes(&mut c, "training loss", "step");
+    left.series(
+        &mut c,
+        &history.loss,
+        Rgb888::new(31, 119, 180),
+        "train loss",
+        0,
+    );
+    let epochs = history.test_acc.len().max(1) as f64;
+    let lo = history
+        .test_acc
+        .iter()
+        .chain(&history.train_acc)
+        .fold(1.0f64, |a, &b| a.min(b));
+    let lo = ((lo * 10.0).floor() / 10.0).clamp(0.0, 0.9);
+    let right = Panel {
+        x0: 540,
+        y0: 40,
+        w: 380,
+        h: 320,
+        xr: (0.0, epochs),
+        yr: (lo, 1.0),
+    };
+    right.axes(&mut c, "accuracy", "epoch");
+    let per_epoch = |v: &[f64]| {
+        v.iter()
+            .enumerate()
+            .map(|(i, &a)| ((i + 1) as f64, a))
+            .collect::<Vec<_>>()
+    };
+    right.series(
+        &mut c,
+        &per_epoch(&history.train_acc),
+        Rgb888::new(255, 127, 14),
+        "train (dropout)",
+        0,
+    );
+    right.series(
+        &mut c,
+        &per_epoch(&history.test_acc),
+        Rgb888::new(44, 160, 44),
+        "test",
+        1,
+    );
+
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let file =
+        std::fs::File::create(path).with_context(|| format!("cannot write {}", path.display()))?;
+    let mut enc = png::Encoder::new(std::io::BufWriter::new(file), w, h);
+    enc.set_color(png::ColorType::Rgb);
+    enc.set_depth(png::BitDepth::Eight);
+    let mut writer = enc.write_header()?;
+    writer.write_image_data(&c.rgb)?;
+    writer.finish()?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn confusion_matrix_counts_and_recalls() {
+        let s = confusion_matrix(&[0, 0, 1, 1], &[0, 1, 1, 1], &["aa", "bb"]);
+        let rows: Vec<&str> = s.lines().collect();
+        assert!(
+            rows[1].trim_start().starts_with("aa") && rows[1].contains("0.500"),
+            "{s}"
+        );
+        assert!(rows[2].contains("1.000"), "{s}");
+    }
+
+    #[test]
+    fn plot_writes_a_png() {
+        let dir = std::env::temp_dir().join(format!("hybrid-rnn-plot-{}", std::process::id()));
+        let path = dir.join("p.png");
+        let h = History {
+            loss: vec![(10.0, 2.0), (20.0, 1.0), (30.0, 0.5)],
+            train_acc: vec![0.7, 0.8],
+            test_acc: vec![0.75, 0.82],
+        };
+        plot(&h, &path).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        assert_eq!(&bytes[1..4], b"PNG");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}
