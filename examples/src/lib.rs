@@ -138,10 +138,22 @@ impl Workers {
             .with_shutdown_timeout(timeout)
     }
 
-    /// Waits for every worker to exit; fails if one did not exit successfully.
-    pub fn wait_success(mut self) -> Result<()> {
+    /// Waits (at most `timeout` in all) for every worker to exit; fails if one did not exit
+    /// successfully or in time (those still running are then killed, by `Drop`).
+    pub fn wait_success(mut self, timeout: Duration) -> Result<()> {
+        let deadline = std::time::Instant::now() + timeout;
         for (i, c) in self.children.iter_mut().enumerate() {
-            let status = c.wait()?;
+            let status = loop {
+                if let Some(status) = c.try_wait()? {
+                    break status;
+                }
+                anyhow::ensure!(
+                    std::time::Instant::now() < deadline,
+                    "worker {} did not exit within {timeout:?} of the end of the run",
+                    i + 1
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            };
             anyhow::ensure!(status.success(), "worker {} exited with {status}", i + 1);
         }
         Ok(())

@@ -162,7 +162,7 @@ fn main() -> Result<()> {
         anyhow::ensure!(report.is_clean(), "trainer shutdown: {report:?}");
         result
     })?;
-    workers.wait_success()?;
+    workers.wait_success(Duration::from_secs(60))?;
     anyhow::ensure!(all_ok, "some cases failed");
     Ok(())
 }

@@ -98,7 +98,7 @@ fn main() -> Result<()> {
         anyhow::ensure!(report.is_clean(), "unclean shutdown: {report:?}");
         Ok::<_, anyhow::Error>(())
     })?;
-    workers.wait_success()?;
+    workers.wait_success(Duration::from_secs(60))?;
     println!("all 3 processes exited cleanly");
     Ok(())
 }

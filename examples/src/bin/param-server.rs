@@ -194,7 +194,7 @@ fn main() -> Result<()> {
         anyhow::ensure!(report.is_clean(), "shutdown: {report:?}");
         Ok::<_, anyhow::Error>(())
     })?;
-    workers.wait_success()
+    workers.wait_success(Duration::from_secs(60))
 }
 
 async fn run_modes(agent: &Agent, args: &Args, test: &[(String, usize)]) -> Result<()> {

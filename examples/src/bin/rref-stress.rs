@@ -319,7 +319,7 @@ fn main() -> Result<()> {
         anyhow::ensure!(report.is_clean(), "driver shutdown: {report:?}");
         Ok::<_, anyhow::Error>(summary)
     })?;
-    workers.wait_success()?;
+    workers.wait_success(Duration::from_secs(60))?;
     println!("{summary}");
     let ok = summary["values_created"] == summary["values_deleted"]
         && summary["owner_values_left"] == 0

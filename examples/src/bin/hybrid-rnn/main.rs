@@ -57,7 +57,7 @@ const EQUIVALENCE_TOLERANCE: f64 = 1e-4;
 #[command(name = "hybrid-rnn", version, about)]
 struct Args {
     /// Epochs to train (in total, counting those of a resumed checkpoint).
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 6)]
     epochs: u64,
     /// Words per step (split in two halves, one per worker).
     #[arg(long, default_value_t = 64)]
@@ -115,6 +115,9 @@ struct Args {
     /// Timeout of every remote call, and how long a worker waits for the master.
     #[arg(long, default_value_t = 120)]
     timeout_secs: u64,
+    /// How long to wait for every process of the group to join.
+    #[arg(long, default_value_t = 60)]
+    init_timeout_secs: u64,
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
@@ -140,6 +143,14 @@ impl Args {
             "layer widths must be positive"
         );
         ensure!(self.timeout_secs > 0, "--timeout-secs must be positive");
+        ensure!(
+            self.init_timeout_secs > 0,
+            "--init-timeout-secs must be positive"
+        );
+        ensure!(
+            !(self.resume && self.check_equivalence),
+            "--check-equivalence starts from the initial parameters; drop --resume"
+        );
         self.shard2_devices()?;
         Ok(())
     }
@@ -265,6 +276,13 @@ fn run() -> Result<i32> {
     let args = Args::parse();
     args.validate()?;
     let data = Data::load(&args)?;
+    let resume_from = if args.resume {
+        let path = Checkpoint::latest(&args.out_dir)?
+            .with_context(|| format!("--resume: no checkpoint in {}", args.out_dir.display()))?;
+        Some(path)
+    } else {
+        None
+    };
     let timeout = Duration::from_secs(args.timeout_secs);
     let rt = runtime()?;
     // Spawned workers wait for the master as long as the training may take.
@@ -277,12 +295,16 @@ fn run() -> Result<i32> {
             Config::new()
                 .with_name("master")
                 .with_rpc_timeout(timeout)
-                .with_shutdown_timeout(timeout),
+                .with_shutdown_timeout(timeout)
+                .with_init_timeout(Duration::from_secs(args.init_timeout_secs)),
             None,
         ),
         None => {
             let w = examples::Workers::spawn(3)?;
-            (w.rank0_config("master", timeout), Some(w))
+            let cfg = w
+                .rank0_config("master", timeout)
+                .with_init_timeout(Duration::from_secs(args.init_timeout_secs));
+            (cfg, Some(w))
         }
     };
     let outcome = rt.block_on(async {
@@ -294,7 +316,7 @@ fn run() -> Result<i32> {
             "the group has {} workers; this example needs 3 (a master and two workers)",
             agent.world_size()
         );
-        let result = master(&agent, &args, &data).await;
+        let result = master(&agent, &args, &data, resume_from.as_deref()).await;
         let report = agent.shutdown().await;
         let code = result?;
         ensure!(report.is_clean(), "shutdown was not clean: {report:?}");
@@ -302,7 +324,7 @@ fn run() -> Result<i32> {
     });
     if let Some(w) = workers {
         match &outcome {
-            Ok(_) => w.wait_success()?,
+            Ok(_) => w.wait_success(timeout)?,
             Err(_) => drop(w), // kills and reaps them
         }
     }
@@ -524,6 +546,20 @@ fn correct(logits: &Tensor, labels: &Tensor) -> Result<usize> {
 }
 
 /// The one-process baseline over the first `steps` batches: step times and losses.
+/// The first `n` training batches, over as many epochs as that takes (the learning rate of
+/// the first epoch throughout: the baseline and the equivalence check compare steps, not a
+/// schedule).
+fn first_batches(args: &Args, data: &Data, n: usize) -> Vec<Vec<usize>> {
+    let mut out = Vec::with_capacity(n);
+    let mut epoch = 0;
+    while out.len() < n {
+        let b = data::epoch_batches(data.train.len(), args.batch, args.seed, epoch);
+        out.extend(b.into_iter().take(n - out.len()));
+        epoch += 1;
+    }
+    out
+}
+
 fn local_baseline(
     args: &Args,
     dims: &Dims,
@@ -531,9 +567,8 @@ fn local_baseline(
     steps: usize,
 ) -> Result<(Vec<f64>, Vec<f64>)> {
     let mut model = LocalModel::new(dims, args.seed, args.optimizer())?;
-    let batches = data::epoch_batches(data.train.len(), args.batch, args.seed, 0);
     let (mut times, mut losses) = (Vec::new(), Vec::new());
-    for (step, idx) in batches.iter().take(steps).enumerate() {
+    for (step, idx) in first_batches(args, data, steps).iter().enumerate() {
         let t0 = Instant::now();
         let batch = data.train.batch(idx)?;
         let mask = data::dropout_mask(
@@ -550,7 +585,12 @@ fn local_baseline(
     Ok((times, losses))
 }
 
-async fn master(agent: &Agent, args: &Args, data: &Data) -> Result<i32> {
+async fn master(
+    agent: &Agent,
+    args: &Args,
+    data: &Data,
+    resume_from: Option<&std::path::Path>,
+) -> Result<i32> {
     let dims = args.dims(data.vocab);
     let start = Instant::now();
     let baseline_steps = if args.check_equivalence {
@@ -563,11 +603,9 @@ async fn master(agent: &Agent, args: &Args, data: &Data) -> Result<i32> {
 
     let mut history = History::default();
     let (mut epoch0, mut step) = (0u64, 0u64);
-    if args.resume {
-        let path = Checkpoint::latest(&args.out_dir)?
-            .with_context(|| format!("--resume: no checkpoint in {}", args.out_dir.display()))?;
+    if let Some(path) = resume_from {
         let ck = Checkpoint::load(
-            &path,
+            path,
             &model::encoder_param_names(&dims),
             &HEAD_PARAMS,
             &model.opt.owners(),
@@ -705,13 +743,8 @@ async fn check_equivalence(
     data: &Data,
     local: &[f64],
 ) -> Result<i32> {
-    ensure!(
-        !args.resume,
-        "--check-equivalence starts from the initial parameters; drop --resume"
-    );
-    let batches = data::epoch_batches(data.train.len(), args.batch, args.seed, 0);
     let mut dist = Vec::new();
-    for (step, idx) in batches.iter().take(local.len()).enumerate() {
+    for (step, idx) in first_batches(args, data, local.len()).iter().enumerate() {
         let batch = data.train.batch(idx)?;
         let mask = data::dropout_mask(
             args.dropout,

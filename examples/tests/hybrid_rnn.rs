@@ -1,0 +1,293 @@
+//! The hybrid RNN example as a user runs it: three processes on 127.0.0.1, small settings.
+//!
+//! Each test starts the binary (which starts its two workers), bounds it with a deadline and
+//! kills it if the deadline passes; the binary kills and reaps its workers on every exit path.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A small model and dataset: every run takes seconds even in a debug build.
+const SMALL: &[&str] = &[
+    "--embedding",
+    "8",
+    "--hidden",
+    "16",
+    "--head-hidden",
+    "16",
+    "--train-limit",
+    "640",
+    "--test-limit",
+    "200",
+    "--local-steps",
+    "3",
+    "--quiet",
+];
+
+struct Run {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+}
+
+impl Run {
+    fn json(&self) -> serde_json::Value {
+        let last = self.stdout.lines().last().unwrap_or_default();
+        serde_json::from_str(last).unwrap_or_else(|e| {
+            panic!(
+                "last line is not JSON ({e}): {last:?}\nstderr:\n{}",
+                self.stderr
+            )
+        })
+    }
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("hybrid-rnn-test-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Runs the example with `args` and `env` (where `RANK` is unset unless `env` sets it), killed
+/// after `limit`.
+fn run(args: &[&str], env: &[(&str, &str)], out: &Path, limit: Duration) -> Run {
+    let (so, se) = (out.join("stdout"), out.join("stderr"));
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_hybrid-rnn"));
+    cmd.args(args)
+        .env_remove("RANK")
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&so).unwrap())
+        .stderr(std::fs::File::create(&se).unwrap());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().unwrap();
+    let deadline = Instant::now() + limit;
+    let code = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status.code();
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "hybrid-rnn {args:?} did not finish within {limit:?}\nstderr:\n{}",
+                std::fs::read_to_string(&se).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    Run {
+        code,
+        stdout: std::fs::read_to_string(so).unwrap(),
+        stderr: std::fs::read_to_string(se).unwrap(),
+    }
+}
+
+fn with(extra: &[&str]) -> Vec<String> {
+    SMALL.iter().chain(extra).map(|s| s.to_string()).collect()
+}
+
+fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+#[test]
+fn trains_end_to_end_and_reports() {
+    let dir = scratch("e2e");
+    let out = dir.join("out");
+    let args = with(&["--epochs", "2", "--out-dir", out.to_str().unwrap()]);
+    let r = run(&strs(&args), &[], &dir, Duration::from_secs(300));
+    assert_eq!(r.code, Some(0), "stderr:\n{}", r.stderr);
+    let j = r.json();
+    for key in [
+        "test_accuracy",
+        "epochs",
+        "steps",
+        "ms_per_step_median",
+        "local_ms_per_step_median",
+    ] {
+        assert!(!j[key].is_null(), "{key} missing in {j}");
+    }
+    assert_eq!(j["epochs"], 2);
+    assert_eq!(j["steps"], 20, "640 words in batches of 64, two epochs");
+    let acc = j["test_accuracy"].as_f64().unwrap();
+    assert!(acc > 1.0 / 8.0, "no better than chance: {acc}");
+    assert!(j["max_loss_diff"].as_f64().unwrap() <= 1e-4, "{j}");
+    assert!(r.stdout.contains("confusion matrix"), "{}", r.stdout);
+    assert!(r.stdout.contains("epoch 2/2"), "{}", r.stdout);
+    let png = std::fs::read(out.join("training.png")).unwrap();
+    assert_eq!(&png[1..4], b"PNG");
+    for e in 1..=2 {
+        assert!(out.join(format!("epoch-{e}.safetensors")).exists());
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn check_equivalence_passes() {
+    let dir = scratch("equiv");
+    let args = with(&[
+        "--check-equivalence",
+        "--out-dir",
+        dir.join("out").to_str().unwrap(),
+    ]);
+    let r = run(&strs(&args), &[], &dir, Duration::from_secs(300));
+    assert_eq!(
+        r.code,
+        Some(0),
+        "stdout:\n{}\nstderr:\n{}",
+        r.stdout,
+        r.stderr
+    );
+    let j = r.json();
+    assert_eq!(j["ok"], true, "{j}");
+    assert_eq!(j["steps"], 20, "{j}");
+    assert!(j["max_loss_diff"].as_f64().unwrap() <= 1e-4, "{j}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// Two epochs in one go and one epoch + `--resume` for the second end with the same
+/// parameters, optimizer state and accuracy, bit for bit.
+#[test]
+fn resume_matches_an_uninterrupted_run() {
+    let dir = scratch("resume");
+    let (a, b) = (dir.join("a"), dir.join("b"));
+    let limit = Duration::from_secs(300);
+    let full = run(
+        &strs(&with(&["--epochs", "2", "--out-dir", a.to_str().unwrap()])),
+        &[],
+        &dir,
+        limit,
+    );
+    assert_eq!(full.code, Some(0), "stderr:\n{}", full.stderr);
+    let first = run(
+        &strs(&with(&["--epochs", "1", "--out-dir", b.to_str().unwrap()])),
+        &[],
+        &dir,
+        limit,
+    );
+    assert_eq!(first.code, Some(0), "stderr:\n{}", first.stderr);
+    let resumed = run(
+        &strs(&with(&[
+            "--epochs",
+            "2",
+            "--resume",
+            "--out-dir",
+            b.to_str().unwrap(),
+        ])),
+        &[],
+        &dir,
+        limit,
+    );
+    assert_eq!(resumed.code, Some(0), "stderr:\n{}", resumed.stderr);
+    assert!(
+        resumed.stdout.contains("resumed from"),
+        "{}",
+        resumed.stdout
+    );
+    assert_eq!(
+        full.json()["test_accuracy"],
+        resumed.json()["test_accuracy"]
+    );
+    assert_eq!(full.json()["steps"], resumed.json()["steps"]);
+
+    let dev = candle_core::Device::Cpu;
+    let ta = candle_core::safetensors::load(a.join("epoch-2.safetensors"), &dev).unwrap();
+    let tb = candle_core::safetensors::load(b.join("epoch-2.safetensors"), &dev).unwrap();
+    let mut names: Vec<&String> = ta.keys().collect();
+    names.sort();
+    assert_eq!(names.len(), tb.len());
+    assert!(
+        names.iter().any(|n| n.starts_with("optimizer.1.m.")),
+        "{names:?}"
+    );
+    for n in names {
+        let (x, y) = (
+            &ta[n],
+            tb.get(n)
+                .unwrap_or_else(|| panic!("{n} missing after resume")),
+        );
+        let x = x
+            .to_dtype(candle_core::DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f64>()
+            .unwrap();
+        let y = y
+            .to_dtype(candle_core::DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f64>()
+            .unwrap();
+        assert_eq!(x, y, "{n} differs after resume");
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn bad_input_fails_with_a_message_not_a_panic() {
+    let dir = scratch("bad");
+    let limit = Duration::from_secs(60);
+    let r = run(&["--bogus"], &[], &dir, limit);
+    assert_eq!(r.code, Some(2));
+    assert!(
+        r.stderr.contains("unexpected argument '--bogus'"),
+        "{}",
+        r.stderr
+    );
+
+    let r = run(&["--batch", "3"], &[], &dir, limit);
+    assert_eq!(r.code, Some(1));
+    assert!(r.stderr.contains("--batch must be even"), "{}", r.stderr);
+
+    let r = run(
+        &["--data-dir", dir.join("nowhere").to_str().unwrap()],
+        &[],
+        &dir,
+        limit,
+    );
+    assert_eq!(r.code, Some(1));
+    assert!(r.stderr.contains("cannot read the dataset"), "{}", r.stderr);
+
+    let r = run(
+        &["--resume", "--out-dir", dir.join("empty").to_str().unwrap()],
+        &[],
+        &dir,
+        limit,
+    );
+    assert_eq!(r.code, Some(1));
+    assert!(r.stderr.contains("no checkpoint"), "{}", r.stderr);
+
+    // Rank 0 of an external group whose workers never come: the missing ranks are named.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let env = [
+        ("RANK", "0"),
+        ("WORLD_SIZE", "3"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", port.as_str()),
+        ("RPC_SECRET", "test-secret"),
+    ];
+    let r = run(
+        &["--init-timeout-secs", "2", "--train-limit", "640"],
+        &env,
+        &dir,
+        limit,
+    );
+    assert_eq!(r.code, Some(1), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("ranks [1, 2] never arrived"),
+        "{}",
+        r.stderr
+    );
+    assert!(!r.stderr.contains("panicked"), "{}", r.stderr);
+    std::fs::remove_dir_all(dir).unwrap();
+}
