@@ -5,6 +5,8 @@
 //! gradients are averaged across the group with the ring all-reduce, in buckets (flattened and
 //! concatenated up to `bucket_bytes`) so that many small tensors cost few messages. With equal
 //! per-rank batches, the averaged gradient is the gradient of the global batch's mean loss.
+//! Used as an `autograd_dist::GradientHook`, the combination runs inside every
+//! `DistributedOptimizer` step on the replicas' workers.
 
 use std::collections::HashMap;
 
