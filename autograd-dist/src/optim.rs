@@ -562,6 +562,10 @@ impl DistributedOptimizer {
             })?;
             locals.push((owner, r));
         }
+        // This worker's own step runs inline when polled; polling it last lets the remote
+        // owners' steps start first and overlap with it.
+        let me = agent.rank();
+        locals.sort_by_key(|(owner, _)| (*owner == me, *owner));
         Ok(Self {
             agent: agent.clone(),
             locals,
@@ -612,7 +616,8 @@ impl DistributedOptimizer {
         Ok(())
     }
 
-    /// The workers that own parameters, in the order of [`DistributedOptimizer::state`].
+    /// The workers that own parameters, in the order of [`DistributedOptimizer::state`] (this
+    /// worker, if it owns some, last).
     pub fn owners(&self) -> Vec<u32> {
         self.locals.iter().map(|(o, _)| *o).collect()
     }

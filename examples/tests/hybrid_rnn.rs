@@ -115,6 +115,10 @@ fn trains_end_to_end_and_reports() {
     let acc = j["test_accuracy"].as_f64().unwrap();
     assert!(acc > 1.0 / 8.0, "no better than chance: {acc}");
     assert!(j["max_loss_diff"].as_f64().unwrap() <= 1e-4, "{j}");
+    assert_eq!(
+        j["replica_max_diff"], 0.0,
+        "the head replicas drifted apart: {j}"
+    );
     assert!(r.stdout.contains("confusion matrix"), "{}", r.stdout);
     assert!(r.stdout.contains("epoch 2/2"), "{}", r.stdout);
     let png = std::fs::read(out.join("training.png")).unwrap();

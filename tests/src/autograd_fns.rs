@@ -146,9 +146,38 @@ pub async fn keep_and_add(
     Ok(r.rpc_async(add_to, (t,)).await?)
 }
 
+/// References to this worker's parameters `names`, for a `DistributedOptimizer`.
+#[remote]
+pub async fn param_refs(
+    ctx: CallContext,
+    names: Vec<String>,
+) -> Result<Vec<rref::RRef<autograd_dist::Parameter>>, BoxError> {
+    let vars = names
+        .iter()
+        .map(|n| param(&ctx, n))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(autograd_dist::parameter_rrefs(ctx.agent(), vars))
+}
+
+/// The current value of this worker's parameter `name`.
+#[remote]
+pub async fn param_value(ctx: CallContext, name: String) -> Result<RTensor, BoxError> {
+    Ok(RTensor(param(&ctx, &name)?.as_tensor().detach()))
+}
+
+/// Overwrites this worker's parameter `name`.
+#[remote]
+pub async fn set_param(ctx: CallContext, name: String, value: RTensor) -> Result<(), BoxError> {
+    param(&ctx, &name)?.set(&value.0)?;
+    Ok(())
+}
+
 /// Adds these functions and the engine's to `b` (which must already have `rref::install`).
 pub fn register(b: rpc_core::RegistryBuilder) -> rpc_core::RegistryBuilder {
     b.register(init_param)
+        .and_then(|b| b.register(param_refs))
+        .and_then(|b| b.register(param_value))
+        .and_then(|b| b.register(set_param))
         .and_then(|b| b.register(linear))
         .and_then(|b| b.register(linear_then))
         .and_then(|b| b.register(param_grad))

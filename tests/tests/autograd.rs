@@ -454,3 +454,210 @@ fn device_maps_are_validated_at_install_and_applied_to_requests() {
         shutdown_all(&a).await;
     });
 }
+
+/// Counts the backward passes through it (an identity forward).
+struct CountingIdentity;
+
+static COUNTED_BACKWARDS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+impl candle_core::CustomOp1 for CountingIdentity {
+    fn name(&self) -> &'static str {
+        "counting-identity"
+    }
+    fn cpu_fwd(
+        &self,
+        s: &candle_core::CpuStorage,
+        l: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        let (a, b) = l.contiguous_offsets().expect("contiguous input");
+        Ok((
+            candle_core::CpuStorage::F64(s.as_slice::<f64>()?[a..b].to_vec()),
+            l.shape().clone(),
+        ))
+    }
+    fn bwd(&self, _: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        COUNTED_BACKWARDS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok(Some(grad.clone()))
+    }
+}
+
+/// AD-6: a tensor whose halves feed two workers is backpropagated through once, with both
+/// workers' gradients (the hybrid example's encoder), and the gradients are still exact.
+#[test]
+fn a_worker_feeding_two_workers_backpropagates_once_per_wave() {
+    each_transport(60, |t| async move {
+        let a = group(3, t).await;
+        init(&a[0], 0, "o.w0", 3, 4).await;
+        init(&a[0], 1, "o.w1", 4, 2).await;
+        init(&a[0], 2, "o.w2", 4, 2).await;
+        let x = input(6, 3);
+        let before = COUNTED_BACKWARDS.load(std::sync::atomic::Ordering::SeqCst);
+        let w0 = a[0]
+            .rpc_async(0u32, param_value, ("o.w0".to_string(),))
+            .await
+            .unwrap();
+        let w0 = Var::from_tensor(&w0.0).unwrap();
+        let ctx = autograd_dist::context(&a[0]);
+        let loss = ctx
+            .run(async {
+                let h = x
+                    .matmul(w0.as_tensor())
+                    .unwrap()
+                    .apply_op1(CountingIdentity)
+                    .unwrap();
+                let top = RTensor(h.narrow(0, 0, 3).unwrap());
+                let bottom = RTensor(h.narrow(0, 3, 3).unwrap());
+                let (p, q) = futures::join!(
+                    a[0].rpc_async(1u32, linear, ("o.w1".into(), top, false)),
+                    a[0].rpc_async(2u32, linear, ("o.w2".into(), bottom, false))
+                );
+                (p.unwrap().0.sqr().unwrap().sum_all().unwrap()
+                    + q.unwrap().0.sqr().unwrap().sum_all().unwrap())
+                .unwrap()
+            })
+            .await;
+        tokio::time::timeout(Duration::from_secs(10), ctx.backward(&[loss]))
+            .await
+            .expect("no hang")
+            .unwrap();
+        let passes = COUNTED_BACKWARDS.load(std::sync::atomic::Ordering::SeqCst) - before;
+        assert_eq!(
+            passes, 1,
+            "the shared tensor was backpropagated {passes} times"
+        );
+
+        let (l0, l1, l2) = (
+            local("o.w0", 3, 4),
+            local("o.w1", 4, 2),
+            local("o.w2", 4, 2),
+        );
+        let h = x.matmul(l0.as_tensor()).unwrap();
+        let p = h.narrow(0, 0, 3).unwrap().matmul(l1.as_tensor()).unwrap();
+        let q = h.narrow(0, 3, 3).unwrap().matmul(l2.as_tensor()).unwrap();
+        let g = (p.sqr().unwrap().sum_all().unwrap() + q.sqr().unwrap().sum_all().unwrap())
+            .unwrap()
+            .backward()
+            .unwrap();
+        let d0 = max_abs_diff(
+            &ctx.gradient(w0.as_tensor()).unwrap(),
+            g.get(l0.as_tensor()).unwrap(),
+        );
+        assert!(d0 <= 1e-6, "w0: {d0}");
+        for (worker, w, var) in [(1u32, "o.w1", &l1), (2, "o.w2", &l2)] {
+            let d = max_abs_diff(
+                &remote_grad(&a[0], worker, ctx.id(), w).await,
+                g.get(var.as_tensor()).unwrap(),
+            );
+            assert!(d <= 1e-6, "{w}: max abs diff {d}");
+        }
+        drop(ctx);
+        shutdown_all(&a).await;
+    });
+}
+
+/// One training step of `x → relu(x @ s.w1) @ s.w2` on workers 1 and 2.
+async fn opt_step(a0: &Agent, opt: &autograd_dist::DistributedOptimizer, x: &Tensor) {
+    let ctx = autograd_dist::context(a0);
+    let loss = ctx
+        .run(async {
+            let h = a0
+                .rpc_async(1u32, linear, ("s.w1".into(), RTensor(x.clone()), true))
+                .await
+                .unwrap();
+            let y = a0
+                .rpc_async(2u32, linear, ("s.w2".into(), h, false))
+                .await
+                .unwrap();
+            y.0.sqr().unwrap().sum_all().unwrap()
+        })
+        .await;
+    ctx.backward(&[loss]).await.unwrap();
+    opt.step(&ctx).await.unwrap();
+    ctx.release().await.unwrap();
+}
+
+/// `DistributedOptimizer`: a saved state restored onto the same parameter values reproduces the
+/// next step bit for bit; a state of the wrong size is refused; a zero learning rate freezes
+/// the parameters.
+#[test]
+fn distributed_optimizer_state_round_trips_and_learning_rate_changes() {
+    each_transport(60, |t| async move {
+        use autograd_dist::{DistributedOptimizer, OptimizerKind};
+        let a = group(3, t).await;
+        init(&a[0], 1, "s.w1", 3, 4).await;
+        init(&a[0], 2, "s.w2", 4, 2).await;
+        let mut params = a[0]
+            .rpc_async(1u32, param_refs, (vec!["s.w1".to_string()],))
+            .await
+            .unwrap();
+        params.extend(
+            a[0].rpc_async(2u32, param_refs, (vec!["s.w2".to_string()],))
+                .await
+                .unwrap(),
+        );
+        let opt = DistributedOptimizer::new(&a[0], OptimizerKind::adam(0.05), params).unwrap();
+        let x = input(5, 3);
+        let values = || async {
+            let v1 = a[0]
+                .rpc_async(1u32, param_value, ("s.w1".to_string(),))
+                .await
+                .unwrap();
+            let v2 = a[0]
+                .rpc_async(2u32, param_value, ("s.w2".to_string(),))
+                .await
+                .unwrap();
+            (
+                v1.0.flatten_all().unwrap().to_vec1::<f64>().unwrap(),
+                v2.0.flatten_all().unwrap().to_vec1::<f64>().unwrap(),
+            )
+        };
+        opt_step(&a[0], &opt, &x).await;
+        opt_step(&a[0], &opt, &x).await;
+        let saved = opt.state().await.unwrap();
+        assert_eq!(saved.len(), 2);
+        assert!(saved
+            .iter()
+            .all(|s| s.steps == 2 && s.m[0].is_some() && s.v[0].is_some()));
+        let snapshot = values().await;
+        opt_step(&a[0], &opt, &x).await;
+        let after = values().await;
+        assert_ne!(after, snapshot, "a step moves the parameters");
+
+        // Back to the snapshot: values and optimizer state.
+        for (w, worker, v, shape) in [
+            ("s.w1", 1u32, &snapshot.0, (3, 4)),
+            ("s.w2", 2, &snapshot.1, (4, 2)),
+        ] {
+            let t = Tensor::from_vec(v.clone(), shape, &Device::Cpu).unwrap();
+            a[0].rpc_async(worker, set_param, (w.to_string(), RTensor(t)))
+                .await
+                .unwrap();
+        }
+        opt.load_state(saved.clone()).await.unwrap();
+        opt_step(&a[0], &opt, &x).await;
+        assert_eq!(
+            values().await,
+            after,
+            "the restored state reproduces the step bit for bit"
+        );
+
+        let err = opt.load_state(saved[..1].to_vec()).await.unwrap_err();
+        assert!(err.to_string().contains("1 states for 2 owners"), "{err}");
+        let mut wrong = saved.clone();
+        wrong[0].m.push(None);
+        wrong[0].v.push(None);
+        let err = opt.load_state(wrong).await.unwrap_err();
+        assert!(err.to_string().contains("worker1"), "{err}");
+
+        opt.set_lr(0.0).await.unwrap();
+        let frozen = values().await;
+        opt_step(&a[0], &opt, &x).await;
+        assert_eq!(
+            values().await,
+            frozen,
+            "learning rate 0 leaves the parameters alone"
+        );
+        assert!(opt.set_lr(f64::NAN).await.is_err());
+        shutdown_all(&a).await;
+    });
+}

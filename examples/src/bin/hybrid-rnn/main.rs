@@ -488,6 +488,25 @@ impl Hybrid {
         ck.save(&args.out_dir)
     }
 
+    /// The largest difference between the two head replicas' parameters (0 when the
+    /// all-reduce keeps them identical).
+    async fn replica_diff(&self) -> Result<f64> {
+        let (a, b) = futures::try_join!(
+            self.shards[0].rpc_async(shard::shard_values, ()),
+            self.shards[1].rpc_async(shard::shard_values, ())
+        )?;
+        let mut worst = 0f64;
+        for (x, y) in a.iter().zip(&b) {
+            let d = (&x.0 - &y.0)?
+                .abs()?
+                .flatten_all()?
+                .max(0)?
+                .to_scalar::<f32>()?;
+            worst = worst.max(f64::from(d));
+        }
+        Ok(worst)
+    }
+
     async fn restore(&self, ck: Checkpoint) -> Result<()> {
         for ((_, t), v) in ck.encoder.iter().zip(self.encoder.vars()) {
             ensure!(
@@ -708,6 +727,7 @@ async fn master(
     report::plot(&history, &plot)?;
     println!("plot: {}", plot.display());
 
+    let replica_diff = model.replica_diff().await?;
     let rss = futures::try_join!(
         agent.rpc_async(shard::SHARD_RANKS[0], shard::peak_rss_mb, ()),
         agent.rpc_async(shard::SHARD_RANKS[1], shard::peak_rss_mb, ())
@@ -724,6 +744,7 @@ async fn master(
         "local_ms_per_step_median": local.map(|x| round(x, 2)),
         "distributed_over_local": dist.zip(local).map(|(d, l)| round(d / l, 3)),
         "max_loss_diff": max_diff,
+        "replica_max_diff": replica_diff,
         "languages": LANGS.len(),
         "encoder": if dims.bidirectional { "bilstm" } else { "lstm" },
         "master_peak_rss_mb": round(examples::peak_rss_mb(), 1),
