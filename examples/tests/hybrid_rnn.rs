@@ -295,3 +295,95 @@ fn bad_input_fails_with_a_message_not_a_panic() {
     assert!(!r.stderr.contains("panicked"), "{}", r.stderr);
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// A worker killed in the middle of training: the master names it and exits non-zero within
+/// seconds (no hang on the dead peer), and the surviving worker exits too.
+#[test]
+fn a_killed_worker_fails_the_run_quickly_naming_it() {
+    let dir = scratch("kill");
+    let out = dir.join("out");
+    let (so, se) = (dir.join("stdout"), dir.join("stderr"));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_hybrid-rnn"))
+        .args([
+            "--embedding",
+            "8",
+            "--hidden",
+            "16",
+            "--head-hidden",
+            "16",
+            "--local-steps",
+            "0",
+        ])
+        .args([
+            "--train-limit",
+            "1280",
+            "--test-limit",
+            "200",
+            "--epochs",
+            "1000",
+        ])
+        .args(["--quiet", "--out-dir", out.to_str().unwrap()])
+        .env_remove("RANK")
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&so).unwrap())
+        .stderr(std::fs::File::create(&se).unwrap())
+        .spawn()
+        .unwrap();
+    let children_of = |pid: u32| -> Vec<u32> {
+        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+            .unwrap_or_default()
+            .split_whitespace()
+            .filter_map(|p| p.parse().ok())
+            .collect()
+    };
+    // Training is under way once the first checkpoint exists.
+    let deadline = Instant::now() + Duration::from_secs(240);
+    while !out.join("epoch-1.safetensors").exists() {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the run ended early: {}",
+            std::fs::read_to_string(&se).unwrap()
+        );
+        assert!(Instant::now() < deadline, "no checkpoint within 240 s");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let workers = children_of(child.id());
+    assert_eq!(workers.len(), 2, "two worker processes: {workers:?}");
+    let killed = Instant::now();
+    // The first child is rank 1.
+    let status = Command::new("kill")
+        .args(["-9", &workers[0].to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let code = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s.code();
+        }
+        if killed.elapsed() > Duration::from_secs(30) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the master did not exit within 30 s of a worker's death");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let stderr = std::fs::read_to_string(&se).unwrap();
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        stderr.contains("worker1"),
+        "the dead worker is named: {stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    // The surviving worker exits as well (it is the master's child; the master reaped it).
+    let survivor = workers[1];
+    let gone = Instant::now() + Duration::from_secs(30);
+    while std::path::Path::new(&format!("/proc/{survivor}/stat")).exists()
+        && !std::fs::read_to_string(format!("/proc/{survivor}/stat"))
+            .unwrap_or_default()
+            .contains(") Z")
+    {
+        assert!(Instant::now() < gone, "worker2 still running");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}

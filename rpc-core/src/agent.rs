@@ -10,6 +10,10 @@
 //!   already in flight still are, so draining cannot deadlock.
 //! - AG-4: shutdown is idempotent and bounded: every phase has a timeout, and a second call
 //!   returns the first call's report.
+//! - AG-5: rank 0 does not wait out the barrier's timeout for ranks whose process is gone:
+//!   while it waits, it redials the missing ranks, and once every missing rank refuses
+//!   connections (nothing listens: the process exited or was killed) the barrier fails at
+//!   once, naming them. Frozen or partitioned peers still cost the timeout.
 
 use futures::FutureExt;
 use std::collections::HashMap;
@@ -895,6 +899,47 @@ impl Agent {
             .unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Rank 0, waiting at the shutdown barrier: resolves once every rank that has not arrived
+    /// is known dead (its listener refuses connections: the process is gone), with those
+    /// ranks. Pending forever while any missing rank may still come. A frozen or partitioned
+    /// peer does not refuse connections; the barrier's timeout covers those.
+    async fn watch_missing_ranks(&self) -> Vec<u32> {
+        let inner = &self.inner;
+        let dial = DialCtx {
+            transport: &inner.cfg.transport,
+            secret: &inner.cfg.secret,
+            my_rank: inner.cfg.rank,
+            connect_timeout: inner.cfg.connect_timeout,
+            handshake_timeout: inner.cfg.handshake_timeout,
+            max_frame_bytes: inner.cfg.max_frame_bytes,
+        };
+        let mut dead = std::collections::BTreeSet::new();
+        loop {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let missing: Vec<u32> = {
+                let b = self.barrier_state();
+                (0..self.world_size() as u32)
+                    .filter(|r| !b.arrived.contains(r))
+                    .collect()
+            };
+            for &r in &missing {
+                if dead.contains(&r) {
+                    continue;
+                }
+                if let Err(RpcError::Unreachable { source, .. }) =
+                    inner.peers[r as usize].client(&dial).await
+                {
+                    if source.kind() == std::io::ErrorKind::ConnectionRefused {
+                        dead.insert(r);
+                    }
+                }
+            }
+            if !missing.is_empty() && missing.iter().all(|r| dead.contains(r)) {
+                return missing;
+            }
+        }
+    }
+
     /// Rank 0 gives up on the barrier: every waiter learns which ranks never arrived.
     fn fail_barrier(&self) -> Vec<u32> {
         let mut b = self.barrier_state();
@@ -916,17 +961,23 @@ impl Agent {
     /// # Cancel safety
     /// Cancel safe in the sense that a later call resumes and finishes the same shutdown.
     pub async fn shutdown(&self) -> ShutdownReport {
+        self.shutdown_within(self.inner.cfg.shutdown_timeout).await
+    }
+
+    /// [`Agent::shutdown`] with `timeout` per phase instead of the configured one: after a
+    /// failure, a worker leaves quickly instead of waiting out the group's generous timeout
+    /// for traffic with peers that are gone. Only the first call of either decides.
+    pub async fn shutdown_within(&self, timeout: Duration) -> ShutdownReport {
         self.inner
             .report
-            .get_or_init(|| self.clone().do_shutdown())
+            .get_or_init(|| self.clone().do_shutdown(timeout))
             .await
             .clone()
     }
 
-    async fn do_shutdown(self) -> ShutdownReport {
+    async fn do_shutdown(self, t: Duration) -> ShutdownReport {
         let inner = &self.inner;
         let start = Instant::now();
-        let t = inner.cfg.shutdown_timeout;
         // Phase 0: layers above finish their protocol traffic while every peer still serves.
         let hooks: Vec<_> = {
             let hooks = inner.hooks.lock().unwrap_or_else(|p| p.into_inner());
@@ -941,16 +992,24 @@ impl Agent {
         let barrier = if self.world_size() <= 1 {
             Ok(())
         } else {
-            match self
-                .rpc_async_timeout(0u32, ShutdownBarrier, (self.rank(),), t)
-                .await
-            {
-                Ok(()) => Ok(()),
-                Err(e) if self.rank() == 0 => Err(format!(
-                    "ranks {:?} never reached the shutdown barrier: {e}",
-                    self.fail_barrier()
-                )),
-                Err(e) => Err(crate::error::error_chain(&e)),
+            let barrier = self.rpc_async_timeout(0u32, ShutdownBarrier, (self.rank(),), t);
+            if self.rank() == 0 {
+                // AG-5: rank 0 stops waiting for ranks whose process is gone.
+                tokio::select! {
+                    r = barrier => r.map_err(|e| format!(
+                        "ranks {:?} never reached the shutdown barrier: {e}",
+                        self.fail_barrier()
+                    )),
+                    dead = self.watch_missing_ranks() => {
+                        self.fail_barrier();
+                        Err(format!(
+                            "ranks {dead:?} never reached the shutdown barrier: their \
+                             processes are gone (connections refused)"
+                        ))
+                    }
+                }
+            } else {
+                barrier.await.map_err(|e| crate::error::error_chain(&e))
             }
         };
         if let Err(why) = &barrier {

@@ -55,8 +55,12 @@ fn main() -> anyhow::Result<()> {
             .with_serve_rendezvous(false)
             .with_init_timeout(Duration::from_secs(30))
             // Servers wait long at the barrier (until the driver is done); drivers use a short
-            // timeout so a killed peer is given up on quickly.
-            .with_shutdown_timeout(Duration::from_secs(if scenario == "serve" { 60 } else { 3 }));
+            // timeout so a killed peer is given up on quickly, except `drive-kill`, whose rank
+            // 0 must notice the dead peer by itself (AG-5) well within its long timeout.
+            .with_shutdown_timeout(Duration::from_secs(match scenario.as_str() {
+                "serve" | "drive-kill" => 60,
+                _ => 3,
+            }));
         let registry = integration_tests::autograd_fns::register(integration_tests::rref_fns::register(registry_builder())).build();
         let agent = rpc_core::init(cfg, registry).await?;
         say(format!("READY {} {}", agent.name(), agent.local_addr()));
