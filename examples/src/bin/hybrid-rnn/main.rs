@@ -86,7 +86,9 @@ struct Args {
     /// Where checkpoints (`epoch-N.safetensors`) and the plot (`training.png`) go.
     #[arg(long, default_value = "target/hybrid-rnn")]
     out_dir: PathBuf,
-    /// Continue from the latest checkpoint in `--out-dir`.
+    /// Continue from the latest checkpoint in `--out-dir`. Give the interrupted run's flags:
+    /// the model and data flags are checked against the checkpoint, and the learning-rate
+    /// schedule follows `--epochs`.
     #[arg(long)]
     resume: bool,
     /// Only compare 20 distributed steps with the same steps in one process, and fail if a
