@@ -1,4 +1,4 @@
-//! `rpc-bench [all|latency|throughput|tensor|rref|allreduce] [--threads N]`
+//! `rpc-bench [all|latency|throughput|tensor|rref|allreduce] [--threads N] [--busy-poll-us N]`
 //!
 //! Starts a peer process (this binary, `peer` subcommand) on 127.0.0.1, forms a two-worker
 //! group with it, and prints one JSON object per line: `metric`, `median` and, where they
@@ -133,6 +133,9 @@ fn runtime(threads: usize) -> Result<tokio::runtime::Runtime> {
     Ok(rt)
 }
 
+/// `--busy-poll-us`: `Config::busy_poll` of both processes (0: off).
+static BUSY_POLL_US: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+
 fn config(rank: u32, rendezvous: &str, secret: Secret) -> Config {
     Config::new()
         .with_rank(rank)
@@ -142,6 +145,9 @@ fn config(rank: u32, rendezvous: &str, secret: Secret) -> Config {
         .with_serve_rendezvous(false)
         .with_secret(secret)
         .with_init_timeout(Duration::from_secs(30))
+        .with_busy_poll(Duration::from_micros(
+            BUSY_POLL_US.get().copied().unwrap_or(0),
+        ))
 }
 
 struct Stats {
@@ -189,6 +195,14 @@ fn main() -> Result<()> {
             .parse()?,
         None => 2,
     };
+    let busy: u64 = match args.iter().position(|a| a == "--busy-poll-us") {
+        Some(i) => args
+            .get(i + 1)
+            .context("--busy-poll-us needs a value")?
+            .parse()?,
+        None => 0,
+    };
+    let _ = BUSY_POLL_US.set(busy);
     match mode {
         "peer" => {
             let rendezvous = args.get(1).context("peer needs the rendezvous address")?;
@@ -248,6 +262,10 @@ fn drive(mode: &str, threads: usize) -> Result<()> {
     let addr = server.local_addr().to_owned();
     let peer = Command::new(std::env::current_exe()?)
         .args(["peer", &addr, "--threads", &threads.to_string()])
+        .args([
+            "--busy-poll-us",
+            &BUSY_POLL_US.get().copied().unwrap_or(0).to_string(),
+        ])
         .env(
             rpc_core::SECRET_ENV,
             secret.as_str().context("generated secrets are text")?,
@@ -263,7 +281,7 @@ fn drive(mode: &str, threads: usize) -> Result<()> {
     } else {
         format!("multi_thread({threads})")
     };
-    let ctx = json!({ "runtime": runtime_name, "transport": "tcp" });
+    let ctx = json!({ "runtime": runtime_name, "transport": "tcp", "busy_poll_us": BUSY_POLL_US.get().copied().unwrap_or(0) });
     let tag = |mut v: serde_json::Value| {
         if let (Some(o), Some(c)) = (v.as_object_mut(), ctx.as_object()) {
             for (k, x) in c {

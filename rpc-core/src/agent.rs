@@ -150,6 +150,7 @@ pub(crate) struct Inner {
     extensions: Mutex<HashMap<std::any::TypeId, Arc<dyn std::any::Any + Send + Sync>>>,
     hooks: Mutex<Vec<ShutdownHook>>,
     providers: std::sync::RwLock<Vec<(&'static str, MetaProvider)>>,
+    pub spin: Arc<crate::spin::Spin>,
 }
 
 /// Computes a call-metadata value for each outgoing call from its destination (see
@@ -320,12 +321,16 @@ pub async fn init(config: Config, registry: Registry) -> Result<Agent, InitError
         extensions: Mutex::new(HashMap::new()),
         hooks: Mutex::new(Vec::new()),
         providers: std::sync::RwLock::new(Vec::new()),
+        spin: Arc::new(crate::spin::Spin::new(cfg.busy_poll)),
         cfg,
     };
     let agent = Agent {
         inner: Arc::new(inner),
     };
     tokio::spawn(server::accept_loop(agent.clone(), listener));
+    if !agent.inner.cfg.busy_poll.is_zero() {
+        tokio::spawn(Arc::clone(&agent.inner.spin).run(agent.inner.stop.clone()));
+    }
     tracing::info!(worker = %agent.name(), rank = agent.rank(), world = agent.world_size(), "joined group");
     Ok(agent)
 }
@@ -525,6 +530,7 @@ impl Agent {
                 });
             }
             if to != agent.rank() {
+                agent.inner.spin.touch();
                 // Bounded inside: the setup by `deadline`, the call by tarpc's own deadline.
                 return agent
                     .call_remote::<F, F::Output>(to, args, deadline, depth, started, None)
@@ -590,6 +596,7 @@ impl Agent {
                 });
             }
             if to != agent.rank() {
+                agent.inner.spin.touch();
                 let keep = Some(KeepTarget {
                     sink: sink.to_owned(),
                     token,

@@ -67,6 +67,7 @@ mod error;
 mod registry;
 mod rendezvous;
 mod server;
+mod spin;
 pub mod testing;
 mod transport;
 mod wire;

@@ -142,6 +142,7 @@ pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
 #[tracing::instrument(level = "debug", skip_all, fields(rpc.fn = %req.fn_name, rpc.caller = caller, rpc.depth = req.depth))]
 async fn handle(agent: Agent, deadline: Instant, req: CallRequest, caller: u32) -> CallReply {
     let inner = &agent.inner;
+    inner.spin.touch();
     let fail = |kind, msg: String| RemoteError::new(kind, &req.fn_name, agent.name(), msg);
     if req.depth == 0 && agent.is_stopping() {
         return Err(fail(

@@ -32,6 +32,35 @@ fn calls_by_name_rank_and_worker_info() {
     });
 }
 
+/// With busy polling on, calls (plain, nested, bulk) behave the same and shutdown is clean.
+#[test]
+fn busy_polling_changes_nothing_but_speed() {
+    each_transport(30, |t| async move {
+        let a = start_group(
+            3,
+            t,
+            Secret::generate(),
+            |_| registry(),
+            |_, c| c.with_busy_poll(Duration::from_micros(300)),
+        )
+        .await
+        .expect("group starts");
+        for i in 0..200 {
+            assert_eq!(
+                a[i % 3]
+                    .rpc_async((i as u32 + 1) % 3, add, (i as i32, 1))
+                    .await
+                    .unwrap(),
+                i as i32 + 1
+            );
+        }
+        let big = Blob::from(vec![7u8; 1 << 20]);
+        let back = a[0].rpc_async(1u32, echo, (big.clone(),)).await.unwrap();
+        assert_eq!(&back[..], &big[..]);
+        shutdown_all(&a).await;
+    });
+}
+
 #[test]
 fn blobs_nested_in_structs_round_trip_inline_and_bulk() {
     each_transport(60, |t| async move {
