@@ -50,6 +50,7 @@
 //! - `server`: the accept loop, admission, panic isolation.
 //! - `bulk`: the raw data path for large blobs.
 //! - `agent`: [`Agent`], [`init`], calls and shutdown.
+//! - `spin`: optional busy polling after traffic ([`Config::busy_poll`]).
 //! - [`testing`]: start a whole group in one process; raw connections for protocol tests.
 //! - `error`: [`RpcError`], [`InitError`], [`RemoteError`].
 #![deny(missing_docs)]
