@@ -572,28 +572,41 @@ impl DistributedOptimizer {
         })
     }
 
-    /// One step on every owner, concurrently, with `ctx`'s gradients. Returns the number of
-    /// parameters updated (those that received a gradient).
-    pub async fn step(&self, ctx: &crate::engine::DistContext) -> Result<usize, AutogradError> {
-        let id = ctx.id();
-        let calls = self.locals.iter().map(|(owner, opt)| {
-            let agent = self.agent.clone();
-            let call = rpc_core::with_call_meta(
-                crate::engine::CTX_KEY,
-                None,
-                opt.rpc_async(LocalStep, (id,)),
-            );
+    /// Runs `call(i, owner's optimizer)` on every owner concurrently; errors name the owner.
+    async fn on_owners<T, Fut>(
+        &self,
+        call: impl Fn(usize, &RRef<LocalOptimizer>) -> Fut,
+    ) -> Result<Vec<T>, AutogradError>
+    where
+        Fut: std::future::Future<Output = Result<T, rpc_core::RpcError>>,
+    {
+        let calls = self.locals.iter().enumerate().map(|(i, (owner, opt))| {
+            let call = call(i, opt);
             async move {
                 call.await.map_err(|source| AutogradError::Rpc {
-                    worker: agent.name_of(*owner),
+                    worker: self.agent.name_of(*owner),
                     source: Box::new(source),
                 })
             }
         });
-        Ok(futures::future::try_join_all(calls)
-            .await?
-            .into_iter()
-            .sum())
+        futures::future::try_join_all(calls).await
+    }
+
+    /// One step on every owner, concurrently, with `ctx`'s gradients. Returns the number of
+    /// parameters updated (those that received a gradient).
+    pub async fn step(&self, ctx: &crate::engine::DistContext) -> Result<usize, AutogradError> {
+        let id = ctx.id();
+        let updated = self
+            .on_owners(|_, opt| {
+                // The step's own calls (the gradient hook's) are not part of the context.
+                rpc_core::with_call_meta(
+                    crate::engine::CTX_KEY,
+                    None,
+                    opt.rpc_async(LocalStep, (id,)),
+                )
+            })
+            .await?;
+        Ok(updated.into_iter().sum())
     }
 
     /// Sets the learning rate on every owner (for a schedule, e.g. once per epoch).
@@ -603,16 +616,8 @@ impl DistributedOptimizer {
                 "learning rate {lr} is not a finite non-negative number"
             )));
         }
-        let calls = self.locals.iter().map(|(owner, opt)| {
-            let call = opt.rpc_async(SetLocalLr, (lr,));
-            async move {
-                call.await.map_err(|source| AutogradError::Rpc {
-                    worker: self.agent.name_of(*owner),
-                    source: Box::new(source),
-                })
-            }
-        });
-        futures::future::try_join_all(calls).await?;
+        self.on_owners(|_, opt| opt.rpc_async(SetLocalLr, (lr,)))
+            .await?;
         Ok(())
     }
 
@@ -625,16 +630,7 @@ impl DistributedOptimizer {
     /// Every owner's optimizer state (for a checkpoint), in [`DistributedOptimizer::owners`]
     /// order; each lists its parameters in the order they were given to `new`.
     pub async fn state(&self) -> Result<Vec<OptimizerState>, AutogradError> {
-        let calls = self.locals.iter().map(|(owner, opt)| {
-            let call = opt.rpc_async(LocalState, ());
-            async move {
-                call.await.map_err(|source| AutogradError::Rpc {
-                    worker: self.agent.name_of(*owner),
-                    source: Box::new(source),
-                })
-            }
-        });
-        futures::future::try_join_all(calls).await
+        self.on_owners(|_, opt| opt.rpc_async(LocalState, ())).await
     }
 
     /// Restores every owner's state from [`DistributedOptimizer::state`] of an optimizer over
@@ -647,16 +643,8 @@ impl DistributedOptimizer {
                 self.locals.len()
             )));
         }
-        let calls = self.locals.iter().zip(states).map(|((owner, opt), st)| {
-            let call = opt.rpc_async(LoadLocalState, (st,));
-            async move {
-                call.await.map_err(|source| AutogradError::Rpc {
-                    worker: self.agent.name_of(*owner),
-                    source: Box::new(source),
-                })
-            }
-        });
-        futures::future::try_join_all(calls).await?;
+        self.on_owners(|i, opt| opt.rpc_async(LoadLocalState, (states[i].clone(),)))
+            .await?;
         Ok(())
     }
 }

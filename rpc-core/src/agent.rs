@@ -761,14 +761,7 @@ impl Agent {
                 fn_name: F::NAME.to_owned(),
                 source,
             })?;
-        let dial = DialCtx {
-            transport: &inner.cfg.transport,
-            secret: &inner.cfg.secret,
-            my_rank: inner.cfg.rank,
-            connect_timeout: inner.cfg.connect_timeout,
-            handshake_timeout: inner.cfg.handshake_timeout,
-            max_frame_bytes: inner.cfg.max_frame_bytes,
-        };
+        let dial = self.dial_ctx();
         // Setup (queueing bulk blobs, dialling) is bounded by the deadline too: a peer that
         // stopped reading must not hold the caller past it.
         let setup = async {
@@ -906,20 +899,26 @@ impl Agent {
             .unwrap_or_else(|p| p.into_inner())
     }
 
+    /// What dialling a peer needs from the configuration.
+    fn dial_ctx(&self) -> DialCtx<'_> {
+        let cfg = &self.inner.cfg;
+        DialCtx {
+            transport: &cfg.transport,
+            secret: &cfg.secret,
+            my_rank: cfg.rank,
+            connect_timeout: cfg.connect_timeout,
+            handshake_timeout: cfg.handshake_timeout,
+            max_frame_bytes: cfg.max_frame_bytes,
+        }
+    }
+
     /// Rank 0, waiting at the shutdown barrier: resolves once every rank that has not arrived
     /// is known dead (its listener refuses connections: the process is gone), with those
     /// ranks. Pending forever while any missing rank may still come. A frozen or partitioned
     /// peer does not refuse connections; the barrier's timeout covers those.
     async fn watch_missing_ranks(&self) -> Vec<u32> {
         let inner = &self.inner;
-        let dial = DialCtx {
-            transport: &inner.cfg.transport,
-            secret: &inner.cfg.secret,
-            my_rank: inner.cfg.rank,
-            connect_timeout: inner.cfg.connect_timeout,
-            handshake_timeout: inner.cfg.handshake_timeout,
-            max_frame_bytes: inner.cfg.max_frame_bytes,
-        };
+        let dial = self.dial_ctx();
         let mut dead = std::collections::BTreeSet::new();
         loop {
             tokio::time::sleep(Duration::from_millis(200)).await;

@@ -585,6 +585,20 @@ fn first_batches(args: &Args, data: &Data, n: usize) -> Vec<Vec<usize>> {
     out
 }
 
+/// The training batch of words `idx` and the dropout mask of global step `step`: a function
+/// of the seed and the step only, the same in every mode.
+fn training_batch(
+    args: &Args,
+    dims: &Dims,
+    data: &Data,
+    idx: &[usize],
+    step: u64,
+) -> Result<(Batch, Option<Tensor>)> {
+    let batch = data.train.batch(idx)?;
+    let mask = data::dropout_mask(args.dropout, batch.b, dims.encoding(), args.seed, step)?;
+    Ok((batch, mask))
+}
+
 fn local_baseline(
     args: &Args,
     dims: &Dims,
@@ -595,14 +609,7 @@ fn local_baseline(
     let (mut times, mut losses) = (Vec::new(), Vec::new());
     for (step, idx) in first_batches(args, data, steps).iter().enumerate() {
         let t0 = Instant::now();
-        let batch = data.train.batch(idx)?;
-        let mask = data::dropout_mask(
-            args.dropout,
-            batch.b,
-            dims.encoding(),
-            args.seed,
-            step as u64,
-        )?;
+        let (batch, mask) = training_batch(args, dims, data, idx, step as u64)?;
         let loss = model.step(&batch, mask.as_ref())?;
         times.push(t0.elapsed().as_secs_f64() * 1e3);
         losses.push(f64::from(loss));
@@ -668,8 +675,7 @@ async fn master(
         let epoch_start = Instant::now();
         for (k, idx) in batches.iter().enumerate() {
             let t0 = Instant::now();
-            let batch = data.train.batch(idx)?;
-            let mask = data::dropout_mask(args.dropout, batch.b, dims.encoding(), args.seed, step)?;
+            let (batch, mask) = training_batch(args, &dims, data, idx, step)?;
             let (loss, logits) = model
                 .step(&batch, mask.as_ref())
                 .await
@@ -772,14 +778,7 @@ async fn check_equivalence(
 ) -> Result<i32> {
     let mut dist = Vec::new();
     for (step, idx) in first_batches(args, data, local.len()).iter().enumerate() {
-        let batch = data.train.batch(idx)?;
-        let mask = data::dropout_mask(
-            args.dropout,
-            batch.b,
-            dims.encoding(),
-            args.seed,
-            step as u64,
-        )?;
+        let (batch, mask) = training_batch(args, dims, data, idx, step as u64)?;
         let (loss, _) = model.step(&batch, mask.as_ref()).await?;
         dist.push(f64::from(loss));
         println!(
