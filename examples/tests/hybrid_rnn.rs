@@ -297,7 +297,8 @@ fn bad_input_fails_with_a_message_not_a_panic() {
 }
 
 /// A worker killed in the middle of training: the master names it and exits non-zero within
-/// seconds (no hang on the dead peer), and the surviving worker exits too.
+/// seconds, well inside its 120 s timeouts (shutdown stops waiting for the dead peer), and the
+/// surviving worker exits too.
 #[test]
 fn a_killed_worker_fails_the_run_quickly_naming_it() {
     let dir = scratch("kill");

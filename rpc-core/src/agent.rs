@@ -899,6 +899,24 @@ impl Agent {
             .unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Whether the process of worker `rank` is known to be gone: uses the live connection if
+    /// there is one (then it is not gone), else redials and reports `true` only when nothing
+    /// listens at the worker's address (connection refused). A live but slow, frozen or
+    /// partitioned peer reads as not gone; so does this worker and an unknown rank.
+    pub async fn peer_gone(&self, rank: u32) -> bool {
+        if rank == self.rank() {
+            return false;
+        }
+        let Some(peer) = self.inner.peers.get(rank as usize) else {
+            return false;
+        };
+        matches!(
+            peer.client(&self.dial_ctx()).await,
+            Err(RpcError::Unreachable { source, .. })
+                if source.kind() == std::io::ErrorKind::ConnectionRefused
+        )
+    }
+
     /// What dialling a peer needs from the configuration.
     fn dial_ctx(&self) -> DialCtx<'_> {
         let cfg = &self.inner.cfg;
@@ -917,8 +935,6 @@ impl Agent {
     /// ranks. Pending forever while any missing rank may still come. A frozen or partitioned
     /// peer does not refuse connections; the barrier's timeout covers those.
     async fn watch_missing_ranks(&self) -> Vec<u32> {
-        let inner = &self.inner;
-        let dial = self.dial_ctx();
         let mut dead = std::collections::BTreeSet::new();
         loop {
             tokio::time::sleep(Duration::from_millis(200)).await;
@@ -929,15 +945,8 @@ impl Agent {
                     .collect()
             };
             for &r in &missing {
-                if dead.contains(&r) {
-                    continue;
-                }
-                if let Err(RpcError::Unreachable { source, .. }) =
-                    inner.peers[r as usize].client(&dial).await
-                {
-                    if source.kind() == std::io::ErrorKind::ConnectionRefused {
-                        dead.insert(r);
-                    }
+                if !dead.contains(&r) && self.peer_gone(r).await {
+                    dead.insert(r);
                 }
             }
             if !missing.is_empty() && missing.iter().all(|r| dead.contains(r)) {

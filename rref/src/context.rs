@@ -180,13 +180,46 @@ impl Ctx {
     }
 
     /// Waits until this worker has no protocol traffic outstanding (shutdown hook; the agent
-    /// bounds it with its shutdown timeout).
+    /// bounds it with its shutdown timeout). Gives up early when the traffic has stopped
+    /// moving for a second and a peer's process is gone: what is left is then most likely
+    /// waiting on that peer, and would hold shutdown for the whole timeout.
     async fn quiesce(&self) {
+        let mut last = None;
+        let mut since = Instant::now();
+        let mut next_probe = Instant::now();
         loop {
             let d = self.debug_info();
             if d.pending_children == 0 && d.messages_in_flight == 0 && d.pending_confirmations == 0
             {
                 return;
+            }
+            let now = Instant::now();
+            let key = (
+                d.pending_children,
+                d.messages_in_flight,
+                d.pending_confirmations,
+            );
+            if last != Some(key) {
+                (last, since) = (Some(key), now);
+            } else if now.duration_since(since) > Duration::from_secs(1) && now >= next_probe {
+                next_probe = now + Duration::from_millis(500);
+                if let Some(agent) = self.agent.upgrade() {
+                    let mut gone = Vec::new();
+                    for r in 0..agent.world_size() as u32 {
+                        if agent.peer_gone(r).await {
+                            gone.push(r);
+                        }
+                    }
+                    if !gone.is_empty() {
+                        tracing::warn!(
+                            worker = %agent.name(),
+                            ?gone,
+                            pending = ?d,
+                            "RRef traffic stalled with peers gone; not waiting for it"
+                        );
+                        return;
+                    }
+                }
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
