@@ -286,12 +286,13 @@ fn run() -> Result<i32> {
         None
     };
     let timeout = Duration::from_secs(args.timeout_secs);
-    let rt = runtime()?;
-    // Spawned workers wait for the master as long as the training may take.
+    // Spawned workers wait for the master as long as the training may take. (Set while this
+    // process has a single thread: before the runtime starts.)
     std::env::set_var(
         "HYBRID_RNN_WORKER_TIMEOUT",
         (args.timeout_secs.max(3600)).to_string(),
     );
+    let rt = runtime()?;
     let (cfg, workers) = match rank {
         Some(_) => (
             Config::new()
