@@ -572,7 +572,9 @@ impl DistributedOptimizer {
         })
     }
 
-    /// Runs `call(i, owner's optimizer)` on every owner concurrently; errors name the owner.
+    /// Runs `call(i, owner's optimizer)` on every owner concurrently and waits for all of them
+    /// (one owner's failure does not cancel the others half way, e.g. through a state load);
+    /// the first error, naming its owner, is returned.
     async fn on_owners<T, Fut>(
         &self,
         call: impl Fn(usize, &RRef<LocalOptimizer>) -> Fut,
@@ -589,7 +591,7 @@ impl DistributedOptimizer {
                 })
             }
         });
-        futures::future::try_join_all(calls).await
+        futures::future::join_all(calls).await.into_iter().collect()
     }
 
     /// One step on every owner, concurrently, with `ctx`'s gradients. Returns the number of
