@@ -572,11 +572,14 @@ impl DistributedOptimizer {
         })
     }
 
-    /// Runs `call(i, owner's optimizer)` on every owner concurrently and waits for all of them
-    /// (one owner's failure does not cancel the others half way, e.g. through a state load);
-    /// the first error, naming its owner, is returned.
+    /// Runs `call(i, owner's optimizer)` on every owner concurrently. With `wait_all`, every
+    /// call runs to its end even if another fails (a state load is not cancelled half way);
+    /// without, the first failure cancels the rest (a failed step must not wait for owners
+    /// that may be blocked on the failed one, e.g. in a gradient all-reduce). The first error
+    /// is returned, naming its owner.
     async fn on_owners<T, Fut>(
         &self,
+        wait_all: bool,
         call: impl Fn(usize, &RRef<LocalOptimizer>) -> Fut,
     ) -> Result<Vec<T>, AutogradError>
     where
@@ -591,7 +594,11 @@ impl DistributedOptimizer {
                 })
             }
         });
-        futures::future::join_all(calls).await.into_iter().collect()
+        if wait_all {
+            futures::future::join_all(calls).await.into_iter().collect()
+        } else {
+            futures::future::try_join_all(calls).await
+        }
     }
 
     /// One step on every owner, concurrently, with `ctx`'s gradients. Returns the number of
@@ -599,7 +606,7 @@ impl DistributedOptimizer {
     pub async fn step(&self, ctx: &crate::engine::DistContext) -> Result<usize, AutogradError> {
         let id = ctx.id();
         let updated = self
-            .on_owners(|_, opt| {
+            .on_owners(false, |_, opt| {
                 // The step's own calls (the gradient hook's) are not part of the context.
                 rpc_core::with_call_meta(
                     crate::engine::CTX_KEY,
@@ -618,7 +625,7 @@ impl DistributedOptimizer {
                 "learning rate {lr} is not a finite non-negative number"
             )));
         }
-        self.on_owners(|_, opt| opt.rpc_async(SetLocalLr, (lr,)))
+        self.on_owners(true, |_, opt| opt.rpc_async(SetLocalLr, (lr,)))
             .await?;
         Ok(())
     }
@@ -632,7 +639,8 @@ impl DistributedOptimizer {
     /// Every owner's optimizer state (for a checkpoint), in [`DistributedOptimizer::owners`]
     /// order; each lists its parameters in the order they were given to `new`.
     pub async fn state(&self) -> Result<Vec<OptimizerState>, AutogradError> {
-        self.on_owners(|_, opt| opt.rpc_async(LocalState, ())).await
+        self.on_owners(true, |_, opt| opt.rpc_async(LocalState, ()))
+            .await
     }
 
     /// Restores every owner's state from [`DistributedOptimizer::state`] of an optimizer over
@@ -645,8 +653,10 @@ impl DistributedOptimizer {
                 self.locals.len()
             )));
         }
-        self.on_owners(|i, opt| opt.rpc_async(LoadLocalState, (states[i].clone(),)))
-            .await?;
+        self.on_owners(true, |i, opt| {
+            opt.rpc_async(LoadLocalState, (states[i].clone(),))
+        })
+        .await?;
         Ok(())
     }
 }
