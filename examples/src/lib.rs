@@ -53,6 +53,15 @@ pub fn peak_rss_mb() -> f64 {
         .map_or(0.0, |kb| kb / 1024.0)
 }
 
+/// The runtime every example process uses: multi-threaded (so blocking `rpc_sync` works) with
+/// two workers, which suits the small machines the examples run on.
+pub fn runtime() -> Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?)
+}
+
 /// Whether this process was started as a worker of a group (its environment names a rank).
 pub fn is_worker() -> bool {
     std::env::var_os("RANK").is_some()

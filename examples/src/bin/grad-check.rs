@@ -134,10 +134,7 @@ fn registry() -> Result<Registry> {
 
 fn main() -> Result<()> {
     examples::init_tracing();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
+    let rt = examples::runtime()?;
     if examples::is_worker() {
         return rt.block_on(examples::serve_until_shutdown(
             registry()?,

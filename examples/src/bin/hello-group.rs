@@ -65,10 +65,7 @@ fn registry() -> Result<Registry> {
 
 fn main() -> Result<()> {
     examples::init_tracing();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
+    let rt = examples::runtime()?;
     if examples::is_worker() {
         // Part of an external (or launched) group: configuration comes from the environment.
         return rt.block_on(async {

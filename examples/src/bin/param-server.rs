@@ -168,10 +168,7 @@ fn parse_args() -> Result<Args> {
 
 fn main() -> Result<()> {
     examples::init_tracing();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
+    let rt = examples::runtime()?;
     if examples::is_worker() {
         return rt.block_on(examples::serve_until_shutdown(
             registry()?,

@@ -246,13 +246,6 @@ fn registry() -> Result<Registry> {
         .build())
 }
 
-fn runtime() -> Result<tokio::runtime::Runtime> {
-    Ok(tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?)
-}
-
 fn run() -> Result<i32> {
     let rank: Option<u32> = match std::env::var("RANK") {
         Ok(r) => Some(
@@ -267,7 +260,7 @@ fn run() -> Result<i32> {
             .ok()
             .and_then(|s| s.parse().ok())
             .unwrap_or(3600);
-        return runtime()?
+        return examples::runtime()?
             .block_on(examples::serve_until_shutdown(
                 registry()?,
                 Duration::from_secs(timeout),
@@ -292,7 +285,7 @@ fn run() -> Result<i32> {
         "HYBRID_RNN_WORKER_TIMEOUT",
         (args.timeout_secs.max(3600)).to_string(),
     );
-    let rt = runtime()?;
+    let rt = examples::runtime()?;
     let (cfg, workers) = match rank {
         Some(_) => (
             Config::new()
