@@ -429,9 +429,18 @@ impl ProcessGroup {
         let per = (PIECE_BYTES / std::mem::size_of::<T>()).max(1);
         let piece_tag = |j: usize| step * MAX_PIECES + j as u32;
         let sends = async {
-            let sends = src.chunks(per).enumerate().map(|(j, p)| {
-                let out = raw_bytes(p);
-                o.send_raw(next, piece_tag(j), out)
+            let sends = src.chunks(per).enumerate().map(|(j, p)| async move {
+                // Built where sending costs least (in shared memory with a peer on this host).
+                let out =
+                    o.g.agent
+                        .blob_for(next, std::mem::size_of_val(p), |dst| T::write_le(p, dst))
+                        .map_err(|e| {
+                            o.exchange_err(P2pError::Send {
+                                worker: o.g.agent.name_of(next),
+                                source: Box::new(e),
+                            })
+                        })?;
+                o.send_raw(next, piece_tag(j), out.into_bytes()).await
             });
             futures::future::try_join_all(sends).await
         };
@@ -692,7 +701,6 @@ fn check_len<T>(o: &Op<'_>, elems: usize, bytes: usize) -> Result<(), Collective
     }
 }
 
-/// The elements' bytes, copied once into a buffer the transport can own.
 /// Bytes per message of the fast ring: big enough to amortize a message, small enough that
 /// copying and reducing one piece overlaps with moving the next (measured on 2 cores: 16 MiB
 /// pieces beat both whole chunks and 4 MiB pieces at 64 MiB).
@@ -716,16 +724,7 @@ fn disjoint<T>(
     }
 }
 
-fn raw_bytes<T: Element>(s: &[T]) -> bytes::Bytes {
-    // SAFETY: `T` is f32 or f64 (see `Elem`): plain data, no padding, every byte initialized.
-    let b =
-        unsafe { std::slice::from_raw_parts(s.as_ptr().cast::<u8>(), std::mem::size_of_val(s)) };
-    let mut v = large_vec::<u8>(b.len());
-    v.extend_from_slice(b);
-    bytes::Bytes::from(v)
-}
-
-/// A CPU tensor's elements in a fresh buffer (from [`large_vec`]).
+/// A CPU tensor's elements in a fresh buffer (from [`rpc_core::large_vec`]).
 fn copy_out<T: Element>(t: &Tensor) -> candle_core::Result<Vec<T>> {
     let t = t.flatten_all()?.contiguous()?;
     let (storage, layout) = t.storage_and_layout();
@@ -736,39 +735,11 @@ fn copy_out<T: Element>(t: &Tensor) -> candle_core::Result<Vec<T>> {
     let Some((a, b)) = layout.contiguous_offsets() else {
         return t.to_vec1::<T>();
     };
-    let mut v = large_vec::<T>(b - a);
+    let mut v = rpc_core::large_vec::<T>(b - a);
     v.extend_from_slice(&all[a..b]);
     Ok(v)
 }
 
-/// An empty vector with room for `len` elements. Large ones are asked to be backed by
-/// transparent huge pages before they are touched: a fresh 64 MiB buffer otherwise costs
-/// 16,384 page faults, which on a VM took longer than sending it over loopback.
-fn large_vec<T>(len: usize) -> Vec<T> {
-    let v: Vec<T> = Vec::with_capacity(len);
-    #[cfg(target_os = "linux")]
-    {
-        const HUGE: usize = 2 << 20;
-        let bytes = len * std::mem::size_of::<T>();
-        if bytes >= 4 * HUGE {
-            let start = v.as_ptr() as usize;
-            let aligned = (start + HUGE - 1) & !(HUGE - 1);
-            let end = (start + bytes) & !(HUGE - 1);
-            if end > aligned {
-                // SAFETY: advice on pages of this vector's own allocation; it changes how
-                // the kernel backs them, never their contents or validity.
-                unsafe {
-                    libc::madvise(
-                        aligned as *mut libc::c_void,
-                        end - aligned,
-                        libc::MADV_HUGEPAGE,
-                    );
-                }
-            }
-        }
-    }
-    v
-}
 mod sealed {
     pub trait Sealed {}
     impl Sealed for f32 {}
@@ -834,6 +805,24 @@ pub trait Element:
             let w = std::mem::size_of::<Self>();
             for (d, s) in dst.iter_mut().zip(src.chunks_exact(w)) {
                 *d = Self::combine(op, *d, Self::from_le(s));
+            }
+        }
+    }
+
+    /// Writes `src` into `dst` as little-endian elements (`dst` is exactly as long).
+    fn write_le(src: &[Self], dst: &mut [u8]) {
+        // SAFETY: f32/f64 are plain data without padding; on a little-endian target their
+        // in-memory bytes are their little-endian encoding.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(src.as_ptr().cast::<u8>(), std::mem::size_of_val(src))
+        };
+        if cfg!(target_endian = "little") {
+            dst.copy_from_slice(bytes);
+        } else {
+            let w = std::mem::size_of::<Self>();
+            for (d, s) in dst.chunks_exact_mut(w).zip(bytes.chunks_exact(w)) {
+                d.copy_from_slice(s);
+                d.reverse();
             }
         }
     }

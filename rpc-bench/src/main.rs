@@ -135,6 +135,35 @@ fn runtime(threads: usize) -> Result<tokio::runtime::Runtime> {
 
 /// `--busy-poll-us`: `Config::busy_poll` of both processes (0: off).
 static BUSY_POLL_US: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+/// `--no-shm`: every process streams bulk blobs over TCP (`Config::shm_arena_bytes` 0).
+static NO_SHM: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
+fn no_shm() -> bool {
+    NO_SHM.get().copied().unwrap_or(false)
+}
+
+/// The flags every process of a run shares, to pass on to the processes it starts.
+fn shared_flags(threads: usize) -> Vec<String> {
+    let mut v = vec![
+        "--threads".to_owned(),
+        threads.to_string(),
+        "--busy-poll-us".to_owned(),
+        BUSY_POLL_US.get().copied().unwrap_or(0).to_string(),
+    ];
+    if no_shm() {
+        v.push("--no-shm".to_owned());
+    }
+    v
+}
+
+/// How bulk blobs travel in this run, for the JSON lines.
+fn bulk_path() -> &'static str {
+    if no_shm() {
+        "tcp"
+    } else {
+        "shm_if_same_host"
+    }
+}
 
 fn config(rank: u32, rendezvous: &str, secret: Secret) -> Config {
     Config::new()
@@ -148,6 +177,7 @@ fn config(rank: u32, rendezvous: &str, secret: Secret) -> Config {
         .with_busy_poll(Duration::from_micros(
             BUSY_POLL_US.get().copied().unwrap_or(0),
         ))
+        .with_shm_arena_bytes(if no_shm() { 0 } else { 128 << 20 })
 }
 
 struct Stats {
@@ -203,6 +233,7 @@ fn main() -> Result<()> {
         None => 0,
     };
     let _ = BUSY_POLL_US.set(busy);
+    let _ = NO_SHM.set(args.iter().any(|a| a == "--no-shm"));
     match mode {
         "peer" => {
             let rendezvous = args.get(1).context("peer needs the rendezvous address")?;
@@ -261,11 +292,8 @@ fn drive(mode: &str, threads: usize) -> Result<()> {
     ))?;
     let addr = server.local_addr().to_owned();
     let peer = Command::new(std::env::current_exe()?)
-        .args(["peer", &addr, "--threads", &threads.to_string()])
-        .args([
-            "--busy-poll-us",
-            &BUSY_POLL_US.get().copied().unwrap_or(0).to_string(),
-        ])
+        .args(["peer", &addr])
+        .args(shared_flags(threads))
         .env(
             rpc_core::SECRET_ENV,
             secret.as_str().context("generated secrets are text")?,
@@ -281,7 +309,7 @@ fn drive(mode: &str, threads: usize) -> Result<()> {
     } else {
         format!("multi_thread({threads})")
     };
-    let ctx = json!({ "runtime": runtime_name, "transport": "tcp", "busy_poll_us": BUSY_POLL_US.get().copied().unwrap_or(0) });
+    let ctx = json!({ "runtime": runtime_name, "transport": "tcp", "bulk": bulk_path(), "busy_poll_us": BUSY_POLL_US.get().copied().unwrap_or(0) });
     let tag = |mut v: serde_json::Value| {
         if let (Some(o), Some(c)) = (v.as_object_mut(), ctx.as_object()) {
             for (k, x) in c {
@@ -575,33 +603,60 @@ fn rref_sync_method(agent: &Agent) -> Result<serde_json::Value> {
 
 const ALLREDUCE_ITERS: usize = 8;
 
-/// The timed loop every member runs: a barrier, then all-reduces of 64 MiB and 1 MiB. Returns
-/// the per-iteration times seen by this member, in milliseconds.
-async fn allreduce_loop(agent: &Agent) -> Result<Vec<(usize, Vec<f64>)>> {
+/// The timed loop every member runs: a barrier, then all-reduces of 64 MiB and 1 MiB in place
+/// (as `torch.distributed.all_reduce` and gloo work), and of a 64 MiB tensor into a new one.
+/// Returns the metric name, size and per-iteration times seen by this member, in
+/// milliseconds.
+async fn allreduce_loop(agent: &Agent) -> Result<Vec<(&'static str, usize, Vec<f64>)>> {
     let g = collectives::world(agent);
+    let n = g.size() as f32;
     let mut out = Vec::new();
-    for bytes in [64usize << 20, 1 << 20] {
-        let x = candle_core::Tensor::ones(
-            bytes / 4,
-            candle_core::DType::F32,
-            &candle_core::Device::Cpu,
-        )?;
+    for (name, bytes) in [
+        ("all_reduce_64MiB_ms", 64usize << 20),
+        ("all_reduce_1MiB_ms", 1 << 20),
+    ] {
+        let mut x = vec![1.0f32; bytes / 4];
         let mut times = Vec::new();
         for i in 0..ALLREDUCE_ITERS + 2 {
             g.barrier().await?;
             let t = Instant::now();
-            let y = g.all_reduce(&x, collectives::ReduceOp::Sum).await?;
+            g.all_reduce_in_place(&mut x, collectives::ReduceOp::Sum)
+                .await?;
             let dt = t.elapsed().as_secs_f64() * 1e3;
-            if i == 0 {
-                let s = y.narrow(0, 0, 1)?.to_vec1::<f32>()?[0];
-                anyhow::ensure!(s == g.size() as f32, "all_reduce gave {s}");
-            }
+            // Every element was 1 on every member.
+            let want = n;
+            anyhow::ensure!(
+                x[0] == want && x[x.len() - 1] == want,
+                "all_reduce_in_place gave {} and {}, not {want}",
+                x[0],
+                x[x.len() - 1]
+            );
+            x.iter_mut().for_each(|v| *v = 1.0);
             if i >= 2 {
                 times.push(dt);
             }
         }
-        out.push((bytes, times));
+        out.push((name, bytes, times));
     }
+    let bytes = 64usize << 20;
+    let x = candle_core::Tensor::ones(
+        bytes / 4,
+        candle_core::DType::F32,
+        &candle_core::Device::Cpu,
+    )?;
+    let mut times = Vec::new();
+    for i in 0..ALLREDUCE_ITERS + 2 {
+        g.barrier().await?;
+        let t = Instant::now();
+        let y = g.all_reduce(&x, collectives::ReduceOp::Sum).await?;
+        let dt = t.elapsed().as_secs_f64() * 1e3;
+        let s = y.narrow(0, bytes / 4 - 1, 1)?.to_vec1::<f32>()?[0];
+        anyhow::ensure!(s == n, "all_reduce gave {s}");
+        if i >= 2 {
+            times.push(dt);
+        }
+    }
+    out.push(("all_reduce_tensor_64MiB_ms", bytes, times));
     Ok(out)
 }
 
@@ -619,14 +674,8 @@ fn allreduce_bench(n: u32, threads: usize) -> Result<()> {
     let mut peers = Vec::new();
     for rank in 1..n {
         let child = Command::new(std::env::current_exe()?)
-            .args([
-                "allreduce-rank",
-                &n.to_string(),
-                &rank.to_string(),
-                &addr,
-                "--threads",
-                &threads.to_string(),
-            ])
+            .args(["allreduce-rank", &n.to_string(), &rank.to_string(), &addr])
+            .args(shared_flags(threads))
             .env(
                 rpc_core::SECRET_ENV,
                 secret.as_str().context("text secret")?,
@@ -644,16 +693,16 @@ fn allreduce_bench(n: u32, threads: usize) -> Result<()> {
     rt.block_on(server.finish(Duration::from_secs(5)));
     let a = agent.clone();
     let results = rt.block_on(rt.spawn(async move { allreduce_loop(&a).await }))??;
-    for (bytes, times) in results {
+    for (name, bytes, times) in results {
         let st = stats(times);
         let busbw = 2.0 * (n as f64 - 1.0) / n as f64 * bytes as f64 / (st.median / 1e3) / 1e9;
-        let name = if bytes == 64 << 20 {
-            "all_reduce_64MiB_ms"
+        let api = if name.contains("tensor") {
+            "tensor"
         } else {
-            "all_reduce_1MiB_ms"
+            "in_place"
         };
         emit(
-            json!({ "metric": name, "processes": n, "median": st.median, "p99": st.p99, "busbw_GBps": busbw, "n": ALLREDUCE_ITERS, "transport": "tcp" }),
+            json!({ "metric": name, "api": api, "processes": n, "median": st.median, "p99": st.p99, "busbw_GBps": busbw, "n": ALLREDUCE_ITERS, "transport": "tcp", "bulk": bulk_path() }),
         );
     }
     emit(

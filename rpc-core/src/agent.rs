@@ -899,6 +899,32 @@ impl Agent {
             .unwrap_or_else(|p| p.into_inner())
     }
 
+    /// A blob of `len` bytes written by `fill`, built where sending it to `to` costs least.
+    ///
+    /// Where `to` runs on the same host and has mapped this worker's shared-memory arena (see
+    /// [`Config::shm_arena_bytes`]), the blob is built in the arena: `fill` writes shared memory
+    /// directly and sending the blob to `to` copies nothing. Otherwise (another host, no room,
+    /// a small blob, no large blob sent to `to` yet) it is an ordinary blob. Either way it is an
+    /// immutable [`Blob`] that can be sent anywhere, any number of times.
+    ///
+    /// [`Config::shm_arena_bytes`]: crate::Config::shm_arena_bytes
+    /// [`Blob`]: crate::Blob
+    pub fn blob_for(
+        &self,
+        to: impl ToWorker,
+        len: usize,
+        fill: impl FnOnce(&mut [u8]),
+    ) -> Result<crate::Blob, RpcError> {
+        let to = self.resolve(&to)?;
+        Ok(crate::Blob::new(bulk::blob_for(self, to, len, fill)))
+    }
+
+    /// How this worker's large blobs have travelled so far: on the bulk connections' byte
+    /// streams or through shared memory.
+    pub fn bulk_stats(&self) -> crate::BulkStats {
+        self.inner.bulk.stats()
+    }
+
     /// Whether the process of worker `rank` is known to be gone: uses the live connection if
     /// there is one (then it is not gone), else redials and reports `true` only when nothing
     /// listens at the worker's address (connection refused). A live but slow, frozen or

@@ -1,9 +1,15 @@
 //! The bulk path: large blobs bypass tarpc and serde entirely.
 //!
 //! Each worker keeps, per peer, one outgoing *bulk* connection (authenticated like every other)
-//! and a writer task that sends `[id: u64 LE][len: u64 LE][bytes]` records straight from the
-//! blob's memory. The receiving side reads each record into a buffer allocated at its exact
-//! size (no growth, no re-copy) and files it in an inbox under `(sender, id)`. The control
+//! and a writer task that sends records on it. A `STREAM` record, `[0][id: u64][len: u64]`
+//! followed by the bytes, goes straight from the blob's memory; the receiving side reads it
+//! into a buffer allocated at its exact size (no growth, no re-copy). Where the peer shares the
+//! host, the first large blob also announces a shared-memory arena (`ARENA`, see `shm.rs`);
+//! once the peer has mapped it, blobs that fit travel as `SHM` records, `[2][id][len][off:
+//! u64]`, their bytes copied once into the arena and handed to the receiver without a copy.
+//! The connection's other direction carries the receiver's answers: `[kind][u64]` with
+//! `MAPPED`/`NOT_MAPPED` for the probe and `RELEASED off` when a shared blob's last reference
+//! is dropped. Either way the blob is filed in an inbox under `(sender, id)`. The control
 //! envelope names the blob by id; whichever of the two arrives first waits for the other.
 //!
 //! Invariants:
@@ -27,6 +33,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::agent::Agent;
 use crate::auth::{self, ConnKind};
+use crate::shm::{self, Answer, Arena};
 use crate::transport::Conn;
 use crate::wire::WireBlob;
 
@@ -34,6 +41,11 @@ const ORPHAN_TTL: Duration = Duration::from_secs(300);
 const MAX_WAIT: Duration = Duration::from_secs(300);
 /// Records queued per outgoing bulk connection (each holds a reference, not a copy).
 const QUEUE: usize = 64;
+
+/// Record kinds, sender to receiver.
+const STREAM: u8 = 0;
+const ARENA: u8 = 1;
+const SHM: u8 = 2;
 
 enum Slot {
     Arrived(Bytes, Instant),
@@ -108,6 +120,44 @@ impl Drop for Pooled {
     }
 }
 
+/// How this worker's large blobs have travelled so far (see [`Agent::bulk_stats`]).
+///
+/// [`Agent::bulk_stats`]: crate::Agent::bulk_stats
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct BulkStats {
+    /// Blobs sent on a bulk connection's byte stream.
+    pub streamed_blobs: u64,
+    /// Their bytes.
+    pub streamed_bytes: u64,
+    /// Blobs sent through a shared-memory arena (see [`Config::shm_arena_bytes`]).
+    ///
+    /// [`Config::shm_arena_bytes`]: crate::Config::shm_arena_bytes
+    pub shared_blobs: u64,
+    /// Their bytes.
+    pub shared_bytes: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    streamed_blobs: AtomicU64,
+    streamed_bytes: AtomicU64,
+    shared_blobs: AtomicU64,
+    shared_bytes: AtomicU64,
+}
+
+impl Counters {
+    fn count(&self, shared: bool, bytes: usize) {
+        let (n, b) = if shared {
+            (&self.shared_blobs, &self.shared_bytes)
+        } else {
+            (&self.streamed_blobs, &self.streamed_bytes)
+        };
+        n.fetch_add(1, Ordering::Relaxed);
+        b.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+}
+
 /// The queue feeding one outgoing bulk connection's writer task.
 type Outbox = mpsc::Sender<(u64, Bytes)>;
 
@@ -117,6 +167,9 @@ pub(crate) struct Bulk {
     next_id: AtomicU64,
     inbox: Mutex<Inbox>,
     outboxes: Vec<tokio::sync::Mutex<Option<Outbox>>>,
+    /// The arena state of each peer's current bulk connection.
+    arenas: Vec<Mutex<Option<SharedArena>>>,
+    counters: Arc<Counters>,
 }
 
 #[derive(Default)]
@@ -134,6 +187,29 @@ impl Bulk {
             outboxes: (0..world_size)
                 .map(|_| tokio::sync::Mutex::new(None))
                 .collect(),
+            arenas: (0..world_size).map(|_| Mutex::new(None)).collect(),
+            counters: Arc::default(),
+        }
+    }
+
+    /// The arena the current bulk connection to `to` shares with the peer, once mapped.
+    fn ready_arena(&self, to: u32) -> Option<Arc<Arena>> {
+        let slot = self.arenas.get(to as usize)?;
+        let state = slot.lock().unwrap_or_else(|p| p.into_inner()).clone()?;
+        let st = lock_arena(&state);
+        match &*st {
+            ArenaState::Ready(a) => Some(Arc::clone(a)),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn stats(&self) -> BulkStats {
+        let c = &self.counters;
+        BulkStats {
+            streamed_blobs: c.streamed_blobs.load(Ordering::Relaxed),
+            streamed_bytes: c.streamed_bytes.load(Ordering::Relaxed),
+            shared_blobs: c.shared_blobs.load(Ordering::Relaxed),
+            shared_bytes: c.shared_bytes.load(Ordering::Relaxed),
         }
     }
 
@@ -173,6 +249,26 @@ impl Bulk {
             }
         }
     }
+}
+
+/// A blob of `len` bytes written by `fill`, built where sending it to `to` costs least: in the
+/// shared-memory arena of the bulk connection to `to` when there is one with room (sending it
+/// then copies nothing), else in ordinary memory.
+pub(crate) fn blob_for(agent: &Agent, to: u32, len: usize, fill: impl FnOnce(&mut [u8])) -> Bytes {
+    let inner = &agent.inner;
+    let fill = match inner.bulk.ready_arena(to) {
+        Some(a) if len >= inner.cfg.bulk_threshold && to != inner.cfg.rank => {
+            match a.stage(len, fill) {
+                Ok(b) => return b,
+                Err(fill) => fill,
+            }
+        }
+        _ => fill,
+    };
+    let mut v = crate::large_vec::<u8>(len);
+    v.resize(len, 0);
+    fill(&mut v);
+    Bytes::from(v)
 }
 
 /// Bytes of a side table that ride inline in the envelope.
@@ -246,10 +342,20 @@ async fn outbox(agent: &Agent, to: u32) -> Result<Outbox, String> {
     let (tx, rx) = mpsc::channel(QUEUE);
     let name = peer.info.name.clone();
     let stop = inner.stop.clone();
+    let arena_bytes = cfg.shm_arena_bytes;
+    let counters = Arc::clone(&inner.bulk.counters);
+    let state: SharedArena = Arc::new(Mutex::new(if arena_bytes > shm::HEADER {
+        ArenaState::None
+    } else {
+        ArenaState::Off
+    }));
+    *inner.bulk.arenas[to as usize]
+        .lock()
+        .unwrap_or_else(|p| p.into_inner()) = Some(Arc::clone(&state));
     inner.conns.spawn(async move {
         tokio::select! {
             _ = stop.cancelled() => {}
-            r = write_loop(conn, rx) => if let Err(e) = r {
+            r = write_loop(conn, rx, state, arena_bytes, &name, &counters) => if let Err(e) = r {
                 tracing::warn!(peer = %name, cause = %e, "bulk connection failed");
             }
         }
@@ -258,24 +364,246 @@ async fn outbox(agent: &Agent, to: u32) -> Result<Outbox, String> {
     Ok(tx)
 }
 
-async fn write_loop(mut conn: Conn, mut rx: mpsc::Receiver<(u64, Bytes)>) -> std::io::Result<()> {
-    while let Some((id, data)) = rx.recv().await {
-        let mut header = [0u8; 16];
-        header[..8].copy_from_slice(&id.to_le_bytes());
-        header[8..].copy_from_slice(&(data.len() as u64).to_le_bytes());
-        conn.write_all(&header).await?;
-        conn.write_all(&data).await?;
-        if rx.is_empty() {
-            conn.flush().await?;
-        }
-    }
-    conn.shutdown().await
+/// The sender's view of its shared-memory arena on one bulk connection.
+enum ArenaState {
+    /// Not created yet (no blob large enough so far).
+    None,
+    /// Announced; blobs stream until the peer answers.
+    Probing(Arc<Arena>),
+    /// Mapped by the peer.
+    Ready(Arc<Arena>),
+    /// Off: not configured, not creatable, or the peer could not map it.
+    Off,
 }
 
-/// Reads records from `from`'s bulk connection into the inbox.
-pub(crate) async fn serve_incoming(agent: &Agent, mut conn: Conn, from: u32) {
-    let inner = &agent.inner;
+type SharedArena = Arc<Mutex<ArenaState>>;
+
+fn lock_arena(a: &SharedArena) -> std::sync::MutexGuard<'_, ArenaState> {
+    a.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+async fn write_loop(
+    conn: Conn,
+    mut rx: mpsc::Receiver<(u64, Bytes)>,
+    state: SharedArena,
+    arena_bytes: usize,
+    peer: &str,
+    counters: &Counters,
+) -> std::io::Result<()> {
+    let (rd, mut wr) = tokio::io::split(conn);
+    let answers = read_answers(rd, Arc::clone(&state), peer);
+    let records = async {
+        while let Some((id, data)) = rx.recv().await {
+            let len = data.len() as u64;
+            let placement = place(&state, &data, arena_bytes, peer);
+            counters.count(matches!(placement, Placement::Shared(_)), data.len());
+            match placement {
+                Placement::Shared(off) => {
+                    let mut r = [0u8; 25];
+                    r[0] = SHM;
+                    r[1..9].copy_from_slice(&id.to_le_bytes());
+                    r[9..17].copy_from_slice(&len.to_le_bytes());
+                    r[17..].copy_from_slice(&(off as u64).to_le_bytes());
+                    wr.write_all(&r).await?;
+                }
+                Placement::Stream(announce) => {
+                    if let Some(a) = announce {
+                        let mut r = [0u8; 1 + shm::Announce::BYTES];
+                        r[0] = ARENA;
+                        r[1..].copy_from_slice(&a.encode());
+                        wr.write_all(&r).await?;
+                    }
+                    let mut r = [0u8; 17];
+                    r[0] = STREAM;
+                    r[1..9].copy_from_slice(&id.to_le_bytes());
+                    r[9..].copy_from_slice(&len.to_le_bytes());
+                    wr.write_all(&r).await?;
+                    wr.write_all(&data).await?;
+                }
+            }
+            if rx.is_empty() {
+                wr.flush().await?;
+            }
+        }
+        wr.shutdown().await
+    };
+    tokio::pin!(answers);
+    tokio::select! {
+        r = records => r,
+        // The peer closed its end (or broke the protocol): nothing more can be delivered.
+        r = &mut answers => r.and(Err(std::io::Error::new(
+            std::io::ErrorKind::ConnectionAborted,
+            "the receiving side closed the bulk connection",
+        ))),
+    }
+}
+
+enum Placement {
+    /// In the arena at this offset.
+    Shared(usize),
+    /// On the stream, after announcing a new arena if one is given.
+    Stream(Option<shm::Announce>),
+}
+
+/// Where a blob goes: the arena when the peer has mapped it (where it already is, if it was
+/// staged there, else copied in if there is room; SHM-2: never waits for room), else the
+/// stream. The first blob large enough creates the arena.
+fn place(state: &SharedArena, data: &[u8], arena_bytes: usize, peer: &str) -> Placement {
+    let mut st = lock_arena(state);
+    match &*st {
+        ArenaState::Ready(a) => {
+            let a = Arc::clone(a);
+            drop(st);
+            match a.hold_staged(data).or_else(|| a.put(data)) {
+                Some(off) => Placement::Shared(off),
+                None => Placement::Stream(None),
+            }
+        }
+        ArenaState::None if data.len() <= arena_bytes - shm::HEADER => {
+            match Arena::create(arena_bytes) {
+                Ok(a) => {
+                    let announce = a.announce();
+                    *st = ArenaState::Probing(Arc::new(a));
+                    Placement::Stream(Some(announce))
+                }
+                Err(e) => {
+                    tracing::debug!(peer, cause = %e, "no shared-memory arena; bulk blobs stream");
+                    *st = ArenaState::Off;
+                    Placement::Stream(None)
+                }
+            }
+        }
+        _ => Placement::Stream(None),
+    }
+}
+
+/// Reads the receiver's answers until it closes its end.
+async fn read_answers(
+    mut rd: tokio::io::ReadHalf<Conn>,
+    state: SharedArena,
+    peer: &str,
+) -> std::io::Result<()> {
+    let bad = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidData, what);
     loop {
+        let mut m = [0u8; 9];
+        match rd.read_exact(&mut m).await {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(e),
+        }
+        let mut st = lock_arena(&state);
+        match (Answer::decode(m), &*st) {
+            (Some(Answer::Mapped), ArenaState::Probing(a)) => {
+                tracing::debug!(
+                    peer,
+                    bytes = a.announce().size,
+                    "bulk blobs go through shared memory"
+                );
+                *st = ArenaState::Ready(Arc::clone(a));
+            }
+            (Some(Answer::NotMapped), ArenaState::Probing(_)) => {
+                tracing::debug!(
+                    peer,
+                    "the peer cannot map our arena (another host?); bulk blobs stream"
+                );
+                *st = ArenaState::Off;
+            }
+            (Some(Answer::Released(off)), ArenaState::Ready(a))
+                if usize::try_from(off).is_ok_and(|off| a.release(off)) => {}
+            (answer, _) => return Err(bad(format!("unexpected bulk answer {answer:?} ({m:?})"))),
+        }
+    }
+}
+
+/// Reads records from `from`'s bulk connection into the inbox, answering on the same
+/// connection.
+pub(crate) async fn serve_incoming(agent: &Agent, conn: Conn, from: u32) {
+    let (rd, mut wr) = tokio::io::split(conn);
+    // Unbounded, but bounded in practice: one message per probe and one per shared blob
+    // dropped, and at most one shared blob per page of the arena is alive at once.
+    let (answer, mut answers) = mpsc::unbounded_channel::<Answer>();
+    let write_answers = async move {
+        while let Some(m) = answers.recv().await {
+            wr.write_all(&m.encode()).await?;
+            if answers.is_empty() {
+                wr.flush().await?;
+            }
+        }
+        Ok::<_, std::io::Error>(())
+    };
+    tokio::select! {
+        _ = read_records(agent, rd, from, answer) => {}
+        r = write_answers => if let Err(e) = r {
+            tracing::debug!(worker = %agent.name(), from, cause = %e, "bulk answers failed");
+        }
+    }
+}
+
+async fn read_records(
+    agent: &Agent,
+    mut conn: tokio::io::ReadHalf<Conn>,
+    from: u32,
+    answer: mpsc::UnboundedSender<Answer>,
+) {
+    let inner = &agent.inner;
+    let mut mapping: Option<Arc<shm::Mapping>> = None;
+    loop {
+        let mut kind = [0u8; 1];
+        if conn.read_exact(&mut kind).await.is_err() {
+            return;
+        }
+        match kind[0] {
+            STREAM => {}
+            ARENA => {
+                let mut a = [0u8; shm::Announce::BYTES];
+                if conn.read_exact(&mut a).await.is_err() {
+                    return;
+                }
+                let a = shm::Announce::decode(&a);
+                let m = match shm::Mapping::open(&a) {
+                    Ok(map) => {
+                        mapping = Some(map);
+                        Answer::Mapped
+                    }
+                    Err(e) => {
+                        tracing::debug!(worker = %agent.name(), from, cause = %e, "cannot map the peer's arena");
+                        Answer::NotMapped
+                    }
+                };
+                if answer.send(m).is_err() {
+                    return;
+                }
+                continue;
+            }
+            SHM => {
+                let mut r = [0u8; 24];
+                if conn.read_exact(&mut r).await.is_err() {
+                    return;
+                }
+                let at = |i: usize| u64::from_le_bytes(r[i..i + 8].try_into().expect("8 bytes"));
+                let (id, len, off) = (at(0), at(8), at(16));
+                let leased = mapping.as_ref().and_then(|m| {
+                    m.lease(
+                        usize::try_from(off).ok()?,
+                        usize::try_from(len).ok()?,
+                        answer.clone(),
+                    )
+                });
+                let Some(bytes) = leased else {
+                    tracing::warn!(
+                        worker = %agent.name(), from, off, len,
+                        "refused a shared blob outside the mapped arena; closing that bulk connection"
+                    );
+                    return;
+                };
+                inner.bulk.deposit(from, id, bytes);
+                continue;
+            }
+            other => {
+                tracing::warn!(worker = %agent.name(), from, kind = other, "unknown bulk record; closing that bulk connection");
+                return;
+            }
+        }
         let mut header = [0u8; 16];
         if conn.read_exact(&mut header).await.is_err() {
             return;

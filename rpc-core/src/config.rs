@@ -72,6 +72,14 @@ pub struct Config {
     /// busy core for round trips close to the raw socket's. Only for processes that have a
     /// core to spare. Default: 0 (off).
     pub busy_poll: Duration,
+    /// Bytes of the shared-memory arena each worker offers a peer on the same host for bulk
+    /// blobs; 0 turns the shared-memory path off. Whether a peer shares the host is probed,
+    /// not assumed: the first large blob to a peer announces an arena, and until the peer has
+    /// mapped it (or where it cannot: another host, another container) blobs travel on the
+    /// bulk connection's byte stream. A blob that finds no room in the arena also takes the
+    /// stream, so a receiver that keeps blobs alive never blocks a sender. Pages are touched
+    /// only as blobs use them. Linux only. Default: 128 MiB.
+    pub shm_arena_bytes: usize,
 }
 
 impl Default for Config {
@@ -95,6 +103,7 @@ impl Default for Config {
             bulk_threshold: 256 << 10,
             bulk_pool_bytes: 128 << 20,
             busy_poll: Duration::ZERO,
+            shm_arena_bytes: 128 << 20,
         }
     }
 }
@@ -148,6 +157,8 @@ impl Config {
         with_bulk_pool_bytes(bulk_pool_bytes: usize) => bulk_pool_bytes;
         /// Sets [`Config::busy_poll`].
         with_busy_poll(busy_poll: Duration) => busy_poll;
+        /// Sets [`Config::shm_arena_bytes`] (0: off).
+        with_shm_arena_bytes(shm_arena_bytes: usize) => shm_arena_bytes;
     }
 
     pub(crate) fn resolve(self) -> Result<Resolved, InitError> {
@@ -258,6 +269,7 @@ impl Config {
             bulk_threshold: self.bulk_threshold,
             bulk_pool_bytes: self.bulk_pool_bytes,
             busy_poll: self.busy_poll,
+            shm_arena_bytes: self.shm_arena_bytes,
         })
     }
 }
@@ -291,6 +303,7 @@ pub(crate) struct Resolved {
     pub bulk_threshold: usize,
     pub bulk_pool_bytes: usize,
     pub busy_poll: Duration,
+    pub shm_arena_bytes: usize,
 }
 
 #[cfg(test)]

@@ -48,7 +48,8 @@
 //! - `rendezvous`: group formation, [`RendezvousServer`].
 //! - `client`: per-peer outgoing tarpc connections.
 //! - `server`: the accept loop, admission, panic isolation.
-//! - `bulk`: the raw data path for large blobs.
+//! - `bulk`: the raw data path for large blobs, [`BulkStats`].
+//! - `shm`: shared-memory arenas for bulk blobs between workers on one host.
 //! - `agent`: [`Agent`], [`init`], calls and shutdown.
 //! - `spin`: optional busy polling after traffic ([`Config::busy_poll`]).
 //! - [`testing`]: start a whole group in one process; raw connections for protocol tests.
@@ -68,6 +69,7 @@ mod error;
 mod registry;
 mod rendezvous;
 mod server;
+mod shm;
 mod spin;
 pub mod testing;
 mod transport;
@@ -77,7 +79,8 @@ pub use agent::{
     init, wait_all, Agent, ShutdownHook, ShutdownReport, ToWorker, WeakAgent, WorkerRef,
 };
 pub use auth::{Secret, SECRET_ENV, SECRET_FILE_ENV};
-pub use blob::{Blob, MessageContext, MessageKind, Payload};
+pub use blob::{large_vec, Blob, MessageContext, MessageKind, Payload};
+pub use bulk::BulkStats;
 pub use config::Config;
 pub use context::{call_meta, with_call_meta, CallContext, CallMeta};
 pub use error::{

@@ -123,6 +123,30 @@ pub async fn zeros(_ctx: CallContext, n: usize) -> Result<Blob, BoxError> {
     Ok(Blob::from(vec![0u8; n]))
 }
 
+/// Blobs a worker keeps alive on purpose (see [`hold`]).
+#[derive(Default)]
+pub struct Held(pub Mutex<Vec<Blob>>);
+
+/// Keeps `data` alive on the callee until [`release_held`]; returns its checksum.
+#[remote]
+pub async fn hold(ctx: CallContext, data: Blob) -> Result<u64, BoxError> {
+    let sum = data.iter().map(|&b| u64::from(b)).sum();
+    let held = ctx.agent().extension(Held::default);
+    held.0.lock().unwrap_or_else(|p| p.into_inner()).push(data);
+    Ok(sum)
+}
+
+/// Drops what [`hold`] kept; returns the checksums of the blobs, read only now.
+#[remote]
+pub async fn release_held(ctx: CallContext) -> Result<Vec<u64>, BoxError> {
+    let held = ctx.agent().extension(Held::default);
+    let blobs = std::mem::take(&mut *held.0.lock().unwrap_or_else(|p| p.into_inner()));
+    Ok(blobs
+        .iter()
+        .map(|b| b.iter().map(|&x| u64::from(x)).sum())
+        .collect())
+}
+
 /// Sleeps `ms` milliseconds, then returns `ms`.
 #[remote]
 pub async fn sleep_ms(_ctx: CallContext, ms: u64) -> Result<u64, BoxError> {
@@ -253,5 +277,7 @@ pub fn registry_builder() -> rpc_core::RegistryBuilder {
         .and_then(|r| r.register(double_local))
         .and_then(|r| r.register(zeros))
         .and_then(|r| r.register(meta_seen))
+        .and_then(|r| r.register(hold))
+        .and_then(|r| r.register(release_held))
         .expect("test functions have distinct names")
 }

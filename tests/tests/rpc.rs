@@ -95,6 +95,131 @@ fn blobs_nested_in_structs_round_trip_inline_and_bulk() {
     });
 }
 
+/// Large blobs between workers on one host go through shared memory once the receiver has
+/// mapped the sender's arena; a receiver that keeps blobs alive fills the arena, after which
+/// blobs stream (nothing waits, nothing held is overwritten) until it lets them go; with the
+/// arena off, everything streams.
+#[test]
+fn bulk_blobs_share_memory_on_one_host_and_stream_when_it_is_full() {
+    let blob = |seed: u8| {
+        Blob::from(
+            (0..(1usize << 20) + 7)
+                .map(|i| (i as u8).wrapping_mul(seed))
+                .collect::<Vec<u8>>(),
+        )
+    };
+    let sum = |b: &Blob| b.iter().map(|&x| u64::from(x)).sum::<u64>();
+    each_transport(60, |t| async move {
+        // Room for two such blobs (each rounded up to whole pages) after the header page.
+        let a = start_group(
+            2,
+            t.clone(),
+            Secret::generate(),
+            |_| registry(),
+            |_, c| c.with_shm_arena_bytes(4096 + (2 << 20) + (2 << 12)),
+        )
+        .await
+        .unwrap();
+        // The first blob announces the arena and streams; the peer's answer comes back
+        // asynchronously, so echo until a blob has gone through shared memory.
+        let mut rounds = 0;
+        while a[0].bulk_stats().shared_blobs == 0 {
+            rounds += 1;
+            assert!(rounds < 200, "never shared: {:?}", a[0].bulk_stats());
+            let b = blob(rounds as u8 | 1);
+            assert_eq!(a[0].rpc_async(1u32, echo, (b.clone(),)).await.unwrap(), b);
+        }
+        assert!(
+            a[0].bulk_stats().streamed_blobs >= 1,
+            "the probe's blob streams"
+        );
+        // Replies go the same way, through the callee's own arena.
+        assert!(a[1].bulk_stats().shared_blobs + a[1].bulk_stats().streamed_blobs >= 2);
+        // A blob built for the peer sits in the arena already: sending it copies nothing, and it
+        // stays intact on both sides for as long as either holds it.
+        let staged = a[0]
+            .blob_for(1u32, (1 << 20) + 7, |b| b.copy_from_slice(&blob(21)))
+            .unwrap();
+        assert_eq!(staged, blob(21));
+        let before = a[0].bulk_stats();
+        assert_eq!(
+            a[0].rpc_async(1u32, hold, (staged.clone(),)).await.unwrap(),
+            sum(&blob(21))
+        );
+        let after = a[0].bulk_stats();
+        assert_eq!(
+            (after.shared_blobs, after.streamed_blobs),
+            (before.shared_blobs + 1, before.streamed_blobs)
+        );
+        assert_eq!(
+            a[0].rpc_async(1u32, release_held, ()).await.unwrap(),
+            vec![sum(&blob(21))]
+        );
+        assert_eq!(staged, blob(21), "the sender's copy is untouched");
+        drop(staged);
+        // Small blobs, and blobs for oneself, are ordinary ones.
+        assert_eq!(
+            a[0].blob_for(1u32, 10, |b| b.fill(1)).unwrap()[..],
+            [1u8; 10]
+        );
+        assert_eq!(
+            a[0].blob_for(0u32, 1 << 20, |b| b.fill(2)).unwrap().len(),
+            1 << 20
+        );
+        assert!(a[0].blob_for(7u32, 10, |_| ()).is_err(), "no rank 7");
+        // The callee keeps five blobs alive: at most two fit, the others stream.
+        let before = a[0].bulk_stats();
+        let mut sums = Vec::new();
+        for seed in [5u8, 7, 9, 11, 13] {
+            let b = blob(seed);
+            sums.push(sum(&b));
+            let got = a[0].rpc_async(1u32, hold, (b,)).await.unwrap();
+            assert_eq!(got, sum(&blob(seed)));
+        }
+        let after = a[0].bulk_stats();
+        let shared = after.shared_blobs - before.shared_blobs;
+        let streamed = after.streamed_blobs - before.streamed_blobs;
+        assert_eq!(shared + streamed, 5);
+        assert!(shared <= 2 && streamed >= 3, "{before:?} -> {after:?}");
+        // Nothing held was overwritten by the blobs that came after it.
+        assert_eq!(a[0].rpc_async(1u32, release_held, ()).await.unwrap(), sums);
+        // Released ranges are reused.
+        let shared_before = a[0].bulk_stats().shared_blobs;
+        let mut rounds = 0;
+        while a[0].bulk_stats().shared_blobs == shared_before {
+            rounds += 1;
+            assert!(
+                rounds < 200,
+                "ranges never came back: {:?}",
+                a[0].bulk_stats()
+            );
+            let b = blob(3);
+            assert_eq!(a[0].rpc_async(1u32, echo, (b.clone(),)).await.unwrap(), b);
+        }
+        shutdown_all(&a).await;
+
+        let a = start_group(
+            2,
+            t,
+            Secret::generate(),
+            |_| registry(),
+            |_, c| c.with_shm_arena_bytes(0),
+        )
+        .await
+        .unwrap();
+        for seed in [1u8, 3, 5] {
+            let b = blob(seed);
+            assert_eq!(a[0].rpc_async(1u32, echo, (b.clone(),)).await.unwrap(), b);
+        }
+        for w in &a {
+            let s = w.bulk_stats();
+            assert_eq!((s.shared_blobs, s.streamed_blobs), (0, 3), "{s:?}");
+            assert_eq!(s.streamed_bytes, 3 * ((1 << 20) + 7));
+        }
+        shutdown_all(&a).await;
+    });
+}
+
 #[test]
 fn self_calls_run_locally_without_serialization() {
     each_transport(30, |t| async move {
