@@ -691,6 +691,14 @@ fn allreduce_bench(n: u32, threads: usize) -> Result<()> {
         registry(),
     ))?;
     rt.block_on(server.finish(Duration::from_secs(5)));
+    // One-stream loopback TCP measured in the same run: the yardstick the bus bandwidth is
+    // compared with (this machine's bandwidth drifts several-fold within minutes).
+    let (_, sink_port) = rt.block_on(agent.rpc_async(1u32, raw_servers, ()))?;
+    let tcp = raw_stream(sink_port)?;
+    let tcp_gbps = tcp["median"].as_f64().unwrap_or(f64::NAN);
+    emit(
+        json!({ "metric": "raw_tcp_stream_GBps", "processes": n, "median": tcp_gbps, "p99": tcp["p99"] }),
+    );
     let a = agent.clone();
     let results = rt.block_on(rt.spawn(async move { allreduce_loop(&a).await }))??;
     for (name, bytes, times) in results {
@@ -702,7 +710,7 @@ fn allreduce_bench(n: u32, threads: usize) -> Result<()> {
             "in_place"
         };
         emit(
-            json!({ "metric": name, "api": api, "processes": n, "median": st.median, "p99": st.p99, "busbw_GBps": busbw, "n": ALLREDUCE_ITERS, "transport": "tcp", "bulk": bulk_path() }),
+            json!({ "metric": name, "api": api, "processes": n, "median": st.median, "p99": st.p99, "busbw_GBps": busbw, "busbw_over_tcp_stream": busbw / tcp_gbps, "n": ALLREDUCE_ITERS, "transport": "tcp", "bulk": bulk_path() }),
         );
     }
     emit(
