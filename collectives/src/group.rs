@@ -370,6 +370,15 @@ impl ProcessGroup {
     }
 
     /// The ring over a flat buffer, in place (`Mean` divides at the end).
+    ///
+    /// `2(n - 1)` steps; at step `s` each member sends one chunk to the next member and
+    /// receives one from the previous, and the chunk received at step `s` is the one sent at
+    /// step `s + 1`. So the ring runs as a pipeline of pieces (of [`PIECE_BYTES`]): each piece
+    /// received is folded and sent on at once, while later pieces are still travelling. In the
+    /// reduce-scatter steps before the last, the sum is written straight into the outgoing
+    /// blob (in shared memory with a peer on this host) and never into `buf`: those chunks are
+    /// overwritten by the all-gather anyway. That saves two of the five passes over the data
+    /// that a fold followed by a copy would make.
     async fn ring_slice<T: Element>(
         &self,
         o: &Op<'_>,
@@ -386,25 +395,72 @@ impl ProcessGroup {
             start += size;
         }
         let (next, prev) = (o.peer(1), o.peer(-1));
-        // Reduce-scatter, then all-gather. Each step's chunk travels in pieces: the pieces are
-        // copied out and sent while earlier pieces of the incoming chunk are being reduced.
-        for s in 0..n - 1 {
-            let send_idx = (o.me + 2 * n - s - 1) % n;
-            let recv_idx = (o.me + 2 * n - s - 2) % n;
-            let step = s as u32;
-            let (src, dst) = disjoint(buf, ranges[send_idx].clone(), ranges[recv_idx].clone());
-            self.ring_step(o, (next, prev), step, src, dst, |d, got| {
-                T::reduce_into(op, d, got)
+        let steps = 2 * (n - 1);
+        // Reduce-scatter steps come first; in both phases the chunk sent at step `s + 1` is
+        // the one received at step `s`.
+        let received = |s: usize| {
+            let back = if s < n - 1 { s + 2 } else { s - (n - 1) + 1 };
+            (o.me + 2 * n - back) % n
+        };
+        let per = (PIECE_BYTES / std::mem::size_of::<T>()).max(1);
+        let elem = std::mem::size_of::<T>();
+        let tag = |s: usize, j: usize| s as u32 * MAX_PIECES + j as u32;
+        let stage = |len: usize, fill: &mut dyn FnMut(&mut [u8])| {
+            o.g.agent.blob_for(next, len, fill).map_err(|e| {
+                o.exchange_err(P2pError::Send {
+                    worker: o.g.agent.name_of(next),
+                    source: Box::new(e),
+                })
             })
-            .await?;
+        };
+        let send = |s: usize, j: usize, blob: rpc_core::Blob| {
+            o.send_raw(next, tag(s, j), blob.into_bytes())
+        };
+        use futures::StreamExt as _;
+        let mut sending = futures::stream::FuturesUnordered::new();
+        // Step 0 sends this member's own copy of the chunk before the one it receives first.
+        let first = ranges[(o.me + n - 1) % n].clone();
+        for (j, p) in buf[first].chunks(per).enumerate() {
+            let blob = stage(std::mem::size_of_val(p), &mut |d| T::write_le(p, d))?;
+            sending.push(send(0, j, blob));
         }
-        for s in 0..n - 1 {
-            let send_idx = (o.me + n - s) % n;
-            let recv_idx = (o.me + 2 * n - s - 1) % n;
-            let step = (n - 1 + s) as u32;
-            let (src, dst) = disjoint(buf, ranges[send_idx].clone(), ranges[recv_idx].clone());
-            self.ring_step(o, (next, prev), step, src, dst, T::copy_into)
-                .await?;
+        for s in 0..steps {
+            let r = ranges[received(s)].clone();
+            for (j, lo) in r.clone().step_by(per).enumerate() {
+                let hi = (lo + per).min(r.end);
+                let recv = o.recv_raw(prev, tag(s, j));
+                tokio::pin!(recv);
+                // Sends in flight make progress while this member waits.
+                let got = loop {
+                    tokio::select! {
+                        got = &mut recv => break got?,
+                        Some(sent) = sending.next() => sent?,
+                    }
+                };
+                check_len::<T>(o, hi - lo, got.len())?;
+                let bytes = (hi - lo) * elem;
+                if s + 2 < n {
+                    // Reduce-scatter before its last step: the sum goes out, not into `buf`.
+                    let mine = &buf[lo..hi];
+                    let blob = stage(bytes, &mut |d| T::fold_le(op, mine, &got, d))?;
+                    sending.push(send(s + 1, j, blob));
+                    continue;
+                }
+                if s < n - 1 {
+                    T::reduce_into(op, &mut buf[lo..hi], &got);
+                } else {
+                    T::copy_into(&mut buf[lo..hi], &got);
+                }
+                drop(got);
+                if s + 1 < steps {
+                    let done = &buf[lo..hi];
+                    let blob = stage(bytes, &mut |d| T::write_le(done, d))?;
+                    sending.push(send(s + 1, j, blob));
+                }
+            }
+        }
+        while let Some(sent) = sending.next().await {
+            sent?;
         }
         if op == ReduceOp::Mean {
             for x in buf.iter_mut() {
@@ -412,49 +468,6 @@ impl ProcessGroup {
             }
         }
         Ok(())
-    }
-
-    /// One ring step: `src` goes to `next` and the same-sized chunk from `prev` is folded
-    /// into `dst` with `fold`, piece by piece (pieces of [`PIECE_BYTES`]; both sides cut a
-    /// chunk the same way, so the piece tags match).
-    async fn ring_step<T: Element>(
-        &self,
-        o: &Op<'_>,
-        (next, prev): (u32, u32),
-        step: u32,
-        src: &[T],
-        dst: &mut [T],
-        fold: impl Fn(&mut [T], &[u8]),
-    ) -> Result<(), CollectiveError> {
-        let per = (PIECE_BYTES / std::mem::size_of::<T>()).max(1);
-        let piece_tag = |j: usize| step * MAX_PIECES + j as u32;
-        let sends = async {
-            let sends = src.chunks(per).enumerate().map(|(j, p)| async move {
-                // Built where sending costs least (in shared memory with a peer on this host).
-                let out =
-                    o.g.agent
-                        .blob_for(next, std::mem::size_of_val(p), |dst| T::write_le(p, dst))
-                        .map_err(|e| {
-                            o.exchange_err(P2pError::Send {
-                                worker: o.g.agent.name_of(next),
-                                source: Box::new(e),
-                            })
-                        })?;
-                o.send_raw(next, piece_tag(j), out.into_bytes()).await
-            });
-            futures::future::try_join_all(sends).await
-        };
-        let recvs = async {
-            for (j, d) in dst.chunks_mut(per).enumerate() {
-                let got = o.recv_raw(prev, piece_tag(j)).await?;
-                check_len::<T>(o, d.len(), got.len())?;
-                fold(d, &got);
-            }
-            Ok::<_, CollectiveError>(())
-        };
-        let (sent, got) = tokio::join!(sends, recvs);
-        sent?;
-        got
     }
 
     /// `n` chunks of the flattened tensor, sizes differing by at most one element.
@@ -709,22 +722,6 @@ const PIECE_BYTES: usize = 8 << 20;
 /// Pieces per ring step that the step numbering leaves room for (chunks up to 256 GiB).
 const MAX_PIECES: u32 = 1 << 16;
 
-/// Two disjoint ranges of `buf`, the first shared and the second mutable.
-fn disjoint<T>(
-    buf: &mut [T],
-    a: std::ops::Range<usize>,
-    b: std::ops::Range<usize>,
-) -> (&[T], &mut [T]) {
-    assert!(a.end <= b.start || b.end <= a.start, "ring chunks overlap");
-    if a.start < b.start {
-        let (lo, hi) = buf.split_at_mut(b.start);
-        (&lo[a], &mut hi[..b.end - b.start])
-    } else {
-        let (lo, hi) = buf.split_at_mut(a.start);
-        (&hi[..a.end - a.start], &mut lo[b])
-    }
-}
-
 /// A CPU tensor's elements in a fresh buffer (from [`rpc_core::large_vec`]).
 fn copy_out<T: Element>(t: &Tensor) -> candle_core::Result<Vec<T>> {
     let t = t.flatten_all()?.contiguous()?;
@@ -825,6 +822,38 @@ pub trait Element:
                 d.copy_from_slice(s);
                 d.reverse();
             }
+        }
+    }
+
+    /// Writes `combine(mine[i], theirs[i])` into `dst` as little-endian elements, reading
+    /// `theirs` as little-endian elements (`theirs` and `dst` are as long as `mine`).
+    fn fold_le(op: ReduceOp, mine: &[Self], theirs: &[u8], dst: &mut [u8]) {
+        // SAFETY: as in `reduce_into`; every bit pattern is a valid f32/f64 and `align_to_mut`
+        // only yields the aligned middle part.
+        let (tp, tm, tq) = unsafe { theirs.align_to::<Self>() };
+        let (dp, dm, dq) = unsafe { dst.align_to_mut::<Self>() };
+        let aligned = tp.is_empty() && tq.is_empty() && dp.is_empty() && dq.is_empty();
+        if aligned && cfg!(target_endian = "little") {
+            match op {
+                ReduceOp::Sum | ReduceOp::Mean => {
+                    for ((d, a), b) in dm.iter_mut().zip(mine).zip(tm) {
+                        *d = *a + *b;
+                    }
+                }
+                _ => {
+                    for ((d, a), b) in dm.iter_mut().zip(mine).zip(tm) {
+                        *d = Self::combine(op, *a, *b);
+                    }
+                }
+            }
+        } else {
+            let w = std::mem::size_of::<Self>();
+            let folded: Vec<Self> = mine
+                .iter()
+                .zip(theirs.chunks_exact(w))
+                .map(|(a, b)| Self::combine(op, *a, Self::from_le(b)))
+                .collect();
+            Self::write_le(&folded, dst);
         }
     }
 

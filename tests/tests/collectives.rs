@@ -520,6 +520,39 @@ fn parameter_server_consistency_modes_bound_staleness() {
     }
 }
 
+/// Chunks of several ring pieces each (8 MiB pieces): every piece lands in its place, through
+/// the reduce-scatter steps that fold straight into the outgoing blob and the rest.
+#[test]
+fn all_reduce_of_many_pieces_per_chunk() {
+    let n = 3u32;
+    let len = 3 * (2 * (2 << 20) + 12_345);
+    let value = |r: u32, i: usize| ((r as usize * 7 + i) % 13) as f32;
+    let (outs, stats) = run(120, async {
+        let a = group(n, Transport::Tcp).await;
+        let outs = futures::future::join_all(a.iter().map(|w| {
+            let g = collectives::world(w);
+            let r = w.rank();
+            async move {
+                let mut buf: Vec<f32> = (0..len).map(|i| value(r, i)).collect();
+                g.all_reduce_in_place(&mut buf, ReduceOp::Sum)
+                    .await
+                    .unwrap();
+                buf
+            }
+        }))
+        .await;
+        let stats = a[0].bulk_stats();
+        shutdown_all(&a).await;
+        (outs, stats)
+    });
+    for (i, x) in outs[0].iter().enumerate() {
+        let want: f32 = (0..n).map(|r| value(r, i)).sum();
+        assert_eq!(*x, want, "element {i}");
+    }
+    assert!(outs.iter().all(|o| o == &outs[0]), "identical everywhere");
+    assert!(stats.shared_blobs + stats.streamed_blobs >= 6, "{stats:?}");
+}
+
 #[test]
 fn in_place_and_async_variants() {
     each_transport(60, |t| async move {
