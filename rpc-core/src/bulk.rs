@@ -248,6 +248,9 @@ impl Bulk {
                 o.take();
             }
         }
+        for a in &self.arenas {
+            a.lock().unwrap_or_else(|p| p.into_inner()).take();
+        }
     }
 }
 
@@ -428,14 +431,17 @@ async fn write_loop(
         wr.shutdown().await
     };
     tokio::pin!(answers);
-    tokio::select! {
+    let out = tokio::select! {
         r = records => r,
         // The peer closed its end (or broke the protocol): nothing more can be delivered.
         r = &mut answers => r.and(Err(std::io::Error::new(
             std::io::ErrorKind::ConnectionAborted,
             "the receiving side closed the bulk connection",
         ))),
-    }
+    };
+    // The arena goes with the connection (blobs staged in it keep it alive until dropped).
+    *lock_arena(&state) = ArenaState::Off;
+    out
 }
 
 enum Placement {
