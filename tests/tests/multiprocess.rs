@@ -133,6 +133,8 @@ fn three_processes_call_each_other() {
     assert_eq!(v["sum"], 42);
     assert_eq!(v["hops"], 50);
     assert_eq!(v["echo_ok"], true);
+    assert_eq!(v["shared_echo_ok"], true);
+    assert!(v["shared_blobs"].as_u64().unwrap() >= 2, "{v}");
     assert_eq!(v["whoami"], serde_json::json!(["worker0", "worker2"]));
     assert_eq!(v["error_worker"], "worker1");
     assert_eq!(v["error_chain"], serde_json::json!(["disk quota exceeded"]));

@@ -75,6 +75,16 @@ fn main() -> anyhow::Result<()> {
                 let hops = agent.rpc_async(2u32, chain, (50, 1, 2)).await?;
                 let big = Blob::from((0..(4 << 20)).map(|i: u32| (i % 253) as u8).collect::<Vec<_>>());
                 let echoed = agent.rpc_async(1u32, echo, (big.clone(),)).await?;
+                // Between processes on one host, blobs switch to shared memory once the peer has
+                // mapped our arena; a blob built there for the peer travels without a copy.
+                let mut rounds = 0;
+                while agent.bulk_stats().shared_blobs == 0 && rounds < 50 {
+                    rounds += 1;
+                    let again = agent.rpc_async(1u32, echo, (big.clone(),)).await?;
+                    anyhow::ensure!(again == big, "echo {rounds} differs");
+                }
+                let staged = agent.blob_for(1u32, big.len(), |b| b.copy_from_slice(&big))?;
+                let staged_echo = agent.rpc_async(1u32, echo, (staged.clone(),)).await?;
                 let who = agent.rpc_async(2u32, whoami, ()).await?;
                 let err = agent.rpc_async(1u32, fail, ("p".into(),)).await.unwrap_err();
                 let remote = err.as_remote().cloned().context("expected a remote error")?;
@@ -86,6 +96,8 @@ fn main() -> anyhow::Result<()> {
                         "sum": sum,
                         "hops": hops,
                         "echo_ok": echoed == big,
+                        "shared_echo_ok": staged_echo == big && staged == big,
+                        "shared_blobs": agent.bulk_stats().shared_blobs,
                         "whoami": who,
                         "error_worker": remote.worker,
                         "error_chain": remote.chain,
