@@ -1,10 +1,14 @@
-//! `rpc-bench [all|latency|throughput|tensor|rref|allreduce] [--threads N] [--busy-poll-us N]`
+//! `rpc-bench [all|latency|throughput|tensor|rref|allreduce] [--threads N] [--busy-poll-us N]
+//! [--no-shm]`
 //!
 //! Starts a peer process (this binary, `peer` subcommand) on 127.0.0.1, forms a two-worker
 //! group with it, and prints one JSON object per line: `metric`, `median` and, where they
 //! apply, `p99`, `calls_per_s`, `effective_GBps` (= 2 × bytes / round trip). Raw-TCP baselines
 //! (a 64-byte ping-pong and one-stream bandwidth, both to the same peer process) are measured
-//! in the same run, so the ratios the targets speak of come from one machine state.
+//! in the same run, so the ratios the targets speak of come from one machine state. The
+//! all-reduce benchmark (`allreduce`, also the end of `all`) starts groups of 2 and 4
+//! processes and reports `busbw_GBps` beside one-stream TCP measured in the same run.
+//! `--no-shm` makes every process stream bulk blobs over TCP instead of shared memory.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -273,7 +277,14 @@ fn main() -> Result<()> {
             }
             Ok(())
         }
-        "all" | "latency" | "throughput" | "tensor" | "rref" => drive(mode, threads),
+        "all" => {
+            drive(mode, threads)?;
+            for n in [2u32, 4] {
+                allreduce_bench(n, threads)?;
+            }
+            Ok(())
+        }
+        "latency" | "throughput" | "tensor" | "rref" => drive(mode, threads),
         other => {
             bail!("unknown mode {other:?}; use all, latency, throughput, tensor, rref or allreduce")
         }
