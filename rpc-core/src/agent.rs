@@ -755,12 +755,20 @@ impl Agent {
         let peer = &inner.peers[to as usize];
         let worker = || peer.info.name.clone();
         let msg = MessageContext::new(self.clone(), WorkerId(to), MessageKind::Request);
-        let (payload, blobs) =
-            blob::encode(&args, Some(msg)).map_err(|source| RpcError::Encode {
-                what: "arguments",
-                fn_name: F::NAME.to_owned(),
-                source,
-            })?;
+        let (encoded, lent) = blob::encode_request(&args, Some(msg));
+        // Dropped without a verdict (cancelled, or the outcome is unknown), `lent` runs nothing.
+        let lent = Lent(lent);
+        let (payload, blobs) = match encoded {
+            Ok(v) => v,
+            Err(source) => {
+                lent.never_decoded();
+                return Err(RpcError::Encode {
+                    what: "arguments",
+                    fn_name: F::NAME.to_owned(),
+                    source,
+                });
+            }
+        };
         let dial = self.dial_ctx();
         // Setup (queueing bulk blobs, dialling) is bounded by the deadline too: a peer that
         // stopped reading must not hold the caller past it.
@@ -782,11 +790,19 @@ impl Agent {
             let (gen, client) = peer.client(&dial).await?;
             Ok((blobs, gen, client))
         };
-        let (blobs, gen, client) = match deadline {
-            None => setup.await?,
+        let ready = match deadline {
+            None => setup.await,
             Some(d) => tokio::time::timeout_at(d.into(), setup)
                 .await
-                .map_err(|_| self.deadline_exceeded::<F>(to, d, started))??,
+                .unwrap_or_else(|_| Err(self.deadline_exceeded::<F>(to, d, started))),
+        };
+        let (blobs, gen, client) = match ready {
+            Ok(v) => v,
+            Err(e) => {
+                // Nothing was sent.
+                lent.never_decoded();
+                return Err(e);
+            }
         };
         let req = CallRequest {
             fn_name: F::NAME.to_owned(),
@@ -814,7 +830,12 @@ impl Agent {
                     started,
                 ))
             }
-            Err(T::Shutdown | T::Send(_) | T::Channel(_)) => {
+            Err(T::Send(_)) => {
+                peer.invalidate(gen);
+                lent.never_decoded();
+                return Err(lost());
+            }
+            Err(T::Shutdown | T::Channel(_)) => {
                 peer.invalidate(gen);
                 return Err(lost());
             }
@@ -827,7 +848,18 @@ impl Agent {
         };
         let ok = match reply {
             Ok(ok) => ok,
-            Err(remote) => return Err(self.map_remote::<F>(remote)),
+            Err(remote) => {
+                // Refused before its arguments were read.
+                if matches!(
+                    remote.kind,
+                    RemoteErrorKind::UnknownFunction
+                        | RemoteErrorKind::TypeMismatch
+                        | RemoteErrorKind::ShuttingDown
+                ) {
+                    lent.never_decoded();
+                }
+                return Err(self.map_remote::<F>(remote));
+            }
         };
         let blobs = bulk::receive(self, to, ok.blobs, deadline)
             .await
@@ -1103,4 +1135,17 @@ where
     I::Item: Future<Output = Result<T, RpcError>>,
 {
     futures::future::try_join_all(futures).await
+}
+
+/// What a request's values lent for its journey (see `MessageContext::on_undelivered`): given
+/// back by [`Lent::never_decoded`] when the callee certainly never read the arguments; dropped
+/// unrun when that is unknown or they were read.
+struct Lent(blob::Undelivered);
+
+impl Lent {
+    fn never_decoded(self) {
+        for f in self.0 {
+            f();
+        }
+    }
 }

@@ -169,7 +169,27 @@ impl MessageContext {
     pub fn kind(&self) -> MessageKind {
         self.kind
     }
+
+    /// Registers `f` to run if this request turns out never to have been decoded by its
+    /// receiver: it failed before it was sent, or the callee refused it before reading its
+    /// arguments (unknown function, signature mismatch, shutting down). A value that lends
+    /// something for the message's journey (a remote reference holding its fork until the
+    /// receiver has registered its own) takes it back here instead of waiting for an answer
+    /// that will never come. Where the outcome stays unknown (the call was cancelled, the
+    /// connection broke after sending) `f` is dropped without running. Outside the encoding of
+    /// a request, `f` is dropped at once.
+    pub fn on_undelivered(&self, f: impl FnOnce() + Send + 'static) {
+        UNDELIVERED.with(|u| {
+            if let Some(list) = u.borrow_mut().as_mut() {
+                list.push(Box::new(f));
+            }
+        });
+    }
 }
+
+/// What to run when a request is known never to have been decoded (see
+/// [`MessageContext::on_undelivered`]).
+pub(crate) type Undelivered = Vec<Box<dyn FnOnce() + Send>>;
 
 /// A value encoded for the wire together with its blobs. Lets a layer above the RPC core ship a
 /// value whose type only the receiver names (for instance a remote reference's `to_here`): the
@@ -210,6 +230,7 @@ thread_local! {
     static MESSAGE: RefCell<Option<MessageContext>> = const { RefCell::new(None) };
     static ENCODE_TABLE: RefCell<Option<Vec<Bytes>>> = const { RefCell::new(None) };
     static DECODE_TABLE: RefCell<Option<Vec<Option<Bytes>>>> = const { RefCell::new(None) };
+    static UNDELIVERED: RefCell<Option<Undelivered>> = const { RefCell::new(None) };
 }
 
 impl Serialize for Blob {
@@ -296,6 +317,25 @@ pub(crate) fn encode<T: Serialize + ?Sized>(
         .unwrap_or_default();
     drop(guard);
     Ok((payload, blobs))
+}
+
+/// A message's serde payload and its blob side table.
+pub(crate) type Encoded = (Vec<u8>, Vec<Bytes>);
+
+/// [`encode`] for a request: also collects what its values registered with
+/// [`MessageContext::on_undelivered`] (including values nested in inner encodes).
+pub(crate) fn encode_request<T: Serialize + ?Sized>(
+    value: &T,
+    ctx: Option<MessageContext>,
+) -> (bincode::Result<Encoded>, Undelivered) {
+    let prev = UNDELIVERED.with(|u| u.borrow_mut().replace(Vec::new()));
+    let guard = Restore(&UNDELIVERED, prev);
+    let out = encode(value, ctx);
+    let undelivered = UNDELIVERED
+        .with(|u| u.borrow_mut().take())
+        .unwrap_or_default();
+    drop(guard);
+    (out, undelivered)
 }
 
 /// Decodes a `T` whose blobs are in `blobs`.

@@ -10,8 +10,11 @@
 //!
 //! - CTX-1: a handle's background confirmation task holds the handle, so its delete is sent
 //!   only after its fork's registration was answered.
-//! - CTX-2: a pending child whose registration never arrives (the message carrying it was
-//!   lost) is released after `CHILD_TTL`, with a warning.
+//! - CTX-2: a pending child whose request was never sent, or was refused before its
+//!   arguments were read (unknown function, signature mismatch, callee shutting down), is
+//!   released at once (`MessageContext::on_undelivered`). One whose fate is unknown (the call
+//!   was cancelled, or the connection broke after sending) is released after `CHILD_TTL`,
+//!   with a warning.
 
 use rpc_core::{Agent, WeakAgent};
 use std::collections::HashMap;

@@ -182,9 +182,12 @@ impl<T> Serialize for RRef<T> {
                 "an RRef was sent through another worker's agent",
             ));
         }
-        // G2: hold our fork until the owner has accepted the child.
+        // G2: hold our fork until the owner has accepted the child; or, if the request
+        // carrying it is refused unread, not at all (nobody will ever register the child).
         let child = c.new_fork_id();
         c.hold_child(child, self.h.clone());
+        let lender = c.clone();
+        msg.on_undelivered(move || lender.release_child(child));
         WireRRef {
             id: self.h.id,
             owner: self.h.owner,

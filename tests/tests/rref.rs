@@ -192,6 +192,41 @@ fn sharing_in_every_direction_keeps_values_exactly_as_long_as_referenced() {
     }
 }
 
+/// Registered nowhere: calls to it are refused before their arguments are read.
+#[rpc_core::remote]
+async fn nowhere(_ctx: rpc_core::CallContext, r: RRef<Tracked>) -> Result<u64, rpc_core::BoxError> {
+    Ok(r.to_here().await?.id)
+}
+
+/// A reference sent in a call the callee refuses unread (unknown function) is not held for a
+/// registration that will never come: nothing is pending right after the error, and the value
+/// goes as soon as the last real reference does.
+#[test]
+fn a_reference_in_a_refused_call_is_not_held() {
+    each_transport(60, |t| async move {
+        let a = group(3, t, Duration::ZERO).await;
+        let ns = ns();
+        let r = rref::remote(&a[0], 1u32, make, (ns, 8)).unwrap();
+        assert_eq!(r.to_here().await.unwrap().id, 8);
+        let err = a[0]
+            .rpc_async(2u32, nowhere, (r.clone(),))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, rpc_core::RpcError::UnknownFunction { .. }),
+            "{err:?}"
+        );
+        assert_eq!(
+            rref::debug_info(&a[0]).pending_children,
+            0,
+            "the fork lent to the refused call is back"
+        );
+        drop(r);
+        assert_quiescent(&a, ns).await;
+        shutdown_all(&a).await;
+    });
+}
+
 #[test]
 fn a_failed_constructor_is_reported_on_next_use() {
     each_transport(60, |t| async move {
