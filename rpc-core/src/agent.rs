@@ -151,6 +151,7 @@ pub(crate) struct Inner {
     hooks: Mutex<Vec<ShutdownHook>>,
     providers: std::sync::RwLock<Vec<(&'static str, MetaProvider)>>,
     pub spin: Arc<crate::spin::Spin>,
+    pub cancels: crate::cancel::Cancels,
 }
 
 /// Computes a call-metadata value for each outgoing call from its destination (see
@@ -246,6 +247,7 @@ pub async fn init(config: Config, registry: Registry) -> Result<Agent, InitError
     let cfg = config.resolve()?;
     let mut registry = registry;
     registry.insert_internal::<ShutdownBarrier>();
+    registry.insert_internal::<crate::cancel::CancelCall>();
     let listener = cfg
         .transport
         .bind(&cfg.listen_addr)
@@ -322,6 +324,7 @@ pub async fn init(config: Config, registry: Registry) -> Result<Agent, InitError
         hooks: Mutex::new(Vec::new()),
         providers: std::sync::RwLock::new(Vec::new()),
         spin: Arc::new(crate::spin::Spin::new(cfg.busy_poll)),
+        cancels: crate::cancel::Cancels::default(),
         cfg,
     };
     let agent = Agent {
@@ -522,7 +525,10 @@ impl Agent {
             };
             let depth = scope.map_or(0, |s| s.depth);
             if agent.inner.state.load(Ordering::Acquire) == CLOSED
-                || (depth == 0 && agent.is_stopping() && F::NAME != ShutdownBarrier::NAME)
+                || (depth == 0
+                    && agent.is_stopping()
+                    && F::NAME != ShutdownBarrier::NAME
+                    && F::NAME != crate::cancel::CancelCall::NAME)
             {
                 return Err(RpcError::Shutdown {
                     worker: agent.name().to_owned(),
@@ -622,6 +628,7 @@ impl Agent {
                 agent: agent.clone(),
                 caller: agent.inner.me.clone(),
                 deadline,
+                cancel: None,
             };
             let result = match out {
                 Ok(v) => Ok(KeptValue::new(v)),
@@ -712,6 +719,7 @@ impl Agent {
             agent: self.clone(),
             caller: self.inner.me.clone(),
             deadline,
+            cancel: None,
         };
         let scope = Scope {
             deadline,
@@ -742,7 +750,7 @@ impl Agent {
     }
 
     #[allow(clippy::too_many_arguments)]
-    async fn call_remote<F: RemoteFn, O: serde::de::DeserializeOwned>(
+    async fn call_remote<F: RemoteFn, O: serde::de::DeserializeOwned + Send + 'static>(
         &self,
         to: u32,
         args: F::Args,
@@ -755,9 +763,8 @@ impl Agent {
         let peer = &inner.peers[to as usize];
         let worker = || peer.info.name.clone();
         let msg = MessageContext::new(self.clone(), WorkerId(to), MessageKind::Request);
+        // Dropped without a verdict (the outcome is unknown), `lent` runs nothing.
         let (encoded, lent) = blob::encode_request(&args, Some(msg));
-        // Dropped without a verdict (cancelled, or the outcome is unknown), `lent` runs nothing.
-        let lent = Lent(lent);
         let (payload, blobs) = match encoded {
             Ok(v) => v,
             Err(source) => {
@@ -804,6 +811,9 @@ impl Agent {
                 return Err(e);
             }
         };
+        // A call whose arguments lent something is cancelled by message, and its reply is
+        // always read, so that what was lent is accounted for (see `cancel.rs`).
+        let cancel_id = (!lent.is_empty()).then(|| inner.cancels.next_id());
         let req = CallRequest {
             fn_name: F::NAME.to_owned(),
             sig: sig_of::<F>(),
@@ -812,10 +822,53 @@ impl Agent {
             blobs,
             keep,
             meta: self.outgoing_meta(to),
+            cancel_id,
         };
         let mut tctx = tarpc::context::current();
         tctx.deadline = deadline.unwrap_or_else(|| Instant::now() + NO_DEADLINE);
-        let reply = client.call(tctx, req).await;
+        let Some(id) = cancel_id else {
+            let reply = client.call(tctx, req).await;
+            return self
+                .finish_call::<F, O>(to, gen, reply, lent, deadline, started)
+                .await;
+        };
+        let me = self.clone();
+        let task = self.inner.runtime.spawn(async move {
+            let reply = client.call(tctx, req).await;
+            me.finish_call::<F, O>(to, gen, reply, lent, deadline, started)
+                .await
+        });
+        let mut cancel = crate::cancel::CancelOnDrop {
+            agent: self.clone(),
+            to,
+            id,
+            armed: true,
+        };
+        let out = task.await;
+        cancel.armed = false;
+        match out {
+            Ok(r) => r,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(_) => Err(RpcError::Shutdown {
+                worker: self.name().to_owned(),
+                fn_name: F::NAME.to_owned(),
+            }),
+        }
+    }
+
+    /// The reply's side of a call: maps transport and remote failures, settles what the
+    /// arguments lent, reads the result's bulk blobs and decodes it.
+    async fn finish_call<F: RemoteFn, O: serde::de::DeserializeOwned + Send + 'static>(
+        &self,
+        to: u32,
+        gen: u64,
+        reply: Result<crate::wire::CallReply, tarpc::client::RpcError>,
+        lent: blob::Lent,
+        deadline: Option<Instant>,
+        started: Instant,
+    ) -> Result<O, RpcError> {
+        let peer = &self.inner.peers[to as usize];
+        let worker = || peer.info.name.clone();
         let lost = || RpcError::ConnectionLost {
             worker: worker(),
             fn_name: F::NAME.to_owned(),
@@ -847,9 +900,12 @@ impl Agent {
             }
         };
         let ok = match reply {
-            Ok(ok) => ok,
+            Ok(ok) => {
+                lent.answered();
+                ok
+            }
             Err(remote) => {
-                // Refused before its arguments were read.
+                // Refused before its arguments were read, or answered after.
                 if matches!(
                     remote.kind,
                     RemoteErrorKind::UnknownFunction
@@ -857,6 +913,8 @@ impl Agent {
                         | RemoteErrorKind::ShuttingDown
                 ) {
                     lent.never_decoded();
+                } else {
+                    lent.answered();
                 }
                 return Err(self.map_remote::<F>(remote));
             }
@@ -1135,17 +1193,4 @@ where
     I::Item: Future<Output = Result<T, RpcError>>,
 {
     futures::future::try_join_all(futures).await
-}
-
-/// What a request's values lent for its journey (see `MessageContext::on_undelivered`): given
-/// back by [`Lent::never_decoded`] when the callee certainly never read the arguments; dropped
-/// unrun when that is unknown or they were read.
-struct Lent(blob::Undelivered);
-
-impl Lent {
-    fn never_decoded(self) {
-        for f in self.0 {
-            f();
-        }
-    }
 }

@@ -179,17 +179,56 @@ impl MessageContext {
     /// connection broke after sending) `f` is dropped without running. Outside the encoding of
     /// a request, `f` is dropped at once.
     pub fn on_undelivered(&self, f: impl FnOnce() + Send + 'static) {
-        UNDELIVERED.with(|u| {
-            if let Some(list) = u.borrow_mut().as_mut() {
-                list.push(Box::new(f));
+        LENT.with(|u| {
+            if let Some(lent) = u.borrow_mut().as_mut() {
+                lent.undelivered.push(Box::new(f));
             }
         });
     }
+
+    /// Registers `f` to run once the receiver has answered this request, whatever the answer
+    /// (a result or an error), or it is known never to have been decoded. Returns whether it
+    /// was registered: only while a request is being encoded. Where the outcome stays unknown
+    /// (the connection broke, the deadline passed) `f` is dropped without running.
+    pub fn on_answered(&self, f: impl FnOnce() + Send + 'static) -> bool {
+        LENT.with(|u| match u.borrow_mut().as_mut() {
+            Some(lent) => {
+                lent.answered.push(Box::new(f));
+                true
+            }
+            None => false,
+        })
+    }
 }
 
-/// What to run when a request is known never to have been decoded (see
-/// [`MessageContext::on_undelivered`]).
-pub(crate) type Undelivered = Vec<Box<dyn FnOnce() + Send>>;
+/// What a request's values lent for its journey: work to run when it is known never to have
+/// been decoded, and when it has been answered (see [`MessageContext::on_undelivered`],
+/// [`MessageContext::on_answered`]).
+#[derive(Default)]
+pub(crate) struct Lent {
+    undelivered: Vec<Box<dyn FnOnce() + Send>>,
+    answered: Vec<Box<dyn FnOnce() + Send>>,
+}
+
+impl Lent {
+    pub(crate) fn is_empty(&self) -> bool {
+        self.undelivered.is_empty() && self.answered.is_empty()
+    }
+
+    /// The receiver certainly never read the arguments.
+    pub(crate) fn never_decoded(self) {
+        for f in self.undelivered.into_iter().chain(self.answered) {
+            f();
+        }
+    }
+
+    /// The receiver answered after reading the arguments.
+    pub(crate) fn answered(self) {
+        for f in self.answered {
+            f();
+        }
+    }
+}
 
 /// A value encoded for the wire together with its blobs. Lets a layer above the RPC core ship a
 /// value whose type only the receiver names (for instance a remote reference's `to_here`): the
@@ -230,7 +269,7 @@ thread_local! {
     static MESSAGE: RefCell<Option<MessageContext>> = const { RefCell::new(None) };
     static ENCODE_TABLE: RefCell<Option<Vec<Bytes>>> = const { RefCell::new(None) };
     static DECODE_TABLE: RefCell<Option<Vec<Option<Bytes>>>> = const { RefCell::new(None) };
-    static UNDELIVERED: RefCell<Option<Undelivered>> = const { RefCell::new(None) };
+    static LENT: RefCell<Option<Lent>> = const { RefCell::new(None) };
 }
 
 impl Serialize for Blob {
@@ -327,15 +366,13 @@ pub(crate) type Encoded = (Vec<u8>, Vec<Bytes>);
 pub(crate) fn encode_request<T: Serialize + ?Sized>(
     value: &T,
     ctx: Option<MessageContext>,
-) -> (bincode::Result<Encoded>, Undelivered) {
-    let prev = UNDELIVERED.with(|u| u.borrow_mut().replace(Vec::new()));
-    let guard = Restore(&UNDELIVERED, prev);
+) -> (bincode::Result<Encoded>, Lent) {
+    let prev = LENT.with(|u| u.borrow_mut().replace(Lent::default()));
+    let guard = Restore(&LENT, prev);
     let out = encode(value, ctx);
-    let undelivered = UNDELIVERED
-        .with(|u| u.borrow_mut().take())
-        .unwrap_or_default();
+    let lent = LENT.with(|u| u.borrow_mut().take()).unwrap_or_default();
     drop(guard);
-    (out, undelivered)
+    (out, lent)
 }
 
 /// Decodes a `T` whose blobs are in `blobs`.

@@ -89,6 +89,8 @@ pub struct CallContext {
     pub(crate) agent: Agent,
     pub(crate) caller: WorkerInfo,
     pub(crate) deadline: Option<Instant>,
+    /// Cancelled when the caller cancels this call by message (`cancel.rs`).
+    pub(crate) cancel: Option<tokio_util::sync::CancellationToken>,
 }
 
 impl std::fmt::Debug for CallContext {

@@ -51,6 +51,7 @@
 //! - `bulk`: the raw data path for large blobs, [`BulkStats`].
 //! - `shm`: shared-memory arenas for bulk blobs between workers on one host.
 //! - `agent`: [`Agent`], [`init`], calls and shutdown.
+//! - `cancel`: cancelling calls whose arguments lent something, by message.
 //! - `spin`: optional busy polling after traffic ([`Config::busy_poll`]).
 //! - [`testing`]: start a whole group in one process; raw connections for protocol tests.
 //! - `error`: [`RpcError`], [`InitError`], [`RemoteError`].
@@ -62,6 +63,7 @@ mod agent;
 mod auth;
 mod blob;
 mod bulk;
+mod cancel;
 mod client;
 mod config;
 mod context;

@@ -186,9 +186,23 @@ async fn run_typed<F: RemoteFn>(
             ),
         )
     })?;
-    F::call(ctx, args)
-        .await
-        .map_err(|e| RemoteError::from_error(RemoteErrorKind::Handler, F::NAME, &worker, &*e))
+    let handler_error =
+        |e: BoxError| RemoteError::from_error(RemoteErrorKind::Handler, F::NAME, &worker, &*e);
+    // CAN-2: cancellable only now that the arguments are decoded.
+    match ctx.cancel.clone() {
+        None => F::call(ctx, args).await.map_err(handler_error),
+        Some(cancel) => tokio::select! {
+            // A call cancelled before it could start does not start.
+            biased;
+            () = cancel.cancelled() => Err(RemoteError::new(
+                RemoteErrorKind::Handler,
+                F::NAME,
+                &worker,
+                "cancelled by the caller".to_owned(),
+            )),
+            out = F::call(ctx, args) => out.map_err(handler_error),
+        },
+    }
 }
 
 fn erase<F: RemoteFn>() -> Entry {

@@ -176,6 +176,8 @@ async fn handle(agent: Agent, deadline: Instant, req: CallRequest, caller: u32) 
             format!("callee's `{}` is {}", req.fn_name, entry.signature_text()),
         ));
     }
+    // Registered before the first wait: a cancel sent after this request finds it (CAN-1).
+    let running = req.cancel_id.map(|id| inner.cancels.register(caller, id));
     // Framework-internal calls (the shutdown barrier) never wait for a permit: they must not
     // queue behind the user calls whose completion they wait for.
     let _permit = if req.depth == 0 && !req.fn_name.starts_with("rpc_core::") {
@@ -200,6 +202,7 @@ async fn handle(agent: Agent, deadline: Instant, req: CallRequest, caller: u32) 
         agent: agent.clone(),
         caller: inner.workers[caller as usize].clone(),
         deadline,
+        cancel: running.as_ref().map(|r| r.token()),
     };
     let scope = Scope {
         deadline,

@@ -53,6 +53,8 @@ pub(crate) struct CallRequest {
     pub keep: Option<KeepTarget>,
     /// The caller's call metadata (see `context::CallMeta`).
     pub meta: crate::context::CallMeta,
+    /// Set when the caller cancels this call by message (`cancel.rs`).
+    pub cancel_id: Option<u64>,
 }
 
 /// Where a keep-call's result goes on the callee.

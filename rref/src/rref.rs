@@ -169,6 +169,9 @@ struct WireRRef {
     owner: u32,
     child: ForkId,
     parent: u32,
+    /// Sent to the owner in a request whose answer releases the parent's hold: the owner
+    /// registers the child while decoding, before it answers, and sends no acceptance.
+    released_on_answer: bool,
 }
 
 impl<T> Serialize for RRef<T> {
@@ -187,12 +190,19 @@ impl<T> Serialize for RRef<T> {
         let child = c.new_fork_id();
         c.hold_child(child, self.h.clone());
         let lender = c.clone();
-        msg.on_undelivered(move || lender.release_child(child));
+        let to_owner = msg.kind() == rpc_core::MessageKind::Request && msg.peer().0 == self.h.owner;
+        let released_on_answer = if to_owner {
+            msg.on_answered(move || lender.release_child(child))
+        } else {
+            msg.on_undelivered(move || lender.release_child(child));
+            false
+        };
         WireRRef {
             id: self.h.id,
             owner: self.h.owner,
             child,
             parent: c.me,
+            released_on_answer,
         }
         .serialize(s)
     }
@@ -208,6 +218,9 @@ impl<'de, T> Deserialize<'de> for RRef<T> {
         if w.owner == c.me {
             c.owner_add(w.id, w.child, 1);
             let h = Handle::new(&c, w.id, w.child, w.owner, HState::Confirmed);
+            if w.released_on_answer {
+                return Ok(Self::from_handle(h));
+            }
             let parent = w.parent;
             let child = w.child;
             let a = agent.clone();

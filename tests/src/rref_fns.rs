@@ -240,6 +240,45 @@ pub fn registry() -> rpc_core::Registry {
     register(rpc_core::Registry::builder()).build()
 }
 
+/// What became of the [`sleep_with`] calls under `key`: (started, stopped before finishing).
+pub fn sleeper(key: u64) -> (bool, bool) {
+    sleepers()
+        .lock()
+        .unwrap()
+        .get(&key)
+        .copied()
+        .unwrap_or_default()
+}
+
+fn sleepers() -> &'static Mutex<HashMap<u64, (bool, bool)>> {
+    static S: OnceLock<Mutex<HashMap<u64, (bool, bool)>>> = OnceLock::new();
+    S.get_or_init(Default::default)
+}
+
+/// Holds `r` for `ms` milliseconds, then returns its id; records under `key` that it started,
+/// and whether it was stopped (its future dropped) before finishing.
+#[remote]
+pub async fn sleep_with(
+    _ctx: CallContext,
+    key: u64,
+    r: RRef<Tracked>,
+    ms: u64,
+) -> Result<u64, BoxError> {
+    struct Stopped(u64, bool);
+    impl Drop for Stopped {
+        fn drop(&mut self) {
+            if !self.1 {
+                sleepers().lock().unwrap().entry(self.0).or_default().1 = true;
+            }
+        }
+    }
+    sleepers().lock().unwrap().entry(key).or_default().0 = true;
+    let mut guard = Stopped(key, false);
+    tokio::time::sleep(Duration::from_millis(ms)).await;
+    guard.1 = true;
+    Ok(r.to_here().await?.id)
+}
+
 /// Adds the RRef test functions and the RRef protocol to `b`.
 pub fn register(b: rpc_core::RegistryBuilder) -> rpc_core::RegistryBuilder {
     b.register(make)
@@ -255,6 +294,7 @@ pub fn register(b: rpc_core::RegistryBuilder) -> rpc_core::RegistryBuilder {
         .and_then(|b| b.register(release))
         .and_then(|b| b.register(release_all))
         .and_then(|b| b.register(rref_debug))
+        .and_then(|b| b.register(sleep_with))
         .and_then(rref::install)
         .expect("distinct names")
 }

@@ -85,6 +85,9 @@ fn methods_run_on_the_owner_with_access_to_the_value() {
         assert_eq!(r.rpc_async(id_of, ()).await.unwrap(), 5);
         let before = r.to_here().await.unwrap().data.len();
         assert_eq!(r.rpc_async(push, (99,)).await.unwrap(), before + 1);
+        // The owner registered the reference it was lent before answering; the answer itself
+        // releases the caller's hold, with no acceptance message to wait for.
+        assert_eq!(rref::debug_info(&a[0]).pending_children, 0);
         assert_eq!(*r.to_here().await.unwrap().data.last().unwrap(), 99);
         // local_value is for the owner only.
         match r.local_value().await {
@@ -220,6 +223,106 @@ fn a_reference_in_a_refused_call_is_not_held() {
             rref::debug_info(&a[0]).pending_children,
             0,
             "the fork lent to the refused call is back"
+        );
+        drop(r);
+        assert_quiescent(&a, ns).await;
+        shutdown_all(&a).await;
+    });
+}
+
+/// Dropping a call that carries a reference cancels it on the callee, but only after the
+/// callee has read its arguments: the reference is registered and released at once instead of
+/// being held for an answer that never comes, and shutdown does not wait for it.
+#[test]
+fn a_cancelled_call_carrying_a_reference_is_cancelled_after_its_arguments_are_read() {
+    static KEY: AtomicU64 = AtomicU64::new(1);
+    each_transport(60, |t| async move {
+        let a = group(3, t, Duration::ZERO).await;
+        let ns = ns();
+        let key = KEY.fetch_add(1, Ordering::Relaxed);
+        let r = rref::remote(&a[0], 1u32, make, (ns, 9)).unwrap();
+        assert_eq!(r.to_here().await.unwrap().id, 9);
+        // Cancelled (dropped by the timeout) while the callee sleeps with the reference.
+        let call = a[0].rpc_async(2u32, sleep_with, (key, r.clone(), 30_000));
+        assert!(tokio::time::timeout(Duration::from_millis(300), call)
+            .await
+            .is_err());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while sleeper(key) != (true, true) || rref::debug_info(&a[0]).pending_children > 0 {
+            assert!(
+                Instant::now() < deadline,
+                "sleeper {:?}, counters {:?}",
+                sleeper(key),
+                rref::debug_info(&a[0])
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        drop(r);
+        assert_quiescent(&a, ns).await;
+        let t0 = Instant::now();
+        shutdown_all(&a).await;
+        assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    });
+}
+
+/// The same while the call still waits for an admission permit on the callee, before its
+/// arguments were read (tarpc's own cancellation would drop it unread, and the reference would
+/// be held for ten minutes): it is read, not run, and the reference is released.
+#[test]
+fn a_call_cancelled_before_it_starts_still_gives_back_its_reference() {
+    static KEY: AtomicU64 = AtomicU64::new(1_000_000);
+    each_transport(60, |t| async move {
+        let a = start_group(
+            3,
+            t,
+            Secret::generate(),
+            |_| registry(),
+            |rank, c| {
+                let c = c.with_rpc_timeout(Duration::from_secs(20));
+                if rank == 2 {
+                    c.with_max_concurrent_calls(1)
+                } else {
+                    c
+                }
+            },
+        )
+        .await
+        .unwrap();
+        let ns = ns();
+        let r = rref::remote(&a[0], 1u32, make, (ns, 10)).unwrap();
+        assert_eq!(r.to_here().await.unwrap().id, 10);
+        // Worker 2's only permit is taken for 1.5 s.
+        let (blocker, queued) = (
+            KEY.fetch_add(1, Ordering::Relaxed),
+            KEY.fetch_add(1, Ordering::Relaxed),
+        );
+        let busy = tokio::spawn({
+            let (a0, r) = (a[0].clone(), r.clone());
+            async move { a0.rpc_async(2u32, sleep_with, (blocker, r, 1_500)).await }
+        });
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !sleeper(blocker).0 {
+            assert!(Instant::now() < deadline, "the blocking call never started");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let call = a[0].rpc_async(2u32, sleep_with, (queued, r.clone(), 30_000));
+        assert!(tokio::time::timeout(Duration::from_millis(300), call)
+            .await
+            .is_err());
+        assert_eq!(busy.await.unwrap().unwrap(), 10);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while rref::debug_info(&a[0]).pending_children > 0 {
+            assert!(
+                Instant::now() < deadline,
+                "counters {:?}",
+                rref::debug_info(&a[0])
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(
+            sleeper(queued),
+            (false, false),
+            "the cancelled call never ran"
         );
         drop(r);
         assert_quiescent(&a, ns).await;
