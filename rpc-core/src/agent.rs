@@ -506,9 +506,22 @@ impl Agent {
     pub fn rpc_async_timeout<F: RemoteFn>(
         &self,
         to: impl ToWorker,
+        f: F,
+        args: F::Args,
+        timeout: Duration,
+    ) -> impl Future<Output = Result<F::Output, RpcError>> + Send + 'static {
+        self.call_fut(to, f, args, timeout, true)
+    }
+
+    /// The future of a call. `droppable`: the caller may drop it before it ends (see
+    /// `cancel.rs`); `rpc_sync` drives it to the end and says so, which spares a task.
+    fn call_fut<F: RemoteFn>(
+        &self,
+        to: impl ToWorker,
         _f: F,
         args: F::Args,
         timeout: Duration,
+        droppable: bool,
     ) -> impl Future<Output = Result<F::Output, RpcError>> + Send + 'static {
         let target = self.resolve(&to);
         let agent = self.clone();
@@ -539,7 +552,9 @@ impl Agent {
                 agent.inner.spin.touch();
                 // Bounded inside: the setup by `deadline`, the call by tarpc's own deadline.
                 return agent
-                    .call_remote::<F, F::Output>(to, args, deadline, depth, started, None)
+                    .call_remote::<F, F::Output>(
+                        to, args, deadline, depth, started, None, droppable,
+                    )
                     .await;
             }
             let call = agent.call_local::<F>(args, deadline, depth);
@@ -608,7 +623,7 @@ impl Agent {
                     token,
                 });
                 return agent
-                    .call_remote::<F, ()>(to, args, deadline, depth, started, keep)
+                    .call_remote::<F, ()>(to, args, deadline, depth, started, keep, true)
                     .await;
             }
             let Some(sink_fn) = agent.inner.registry.sink(sink).cloned() else {
@@ -669,7 +684,7 @@ impl Agent {
         timeout: Duration,
     ) -> Result<F::Output, RpcError> {
         use tokio::runtime::RuntimeFlavor;
-        let fut = self.rpc_async_timeout(to, f, args, timeout);
+        let fut = self.call_fut(to, f, args, timeout, false);
         let rt = &self.inner.runtime;
         if rt.runtime_flavor() != RuntimeFlavor::MultiThread {
             return Err(RpcError::CannotBlock {
@@ -758,6 +773,7 @@ impl Agent {
         depth: u32,
         started: Instant,
         keep: Option<KeepTarget>,
+        droppable: bool,
     ) -> Result<O, RpcError> {
         let inner = &self.inner;
         let peer = &inner.peers[to as usize];
@@ -813,7 +829,7 @@ impl Agent {
         };
         // A call whose arguments lent something is cancelled by message, and its reply is
         // always read, so that what was lent is accounted for (see `cancel.rs`).
-        let cancel_id = (!lent.is_empty()).then(|| inner.cancels.next_id());
+        let cancel_id = (droppable && !lent.is_empty()).then(|| inner.cancels.next_id());
         let req = CallRequest {
             fn_name: F::NAME.to_owned(),
             sig: sig_of::<F>(),
