@@ -21,6 +21,14 @@ pub fn transports() -> Vec<Transport> {
     vec![Transport::Tcp, Transport::Memory(MemoryNetwork::new())]
 }
 
+/// Whether this host lets workers share bulk blobs through memory (see
+/// [`Config::shm_arena_bytes`]): creates a small arena and maps it back the way a peer
+/// would. The error says why not (no memfd, no `/proc`, not Linux).
+pub fn shared_memory_probe() -> io::Result<()> {
+    let arena = crate::shm::Arena::create(crate::shm::HEADER + 4096)?;
+    crate::shm::Mapping::open(&arena.announce()).map(drop)
+}
+
 /// A short human name for a transport, for test messages.
 pub fn transport_name(t: &Transport) -> &'static str {
     match t {

@@ -134,7 +134,13 @@ fn three_processes_call_each_other() {
     assert_eq!(v["hops"], 50);
     assert_eq!(v["echo_ok"], true);
     assert_eq!(v["shared_echo_ok"], true);
-    assert!(v["shared_blobs"].as_u64().unwrap() >= 2, "{v}");
+    match rpc_core::testing::shared_memory_probe() {
+        Ok(()) => assert!(v["shared_blobs"].as_u64().unwrap() >= 2, "{v}"),
+        Err(why) => {
+            eprintln!("no shared memory on this host ({why})");
+            assert_eq!(v["shared_blobs"], 0, "{v}");
+        }
+    }
     assert_eq!(v["whoami"], serde_json::json!(["worker0", "worker2"]));
     assert_eq!(v["error_worker"], "worker1");
     assert_eq!(v["error_chain"], serde_json::json!(["disk quota exceeded"]));
