@@ -446,16 +446,14 @@ impl ProcessGroup {
                     sending.push(send(s + 1, j, blob));
                     continue;
                 }
-                if s < n - 1 {
-                    T::reduce_into(op, &mut buf[lo..hi], &got);
+                let fold = (s < n - 1).then_some(op);
+                if s + 1 < steps {
+                    // Into `buf` and into the outgoing piece in one pass.
+                    let mine = &mut buf[lo..hi];
+                    let blob = stage(bytes, &mut |d| T::fold_tee(fold, mine, &got, d))?;
+                    sending.push(send(s + 1, j, blob));
                 } else {
                     T::copy_into(&mut buf[lo..hi], &got);
-                }
-                drop(got);
-                if s + 1 < steps {
-                    let done = &buf[lo..hi];
-                    let blob = stage(bytes, &mut |d| T::write_le(done, d))?;
-                    sending.push(send(s + 1, j, blob));
                 }
             }
         }
@@ -854,6 +852,44 @@ pub trait Element:
                 .map(|(a, b)| Self::combine(op, *a, Self::from_le(b)))
                 .collect();
             Self::write_le(&folded, dst);
+        }
+    }
+
+    /// `buf[i] = combine(buf[i], theirs[i])` (or `theirs[i]` when `op` is `None`), also
+    /// written into `dst` as little-endian elements, in one pass (`theirs` and `dst` are as
+    /// long as `buf`).
+    fn fold_tee(op: Option<ReduceOp>, buf: &mut [Self], theirs: &[u8], dst: &mut [u8]) {
+        // SAFETY: as in `fold_le`.
+        let (tp, tm, tq) = unsafe { theirs.align_to::<Self>() };
+        let (dp, dm, dq) = unsafe { dst.align_to_mut::<Self>() };
+        let aligned = tp.is_empty() && tq.is_empty() && dp.is_empty() && dq.is_empty();
+        if aligned && cfg!(target_endian = "little") {
+            match op {
+                None => {
+                    for ((d, a), b) in dm.iter_mut().zip(buf.iter_mut()).zip(tm) {
+                        *a = *b;
+                        *d = *b;
+                    }
+                }
+                Some(ReduceOp::Sum | ReduceOp::Mean) => {
+                    for ((d, a), b) in dm.iter_mut().zip(buf.iter_mut()).zip(tm) {
+                        *a += *b;
+                        *d = *a;
+                    }
+                }
+                Some(op) => {
+                    for ((d, a), b) in dm.iter_mut().zip(buf.iter_mut()).zip(tm) {
+                        *a = Self::combine(op, *a, *b);
+                        *d = *a;
+                    }
+                }
+            }
+        } else {
+            match op {
+                None => Self::copy_into(buf, theirs),
+                Some(op) => Self::reduce_into(op, buf, theirs),
+            }
+            Self::write_le(buf, dst);
         }
     }
 
