@@ -377,8 +377,9 @@ impl ProcessGroup {
     /// received is folded and sent on at once, while later pieces are still travelling. In the
     /// reduce-scatter steps before the last, the sum is written straight into the outgoing
     /// blob (in shared memory with a peer on this host) and never into `buf`: those chunks are
-    /// overwritten by the all-gather anyway. That saves two of the five passes over the data
-    /// that a fold followed by a copy would make.
+    /// overwritten by the all-gather anyway; that saves two of the five passes over the data
+    /// that a fold followed by a copy would make. The other steps fill `buf` and the outgoing
+    /// piece in one pass ([`Element::fold_tee`]).
     async fn ring_slice<T: Element>(
         &self,
         o: &Op<'_>,
