@@ -779,12 +779,13 @@ impl Agent {
         let peer = &inner.peers[to as usize];
         let worker = || peer.info.name.clone();
         let msg = MessageContext::new(self.clone(), WorkerId(to), MessageKind::Request);
-        // Dropped without a verdict (the outcome is unknown), `lent` runs nothing.
         let (encoded, lent) = blob::encode_request(&args, Some(msg));
+        // Until the request is handed to the connection, returning (or being dropped) gives
+        // back what its arguments lent: the callee cannot have read them.
+        let unsent = blob::Unsent::new(lent);
         let (payload, blobs) = match encoded {
             Ok(v) => v,
             Err(source) => {
-                lent.never_decoded();
                 return Err(RpcError::Encode {
                     what: "arguments",
                     fn_name: F::NAME.to_owned(),
@@ -819,17 +820,10 @@ impl Agent {
                 .await
                 .unwrap_or_else(|_| Err(self.deadline_exceeded::<F>(to, d, started))),
         };
-        let (blobs, gen, client) = match ready {
-            Ok(v) => v,
-            Err(e) => {
-                // Nothing was sent.
-                lent.never_decoded();
-                return Err(e);
-            }
-        };
+        let (blobs, gen, client) = ready?;
         // A call whose arguments lent something is cancelled by message, and its reply is
         // always read, so that what was lent is accounted for (see `cancel.rs`).
-        let cancel_id = (droppable && !lent.is_empty()).then(|| inner.cancels.next_id());
+        let cancel_id = (droppable && !unsent.is_empty()).then(|| inner.cancels.next_id());
         let req = CallRequest {
             fn_name: F::NAME.to_owned(),
             sig: sig_of::<F>(),
@@ -842,6 +836,8 @@ impl Agent {
         };
         let mut tctx = tarpc::context::current();
         tctx.deadline = deadline.unwrap_or_else(|| Instant::now() + NO_DEADLINE);
+        // Dropped from here on without a verdict (the outcome is unknown), `lent` runs nothing.
+        let lent = unsent.sent();
         let Some(id) = cancel_id else {
             let reply = client.call(tctx, req).await;
             return self

@@ -358,6 +358,34 @@ pub(crate) fn encode<T: Serialize + ?Sized>(
     Ok((payload, blobs))
 }
 
+/// What a request lent, until the request is handed to the connection: dropped before that
+/// (a failure, or a caller that gave up), the request certainly was never decoded, and what
+/// was lent is given back.
+pub(crate) struct Unsent(Option<Lent>);
+
+impl Unsent {
+    pub(crate) fn new(lent: Lent) -> Self {
+        Self(Some(lent))
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.0.as_ref().is_none_or(Lent::is_empty)
+    }
+
+    /// The request is being sent: from now on its outcome decides.
+    pub(crate) fn sent(mut self) -> Lent {
+        self.0.take().unwrap_or_default()
+    }
+}
+
+impl Drop for Unsent {
+    fn drop(&mut self) {
+        if let Some(lent) = self.0.take() {
+            lent.never_decoded();
+        }
+    }
+}
+
 /// A message's serde payload and its blob side table.
 pub(crate) type Encoded = (Vec<u8>, Vec<Bytes>);
 
