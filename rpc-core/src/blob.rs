@@ -188,15 +188,16 @@ impl MessageContext {
 
     /// Registers `f` to run once the receiver has answered this request, whatever the answer
     /// (a result or an error), or it is known never to have been decoded. Returns whether it
-    /// was registered: only while a request is being encoded. Where the outcome stays unknown
-    /// (the connection broke, the deadline passed) `f` is dropped without running.
+    /// was registered: only while a request's own arguments are being encoded (not inside a
+    /// [`Payload`], which its receiver may decode after answering). Where the outcome stays
+    /// unknown (the connection broke, the deadline passed) `f` is dropped without running.
     pub fn on_answered(&self, f: impl FnOnce() + Send + 'static) -> bool {
         LENT.with(|u| match u.borrow_mut().as_mut() {
-            Some(lent) => {
+            Some(lent) if lent.opaque == 0 => {
                 lent.answered.push(Box::new(f));
                 true
             }
-            None => false,
+            _ => false,
         })
     }
 }
@@ -208,6 +209,8 @@ impl MessageContext {
 pub(crate) struct Lent {
     undelivered: Vec<Box<dyn FnOnce() + Send>>,
     answered: Vec<Box<dyn FnOnce() + Send>>,
+    /// Depth of [`Payload`]s being encoded inside the request.
+    opaque: u32,
 }
 
 impl Lent {
@@ -247,7 +250,20 @@ impl Payload {
         value: &T,
         ctx: Option<MessageContext>,
     ) -> Result<Self, CodecError> {
-        let (bytes, blobs) = encode(value, ctx).map_err(CodecError)?;
+        // Its receiver may decode it long after answering the request that carried it, so no
+        // value inside may count on the answer (see `MessageContext::on_answered`).
+        LENT.with(|u| {
+            if let Some(lent) = u.borrow_mut().as_mut() {
+                lent.opaque += 1;
+            }
+        });
+        let out = encode(value, ctx);
+        LENT.with(|u| {
+            if let Some(lent) = u.borrow_mut().as_mut() {
+                lent.opaque -= 1;
+            }
+        });
+        let (bytes, blobs) = out.map_err(CodecError)?;
         Ok(Self {
             bytes,
             blobs: blobs.into_iter().map(Blob).collect(),
