@@ -230,6 +230,37 @@ fn a_reference_in_a_refused_call_is_not_held() {
     });
 }
 
+/// A call that fails before its request is sent (here: nothing listens at the callee's
+/// address any more) gives back the fork it lent at once.
+#[test]
+fn a_reference_in_a_call_that_was_never_sent_is_not_held() {
+    each_transport(60, |t| async move {
+        let a = group(3, t, Duration::ZERO).await;
+        let ns = ns();
+        let r = rref::remote(&a[0], 1u32, make, (ns, 12)).unwrap();
+        assert_eq!(r.to_here().await.unwrap().id, 12);
+        // Worker 2 leaves alone (its barrier gives up quickly); worker 0 never dialled it.
+        a[2].shutdown_within(Duration::from_millis(200)).await;
+        let err = a[0]
+            .rpc_async(2u32, read_id, (r.clone(),))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, rpc_core::RpcError::Unreachable { .. }),
+            "{err:?}"
+        );
+        assert_eq!(rref::debug_info(&a[0]).pending_children, 0);
+        drop(r);
+        assert_quiescent(&a[..2], ns).await;
+        futures::future::join_all(
+            a[..2]
+                .iter()
+                .map(|w| w.shutdown_within(Duration::from_secs(2))),
+        )
+        .await;
+    });
+}
+
 /// Dropping a call that carries a reference cancels it on the callee, but only after the
 /// callee has read its arguments: the reference is registered and released at once instead of
 /// being held for an answer that never comes, and shutdown does not wait for it.
