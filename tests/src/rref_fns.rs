@@ -170,56 +170,42 @@ pub async fn bundle_sum(_ctx: CallContext, b: Bundle) -> Result<u64, BoxError> {
     Ok(sum)
 }
 
-/// References kept per (worker, key).
-type Kept = Mutex<HashMap<(String, u64), RRef<Tracked>>>;
+/// References kept on one worker, by key (an agent extension: in-process groups of tests
+/// running at the same time use the same worker names, and must not see each other's).
+#[derive(Default)]
+struct Kept(Mutex<HashMap<u64, RRef<Tracked>>>);
 
-fn kept() -> &'static Kept {
-    static K: OnceLock<Kept> = OnceLock::new();
-    K.get_or_init(Default::default)
+fn kept(ctx: &CallContext) -> std::sync::Arc<Kept> {
+    ctx.agent().extension(Kept::default)
 }
 
 /// Keeps a reference on this worker under `key` (so its fork stays alive here).
 #[remote]
 pub async fn keep(ctx: CallContext, key: u64, r: RRef<Tracked>) -> Result<bool, BoxError> {
     let confirmed = r.confirmed_by_owner();
-    kept()
-        .lock()
-        .unwrap()
-        .insert((ctx.agent().name().to_owned(), key), r);
+    let old = kept(&ctx).0.lock().unwrap().insert(key, r);
+    drop(old);
     Ok(confirmed)
 }
 
 /// Returns (a clone of) the reference kept under `key`: a reference in a result.
 #[remote]
 pub async fn give(ctx: CallContext, key: u64) -> Result<Option<RRef<Tracked>>, BoxError> {
-    Ok(kept()
-        .lock()
-        .unwrap()
-        .get(&(ctx.agent().name().to_owned(), key))
-        .cloned())
+    Ok(kept(&ctx).0.lock().unwrap().get(&key).cloned())
 }
 
 /// Drops the reference kept under `key`.
 #[remote]
 pub async fn release(ctx: CallContext, key: u64) -> Result<bool, BoxError> {
-    let r = kept()
-        .lock()
-        .unwrap()
-        .remove(&(ctx.agent().name().to_owned(), key));
+    let r = kept(&ctx).0.lock().unwrap().remove(&key);
     Ok(r.is_some())
 }
 
 /// Drops every reference kept on this worker.
 #[remote]
 pub async fn release_all(ctx: CallContext) -> Result<usize, BoxError> {
-    let me = ctx.agent().name().to_owned();
-    let mut k = kept().lock().unwrap();
-    let keys: Vec<_> = k.keys().filter(|(w, _)| *w == me).cloned().collect();
-    let dropped: Vec<_> = keys.iter().filter_map(|key| k.remove(key)).collect();
-    drop(k);
-    let n = dropped.len();
-    drop(dropped);
-    Ok(n)
+    let dropped: Vec<_> = kept(&ctx).0.lock().unwrap().drain().collect();
+    Ok(dropped.len())
 }
 
 /// This worker's RRef counters.

@@ -149,7 +149,13 @@ fn sharing_in_every_direction_keeps_values_exactly_as_long_as_referenced() {
                 "the owner's handle is confirmed"
             );
             drop(r);
-            // The value lives on through the kept forks.
+            // The value lives on through the kept forks (its constructor may still be running
+            // on a loaded machine: wait, bounded, for it to exist, then check it stays).
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while live(ns) == 0 {
+                assert!(Instant::now() < deadline, "the value was never constructed");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
             tokio::time::sleep(Duration::from_millis(50)).await;
             assert_eq!(live(ns), 1);
             // A reference in a result: worker0 gets it back from worker2.
