@@ -7,14 +7,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// A small model and dataset: every run takes seconds even in a debug build.
+/// A small model: every run takes seconds even in a debug build.
+const SMALL_MODEL: &[&str] = &["--embedding", "8", "--hidden", "16", "--head-hidden", "16"];
+
+/// The small model on a small dataset.
 const SMALL: &[&str] = &[
-    "--embedding",
-    "8",
-    "--hidden",
-    "16",
-    "--head-hidden",
-    "16",
     "--train-limit",
     "640",
     "--test-limit",
@@ -86,7 +83,12 @@ fn run(args: &[&str], env: &[(&str, &str)], out: &Path, limit: Duration) -> Run 
 }
 
 fn with(extra: &[&str]) -> Vec<String> {
-    SMALL.iter().chain(extra).map(|s| s.to_string()).collect()
+    SMALL_MODEL
+        .iter()
+        .chain(SMALL)
+        .chain(extra)
+        .map(|s| s.to_string())
+        .collect()
 }
 
 fn strs(v: &[String]) -> Vec<&str> {
@@ -305,16 +307,8 @@ fn a_killed_worker_fails_the_run_quickly_naming_it() {
     let out = dir.join("out");
     let (so, se) = (dir.join("stdout"), dir.join("stderr"));
     let mut child = Command::new(env!("CARGO_BIN_EXE_hybrid-rnn"))
-        .args([
-            "--embedding",
-            "8",
-            "--hidden",
-            "16",
-            "--head-hidden",
-            "16",
-            "--local-steps",
-            "0",
-        ])
+        .args(SMALL_MODEL)
+        .args(["--local-steps", "0"])
         .args([
             "--train-limit",
             "1280",
