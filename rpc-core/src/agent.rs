@@ -551,13 +551,14 @@ impl Agent {
             if to != agent.rank() {
                 agent.inner.spin.touch();
                 // Bounded inside: the setup by `deadline`, the call by tarpc's own deadline.
-                return agent
-                    .call_remote::<F, F::Output>(
-                        to, args, deadline, depth, started, None, droppable,
-                    )
-                    .await;
+                // Boxed, here and below: the caller's future stays a few hundred bytes, so
+                // spawning it (as `remote` does for every new reference) copies little.
+                return Box::pin(agent.call_remote::<F, F::Output>(
+                    to, args, deadline, depth, started, None, droppable,
+                ))
+                .await;
             }
-            let call = agent.call_local::<F>(args, deadline, depth);
+            let call = Box::pin(agent.call_local::<F>(args, deadline, depth));
             match deadline {
                 None => call.await,
                 Some(d) => match tokio::time::timeout_at(d.into(), call).await {
@@ -622,9 +623,10 @@ impl Agent {
                     sink: sink.to_owned(),
                     token,
                 });
-                return agent
-                    .call_remote::<F, ()>(to, args, deadline, depth, started, keep, true)
-                    .await;
+                return Box::pin(
+                    agent.call_remote::<F, ()>(to, args, deadline, depth, started, keep, true),
+                )
+                .await;
             }
             let Some(sink_fn) = agent.inner.registry.sink(sink).cloned() else {
                 return Err(RpcError::UnknownFunction {
@@ -632,7 +634,7 @@ impl Agent {
                     fn_name: format!("keep sink `{sink}`"),
                 });
             };
-            let call = agent.call_local::<F>(args, deadline, depth);
+            let call = Box::pin(agent.call_local::<F>(args, deadline, depth));
             let out = match deadline {
                 None => call.await,
                 Some(d) => tokio::time::timeout_at(d.into(), call)

@@ -32,6 +32,27 @@ fn calls_by_name_rank_and_worker_info() {
     });
 }
 
+/// A call's future stays small whatever the transport's state machine holds (that part is
+/// boxed when first polled), so code that spawns many calls, as `rref::remote` does for each
+/// new reference, copies a few hundred bytes per call instead of kilobytes.
+#[test]
+fn call_futures_are_small() {
+    each_transport(30, |t| async move {
+        let a = group(2, t).await;
+        let remote = a[0].rpc_async(1u32, add, (1, 2));
+        let local = a[0].rpc_async(0u32, add, (1, 2));
+        assert!(
+            std::mem::size_of_val(&remote) <= 512,
+            "{} bytes",
+            std::mem::size_of_val(&remote)
+        );
+        assert!(std::mem::size_of_val(&local) <= 512);
+        assert_eq!(remote.await.unwrap(), 3);
+        assert_eq!(local.await.unwrap(), 3);
+        shutdown_all(&a).await;
+    });
+}
+
 /// With busy polling on, calls (plain, nested, bulk) behave the same and shutdown is clean.
 #[test]
 fn busy_polling_changes_nothing_but_speed() {
