@@ -823,9 +823,9 @@ impl Agent {
                 .unwrap_or_else(|_| Err(self.deadline_exceeded::<F>(to, d, started))),
         };
         let (blobs, gen, client) = ready?;
-        // A call whose arguments lent something is cancelled by message, and its reply is
-        // always read, so that what was lent is accounted for (see `cancel.rs`).
-        let cancel_id = (droppable && !unsent.is_empty()).then(|| inner.cancels.next_id());
+        // A call its caller may drop is cancelled by message, and its reply is always read,
+        // so that what its arguments or its result lent is accounted for (see `cancel.rs`).
+        let cancel_id = droppable.then(|| inner.cancels.next_id());
         let req = CallRequest {
             fn_name: F::NAME.to_owned(),
             sig: sig_of::<F>(),
@@ -847,27 +847,12 @@ impl Agent {
                 .await;
         };
         let me = self.clone();
-        let task = self.inner.runtime.spawn(async move {
+        let work = Box::pin(async move {
             let reply = client.call(tctx, req).await;
             me.finish_call::<F, O>(to, gen, reply, lent, deadline, started)
                 .await
         });
-        let mut cancel = crate::cancel::CancelOnDrop {
-            agent: self.clone(),
-            to,
-            id,
-            armed: true,
-        };
-        let out = task.await;
-        cancel.armed = false;
-        match out {
-            Ok(r) => r,
-            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-            Err(_) => Err(RpcError::Shutdown {
-                worker: self.name().to_owned(),
-                fn_name: F::NAME.to_owned(),
-            }),
-        }
+        crate::cancel::Detach::new(self.clone(), to, id, work).await
     }
 
     /// The reply's side of a call: maps transport and remote failures, settles what the

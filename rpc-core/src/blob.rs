@@ -175,8 +175,8 @@ impl MessageContext {
     /// arguments (unknown function, signature mismatch, shutting down). A value that lends
     /// something for the message's journey (a remote reference holding its fork until the
     /// receiver has registered its own) takes it back here instead of waiting for an answer
-    /// that will never come. Where the outcome stays unknown (the call was cancelled, the
-    /// connection broke after sending) `f` is dropped without running. Outside the encoding of
+    /// that will never come. Where the outcome stays unknown (the connection broke after
+    /// sending, the deadline passed) `f` is dropped without running. Outside the encoding of
     /// a request, `f` is dropped at once.
     pub fn on_undelivered(&self, f: impl FnOnce() + Send + 'static) {
         LENT.with(|u| {
@@ -214,10 +214,6 @@ pub(crate) struct Lent {
 }
 
 impl Lent {
-    pub(crate) fn is_empty(&self) -> bool {
-        self.undelivered.is_empty() && self.answered.is_empty()
-    }
-
     /// The receiver certainly never read the arguments.
     pub(crate) fn never_decoded(self) {
         for f in self.undelivered.into_iter().chain(self.answered) {
@@ -382,10 +378,6 @@ pub(crate) struct Unsent(Option<Lent>);
 impl Unsent {
     pub(crate) fn new(lent: Lent) -> Self {
         Self(Some(lent))
-    }
-
-    pub(crate) fn is_empty(&self) -> bool {
-        self.0.as_ref().is_none_or(Lent::is_empty)
     }
 
     /// The request is being sent: from now on its outcome decides.

@@ -12,9 +12,10 @@
 //!   only after its fork's registration was answered.
 //! - CTX-2: a pending child whose request was never sent, or was refused before its
 //!   arguments were read (unknown function, signature mismatch, callee shutting down), is
-//!   released at once (`MessageContext::on_undelivered`). One whose fate is unknown (the call
-//!   was cancelled, or the connection broke after sending) is released after `CHILD_TTL`,
-//!   with a warning.
+//!   released at once (`MessageContext::on_undelivered`). A call or reply dropped by its caller
+//!   is still read (rpc-core's `cancel.rs`), so its children are registered and released as
+//!   usual. One whose fate is unknown (the connection broke after sending, or a reply arrived
+//!   after its call's deadline) is released after `CHILD_TTL`, with a warning.
 
 use rpc_core::{Agent, WeakAgent};
 use std::collections::HashMap;

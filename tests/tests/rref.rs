@@ -302,6 +302,38 @@ fn a_cancelled_call_carrying_a_reference_is_cancelled_after_its_arguments_are_re
     });
 }
 
+/// A call whose reply carries a reference, dropped after the callee has answered but before
+/// the reply was read: the reply is still read, so the callee's hold on the fork it lent is
+/// released at once (not after the ten-minute timeout for lost messages) and the value is
+/// dropped once its last reference goes.
+#[test]
+fn a_dropped_call_whose_reply_carries_a_reference_releases_it() {
+    static KEY: AtomicU64 = AtomicU64::new(2_000_000);
+    each_transport(60, |t| async move {
+        let a = group(3, t, Duration::ZERO).await;
+        let ns = ns();
+        let key = KEY.fetch_add(1, Ordering::Relaxed);
+        // Worker 1 owns the value and keeps its own reference under `key`.
+        let r = rref::remote(&a[0], 1u32, make, (ns, 11)).unwrap();
+        assert!(a[0].rpc_async(1u32, keep, (key, r.clone())).await.is_ok());
+        drop(r);
+        // Ask for a copy of the reference, and give up after the answer was sent.
+        let mut call = Box::pin(a[0].rpc_async(1u32, give, (key,)));
+        assert!(futures::poll!(call.as_mut()).is_pending());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while rref::debug_info(&a[1]).pending_children == 0 {
+            assert!(Instant::now() < deadline, "the answer was never sent");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        drop(call);
+        assert_eq!(a[0].rpc_async(1u32, release, (key,)).await.unwrap(), true);
+        assert_quiescent(&a, ns).await;
+        let t0 = Instant::now();
+        shutdown_all(&a).await;
+        assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    });
+}
+
 /// The same while the call still waits for an admission permit on the callee, before its
 /// arguments were read (tarpc's own cancellation would drop it unread, and the reference would
 /// be held for ten minutes): it is read, not run, and the reference is released.
