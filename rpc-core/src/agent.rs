@@ -146,12 +146,23 @@ pub(crate) struct Inner {
     pub bulk: Arc<Bulk>,
     barrier: Barrier,
     report: tokio::sync::OnceCell<ShutdownReport>,
-    runtime: tokio::runtime::Handle,
+    pub runtime: tokio::runtime::Handle,
     extensions: Mutex<HashMap<std::any::TypeId, Arc<dyn std::any::Any + Send + Sync>>>,
     hooks: Mutex<Vec<ShutdownHook>>,
     providers: std::sync::RwLock<Vec<(&'static str, MetaProvider)>>,
     pub spin: Arc<crate::spin::Spin>,
     pub cancels: crate::cancel::Cancels,
+    /// Sync connections this worker's threads opened (`direct.rs`).
+    pub sync_out: crate::direct::SyncConns,
+    /// Sync connections served here.
+    pub sync_in: crate::direct::SyncConns,
+}
+
+impl Inner {
+    /// Whether shutdown has finished (or been cut short): nothing is sent or served any more.
+    pub(crate) fn is_closed(&self) -> bool {
+        self.state.load(Ordering::Acquire) == CLOSED
+    }
 }
 
 /// Computes a call-metadata value for each outgoing call from its destination (see
@@ -325,6 +336,8 @@ pub async fn init(config: Config, registry: Registry) -> Result<Agent, InitError
         providers: std::sync::RwLock::new(Vec::new()),
         spin: Arc::new(crate::spin::Spin::new(cfg.busy_poll)),
         cancels: crate::cancel::Cancels::default(),
+        sync_out: Default::default(),
+        sync_in: Default::default(),
         cfg,
     };
     let agent = Agent {
@@ -529,25 +542,7 @@ impl Agent {
         let meta = current_meta();
         META.scope(meta, async move {
             let to = target?;
-            let started = Instant::now();
-            let own = (!timeout.is_zero()).then(|| Instant::now() + timeout.min(NO_DEADLINE));
-            let inherited = scope.and_then(|s| s.deadline);
-            let deadline = match (own, inherited) {
-                (Some(a), Some(b)) => Some(a.min(b)),
-                (a, b) => a.or(b),
-            };
-            let depth = scope.map_or(0, |s| s.depth);
-            if agent.inner.state.load(Ordering::Acquire) == CLOSED
-                || (depth == 0
-                    && agent.is_stopping()
-                    && F::NAME != ShutdownBarrier::NAME
-                    && F::NAME != crate::cancel::CancelCall::NAME)
-            {
-                return Err(RpcError::Shutdown {
-                    worker: agent.name().to_owned(),
-                    fn_name: F::NAME.to_owned(),
-                });
-            }
+            let (deadline, depth, started) = agent.plan_call::<F>(timeout, scope)?;
             if to != agent.rank() {
                 agent.inner.spin.touch();
                 // Bounded inside: the setup by `deadline`, the call by tarpc's own deadline.
@@ -569,7 +564,37 @@ impl Agent {
         })
     }
 
-    fn deadline_exceeded<F: RemoteFn>(
+    /// A call's deadline (its own timeout, or the enclosing call's deadline if earlier), its
+    /// nesting depth and its start; refused once the agent is closed, or for a root call once
+    /// shutdown has begun (AG-3).
+    fn plan_call<F: RemoteFn>(
+        &self,
+        timeout: Duration,
+        scope: Option<Scope>,
+    ) -> Result<(Option<Instant>, u32, Instant), RpcError> {
+        let started = Instant::now();
+        let own = (!timeout.is_zero()).then(|| started + timeout.min(NO_DEADLINE));
+        let inherited = scope.and_then(|s| s.deadline);
+        let deadline = match (own, inherited) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        let depth = scope.map_or(0, |s| s.depth);
+        if self.inner.is_closed()
+            || (depth == 0
+                && self.is_stopping()
+                && F::NAME != ShutdownBarrier::NAME
+                && F::NAME != crate::cancel::CancelCall::NAME)
+        {
+            return Err(RpcError::Shutdown {
+                worker: self.name().to_owned(),
+                fn_name: F::NAME.to_owned(),
+            });
+        }
+        Ok((deadline, depth, started))
+    }
+
+    pub(crate) fn deadline_exceeded<F: RemoteFn>(
         &self,
         to: u32,
         deadline: Instant,
@@ -686,21 +711,33 @@ impl Agent {
         timeout: Duration,
     ) -> Result<F::Output, RpcError> {
         use tokio::runtime::RuntimeFlavor;
-        let fut = self.call_fut(to, f, args, timeout, false);
         let rt = &self.inner.runtime;
         if rt.runtime_flavor() != RuntimeFlavor::MultiThread {
             return Err(RpcError::CannotBlock {
                 reason: "the agent runs on a current-thread runtime, which blocking would stall",
             });
         }
-        match tokio::runtime::Handle::try_current() {
-            Err(_) => rt.block_on(fut),
-            Ok(h) if h.runtime_flavor() == RuntimeFlavor::MultiThread => {
-                tokio::task::block_in_place(|| rt.block_on(fut))
+        let in_runtime = match tokio::runtime::Handle::try_current() {
+            Err(_) => false,
+            Ok(h) if h.runtime_flavor() == RuntimeFlavor::MultiThread => true,
+            Ok(_) => {
+                return Err(RpcError::CannotBlock {
+                    reason: "called on a current-thread runtime",
+                })
             }
-            Ok(_) => Err(RpcError::CannotBlock {
-                reason: "called on a current-thread runtime",
-            }),
+        };
+        let run = move || match self.resolve(&to) {
+            // The thread writes and reads its own connection (see `direct.rs`).
+            Ok(rank) if self.sync_connection_applies(rank) => {
+                let (deadline, depth, started) = self.plan_call::<F>(timeout, current_scope())?;
+                self.call_on_thread::<F>(rank, args, deadline, depth, started)
+            }
+            _ => rt.block_on(self.call_fut(to, f, args, timeout, false)),
+        };
+        if in_runtime {
+            tokio::task::block_in_place(run)
+        } else {
+            run()
         }
     }
 
@@ -780,21 +817,9 @@ impl Agent {
         let inner = &self.inner;
         let peer = &inner.peers[to as usize];
         let worker = || peer.info.name.clone();
-        let msg = MessageContext::new(self.clone(), WorkerId(to), MessageKind::Request);
-        let (encoded, lent) = blob::encode_request(&args, Some(msg));
         // Until the request is handed to the connection, returning (or being dropped) gives
         // back what its arguments lent: the callee cannot have read them.
-        let unsent = blob::Unsent::new(lent);
-        let (payload, blobs) = match encoded {
-            Ok(v) => v,
-            Err(source) => {
-                return Err(RpcError::Encode {
-                    what: "arguments",
-                    fn_name: F::NAME.to_owned(),
-                    source,
-                });
-            }
-        };
+        let (payload, blobs, unsent) = self.encode_args::<F>(to, &args)?;
         let dial = self.dial_ctx();
         // Setup (queueing bulk blobs, dialling) is bounded by the deadline too: a peer that
         // stopped reading must not hold the caller past it.
@@ -805,14 +830,7 @@ impl Agent {
                     worker: worker(),
                     source: e.into(),
                 })?;
-            let size = payload.len() + bulk::inline_bytes(&blobs) + F::NAME.len();
-            if size + 1024 > inner.cfg.max_frame_bytes {
-                return Err(RpcError::TooLarge {
-                    fn_name: F::NAME.to_owned(),
-                    size,
-                    limit: inner.cfg.max_frame_bytes,
-                });
-            }
+            self.check_frame::<F>(&payload, &blobs)?;
             let (gen, client) = peer.client(&dial).await?;
             Ok((blobs, gen, client))
         };
@@ -826,16 +844,7 @@ impl Agent {
         // A call its caller may drop is cancelled by message, and its reply is always read,
         // so that what its arguments or its result lent is accounted for (see `cancel.rs`).
         let cancel_id = droppable.then(|| inner.cancels.next_id());
-        let req = CallRequest {
-            fn_name: F::NAME.to_owned(),
-            sig: sig_of::<F>(),
-            depth,
-            payload,
-            blobs,
-            keep,
-            meta: self.outgoing_meta(to),
-            cancel_id,
-        };
+        let req = self.envelope::<F>(to, depth, payload, blobs, keep, cancel_id);
         let mut tctx = tarpc::context::current();
         tctx.deadline = deadline.unwrap_or_else(|| Instant::now() + NO_DEADLINE);
         // Dropped from here on without a verdict (the outcome is unknown), `lent` runs nothing.
@@ -853,6 +862,66 @@ impl Agent {
                 .await
         });
         crate::cancel::Detach::new(self.clone(), to, id, work).await
+    }
+
+    /// Encodes a call's arguments for `to`: the payload, its blobs, and what they lent (given
+    /// back unless the request is marked sent).
+    pub(crate) fn encode_args<F: RemoteFn>(
+        &self,
+        to: u32,
+        args: &F::Args,
+    ) -> Result<(Vec<u8>, Vec<bytes::Bytes>, blob::Unsent), RpcError> {
+        let msg = MessageContext::new(self.clone(), WorkerId(to), MessageKind::Request);
+        let (encoded, lent) = blob::encode_request(args, Some(msg));
+        let unsent = blob::Unsent::new(lent);
+        match encoded {
+            Ok((payload, blobs)) => Ok((payload, blobs, unsent)),
+            Err(source) => Err(RpcError::Encode {
+                what: "arguments",
+                fn_name: F::NAME.to_owned(),
+                source,
+            }),
+        }
+    }
+
+    /// Refuses a request that would exceed the frame limit.
+    pub(crate) fn check_frame<F: RemoteFn>(
+        &self,
+        payload: &[u8],
+        blobs: &[crate::wire::WireBlob],
+    ) -> Result<(), RpcError> {
+        let size = payload.len() + bulk::inline_bytes(blobs) + F::NAME.len();
+        let limit = self.inner.cfg.max_frame_bytes;
+        if size + 1024 > limit {
+            return Err(RpcError::TooLarge {
+                fn_name: F::NAME.to_owned(),
+                size,
+                limit,
+            });
+        }
+        Ok(())
+    }
+
+    /// The envelope of a call to `to`.
+    pub(crate) fn envelope<F: RemoteFn>(
+        &self,
+        to: u32,
+        depth: u32,
+        payload: Vec<u8>,
+        blobs: Vec<crate::wire::WireBlob>,
+        keep: Option<KeepTarget>,
+        cancel_id: Option<u64>,
+    ) -> CallRequest {
+        CallRequest {
+            fn_name: F::NAME.to_owned(),
+            sig: sig_of::<F>(),
+            depth,
+            payload,
+            blobs,
+            keep,
+            meta: self.outgoing_meta(to),
+            cancel_id,
+        }
     }
 
     /// The reply's side of a call: maps transport and remote failures, settles what the
@@ -898,6 +967,19 @@ impl Agent {
                 })
             }
         };
+        self.finish_reply::<F, O>(to, reply, lent, deadline).await
+    }
+
+    /// A reply that arrived: settles what the arguments lent, reads the result's bulk blobs
+    /// and decodes it (or maps the remote error).
+    pub(crate) async fn finish_reply<F: RemoteFn, O: serde::de::DeserializeOwned>(
+        &self,
+        to: u32,
+        reply: crate::wire::CallReply,
+        lent: blob::Lent,
+        deadline: Option<Instant>,
+    ) -> Result<O, RpcError> {
+        let worker = || self.inner.peers[to as usize].info.name.clone();
         let ok = match reply {
             Ok(ok) => {
                 lent.answered();
@@ -1159,12 +1241,14 @@ impl Agent {
         for p in &inner.peers {
             p.close();
         }
+        inner.sync_out.close_all();
         inner.bulk.close();
         inner.stop_accepting.cancel();
         inner.conns.close();
         let _ = tokio::time::timeout(t, inner.conns.wait()).await;
         // Phase 4: abort whatever is left.
         inner.stop.cancel();
+        inner.sync_in.close_all();
         let _ = tokio::time::timeout(Duration::from_secs(5), inner.conns.wait()).await;
         let _ = tokio::time::timeout(Duration::from_secs(5), inner.calls.wait()).await;
         let report = ShutdownReport {

@@ -114,6 +114,8 @@ pub(crate) enum ConnKind {
     Control = 1,
     Bulk = 2,
     Rendezvous = 3,
+    /// A calling thread's own connection for blocking calls (`direct.rs`).
+    Sync = 4,
 }
 
 impl ConnKind {
@@ -122,6 +124,7 @@ impl ConnKind {
             1 => Some(Self::Control),
             2 => Some(Self::Bulk),
             3 => Some(Self::Rendezvous),
+            4 => Some(Self::Sync),
             _ => None,
         }
     }
@@ -129,6 +132,58 @@ impl ConnKind {
 
 fn denied(msg: &str) -> io::Error {
     io::Error::new(io::ErrorKind::PermissionDenied, msg.to_owned())
+}
+
+/// The client's half of the handshake, computed from the server's hello.
+struct ClientAnswer {
+    /// What the client sends.
+    msg: Vec<u8>,
+    ns: [u8; NONCE],
+    nc: [u8; NONCE],
+}
+
+fn client_answer(
+    secret: &Secret,
+    hello: &[u8; 8 + NONCE],
+    kind: ConnKind,
+    rank: u32,
+) -> io::Result<ClientAnswer> {
+    if &hello[..8] != MAGIC {
+        return Err(denied("peer is not an rpc-core worker (bad magic)"));
+    }
+    let ns: [u8; NONCE] = hello[8..].try_into().expect("NONCE bytes");
+    let mut nc = [0u8; NONCE];
+    fill_random(&mut nc);
+    let kind_b = [kind as u8];
+    let rank_b = rank.to_le_bytes();
+    let tag = secret
+        .mac(&[b"client", &ns, &nc, &kind_b, &rank_b])
+        .finalize()
+        .into_bytes();
+    let mut msg = Vec::with_capacity(8 + 1 + 4 + NONCE + TAG);
+    msg.extend_from_slice(MAGIC);
+    msg.extend_from_slice(&kind_b);
+    msg.extend_from_slice(&rank_b);
+    msg.extend_from_slice(&nc);
+    msg.extend_from_slice(&tag);
+    Ok(ClientAnswer { msg, ns, nc })
+}
+
+impl ClientAnswer {
+    /// Checks the server's verdict and its proof of the secret.
+    fn check(&self, secret: &Secret, status: u8, server_tag: &[u8; TAG]) -> io::Result<()> {
+        if status != 1 {
+            return Err(denied("peer rejected our credentials (wrong secret)"));
+        }
+        secret
+            .mac(&[b"server", &self.nc, &self.ns])
+            .verify_slice(server_tag)
+            .map_err(|_| denied("peer failed to prove the group secret"))
+    }
+}
+
+fn closed_during_auth(_: io::Error) -> io::Error {
+    denied("peer closed the connection during authentication (wrong secret?)")
 }
 
 /// Client side of the handshake.
@@ -140,39 +195,39 @@ pub(crate) async fn client(
 ) -> io::Result<()> {
     let mut hello = [0u8; 8 + NONCE];
     conn.read_exact(&mut hello).await?;
-    if &hello[..8] != MAGIC {
-        return Err(denied("peer is not an rpc-core worker (bad magic)"));
-    }
-    let ns = &hello[8..];
-    let mut nc = [0u8; NONCE];
-    fill_random(&mut nc);
-    let kind_b = [kind as u8];
-    let rank_b = rank.to_le_bytes();
-    let tag = secret
-        .mac(&[b"client", ns, &nc, &kind_b, &rank_b])
-        .finalize()
-        .into_bytes();
-    let mut msg = Vec::with_capacity(8 + 1 + 4 + NONCE + TAG);
-    msg.extend_from_slice(MAGIC);
-    msg.extend_from_slice(&kind_b);
-    msg.extend_from_slice(&rank_b);
-    msg.extend_from_slice(&nc);
-    msg.extend_from_slice(&tag);
-    conn.write_all(&msg).await?;
+    let answer = client_answer(secret, &hello, kind, rank)?;
+    conn.write_all(&answer.msg).await?;
     conn.flush().await?;
     let mut status = [0u8; 1];
     conn.read_exact(&mut status)
         .await
-        .map_err(|_| denied("peer closed the connection during authentication (wrong secret?)"))?;
-    if status[0] != 1 {
-        return Err(denied("peer rejected our credentials (wrong secret)"));
-    }
+        .map_err(closed_during_auth)?;
     let mut server_tag = [0u8; TAG];
-    conn.read_exact(&mut server_tag).await?;
-    secret
-        .mac(&[b"server", &nc, ns])
-        .verify_slice(&server_tag)
-        .map_err(|_| denied("peer failed to prove the group secret"))
+    if status[0] == 1 {
+        conn.read_exact(&mut server_tag).await?;
+    }
+    answer.check(secret, status[0], &server_tag)
+}
+
+/// Client side of the handshake on a blocking stream (the stream's own timeouts bound it).
+pub(crate) fn client_blocking(
+    conn: &mut (impl std::io::Read + std::io::Write),
+    secret: &Secret,
+    kind: ConnKind,
+    rank: u32,
+) -> io::Result<()> {
+    let mut hello = [0u8; 8 + NONCE];
+    conn.read_exact(&mut hello)?;
+    let answer = client_answer(secret, &hello, kind, rank)?;
+    conn.write_all(&answer.msg)?;
+    conn.flush()?;
+    let mut status = [0u8; 1];
+    conn.read_exact(&mut status).map_err(closed_during_auth)?;
+    let mut server_tag = [0u8; TAG];
+    if status[0] == 1 {
+        conn.read_exact(&mut server_tag)?;
+    }
+    answer.check(secret, status[0], &server_tag)
 }
 
 /// Server side of the handshake: returns the connection's kind and the peer's claimed rank.
@@ -239,6 +294,40 @@ mod tests {
         let (c, srv) = pair(&Secret::new("a"), &Secret::new("b")).await;
         assert_eq!(c.unwrap_err().kind(), io::ErrorKind::PermissionDenied);
         assert_eq!(srv.unwrap_err().kind(), io::ErrorKind::PermissionDenied);
+    }
+
+    /// The blocking client speaks the same handshake as the async server, both ways.
+    #[test]
+    fn blocking_client_authenticates_against_the_server() {
+        for (cs, ss, ok) in [("k", "k", true), ("a", "b", false)] {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let addr = l.local_addr().unwrap();
+            let ss = Secret::new(ss);
+            let server = std::thread::spawn(move || {
+                let (s, _) = l.accept().unwrap();
+                s.set_nonblocking(true).unwrap();
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                rt.block_on(async {
+                    let mut c: Conn = Box::new(tokio::net::TcpStream::from_std(s).unwrap());
+                    server(&mut c, &ss).await
+                })
+            });
+            let mut s = std::net::TcpStream::connect(addr).unwrap();
+            s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+                .unwrap();
+            let c = client_blocking(&mut s, &Secret::new(cs), ConnKind::Control, 3);
+            let srv = server.join().unwrap();
+            if ok {
+                c.unwrap();
+                assert_eq!(srv.unwrap(), (ConnKind::Control, 3));
+            } else {
+                assert_eq!(c.unwrap_err().kind(), io::ErrorKind::PermissionDenied);
+                assert_eq!(srv.unwrap_err().kind(), io::ErrorKind::PermissionDenied);
+            }
+        }
     }
 
     #[test]

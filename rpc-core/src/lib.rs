@@ -51,6 +51,7 @@
 //! - `bulk`: the raw data path for large blobs, [`BulkStats`].
 //! - `shm`: shared-memory arenas for bulk blobs between workers on one host.
 //! - `agent`: [`Agent`], [`init`], calls and shutdown.
+//! - `direct`: blocking calls on the calling thread's own connection.
 //! - `cancel`: cancelling calls whose arguments lent something, by message.
 //! - `spin`: optional busy polling after traffic ([`Config::busy_poll`]).
 //! - [`testing`]: start a whole group in one process; raw connections for protocol tests.
@@ -67,6 +68,7 @@ mod cancel;
 mod client;
 mod config;
 mod context;
+mod direct;
 mod error;
 mod registry;
 mod rendezvous;

@@ -81,6 +81,12 @@ async fn serve_conn(agent: Agent, mut conn: Conn) {
     match kind {
         ConnKind::Control => serve_control(agent, conn, rank).await,
         ConnKind::Bulk => crate::bulk::serve_incoming(&agent, conn, rank).await,
+        ConnKind::Sync => match crate::transport::into_std_tcp(conn) {
+            Some(stream) => crate::direct::serve(&agent, stream, rank).await,
+            None => {
+                tracing::warn!(worker = %agent.name(), "refused a sync connection on a transport other than TCP")
+            }
+        },
         ConnKind::Rendezvous => {
             tracing::warn!(worker = %agent.name(), "refused a rendezvous connection on a worker port")
         }
@@ -140,7 +146,12 @@ pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
 }
 
 #[tracing::instrument(level = "debug", skip_all, fields(rpc.fn = %req.fn_name, rpc.caller = caller, rpc.depth = req.depth))]
-async fn handle(agent: Agent, deadline: Instant, req: CallRequest, caller: u32) -> CallReply {
+pub(crate) async fn handle(
+    agent: Agent,
+    deadline: Instant,
+    req: CallRequest,
+    caller: u32,
+) -> CallReply {
     let inner = &agent.inner;
     inner.spin.touch();
     let fail = |kind, msg: String| RemoteError::new(kind, &req.fn_name, agent.name(), msg);

@@ -568,6 +568,234 @@ fn rpc_sync_works_from_plain_threads() {
     });
 }
 
+/// A multi-threaded runtime with `workers` threads, for tests that drive agents from plain
+/// threads.
+fn runtime(workers: usize) -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn block_on_for<F: std::future::Future>(
+    rt: &tokio::runtime::Runtime,
+    secs: u64,
+    f: F,
+) -> F::Output {
+    rt.block_on(async {
+        tokio::time::timeout(Duration::from_secs(secs), f)
+            .await
+            .unwrap_or_else(|_| panic!("timed out after {secs} s"))
+    })
+}
+
+/// Everything `rpc_sync` does from a plain thread, with the thread's own connection and
+/// without it: results, errors, bulk blobs both ways, a nested call back to the caller,
+/// deadlines (after which the same thread's next call still works), self-calls.
+#[test]
+fn rpc_sync_from_plain_threads_behaves_the_same_on_both_paths() {
+    for sync_connections in [true, false] {
+        eprintln!("-- sync_connections {sync_connections}");
+        let rt = runtime(2);
+        let agents = block_on_for(&rt, 30, async {
+            start_group(
+                2,
+                Transport::Tcp,
+                Secret::generate(),
+                |_| registry(),
+                |_, c| {
+                    c.with_sync_connections(sync_connections)
+                        .with_bulk_threshold(64 << 10)
+                },
+            )
+            .await
+            .unwrap()
+        });
+        let a0 = agents[0].clone();
+        std::thread::spawn(move || {
+            assert_eq!(a0.rpc_sync(1u32, add, (20, 22)).unwrap(), 42);
+            assert_eq!(a0.rpc_sync("worker0", add, (1, 1)).unwrap(), 2);
+            let err = a0.rpc_sync(1u32, fail, ("ckpt-7".into(),)).unwrap_err();
+            let text = rpc_core::error_chain(&err);
+            assert!(
+                text.contains("worker1") && text.contains("ckpt-7") && text.contains("quota"),
+                "{text}"
+            );
+            let err = a0.rpc_sync(1u32, add_i64, (1, 2)).unwrap_err();
+            assert!(matches!(err, RpcError::TypeMismatch { .. }), "{err:?}");
+            // Bulk blobs: a large argument and a large result.
+            let big: Vec<u8> = (0..(1u32 << 20)).map(|i| (i % 251) as u8).collect();
+            let back = a0.rpc_sync(1u32, echo, (Blob::from(big.clone()),)).unwrap();
+            assert_eq!(&back[..], &big[..]);
+            assert_eq!(a0.rpc_sync(1u32, zeros, (300_000,)).unwrap().len(), 300_000);
+            // The callee calls back into the caller while the caller's thread is blocked.
+            let seen = a0
+                .rpc_sync_timeout(1u32, nested_remaining_ms, (0,), Duration::from_secs(20))
+                .unwrap()
+                .expect("the nested call inherits a deadline");
+            assert!(seen <= 20_000, "{seen}");
+            let t = Instant::now();
+            let err = a0
+                .rpc_sync_timeout(1u32, sleep_ms, (5_000,), Duration::from_millis(200))
+                .unwrap_err();
+            assert!(
+                matches!(&err, RpcError::DeadlineExceeded { worker, .. } if worker == "worker1"),
+                "{err:?}"
+            );
+            assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+            // The late reply is never taken for the next call's.
+            assert_eq!(a0.rpc_sync(1u32, sleep_ms, (1,)).unwrap(), 1);
+            assert_eq!(a0.rpc_sync(1u32, add, (2, 3)).unwrap(), 5);
+        })
+        .join()
+        .unwrap();
+        block_on_for(&rt, 60, shutdown_all(&agents));
+    }
+}
+
+/// A blocking call on the thread's own connection needs none of the caller's runtime
+/// threads: it completes while the only one is busy. (Through the runtime it could not
+/// start until that thread is free.)
+#[test]
+fn rpc_sync_on_its_own_connection_needs_no_runtime_thread_of_the_caller() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let rt0 = runtime(1);
+    let rt1 = runtime(2);
+    let secret = Secret::generate();
+    let server = block_on_for(
+        &rt0,
+        30,
+        rpc_core::RendezvousServer::start(
+            &Transport::Tcp,
+            "127.0.0.1:0",
+            secret.clone(),
+            2,
+            Duration::from_secs(30),
+        ),
+    )
+    .unwrap();
+    let config = |rank: u32| {
+        rpc_core::Config::new()
+            .with_rank(rank)
+            .with_world_size(2)
+            .with_init_method(format!("tcp://{}", server.local_addr()))
+            .with_serve_rendezvous(false)
+            .with_secret(secret.clone())
+    };
+    let a1 = rt1.spawn(rpc_core::init(config(1), registry()));
+    let a0 = block_on_for(&rt0, 30, rpc_core::init(config(0), registry())).unwrap();
+    let a1 = block_on_for(&rt1, 30, a1).unwrap().unwrap();
+    block_on_for(&rt0, 10, server.finish(Duration::from_secs(5)));
+    // Warm up: the thread's connection exists before the runtime is blocked.
+    assert_eq!(a0.rpc_sync(1u32, add, (1, 1)).unwrap(), 2);
+    let (started, finished) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let (s, f) = (started.clone(), finished.clone());
+    rt0.spawn(async move {
+        s.store(true, Ordering::SeqCst);
+        std::thread::sleep(Duration::from_secs(4));
+        f.store(true, Ordering::SeqCst);
+    });
+    for _ in 0..400 {
+        if started.load(Ordering::SeqCst) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(
+        started.load(Ordering::SeqCst),
+        "the blocking task never started"
+    );
+    assert_eq!(a0.rpc_sync(1u32, add, (40, 2)).unwrap(), 42);
+    assert!(
+        !finished.load(Ordering::SeqCst),
+        "the call waited for the caller's runtime thread"
+    );
+    let (r0, r1) = (
+        rt0.spawn({
+            let a0 = a0.clone();
+            async move { a0.shutdown().await }
+        }),
+        rt1.spawn({
+            let a1 = a1.clone();
+            async move { a1.shutdown().await }
+        }),
+    );
+    assert!(block_on_for(&rt0, 60, r0).unwrap().is_clean());
+    assert!(block_on_for(&rt1, 60, r1).unwrap().is_clean());
+}
+
+/// Threads' connections do not hold shutdown up, a call after shutdown is an error, and the
+/// callee's serving threads end with their connections.
+#[test]
+fn sync_connections_close_with_their_thread_and_at_shutdown() {
+    let rt = runtime(2);
+    let agents = block_on_for(&rt, 30, group(4, Transport::Tcp));
+    let serving = || -> usize {
+        std::fs::read_dir("/proc/self/task")
+            .map(|d| {
+                d.filter_map(|e| std::fs::read_to_string(e.ok()?.path().join("comm")).ok())
+                    .filter(|c| c.trim() == "rpc-sync-3")
+                    .count()
+            })
+            .unwrap_or(0)
+    };
+    // Threads end a moment after their connection closes: wait up to 5 s for none to be left.
+    let serving_after_wait = || {
+        for _ in 0..100 {
+            if serving() == 0 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        serving()
+    };
+    // A thread that ends: its connection closes, and the callee's thread ends with it.
+    let a3 = agents[3].clone();
+    std::thread::spawn(move || {
+        for to in [0u32, 1] {
+            assert_eq!(a3.rpc_sync(to, add, (1, 2)).unwrap(), 3);
+        }
+    })
+    .join()
+    .unwrap();
+    assert_eq!(
+        serving_after_wait(),
+        0,
+        "serving threads outlived their connections"
+    );
+    // A thread that stays: its connection stays open until shutdown closes it.
+    let a3 = agents[3].clone();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let caller = std::thread::spawn(move || {
+        assert_eq!(a3.rpc_sync(2u32, add, (1, 2)).unwrap(), 3);
+        done_tx.send(()).unwrap();
+        go_rx.recv_timeout(Duration::from_secs(60)).unwrap();
+        a3.rpc_sync(2u32, add, (1, 2))
+    });
+    done_rx.recv_timeout(Duration::from_secs(30)).unwrap();
+    assert_eq!(serving(), 1);
+    let reports = block_on_for(
+        &rt,
+        60,
+        futures::future::join_all(agents.iter().map(|a| a.shutdown())),
+    );
+    for r in &reports {
+        assert!(r.is_clean(), "{r:?}");
+        // Not held up by the open connection (the group's shutdown timeout is 10 s).
+        assert!(r.elapsed < Duration::from_secs(8), "{r:?}");
+    }
+    go_tx.send(()).unwrap();
+    let err = caller.join().unwrap().unwrap_err();
+    assert!(matches!(err, RpcError::Shutdown { .. }), "{err:?}");
+    assert_eq!(serving_after_wait(), 0, "serving threads outlived shutdown");
+}
+
 #[test]
 fn rpc_sync_on_a_current_thread_runtime_is_an_error_not_a_hang() {
     let rt = tokio::runtime::Builder::new_current_thread()

@@ -15,8 +15,23 @@ use std::net::IpAddr;
 use tokio::io::{AsyncRead, AsyncWrite};
 
 /// A connection: any bidirectional byte stream.
-pub trait Io: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
-impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> Io for T {}
+pub trait Io: AsyncRead + AsyncWrite + Send + Unpin + 'static {
+    /// The concrete stream, to take a TCP connection over for blocking use.
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send>;
+}
+impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> Io for T {
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
+        self
+    }
+}
+
+/// The blocking TCP stream under `conn`, if it is a TCP connection.
+pub(crate) fn into_std_tcp(conn: Conn) -> Option<std::net::TcpStream> {
+    let s = conn.into_any().downcast::<tokio::net::TcpStream>().ok()?;
+    let s = s.into_std().ok()?;
+    s.set_nonblocking(false).ok()?;
+    Some(s)
+}
 
 /// A boxed connection.
 pub(crate) type Conn = Box<dyn Io>;
