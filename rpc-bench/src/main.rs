@@ -23,6 +23,13 @@ use rpc_core::{
 };
 use serde_json::json;
 
+const USAGE: &str = "usage: rpc-bench [all|latency|throughput|tensor|rref|allreduce] \
+[--threads N] [--busy-poll-us N] [--no-shm]
+  --threads N        runtime worker threads of every process (0: current-thread runtime)
+  --busy-poll-us N   Config::busy_poll of every process, in microseconds (default 0: off)
+  --no-shm           bulk blobs stream over TCP instead of shared memory
+Prints one JSON object per line.";
+
 /// Does nothing.
 #[remote]
 async fn noop(_ctx: CallContext) -> Result<(), BoxError> {
@@ -222,6 +229,10 @@ fn main() -> Result<()> {
         .try_init();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mode = args.first().map(String::as_str).unwrap_or("all");
+    if matches!(mode, "-h" | "--help" | "help") {
+        println!("{USAGE}");
+        return Ok(());
+    }
     let threads = match args.iter().position(|a| a == "--threads") {
         Some(i) => args
             .get(i + 1)
@@ -285,9 +296,7 @@ fn main() -> Result<()> {
             Ok(())
         }
         "latency" | "throughput" | "tensor" | "rref" => drive(mode, threads),
-        other => {
-            bail!("unknown mode {other:?}; use all, latency, throughput, tensor, rref or allreduce")
-        }
+        other => bail!("unknown mode {other:?}\n{USAGE}"),
     }
 }
 
@@ -346,7 +355,9 @@ fn drive(mode: &str, threads: usize) -> Result<()> {
         for v in rt.block_on(rt.spawn(async move { rref_bench(&a).await }))?? {
             emit(tag(v));
         }
-        emit(tag(rref_sync_method(&agent)?));
+        for v in rref_blocking(&agent)? {
+            emit(tag(v));
+        }
     }
     // Footprint of the RPC machinery itself, before any bulk payload is held.
     let peer_rss = rt.block_on(agent.rpc_async(1u32, peak_rss, ()))?;
@@ -597,6 +608,40 @@ async fn rref_bench(agent: &Agent) -> Result<Vec<serde_json::Value>> {
 }
 
 /// `rref.rpc_sync(method)` from a plain thread, as PyTorch's `rref.rpc_sync().incr(1)`.
+/// The blocking RRef operations, from a plain thread (as PyTorch's, called from Python's
+/// main thread): `remote` then `to_here_blocking`, `to_here_blocking` of an existing
+/// reference, and a method call.
+fn rref_blocking(agent: &Agent) -> Result<Vec<serde_json::Value>> {
+    let mut out = Vec::new();
+    let mut xs = Vec::with_capacity(RREF_N);
+    for i in 0..RREF_WARMUP + RREF_N {
+        let t = Instant::now();
+        let r = rref::remote(agent, 1u32, new_counter, (1,))?;
+        let c = r.to_here_blocking()?;
+        let dt = t.elapsed().as_secs_f64() * 1e6;
+        anyhow::ensure!(c.value == 1, "wrong value");
+        if i >= RREF_WARMUP {
+            xs.push(dt);
+        }
+    }
+    out.push(sample("remote_to_here_blocking_us", xs));
+    let existing = rref::remote(agent, 1u32, new_counter, (5,))?;
+    existing.to_here_blocking()?;
+    let mut xs = Vec::with_capacity(RREF_N);
+    for i in 0..RREF_WARMUP + RREF_N {
+        let t = Instant::now();
+        let c = existing.to_here_blocking()?;
+        let dt = t.elapsed().as_secs_f64() * 1e6;
+        anyhow::ensure!(c.value == 5, "wrong value");
+        if i >= RREF_WARMUP {
+            xs.push(dt);
+        }
+    }
+    out.push(sample("to_here_existing_blocking_us", xs));
+    out.push(rref_sync_method(agent)?);
+    Ok(out)
+}
+
 fn rref_sync_method(agent: &Agent) -> Result<serde_json::Value> {
     let persistent = rref::remote(agent, 1u32, new_counter, (0,))?;
     let mut xs = Vec::with_capacity(RREF_N);

@@ -464,7 +464,6 @@ impl<T: 'static> RRef<T> {
     {
         self.check_created()?;
         let agent = self.agent()?;
-        let id = self.h.id.to_string();
         if self.is_owner() {
             let v = self.local_value_within(&agent, timeout).await?;
             let guard = v.lock().await;
@@ -472,11 +471,47 @@ impl<T: 'static> RRef<T> {
         }
         let fetched = agent
             .rpc_async_timeout(self.h.owner, Fetch, (self.h.id,), timeout)
-            .await
-            .map_err(|source| RRefError::Rpc {
-                id: id.clone(),
-                source: Box::new(source),
-            })?;
+            .await;
+        self.fetched(agent, fetched)
+    }
+
+    /// Blocking [`RRef::to_here`], for code that is not async (PyTorch's `to_here` blocks).
+    /// From a plain thread the fetch takes the thread's own connection to the owner (see
+    /// [`rpc_core::Config::sync_connections`]); on the owner it is a local call.
+    pub fn to_here_blocking(&self) -> Result<T, RRefError>
+    where
+        T: Clone + DeserializeOwned + Send + 'static,
+    {
+        let agent = self.agent()?;
+        let timeout = agent.rpc_timeout();
+        self.to_here_blocking_timeout(timeout)
+    }
+
+    /// [`RRef::to_here_blocking`] with an explicit timeout (`Duration::ZERO`: none).
+    pub fn to_here_blocking_timeout(&self, timeout: Duration) -> Result<T, RRefError>
+    where
+        T: Clone + DeserializeOwned + Send + 'static,
+    {
+        self.check_created()?;
+        let agent = self.agent()?;
+        let fetched = agent.rpc_sync_timeout(self.h.owner, Fetch, (self.h.id,), timeout);
+        self.fetched(agent, fetched)
+    }
+
+    /// The value from the owner's reply to a fetch.
+    fn fetched(
+        &self,
+        agent: Agent,
+        fetched: Result<Result<rpc_core::Payload, String>, RpcError>,
+    ) -> Result<T, RRefError>
+    where
+        T: DeserializeOwned,
+    {
+        let id = self.h.id.to_string();
+        let fetched = fetched.map_err(|source| RRefError::Rpc {
+            id: id.clone(),
+            source: Box::new(source),
+        })?;
         let payload = fetched.map_err(|message| RRefError::CreationFailed {
             id: id.clone(),
             owner: self.owner_name(),

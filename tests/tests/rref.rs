@@ -76,6 +76,43 @@ fn remote_returns_at_once_and_to_here_fetches_the_value() {
     });
 }
 
+/// The blocking fetch, from threads that are not async: on a user (before and after the
+/// owner confirmed it), on the owner, and for a constructor that failed.
+#[test]
+fn to_here_blocking_works_from_plain_threads() {
+    each_transport(60, |t| async move {
+        let a = group(2, t, Duration::ZERO).await;
+        let ns = ns();
+        let slow = rref::remote(&a[0], 1u32, make_slow, (ns, 3, 200)).unwrap();
+        let owned = rref::remote(&a[1], 1u32, make, (ns, 4)).unwrap();
+        let failed = rref::remote(&a[0], 1u32, make_fail, ("no disk".into(),)).unwrap();
+        let (slow, owned, failed) = tokio::task::spawn_blocking(move || {
+            // The owner has not confirmed the creator's reference yet: the fetch waits for
+            // the constructor, and settles the reference.
+            assert!(!slow.confirmed_by_owner());
+            let v = slow.to_here_blocking().unwrap();
+            assert_eq!(v, Tracked::new(ns + 1_000_000_000, 3));
+            assert!(slow.confirmed_by_owner());
+            assert_eq!(slow.to_here_blocking().unwrap().id, 3);
+            assert!(owned.is_owner());
+            assert_eq!(owned.to_here_blocking().unwrap().id, 4);
+            match failed.to_here_blocking_timeout(Duration::from_secs(10)) {
+                Err(RRefError::CreationFailed { message, .. }) => {
+                    assert!(message.contains("no disk"), "{message}")
+                }
+                other => panic!("expected CreationFailed, got {other:?}"),
+            }
+            (slow, owned, failed)
+        })
+        .await
+        .unwrap();
+        assert_eq!(live(ns), 2);
+        drop((slow, owned, failed));
+        assert_quiescent(&a, ns).await;
+        shutdown_all(&a).await;
+    });
+}
+
 #[test]
 fn methods_run_on_the_owner_with_access_to_the_value() {
     each_transport(60, |t| async move {
