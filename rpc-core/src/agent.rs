@@ -693,6 +693,12 @@ impl Agent {
     /// Works from plain threads and from `spawn_blocking` or multi-threaded runtime threads
     /// (via `block_in_place`). From a current-thread runtime it returns
     /// [`RpcError::CannotBlock`] instead of deadlocking.
+    ///
+    /// A call to another worker over TCP goes on the calling thread's own connection to it,
+    /// which the callee serves on a thread of its own: no runtime thread is involved at either
+    /// end of the round trip (see [`Config::sync_connections`]).
+    ///
+    /// [`Config::sync_connections`]: crate::Config::sync_connections
     pub fn rpc_sync<F: RemoteFn>(
         &self,
         to: impl ToWorker,

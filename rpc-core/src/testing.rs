@@ -102,6 +102,19 @@ pub async fn dial_authenticated(
     Ok(conn)
 }
 
+/// Like [`dial_authenticated`], as a calling thread's own connection for blocking calls (see
+/// [`Config::sync_connections`]), which the callee serves on a thread of its own.
+pub async fn dial_authenticated_sync(
+    transport: &Transport,
+    addr: &str,
+    secret: &Secret,
+    rank: u32,
+) -> io::Result<Box<dyn Io>> {
+    let (mut conn, _) = transport.connect(addr).await?;
+    auth::client(&mut conn, secret, ConnKind::Sync, rank).await?;
+    Ok(conn)
+}
+
 /// Dials `addr` without authenticating.
 pub async fn dial_raw(transport: &Transport, addr: &str) -> io::Result<Box<dyn Io>> {
     Ok(transport.connect(addr).await?.0)

@@ -1008,6 +1008,54 @@ fn oversized_frames_are_refused_and_the_worker_keeps_serving() {
     });
 }
 
+/// The blocking path's own connections obey the frame limit at both ends too.
+#[test]
+fn oversized_frames_on_sync_connections_are_refused_and_the_worker_keeps_serving() {
+    let rt = runtime(2);
+    let secret = Secret::generate();
+    let a = block_on_for(
+        &rt,
+        30,
+        start_group(
+            2,
+            Transport::Tcp,
+            secret.clone(),
+            |_| registry(),
+            |_, c| c.with_max_frame_bytes(64 << 10),
+        ),
+    )
+    .unwrap();
+    block_on_for(&rt, 30, async {
+        let mut conn =
+            testing::dial_authenticated_sync(&Transport::Tcp, a[1].local_addr(), &secret, 0)
+                .await
+                .unwrap();
+        conn.write_all(&(1u32 << 30).to_be_bytes()).await.unwrap();
+        let _ = conn.write_all(&[0u8; 1024]).await;
+        let mut sink = Vec::new();
+        let closed =
+            tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut sink)).await;
+        assert!(closed.is_ok(), "the connection is closed, not left hanging");
+    });
+    let a0 = a[0].clone();
+    std::thread::spawn(move || {
+        let err = a0
+            .rpc_sync(1u32, fail, ("x".repeat(100 << 10),))
+            .unwrap_err();
+        assert!(matches!(err, RpcError::TooLarge { .. }), "{err:?}");
+        let err = a0.rpc_sync(1u32, zeros, (100 << 10,)).unwrap_err();
+        let r = err.as_remote().expect("remote error");
+        assert!(
+            r.worker == "worker1" && r.message.contains("frame limit"),
+            "{r}"
+        );
+        assert_eq!(a0.rpc_sync(1u32, add, (3, 4)).unwrap(), 7);
+    })
+    .join()
+    .unwrap();
+    block_on_for(&rt, 60, shutdown_all(&a));
+}
+
 #[test]
 fn rendezvous_timeout_names_missing_ranks_and_refuses_duplicates() {
     each_transport(30, |t| async move {
