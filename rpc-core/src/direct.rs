@@ -459,7 +459,10 @@ impl Agent {
         };
         let reply = match reply {
             Ok(r) => r,
-            Err(e) if e.kind == io::ErrorKind::TimedOut => {
+            Err(e)
+                if e.kind == io::ErrorKind::TimedOut
+                    || deadline.is_some_and(|d| Instant::now() >= d) =>
+            {
                 let d = deadline.unwrap_or(started + NO_DEADLINE);
                 return Err(self.deadline_exceeded::<F>(to, d, started));
             }
@@ -539,18 +542,16 @@ fn serve_thread(weak: Weak<Inner>, stream: TcpStream, caller: u32) {
                 () = stop.cancelled() => None,
             }
         });
-        let message = match reply {
-            Some(Ok(reply)) => Ok(reply),
-            // The caller has given up by now; it is told anyway, in case the clocks differ.
-            Some(Err(_)) => Err(tarpc::ServerError::new(
-                io::ErrorKind::TimedOut,
-                "the call's deadline passed".to_owned(),
-            )),
+        let reply = match reply {
+            Some(Ok(reply)) => reply,
+            // As tarpc's server does: a call past its deadline is dropped unanswered. Its
+            // caller stops waiting at the same deadline and closes the connection (DIR-1).
+            Some(Err(_)) => continue,
             None => return,
         };
         let resp = tarpc::Response {
             request_id: id,
-            message,
+            message: Ok::<_, tarpc::ServerError>(reply),
         };
         // A caller that stopped reading does not hold this thread for long.
         let write_by = Some(Instant::now() + agent.inner.cfg.handshake_timeout);
