@@ -82,9 +82,11 @@ pub struct Config {
     pub shm_arena_bytes: usize,
     /// Whether `rpc_sync` from a thread that is not running async code writes and reads the
     /// thread's own connection to the peer (TCP only), instead of handing the call to a
-    /// runtime thread and waiting to be handed the reply: two thread wake-ups fewer per call.
-    /// Each such thread keeps one connection per peer it calls, closed when the thread ends
-    /// or the agent shuts down. Default: on.
+    /// runtime thread and waiting to be handed the reply; the peer serves each such connection
+    /// on a thread of its own instead of its runtime. A round trip then costs what a raw
+    /// socket ping-pong does, with no thread hand-offs at either end. Each calling thread
+    /// keeps one connection per peer it calls (and each peer one serving thread for it),
+    /// closed when the calling thread ends or either agent shuts down. Default: on.
     pub sync_connections: bool,
 }
 
