@@ -97,9 +97,7 @@ pub async fn dial_authenticated(
     secret: &Secret,
     rank: u32,
 ) -> io::Result<Box<dyn Io>> {
-    let (mut conn, _) = transport.connect(addr).await?;
-    auth::client(&mut conn, secret, ConnKind::Control, rank).await?;
-    Ok(conn)
+    dial_as(transport, addr, secret, rank, ConnKind::Control).await
 }
 
 /// Like [`dial_authenticated`], as a calling thread's own connection for blocking calls (see
@@ -110,8 +108,18 @@ pub async fn dial_authenticated_sync(
     secret: &Secret,
     rank: u32,
 ) -> io::Result<Box<dyn Io>> {
+    dial_as(transport, addr, secret, rank, ConnKind::Sync).await
+}
+
+async fn dial_as(
+    transport: &Transport,
+    addr: &str,
+    secret: &Secret,
+    rank: u32,
+    kind: ConnKind,
+) -> io::Result<Box<dyn Io>> {
     let (mut conn, _) = transport.connect(addr).await?;
-    auth::client(&mut conn, secret, ConnKind::Sync, rank).await?;
+    auth::client(&mut conn, secret, kind, rank).await?;
     Ok(conn)
 }
 

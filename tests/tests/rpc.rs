@@ -974,17 +974,10 @@ fn oversized_frames_are_refused_and_the_worker_keeps_serving() {
         .await
         .unwrap();
         // A peer that authenticates, then announces a 1 GiB frame.
-        let mut conn = testing::dial_authenticated(&t, a[1].local_addr(), &secret, 0)
+        let conn = testing::dial_authenticated(&t, a[1].local_addr(), &secret, 0)
             .await
             .unwrap();
-        conn.write_all(&(1u32 << 30).to_be_bytes()).await.unwrap();
-        // The worker may already have refused the header and closed the connection, so this
-        // write may fail with a broken pipe; either way the read below must see the close.
-        let _ = conn.write_all(&[0u8; 1024]).await;
-        let mut sink = Vec::new();
-        let closed =
-            tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut sink)).await;
-        assert!(closed.is_ok(), "the connection is closed, not left hanging");
+        assert_oversized_frame_closes(conn).await;
         // Our own oversized request is refused before it is sent.
         let err = a[0]
             .rpc_async(1u32, fail, ("x".repeat(100 << 10),))
@@ -1008,6 +1001,17 @@ fn oversized_frames_are_refused_and_the_worker_keeps_serving() {
     });
 }
 
+/// Announces a 1 GiB frame on an authenticated connection; the worker must close it.
+async fn assert_oversized_frame_closes(mut conn: Box<dyn testing::Io>) {
+    conn.write_all(&(1u32 << 30).to_be_bytes()).await.unwrap();
+    // The worker may already have refused the header and closed the connection, so this
+    // write may fail with a broken pipe; either way the read below must see the close.
+    let _ = conn.write_all(&[0u8; 1024]).await;
+    let mut sink = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut sink)).await;
+    assert!(closed.is_ok(), "the connection is closed, not left hanging");
+}
+
 /// The blocking path's own connections obey the frame limit at both ends too.
 #[test]
 fn oversized_frames_on_sync_connections_are_refused_and_the_worker_keeps_serving() {
@@ -1026,16 +1030,10 @@ fn oversized_frames_on_sync_connections_are_refused_and_the_worker_keeps_serving
     )
     .unwrap();
     block_on_for(&rt, 30, async {
-        let mut conn =
-            testing::dial_authenticated_sync(&Transport::Tcp, a[1].local_addr(), &secret, 0)
-                .await
-                .unwrap();
-        conn.write_all(&(1u32 << 30).to_be_bytes()).await.unwrap();
-        let _ = conn.write_all(&[0u8; 1024]).await;
-        let mut sink = Vec::new();
-        let closed =
-            tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut sink)).await;
-        assert!(closed.is_ok(), "the connection is closed, not left hanging");
+        let conn = testing::dial_authenticated_sync(&Transport::Tcp, a[1].local_addr(), &secret, 0)
+            .await
+            .unwrap();
+        assert_oversized_frame_closes(conn).await;
     });
     let a0 = a[0].clone();
     std::thread::spawn(move || {
