@@ -204,6 +204,18 @@ pub async fn remaining_ms(ctx: CallContext) -> Result<Option<u64>, BoxError> {
     Ok(ctx.remaining().map(|d| d.as_millis() as u64))
 }
 
+/// Adds `a + b` on `target` with a blocking call made from inside this handler (as code that
+/// is not async, called from a handler, would).
+#[remote]
+pub async fn add_blocking_on(
+    ctx: CallContext,
+    target: u32,
+    a: i32,
+    b: i32,
+) -> Result<i32, BoxError> {
+    Ok(ctx.agent().rpc_sync(target, add, (a, b))?)
+}
+
 /// Calls `remaining_ms` on `target` (with the default timeout) and returns what it saw.
 #[remote]
 pub async fn nested_remaining_ms(ctx: CallContext, target: u32) -> Result<Option<u64>, BoxError> {
@@ -279,5 +291,6 @@ pub fn registry_builder() -> rpc_core::RegistryBuilder {
         .and_then(|r| r.register(meta_seen))
         .and_then(|r| r.register(hold))
         .and_then(|r| r.register(release_held))
+        .and_then(|r| r.register(add_blocking_on))
         .expect("test functions have distinct names")
 }

@@ -629,6 +629,9 @@ fn rpc_sync_from_plain_threads_behaves_the_same_on_both_paths() {
             let back = a0.rpc_sync(1u32, echo, (Blob::from(big.clone()),)).unwrap();
             assert_eq!(&back[..], &big[..]);
             assert_eq!(a0.rpc_sync(1u32, zeros, (300_000,)).unwrap().len(), 300_000);
+            // A handler that blocks: served on a sync connection's thread, its own blocking
+            // call back into the caller takes that thread's connection.
+            assert_eq!(a0.rpc_sync(1u32, add_blocking_on, (0, 2, 3)).unwrap(), 5);
             // The callee calls back into the caller while the caller's thread is blocked.
             let seen = a0
                 .rpc_sync_timeout(1u32, nested_remaining_ms, (0,), Duration::from_secs(20))
@@ -650,6 +653,12 @@ fn rpc_sync_from_plain_threads_behaves_the_same_on_both_paths() {
         })
         .join()
         .unwrap();
+        // The same handler run on a runtime thread (an async caller): it blocks in place.
+        let a0 = agents[0].clone();
+        let v = block_on_for(&rt, 30, async move {
+            a0.rpc_async(1u32, add_blocking_on, (0, 4, 5)).await
+        });
+        assert_eq!(v.unwrap(), 9);
         block_on_for(&rt, 60, shutdown_all(&agents));
     }
 }
