@@ -55,6 +55,11 @@ use crate::wire::{CallReply, CallRequest};
 /// agent closed.
 const SLICE: Duration = Duration::from_millis(200);
 
+/// A connection's receive buffer; it grows for larger frames, and goes back to this size once
+/// a frame above `KEEP_BUFFER` has been consumed (send buffers likewise).
+const READ_BUFFER: usize = 16 << 10;
+const KEEP_BUFFER: usize = 1 << 20;
+
 /// The part of `deadline` left, at least a millisecond (a zero socket timeout means none).
 fn left(deadline: Instant) -> Duration {
     deadline
@@ -93,7 +98,7 @@ impl Frames {
     fn new(stream: TcpStream) -> Self {
         Self {
             stream,
-            rbuf: vec![0; 16 << 10],
+            rbuf: vec![0; READ_BUFFER],
             rpos: 0,
             rend: 0,
             wbuf: Vec::new(),
@@ -151,6 +156,9 @@ impl Frames {
                 Err(e) => return Err(Failure::Lost(e)),
             }
         }
+        if self.wbuf.capacity() > KEEP_BUFFER {
+            self.wbuf = Vec::new();
+        }
         Ok(())
     }
 
@@ -178,6 +186,11 @@ impl Frames {
             .deserialize(body)
             .map_err(|e| Failure::Lost(io::Error::new(io::ErrorKind::InvalidData, e)));
         self.rpos += 4 + len;
+        // A connection that once carried a large frame does not keep its buffer.
+        if self.rpos == self.rend && self.rbuf.len() > KEEP_BUFFER {
+            self.rbuf = vec![0; READ_BUFFER];
+            (self.rpos, self.rend) = (0, 0);
+        }
         msg
     }
 

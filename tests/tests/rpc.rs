@@ -624,6 +624,14 @@ fn rpc_sync_from_plain_threads_behaves_the_same_on_both_paths() {
             );
             let err = a0.rpc_sync(1u32, add_i64, (1, 2)).unwrap_err();
             assert!(matches!(err, RpcError::TypeMismatch { .. }), "{err:?}");
+            // Large frames both ways without blobs (a 2 MiB label, sent back).
+            let p = Packet {
+                label: "y".repeat(2 << 20),
+                parts: Vec::new(),
+            };
+            let (back, total) = a0.rpc_sync(1u32, reverse_parts, (p.clone(),)).unwrap();
+            assert_eq!((back, total), (p, 0));
+            assert_eq!(a0.rpc_sync(1u32, add, (1, 2)).unwrap(), 3);
             // Bulk blobs: a large argument and a large result.
             let big: Vec<u8> = (0..(1u32 << 20)).map(|i| (i % 251) as u8).collect();
             let back = a0.rpc_sync(1u32, echo, (Blob::from(big.clone()),)).unwrap();
