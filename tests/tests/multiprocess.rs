@@ -173,6 +173,11 @@ fn a_killed_peer_fails_the_call_in_flight_and_shutdown_still_ends() {
         err["message"].as_str().unwrap().contains("worker1"),
         "{err}"
     );
+    // The same for a blocking call on its thread's own connection.
+    let err: serde_json::Value =
+        serde_json::from_str(&p.expect(0, "SYNC_ERROR", Duration::from_secs(20))).unwrap();
+    assert_eq!(err["kind"], "ConnectionLost:worker1", "{err}");
+    assert!(err["after_ms"].as_u64().unwrap() < 10_000, "{err}");
     // The survivors' shutdown barrier misses rank 1; rank 0 (timeout 60 s) sees that its
     // process is gone and gives up on it within seconds (AG-5).
     let s0 = p.expect(0, "SHUTDOWN", Duration::from_secs(15));

@@ -10,8 +10,9 @@
 //! - `drive-autograd`: (rank 0) runs distributed backward through an MLP split over the three
 //!   processes and prints `RESULT <json>` with the largest difference from one-process
 //!   gradients;
-//! - `drive-kill`: (rank 0) starts a long call to rank 1, prints `CALLING`, and once the test
-//!   has killed rank 1 prints `ERROR <json>` describing how the call failed.
+//! - `drive-kill`: (rank 0) starts a long call to rank 1 from a task and a blocking one from a
+//!   plain thread, prints `CALLING`, and once the test has killed rank 1 prints `ERROR <json>`
+//!   and `SYNC_ERROR <json>` describing how each call failed.
 
 use std::io::Write;
 use std::time::{Duration, Instant};
@@ -187,21 +188,31 @@ fn main() -> anyhow::Result<()> {
                 say(format!("RESULT {}", serde_json::json!({ "max_abs_diff": worst })));
             }
             "drive-kill" => {
+                // One call from a task, and one blocking call from a plain thread (on the
+                // thread's own connection), both in flight when rank 1 is killed.
                 let call = agent.rpc_async(1u32, hang, (1, 60));
+                let a = agent.clone();
+                let blocking = std::thread::spawn(move || a.rpc_sync(1u32, hang, (2, 60)));
                 say("CALLING".into());
                 let start = Instant::now();
+                let describe = |err: &RpcError| {
+                    let kind = match err {
+                        RpcError::ConnectionLost { worker, .. } => format!("ConnectionLost:{worker}"),
+                        e => format!("{e:?}"),
+                    };
+                    serde_json::json!({ "kind": kind, "message": rpc_core::error_chain(err), "after_ms": start.elapsed().as_millis() as u64 })
+                };
                 let err = match call.await {
                     Ok(()) => bail!("the call to a killed worker succeeded"),
                     Err(e) => e,
                 };
-                let kind = match &err {
-                    RpcError::ConnectionLost { worker, .. } => format!("ConnectionLost:{worker}"),
-                    e => format!("{e:?}"),
+                say(format!("ERROR {}", describe(&err)));
+                let err = match tokio::task::spawn_blocking(move || blocking.join()).await {
+                    Ok(Ok(Err(e))) => e,
+                    Ok(Ok(Ok(()))) => bail!("the blocking call to a killed worker succeeded"),
+                    _ => bail!("the blocking caller panicked"),
                 };
-                say(format!(
-                    "ERROR {}",
-                    serde_json::json!({ "kind": kind, "message": rpc_core::error_chain(&err), "after_ms": start.elapsed().as_millis() as u64 })
-                ));
+                say(format!("SYNC_ERROR {}", describe(&err)));
             }
             other => bail!("unknown scenario {other}"),
         }
