@@ -24,7 +24,8 @@
 //! - DIR-1: a connection carries one call at a time and goes back to the table only after
 //!   that call's reply was read whole. A call that ends any other way (deadline, I/O error,
 //!   a malformed frame) closes its connection, so a late reply can never be read as the reply
-//!   of the next call.
+//!   of the next call. The serving end drops a request that runs past its deadline without
+//!   answering it, as tarpc's server does; its caller gives up at the same deadline.
 //! - DIR-2: every wait is bounded: dialling by the connect timeout, the handshake by the
 //!   handshake timeout, writing and reading by the call's deadline. A call without a deadline
 //!   still ends when the connection closes or the agent closes (checked every `SLICE`).
