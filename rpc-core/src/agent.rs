@@ -736,7 +736,13 @@ impl Agent {
             // The thread writes and reads its own connection (see `direct.rs`).
             Ok(rank) if self.sync_connection_applies(rank) => {
                 let (deadline, depth, started) = self.plan_call::<F>(timeout, current_scope())?;
-                self.call_on_thread::<F>(rank, args, deadline, depth, started)
+                match self.sync_conn(rank, deadline)? {
+                    Some(conn) => {
+                        self.call_on_thread::<F>(conn, rank, args, deadline, depth, started)
+                    }
+                    // Every place for a sync connection is taken: through the runtime.
+                    None => rt.block_on(self.call_fut(to, f, args, timeout, false)),
+                }
             }
             _ => rt.block_on(self.call_fut(to, f, args, timeout, false)),
         };

@@ -88,6 +88,11 @@ pub struct Config {
     /// keeps one connection per peer it calls (and each peer one serving thread for it),
     /// closed when the calling thread ends or either agent shuts down. Default: on.
     pub sync_connections: bool,
+    /// At most this many sync connections (see [`Config::sync_connections`]) are open from
+    /// this worker at once, over all its threads and peers; a thread that finds none free
+    /// makes its blocking calls through the runtime instead. This bounds the serving threads
+    /// a program with many calling threads costs its peers. Default: 64.
+    pub max_sync_connections: usize,
 }
 
 impl Default for Config {
@@ -113,6 +118,7 @@ impl Default for Config {
             busy_poll: Duration::ZERO,
             shm_arena_bytes: 128 << 20,
             sync_connections: true,
+            max_sync_connections: 64,
         }
     }
 }
@@ -170,6 +176,8 @@ impl Config {
         with_shm_arena_bytes(shm_arena_bytes: usize) => shm_arena_bytes;
         /// Sets [`Config::sync_connections`].
         with_sync_connections(sync_connections: bool) => sync_connections;
+        /// Sets [`Config::max_sync_connections`].
+        with_max_sync_connections(max_sync_connections: usize) => max_sync_connections;
     }
 
     pub(crate) fn resolve(self) -> Result<Resolved, InitError> {
@@ -282,6 +290,7 @@ impl Config {
             busy_poll: self.busy_poll,
             shm_arena_bytes: self.shm_arena_bytes,
             sync_connections: self.sync_connections,
+            max_sync_connections: self.max_sync_connections,
         })
     }
 }
@@ -317,6 +326,7 @@ pub(crate) struct Resolved {
     pub busy_poll: Duration,
     pub shm_arena_bytes: usize,
     pub sync_connections: bool,
+    pub max_sync_connections: usize,
 }
 
 #[cfg(test)]

@@ -10,6 +10,8 @@
 //!
 //! - the calling thread keeps one authenticated TCP connection per peer (dialled on first use,
 //!   in a thread-local table), writes the request frame itself and blocks reading the reply;
+//!   at most `Config::max_sync_connections` are open from one worker, and threads beyond them
+//!   make their blocking calls through the runtime as before;
 //! - the callee serves that connection on a thread of its own, which reads each request,
 //!   runs it to completion with the runtime's handle (nested calls and timers work as
 //!   anywhere else) and writes the reply.
@@ -251,9 +253,24 @@ fn is_timeout(e: &io::Error) -> bool {
 pub(crate) struct SyncConns {
     next: std::sync::atomic::AtomicU64,
     open: Mutex<HashMap<u64, TcpStream>>,
+    /// Calling ends open or being dialled (`Config::max_sync_connections`).
+    reserved: std::sync::atomic::AtomicUsize,
 }
 
 impl SyncConns {
+    /// Takes one of `max` places for a calling end; false if none is free.
+    fn try_reserve(&self, max: usize) -> bool {
+        use std::sync::atomic::Ordering::{AcqRel, Acquire};
+        self.reserved
+            .fetch_update(AcqRel, Acquire, |n| (n < max).then_some(n + 1))
+            .is_ok()
+    }
+
+    fn release(&self) {
+        self.reserved
+            .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+
     /// Registers a clone of `stream`; the returned key unregisters it.
     fn register(&self, stream: &TcpStream) -> io::Result<u64> {
         let clone = stream.try_clone()?;
@@ -278,8 +295,9 @@ impl SyncConns {
     }
 }
 
-/// One thread's connection to one peer of one agent.
-struct SyncConn {
+/// One thread's connection to one peer of one agent; holds one of the agent's places for
+/// calling ends.
+pub(crate) struct SyncConn {
     agent: Weak<Inner>,
     to: u32,
     key: u64,
@@ -291,6 +309,7 @@ impl Drop for SyncConn {
     fn drop(&mut self) {
         if let Some(a) = self.agent.upgrade() {
             a.sync_out.unregister(self.key);
+            a.sync_out.release();
         }
     }
 }
@@ -317,7 +336,16 @@ fn put_back(conn: SyncConn) {
 }
 
 impl SyncConn {
+    /// Dials `to`, on a place the caller reserved (given back if the dial fails).
     fn dial(agent: &Agent, to: u32, deadline: Instant) -> Result<Self, RpcError> {
+        let dialled = Self::dial_reserved(agent, to, deadline);
+        if dialled.is_err() {
+            agent.inner.sync_out.release();
+        }
+        dialled
+    }
+
+    fn dial_reserved(agent: &Agent, to: u32, deadline: Instant) -> Result<Self, RpcError> {
         let inner = &agent.inner;
         let peer = &inner.peers[to as usize];
         let unreachable = |source: io::Error| RpcError::Unreachable {
@@ -401,10 +429,29 @@ impl Agent {
         cfg.sync_connections && to != cfg.rank && matches!(cfg.transport, crate::Transport::Tcp)
     }
 
-    /// A blocking call to `to` (another worker, over TCP) on this thread's connection to it.
-    /// Must not be called from async code: it blocks the thread.
+    /// This thread's connection to `to`: its own, or a new one if the agent has a place free
+    /// (`Config::max_sync_connections`); `None`: make the call through the runtime.
+    pub(crate) fn sync_conn(
+        &self,
+        to: u32,
+        deadline: Option<Instant>,
+    ) -> Result<Option<SyncConn>, RpcError> {
+        let inner = &self.inner;
+        if let Some(c) = take(inner, to) {
+            return Ok(Some(c));
+        }
+        if !inner.sync_out.try_reserve(inner.cfg.max_sync_connections) {
+            return Ok(None);
+        }
+        let by = deadline.unwrap_or_else(|| Instant::now() + inner.cfg.connect_timeout);
+        SyncConn::dial(self, to, by).map(Some)
+    }
+
+    /// A blocking call to `to` (another worker, over TCP) on `conn`, this thread's connection
+    /// to it. Must not be called from async code: it blocks the thread.
     pub(crate) fn call_on_thread<F: RemoteFn>(
         &self,
+        mut conn: SyncConn,
         to: u32,
         args: F::Args,
         deadline: Option<Instant>,
@@ -418,29 +465,33 @@ impl Agent {
             worker: worker(),
             fn_name: F::NAME.to_owned(),
         };
-        let (payload, blobs, unsent) = self.encode_args::<F>(to, &args)?;
-        let blobs = if blobs.is_empty() {
-            Vec::new()
-        } else {
-            // Large blobs take the bulk path, which the runtime drives.
-            let send = crate::bulk::send(self, to, blobs);
-            let sent = match deadline {
-                None => rt.block_on(send),
-                Some(d) => rt
-                    .block_on(async { tokio::time::timeout_at(d.into(), send).await })
-                    .map_err(|_| self.deadline_exceeded::<F>(to, d, started))?,
+        let prepared = (|| {
+            let (payload, blobs, unsent) = self.encode_args::<F>(to, &args)?;
+            let blobs = if blobs.is_empty() {
+                Vec::new()
+            } else {
+                // Large blobs take the bulk path, which the runtime drives.
+                let send = crate::bulk::send(self, to, blobs);
+                let sent = match deadline {
+                    None => rt.block_on(send),
+                    Some(d) => rt
+                        .block_on(async { tokio::time::timeout_at(d.into(), send).await })
+                        .map_err(|_| self.deadline_exceeded::<F>(to, d, started))?,
+                };
+                sent.map_err(|e| RpcError::Transport {
+                    worker: worker(),
+                    source: e.into(),
+                })?
             };
-            sent.map_err(|e| RpcError::Transport {
-                worker: worker(),
-                source: e.into(),
-            })?
-        };
-        self.check_frame::<F>(&payload, &blobs)?;
-        let mut conn = match take(inner, to) {
-            Some(c) => c,
-            None => {
-                let by = deadline.unwrap_or_else(|| Instant::now() + inner.cfg.connect_timeout);
-                SyncConn::dial(self, to, by)?
+            self.check_frame::<F>(&payload, &blobs)?;
+            Ok((payload, blobs, unsent))
+        })();
+        // Nothing was written: the connection stays this thread's.
+        let (payload, blobs, unsent) = match prepared {
+            Ok(p) => p,
+            Err(e) => {
+                put_back(conn);
+                return Err(e);
             }
         };
         let req = self.envelope::<F>(to, depth, payload, blobs, None, None);

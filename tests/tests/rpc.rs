@@ -1018,6 +1018,58 @@ fn oversized_frames_are_refused_and_the_worker_keeps_serving() {
     });
 }
 
+/// Threads beyond `max_sync_connections` make their blocking calls through the runtime, so a
+/// program with many calling threads costs its peers a bounded number of serving threads.
+#[test]
+fn sync_connections_are_capped_and_other_threads_go_through_the_runtime() {
+    let rt = runtime(2);
+    let agents = block_on_for(
+        &rt,
+        30,
+        start_group(
+            3,
+            Transport::Tcp,
+            Secret::generate(),
+            |_| registry(),
+            |_, c| c.with_max_sync_connections(1),
+        ),
+    )
+    .unwrap();
+    let serving = || -> usize {
+        std::fs::read_dir("/proc/self/task")
+            .map(|d| {
+                d.filter_map(|e| std::fs::read_to_string(e.ok()?.path().join("comm")).ok())
+                    .filter(|c| c.trim() == "rpc-sync-2")
+                    .count()
+            })
+            .unwrap_or(0)
+    };
+    // Thread A takes the only place and keeps its connection open.
+    let a2 = agents[2].clone();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let holder = std::thread::spawn(move || {
+        assert_eq!(a2.rpc_sync(1u32, add, (1, 2)).unwrap(), 3);
+        done_tx.send(()).unwrap();
+        go_rx.recv_timeout(Duration::from_secs(60)).unwrap();
+    });
+    done_rx.recv_timeout(Duration::from_secs(30)).unwrap();
+    // Thread B still gets its answers, through the runtime, to any peer.
+    let a2 = agents[2].clone();
+    std::thread::spawn(move || {
+        for i in 0..20 {
+            assert_eq!(a2.rpc_sync(1u32, add, (i, 1)).unwrap(), i + 1);
+            assert_eq!(a2.rpc_sync(0u32, add, (i, 2)).unwrap(), i + 2);
+        }
+    })
+    .join()
+    .unwrap();
+    assert_eq!(serving(), 1, "only the first thread has a connection");
+    go_tx.send(()).unwrap();
+    holder.join().unwrap();
+    block_on_for(&rt, 60, shutdown_all(&agents));
+}
+
 /// Announces a 1 GiB frame on an authenticated connection; the worker must close it.
 async fn assert_oversized_frame_closes(mut conn: Box<dyn testing::Io>) {
     conn.write_all(&(1u32 << 30).to_be_bytes()).await.unwrap();
