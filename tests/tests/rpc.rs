@@ -590,6 +590,18 @@ fn block_on_for<F: std::future::Future>(
     })
 }
 
+/// How many threads of this process have this name (the callee's serving threads are named
+/// `rpc-sync-<caller rank>`).
+fn threads_named(name: &str) -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .map(|d| {
+            d.filter_map(|e| std::fs::read_to_string(e.ok()?.path().join("comm")).ok())
+                .filter(|c| c.trim() == name)
+                .count()
+        })
+        .unwrap_or(0)
+}
+
 /// Everything `rpc_sync` does from a plain thread, with the thread's own connection and
 /// without it: results, errors, bulk blobs both ways, a nested call back to the caller,
 /// deadlines (after which the same thread's next call still works), self-calls.
@@ -752,15 +764,7 @@ fn rpc_sync_on_its_own_connection_needs_no_runtime_thread_of_the_caller() {
 fn sync_connections_close_with_their_thread_and_at_shutdown() {
     let rt = runtime(2);
     let agents = block_on_for(&rt, 30, group(4, Transport::Tcp));
-    let serving = || -> usize {
-        std::fs::read_dir("/proc/self/task")
-            .map(|d| {
-                d.filter_map(|e| std::fs::read_to_string(e.ok()?.path().join("comm")).ok())
-                    .filter(|c| c.trim() == "rpc-sync-3")
-                    .count()
-            })
-            .unwrap_or(0)
-    };
+    let serving = || threads_named("rpc-sync-3");
     // Threads end a moment after their connection closes: wait up to 5 s for none to be left.
     let serving_after_wait = || {
         for _ in 0..100 {
@@ -1035,15 +1039,7 @@ fn sync_connections_are_capped_and_other_threads_go_through_the_runtime() {
         ),
     )
     .unwrap();
-    let serving = || -> usize {
-        std::fs::read_dir("/proc/self/task")
-            .map(|d| {
-                d.filter_map(|e| std::fs::read_to_string(e.ok()?.path().join("comm")).ok())
-                    .filter(|c| c.trim() == "rpc-sync-2")
-                    .count()
-            })
-            .unwrap_or(0)
-    };
+    let serving = || threads_named("rpc-sync-2");
     // Thread A takes the only place and keeps its connection open.
     let a2 = agents[2].clone();
     let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
