@@ -857,23 +857,39 @@ impl Agent {
         // so that what its arguments or its result lent is accounted for (see `cancel.rs`).
         let cancel_id = droppable.then(|| inner.cancels.next_id());
         let req = self.envelope::<F>(to, depth, payload, blobs, keep, cancel_id);
-        let mut tctx = tarpc::context::current();
-        tctx.deadline = deadline.unwrap_or_else(|| Instant::now() + NO_DEADLINE);
         // Dropped from here on without a verdict (the outcome is unknown), `lent` runs nothing.
         let lent = unsent.sent();
         let Some(id) = cancel_id else {
-            let reply = client.call(tctx, req).await;
+            let reply = Self::exchange(&client, req, deadline).await;
             return self
                 .finish_call::<F, O>(to, gen, reply, lent, deadline, started)
                 .await;
         };
         let me = self.clone();
         let work = Box::pin(async move {
-            let reply = client.call(tctx, req).await;
+            let reply = Self::exchange(&client, req, deadline).await;
             me.finish_call::<F, O>(to, gen, reply, lent, deadline, started)
                 .await
         });
         crate::cancel::Detach::new(self.clone(), to, id, work).await
+    }
+
+    /// Sends `req` on `client` and waits for its reply until `deadline` (`None`: the
+    /// connection's lifetime); `Ok(None)` when the deadline passed first.
+    async fn exchange(
+        client: &crate::client::Client,
+        req: CallRequest,
+        deadline: Option<Instant>,
+    ) -> Result<Option<crate::wire::CallReply>, crate::mux::CallFailed> {
+        let by = deadline.unwrap_or_else(|| Instant::now() + NO_DEADLINE);
+        let call = client.call(req, by);
+        match deadline {
+            None => call.await.map(Some),
+            Some(d) => match tokio::time::timeout_at(d.into(), call).await {
+                Ok(r) => r.map(Some),
+                Err(_) => Ok(None),
+            },
+        }
     }
 
     /// Encodes a call's arguments for `to`: the payload, its blobs, and what they lent (given
@@ -942,7 +958,7 @@ impl Agent {
         &self,
         to: u32,
         gen: u64,
-        reply: Result<crate::wire::CallReply, tarpc::client::RpcError>,
+        reply: Result<Option<crate::wire::CallReply>, crate::mux::CallFailed>,
         lent: blob::Lent,
         deadline: Option<Instant>,
         started: Instant,
@@ -953,22 +969,29 @@ impl Agent {
             worker: worker(),
             fn_name: F::NAME.to_owned(),
         };
-        use tarpc::client::RpcError as T;
+        use crate::mux::CallFailed as T;
         let reply = match reply {
-            Ok(r) => r,
-            Err(T::DeadlineExceeded) => {
+            Ok(Some(r)) => r,
+            Ok(None) => {
                 return Err(self.deadline_exceeded::<F>(
                     to,
                     deadline.unwrap_or(started + NO_DEADLINE),
                     started,
                 ))
             }
-            Err(T::Send(_)) => {
-                peer.invalidate(gen);
+            Err(T::NotSent(e)) => {
                 lent.never_decoded();
+                if e.kind() != std::io::ErrorKind::NotConnected {
+                    // Not encodable: the connection is fine, the request is not.
+                    return Err(RpcError::Transport {
+                        worker: worker(),
+                        source: Box::new(e),
+                    });
+                }
+                peer.invalidate(gen);
                 return Err(lost());
             }
-            Err(T::Shutdown | T::Channel(_)) => {
+            Err(T::Lost) => {
                 peer.invalidate(gen);
                 return Err(lost());
             }

@@ -1,10 +1,10 @@
-//! Outgoing connections: one lazily dialled, authenticated tarpc client per peer.
+//! Outgoing connections: one lazily dialled, authenticated control connection per peer.
 //!
 //! The first call to a peer dials it (bounded by the connect timeout and the call's deadline);
-//! concurrent first calls share one dial. When the connection breaks, its dispatch task clears
-//! the slot, every call in flight on it fails with `ConnectionLost`, and the next call dials
-//! again. tarpc's own in-flight cap is lifted: a cap on outstanding requests is exactly the
-//! exhaustible pool that deadlocks nested calls.
+//! concurrent first calls share one dial. When the connection breaks, its task clears the
+//! slot, every call in flight on it fails with `ConnectionLost`, and the next call dials
+//! again. There is no cap on outstanding requests: such a cap is exactly the exhaustible pool
+//! that deadlocks nested calls.
 
 use std::io;
 use std::sync::{Arc, Mutex};
@@ -13,10 +13,11 @@ use tokio::task::AbortHandle;
 
 use crate::auth::{self, ConnKind, Secret};
 use crate::error::RpcError;
+use crate::mux::MuxClient;
 use crate::transport::Transport;
-use crate::wire::{self, CallReply, CallRequest, ClientEnd, WorkerInfo};
+use crate::wire::WorkerInfo;
 
-pub(crate) type Client = tarpc::client::Channel<CallRequest, CallReply>;
+pub(crate) type Client = MuxClient;
 
 /// Everything needed to dial a peer.
 pub(crate) struct DialCtx<'a> {
@@ -96,11 +97,7 @@ impl Peer {
             ))
         })?
         .map_err(unreachable)?;
-        let transport = wire::framed::<ClientEnd>(conn, d.max_frame_bytes);
-        let mut config = tarpc::client::Config::default();
-        config.max_in_flight_requests = usize::MAX;
-        config.pending_request_buffer = 1024;
-        let tarpc::client::NewClient { client, dispatch } = tarpc::client::new(config, transport);
+        let (client, dispatch) = MuxClient::start(conn, d.max_frame_bytes);
         *gen += 1;
         let this_gen = *gen;
         let me = Arc::clone(self);
@@ -124,6 +121,7 @@ impl Peer {
         if slot.as_ref().is_some_and(|l| l.gen == gen) {
             if let Some(l) = slot.take() {
                 l.dispatch.abort();
+                l.client.end();
             }
         }
     }
@@ -132,6 +130,7 @@ impl Peer {
     pub(crate) fn close(&self) {
         if let Some(l) = self.slot.lock().unwrap_or_else(|p| p.into_inner()).take() {
             l.dispatch.abort();
+            l.client.end();
         }
     }
 }

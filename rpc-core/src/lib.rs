@@ -46,7 +46,8 @@
 //! - `context`: [`CallContext`], inherited deadlines and depth.
 //! - `config`: [`Config`] and its resolution from the environment.
 //! - `rendezvous`: group formation, [`RendezvousServer`].
-//! - `client`: per-peer outgoing tarpc connections.
+//! - `client`: per-peer outgoing control connections.
+//! - `mux`: calls multiplexed on a control connection (tarpc's frames, our dispatch).
 //! - `server`: the accept loop, admission, panic isolation.
 //! - `bulk`: the raw data path for large blobs, [`BulkStats`].
 //! - `shm`: shared-memory arenas for bulk blobs between workers on one host.
@@ -70,6 +71,7 @@ mod config;
 mod context;
 mod direct;
 mod error;
+mod mux;
 mod registry;
 mod rendezvous;
 mod server;

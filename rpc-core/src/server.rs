@@ -1,7 +1,7 @@
 //! Incoming connections and calls.
 //!
 //! The accept loop authenticates each connection (bounded by the handshake timeout) before
-//! anything is decoded, then serves it by kind: control connections through tarpc, bulk
+//! anything is decoded, then serves it by kind: control connections through `mux.rs`, bulk
 //! connections through `bulk.rs`. Each request is polled once on its connection's task; if it
 //! has to wait, it becomes a task of its own. There is no fixed pool for nested calls to
 //! exhaust, and a handler that finishes at once costs no spawn or thread hand-off. (A handler
@@ -15,17 +15,16 @@
 //! serving. A result too large for the frame limit is reported as an error instead of breaking
 //! the connection for every other call on it.
 
-use futures::{FutureExt, StreamExt};
+use futures::FutureExt;
 use std::panic::AssertUnwindSafe;
 use std::time::Instant;
-use tarpc::server::Channel as _;
 
 use crate::agent::Agent;
 use crate::auth::{self, ConnKind};
 use crate::context::{CallContext, Scope, META, NO_DEADLINE, SCOPE};
 use crate::error::{RemoteError, RemoteErrorKind};
 use crate::transport::{Conn, Listener};
-use crate::wire::{self, CallOk, CallReply, CallRequest, ServerEnd};
+use crate::wire::{CallOk, CallReply, CallRequest};
 
 /// Accepts connections until the agent stops.
 pub(crate) async fn accept_loop(agent: Agent, mut listener: Listener) {
@@ -94,44 +93,12 @@ async fn serve_conn(agent: Agent, mut conn: Conn) {
 }
 
 async fn serve_control(agent: Agent, conn: Conn, caller: u32) {
-    let transport = wire::framed::<ServerEnd>(conn, agent.inner.cfg.max_frame_bytes);
-    let config = tarpc::server::Config {
-        pending_response_buffer: 1024,
-    };
-    let channel = tarpc::server::BaseChannel::new(config, transport);
-    let a = agent.clone();
-    let serve = tarpc::server::serve(move |ctx: tarpc::context::Context, req: CallRequest| {
-        let a = a.clone();
-        // Boxed once here: the request future is moved through several layers (abort guard,
-        // task tracker, spawn); a pointer moves cheaper than the whole state machine.
-        let fut = Box::pin(handle(a, ctx.deadline, req, caller));
-        async move { Ok(fut.await) }
-    });
-    let mut requests = channel.requests();
-    while let Some(request) = requests.next().await {
-        let request = match request {
-            Ok(r) => r,
-            Err(e) => {
-                tracing::warn!(worker = %agent.name(), caller, cause = %e, "control connection failed");
-                break;
-            }
-        };
-        // Poll each request once on this task: a handler that finishes without waiting
-        // (the common case for small calls) then never pays for a spawn and a cross-thread
-        // wake-up. Only a request that has to wait becomes a task of its own, so a waiting
-        // handler never holds up the connection.
-        let mut call = Box::pin(request.execute(serve.clone()));
-        if futures::poll!(call.as_mut()).is_pending() {
-            let stop = agent.inner.stop.clone();
-            agent.inner.calls.spawn(async move {
-                tokio::select! {
-                    _ = stop.cancelled() => {}
-                    _ = call => {}
-                }
-            });
+    match crate::mux::serve(agent.clone(), conn, caller).await {
+        Ok(()) => tracing::debug!(worker = %agent.name(), caller, "control connection closed"),
+        Err(e) => {
+            tracing::warn!(worker = %agent.name(), caller, cause = %e, "control connection failed")
         }
     }
-    tracing::debug!(worker = %agent.name(), caller, "control connection closed");
 }
 
 /// The message of a caught panic.

@@ -4,8 +4,9 @@
 //! result type mismatches are detected instead of decoding garbage), the nesting
 //! depth, the serde payload, and a side table of [`Blob`](crate::Blob)s. Blobs above the bulk
 //! threshold do not ride in the envelope at all: the envelope names them by id and their bytes
-//! travel on the bulk connection (see `bulk.rs`). The deadline travels as a relative duration in
-//! tarpc's request context.
+//! travel on the bulk connection (see `bulk.rs`). On the wire both are the message of a tarpc
+//! frame (`mux.rs`, `direct.rs`); the deadline travels as a relative duration in tarpc's
+//! request context.
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -65,12 +66,6 @@ pub(crate) struct KeepTarget {
     pub token: Vec<u8>,
 }
 
-impl tarpc::RequestName for CallRequest {
-    fn name(&self) -> &str {
-        &self.fn_name
-    }
-}
-
 /// A successful reply.
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) struct CallOk {
@@ -81,45 +76,6 @@ pub(crate) struct CallOk {
 
 /// What the callee sends back.
 pub(crate) type CallReply = Result<CallOk, RemoteError>;
-
-/// A tarpc transport over one connection, for one end of it.
-pub(crate) type Framed<T> = tarpc::serde_transport::Transport<
-    crate::transport::Conn,
-    <T as Direction>::Item,
-    <T as Direction>::SinkItem,
-    tokio_serde::formats::Bincode<<T as Direction>::Item, <T as Direction>::SinkItem>,
->;
-
-/// Length-prefixed framing that refuses frames above `max` in both directions.
-pub(crate) fn framed<T: Direction>(conn: crate::transport::Conn, max: usize) -> Framed<T> {
-    let codec = tokio_util::codec::LengthDelimitedCodec::builder()
-        .max_frame_length(max)
-        .new_codec();
-    tarpc::serde_transport::new(
-        tokio_util::codec::Framed::new(conn, codec),
-        tokio_serde::formats::Bincode::default(),
-    )
-}
-
-/// Selects the message types of one end of a control connection.
-pub(crate) trait Direction {
-    type Item: for<'de> Deserialize<'de>;
-    type SinkItem: Serialize;
-}
-
-/// The calling end.
-pub(crate) struct ClientEnd;
-impl Direction for ClientEnd {
-    type Item = tarpc::Response<CallReply>;
-    type SinkItem = tarpc::ClientMessage<CallRequest>;
-}
-
-/// The serving end.
-pub(crate) struct ServerEnd;
-impl Direction for ServerEnd {
-    type Item = tarpc::ClientMessage<CallRequest>;
-    type SinkItem = tarpc::Response<CallReply>;
-}
 
 /// FNV-1a over the argument and result type names: a fingerprint that is identical across
 /// processes built from the same source by the same compiler.
