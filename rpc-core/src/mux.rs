@@ -435,3 +435,308 @@ fn respond(out: &Outbox, id: u64, reply: CallReply) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::CallOk;
+    use std::time::Duration;
+    use tokio::io::{AsyncReadExt, DuplexStream};
+
+    fn request(tag: u8) -> CallRequest {
+        CallRequest {
+            fn_name: "f".into(),
+            sig: 0,
+            depth: 0,
+            payload: vec![tag],
+            blobs: Vec::new(),
+            keep: None,
+            meta: Default::default(),
+            cancel_id: None,
+        }
+    }
+
+    /// A client on one end of a pipe; the other end is returned raw.
+    fn client(
+        max: usize,
+    ) -> (
+        MuxClient,
+        tokio::task::JoinHandle<io::Result<()>>,
+        DuplexStream,
+    ) {
+        let (a, b) = tokio::io::duplex(1 << 16);
+        let (c, task) = MuxClient::start(Box::new(a), max);
+        (c, tokio::spawn(task), b)
+    }
+
+    async fn read_request(peer: &mut DuplexStream) -> tarpc::Request<CallRequest> {
+        let len = peer.read_u32().await.expect("length");
+        let mut body = vec![0; len as usize];
+        peer.read_exact(&mut body).await.expect("body");
+        match codec().deserialize(&body).expect("a request frame") {
+            tarpc::ClientMessage::Request(r) => r,
+            other => panic!("expected a request, got {other:?}"),
+        }
+    }
+
+    async fn reply(peer: &mut DuplexStream, id: u64, tag: u8) {
+        let resp = tarpc::Response::<CallReply> {
+            request_id: id,
+            message: Ok(Ok(CallOk {
+                payload: vec![tag],
+                blobs: Vec::new(),
+            })),
+        };
+        let body = codec().serialize(&resp).expect("encodes");
+        peer.write_u32(body.len() as u32).await.expect("length");
+        peer.write_all(&body).await.expect("body");
+    }
+
+    fn far() -> Instant {
+        Instant::now() + Duration::from_secs(30)
+    }
+
+    fn tag(r: Result<CallReply, CallFailed>) -> u8 {
+        match r {
+            Ok(Ok(ok)) => ok.payload[0],
+            other => panic!("expected a reply, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn replies_find_their_callers_in_any_order() {
+        let (c, _task, mut peer) = client(1 << 20);
+        let calls: Vec<_> = (0..3u8)
+            .map(|t| {
+                let c = c.clone();
+                tokio::spawn(async move { c.call(request(t), far()).await })
+            })
+            .collect();
+        let mut seen = Vec::new();
+        for _ in 0..3 {
+            seen.push(read_request(&mut peer).await);
+        }
+        // Answered in reverse order, each with its request's tag.
+        for r in seen.iter().rev() {
+            reply(&mut peer, r.id, r.message.payload[0] + 100).await;
+        }
+        for (t, call) in calls.into_iter().enumerate() {
+            let got = tokio::time::timeout(Duration::from_secs(10), call)
+                .await
+                .expect("answered")
+                .expect("joined");
+            assert_eq!(tag(got), t as u8 + 100);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_reply_nobody_waits_for_is_dropped_and_the_connection_goes_on() {
+        let (c, _task, mut peer) = client(1 << 20);
+        // MUX-1: the caller gives up; its slot goes with its future.
+        let gave_up =
+            tokio::time::timeout(Duration::from_millis(50), c.call(request(1), far())).await;
+        assert!(gave_up.is_err());
+        let first = read_request(&mut peer).await;
+        assert!(c.shared.pending().slots.is_empty());
+        reply(&mut peer, first.id, 7).await;
+        let next = {
+            let c = c.clone();
+            tokio::spawn(async move { c.call(request(2), far()).await })
+        };
+        let second = read_request(&mut peer).await;
+        assert_ne!(second.id, first.id);
+        reply(&mut peer, second.id, 9).await;
+        let got = tokio::time::timeout(Duration::from_secs(10), next)
+            .await
+            .expect("answered")
+            .expect("joined");
+        assert_eq!(
+            tag(got),
+            9,
+            "the late reply was not taken for the next call's"
+        );
+    }
+
+    #[tokio::test]
+    async fn the_end_of_the_connection_fails_waiting_calls_and_refuses_new_ones() {
+        let (c, task, mut peer) = client(1 << 20);
+        let waiting = {
+            let c = c.clone();
+            tokio::spawn(async move { c.call(request(1), far()).await })
+        };
+        let _ = read_request(&mut peer).await;
+        drop(peer);
+        // MUX-2: at once, not at the deadline 30 s away.
+        let got = tokio::time::timeout(Duration::from_secs(10), waiting)
+            .await
+            .expect("failed at once")
+            .expect("joined");
+        assert!(matches!(got, Err(CallFailed::Lost)), "{got:?}");
+        let ended = tokio::time::timeout(Duration::from_secs(10), task)
+            .await
+            .expect("the task ended")
+            .expect("joined");
+        assert!(ended.is_err(), "the end of stream is reported");
+        match c.call(request(2), far()).await {
+            Err(CallFailed::NotSent(e)) => assert_eq!(e.kind(), io::ErrorKind::NotConnected),
+            other => panic!("expected NotSent, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_reply_frame_above_the_limit_ends_the_connection() {
+        let (c, _task, mut peer) = client(64);
+        let waiting = {
+            let c = c.clone();
+            tokio::spawn(async move { c.call(request(1), far()).await })
+        };
+        let r = read_request(&mut peer).await;
+        let resp = tarpc::Response::<CallReply> {
+            request_id: r.id,
+            message: Ok(Ok(CallOk {
+                payload: vec![0; 1000],
+                blobs: Vec::new(),
+            })),
+        };
+        let body = codec().serialize(&resp).expect("encodes");
+        peer.write_u32(body.len() as u32).await.expect("length");
+        peer.write_all(&body).await.expect("body");
+        let got = tokio::time::timeout(Duration::from_secs(10), waiting)
+            .await
+            .expect("failed at once")
+            .expect("joined");
+        assert!(matches!(got, Err(CallFailed::Lost)), "{got:?}");
+    }
+
+    #[tokio::test]
+    async fn a_request_above_the_limit_is_refused_before_it_is_queued() {
+        let (c, _task, _peer) = client(64);
+        let mut big = request(1);
+        big.payload = vec![0; 1000];
+        match c.call(big, far()).await {
+            Err(CallFailed::NotSent(e)) => assert_eq!(e.kind(), io::ErrorKind::InvalidInput),
+            other => panic!("expected NotSent, got {other:?}"),
+        }
+        assert!(c.shared.pending().slots.is_empty());
+        assert!(c.shared.out.lock().buf.is_empty(), "nothing half-queued");
+    }
+
+    #[tokio::test]
+    async fn queued_frames_leave_length_prefixed_and_in_order() {
+        let out = Outbox::new(1 << 20);
+        for t in 0..3u8 {
+            out.push(&t).expect("queued");
+        }
+        let (a, mut b) = tokio::io::duplex(1 << 16);
+        let writer = tokio::spawn(async move {
+            let out = out;
+            let r = tokio::time::timeout(Duration::from_millis(200), out.write_loop(a)).await;
+            assert!(
+                r.is_err(),
+                "the writer waits for more once the buffer is written"
+            );
+        });
+        let mut got = vec![0u8; 3 * 5];
+        tokio::time::timeout(Duration::from_secs(10), b.read_exact(&mut got))
+            .await
+            .expect("written")
+            .expect("read");
+        assert_eq!(got, [0, 0, 0, 1, 0, 0, 0, 0, 1, 1, 0, 0, 0, 1, 2]);
+        writer.await.expect("joined");
+    }
+}
+
+#[cfg(test)]
+mod serving_tests {
+    use super::*;
+    use crate::{BoxError, CallContext, MemoryNetwork, Registry, RemoteFn, Secret, Transport};
+    use std::time::Duration;
+    use tokio::io::AsyncReadExt;
+
+    /// Sleeps `ms` milliseconds, then returns them.
+    #[crate::remote(name = "mux_test::nap")]
+    async fn nap(_ctx: CallContext, ms: u64) -> Result<u64, BoxError> {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+        Ok(ms)
+    }
+
+    async fn send(
+        peer: &mut tokio::io::DuplexStream,
+        agent: &Agent,
+        id: u64,
+        ms: u64,
+        deadline: Instant,
+    ) {
+        let (payload, blobs, unsent) = agent.encode_args::<nap>(1, &(ms,)).expect("encodes");
+        drop(unsent.sent());
+        assert!(blobs.is_empty());
+        let req = agent.envelope::<nap>(1, 0, payload, Vec::new(), None, None);
+        let msg = tarpc::ClientMessage::Request(tarpc::Request {
+            context: request_context(deadline),
+            id,
+            message: req,
+        });
+        let body = codec().serialize(&msg).expect("encodes");
+        peer.write_u32(body.len() as u32).await.expect("length");
+        peer.write_all(&body).await.expect("body");
+    }
+
+    async fn recv(peer: &mut tokio::io::DuplexStream) -> tarpc::Response<CallReply> {
+        let len = peer.read_u32().await.expect("length");
+        let mut body = vec![0; len as usize];
+        peer.read_exact(&mut body).await.expect("body");
+        codec().deserialize(&body).expect("a reply frame")
+    }
+
+    /// MUX-3: a request past its deadline, or one whose handler is still waiting at its
+    /// deadline, is dropped unanswered; a handler that waits does not hold up the next request.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn requests_are_answered_once_and_never_after_their_deadline() {
+        let net = MemoryNetwork::new();
+        let agents = crate::testing::start_group(
+            2,
+            Transport::Memory(net),
+            Secret::generate(),
+            |_| {
+                Registry::builder()
+                    .register(nap)
+                    .expect("registers")
+                    .build()
+            },
+            |_, c| c,
+        )
+        .await
+        .expect("group");
+        let callee = agents[1].clone();
+        let (a, mut peer) = tokio::io::duplex(1 << 16);
+        let serving = tokio::spawn(serve(callee.clone(), Box::new(a), 0));
+        let now = Instant::now();
+        send(&mut peer, &callee, 1, 0, now).await; // already expired
+        send(&mut peer, &callee, 2, 600, now + Duration::from_millis(150)).await; // outlives it
+        send(&mut peer, &callee, 3, 300, now + Duration::from_secs(20)).await; // waits, answered
+        send(&mut peer, &callee, 4, 0, now + Duration::from_secs(20)).await; // at once
+        let first = tokio::time::timeout(Duration::from_secs(10), recv(&mut peer))
+            .await
+            .expect("answered");
+        assert_eq!(
+            first.request_id, 4,
+            "the waiting handler held up the next request"
+        );
+        let second = tokio::time::timeout(Duration::from_secs(10), recv(&mut peer))
+            .await
+            .expect("answered");
+        assert_eq!(second.request_id, 3);
+        let ok = second.message.expect("served").expect("ran");
+        assert_eq!(bincode::deserialize::<u64>(&ok.payload).ok(), Some(300));
+        // Nothing else comes: not request 1, not request 2 (whose deadline passed).
+        let more = tokio::time::timeout(Duration::from_millis(1000), recv(&mut peer)).await;
+        assert!(more.is_err(), "an expired request was answered: {more:?}");
+        drop(peer);
+        let ended = tokio::time::timeout(Duration::from_secs(10), serving)
+            .await
+            .expect("the connection ended with its peer")
+            .expect("joined");
+        assert!(ended.is_ok(), "{ended:?}");
+        futures::future::join_all(agents.iter().map(|a| a.shutdown())).await;
+    }
+}
