@@ -649,7 +649,7 @@ mod tests {
 #[cfg(test)]
 mod serving_tests {
     use super::*;
-    use crate::{BoxError, CallContext, MemoryNetwork, Registry, RemoteFn, Secret, Transport};
+    use crate::{BoxError, CallContext, MemoryNetwork, Registry, Secret, Transport};
     use std::time::Duration;
     use tokio::io::AsyncReadExt;
 
