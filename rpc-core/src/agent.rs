@@ -832,27 +832,36 @@ impl Agent {
         // Until the request is handed to the connection, returning (or being dropped) gives
         // back what its arguments lent: the callee cannot have read them.
         let (payload, blobs, unsent) = self.encode_args::<F>(to, &args)?;
-        let dial = self.dial_ctx();
-        // Setup (queueing bulk blobs, dialling) is bounded by the deadline too: a peer that
-        // stopped reading must not hold the caller past it.
-        let setup = async {
-            let blobs = bulk::send(self, to, blobs)
-                .await
-                .map_err(|e| RpcError::Transport {
-                    worker: worker(),
-                    source: e.into(),
-                })?;
-            self.check_frame::<F>(&payload, &blobs)?;
-            let (gen, client) = peer.client(&dial).await?;
-            Ok((blobs, gen, client))
+        // The common case, no blobs on a live connection, waits for nothing; the rest (bulk
+        // blobs, dialling) is boxed, so that a call's future stays small, and bounded by the
+        // deadline too: a peer that stopped reading must not hold the caller past it.
+        let ready = match peer.current() {
+            Some((gen, client)) if blobs.is_empty() => {
+                self.check_frame::<F>(&payload, &[])?;
+                (Vec::new(), gen, client)
+            }
+            _ => {
+                let setup = Box::pin(async {
+                    let blobs =
+                        bulk::send(self, to, blobs)
+                            .await
+                            .map_err(|e| RpcError::Transport {
+                                worker: worker(),
+                                source: e.into(),
+                            })?;
+                    self.check_frame::<F>(&payload, &blobs)?;
+                    let (gen, client) = peer.client(&self.dial_ctx()).await?;
+                    Ok((blobs, gen, client))
+                });
+                match deadline {
+                    None => setup.await,
+                    Some(d) => tokio::time::timeout_at(d.into(), setup)
+                        .await
+                        .unwrap_or_else(|_| Err(self.deadline_exceeded::<F>(to, d, started))),
+                }?
+            }
         };
-        let ready = match deadline {
-            None => setup.await,
-            Some(d) => tokio::time::timeout_at(d.into(), setup)
-                .await
-                .unwrap_or_else(|_| Err(self.deadline_exceeded::<F>(to, d, started))),
-        };
-        let (blobs, gen, client) = ready?;
+        let (blobs, gen, client) = ready;
         // A call its caller may drop is cancelled by message, and its reply is always read,
         // so that what its arguments or its result lent is accounted for (see `cancel.rs`).
         let cancel_id = droppable.then(|| inner.cancels.next_id());
@@ -941,7 +950,7 @@ impl Agent {
         cancel_id: Option<u64>,
     ) -> CallRequest {
         CallRequest {
-            fn_name: F::NAME.to_owned(),
+            fn_name: std::borrow::Cow::Borrowed(F::NAME),
             sig: sig_of::<F>(),
             depth,
             payload,

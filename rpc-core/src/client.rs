@@ -53,7 +53,8 @@ impl Peer {
         })
     }
 
-    fn current(&self) -> Option<(u64, Client)> {
+    /// The live client, if connected.
+    pub(crate) fn current(&self) -> Option<(u64, Client)> {
         let slot = self.slot.lock().unwrap_or_else(|p| p.into_inner());
         slot.as_ref().map(|l| (l.gen, l.client.clone()))
     }

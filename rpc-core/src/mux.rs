@@ -194,9 +194,30 @@ pub(crate) enum CallFailed {
     Server(tarpc::ServerError),
 }
 
+/// Hashes a request id (a counter of ours) with one multiplication: the ids are not chosen
+/// by anyone who could collide them on purpose, and the table is on every call's path.
+#[derive(Default)]
+struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0 ^ n).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
 #[derive(Default)]
 struct Pending {
-    slots: HashMap<u64, oneshot::Sender<ReplyMsg>>,
+    slots: HashMap<u64, oneshot::Sender<ReplyMsg>, std::hash::BuildHasherDefault<IdHasher>>,
     closed: bool,
 }
 

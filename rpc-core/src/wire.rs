@@ -44,7 +44,8 @@ pub(crate) enum WireBlob {
 /// A call request.
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) struct CallRequest {
-    pub fn_name: String,
+    /// Borrowed from the function's `NAME` when sent, owned when received.
+    pub fn_name: std::borrow::Cow<'static, str>,
     pub sig: u64,
     pub depth: u32,
     #[serde(with = "serde_bytes")]

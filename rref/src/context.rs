@@ -173,6 +173,39 @@ impl Ctx {
         });
     }
 
+    /// Like [`Ctx::background`], but whatever the message can do without waiting (encoding
+    /// it and queueing it on a live connection) is done before this returns; only the wait
+    /// for its reply runs as a task. A constructor sent by `remote` is then on the wire ahead
+    /// of anything its caller sends to the owner next (a fetch of the new reference, a call
+    /// that takes it), so the owner finds the value made instead of waiting for it. With
+    /// injected jitter (tests) it is [`Ctx::background`].
+    pub(crate) fn background_now<Fut>(self: &Arc<Self>, agent: &Agent, fut: Fut)
+    where
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        if self.jitter_us.load(Ordering::Relaxed) > 0 {
+            return self.background(agent, fut);
+        }
+        self.inflight.fetch_add(1, Ordering::AcqRel);
+        let mut fut = Box::pin(fut);
+        let polled = {
+            // The task that takes the future over polls it again with its own waker, which
+            // replaces this one wherever the future is waiting.
+            let _rt = agent.runtime().enter();
+            let mut cx = std::task::Context::from_waker(futures::task::noop_waker_ref());
+            fut.as_mut().poll(&mut cx)
+        };
+        if polled.is_ready() {
+            self.inflight.fetch_sub(1, Ordering::AcqRel);
+            return;
+        }
+        let me = self.clone();
+        agent.runtime().spawn(async move {
+            fut.await;
+            me.inflight.fetch_sub(1, Ordering::AcqRel);
+        });
+    }
+
     pub(crate) fn debug_info(&self) -> DebugInfo {
         DebugInfo {
             owner_values: lock(&self.owner).len(),

@@ -287,7 +287,7 @@ pub fn remote<F: RemoteFn>(
     let h = Handle::with_creator(&c, id, fork, owner, HState::Unconfirmed, true);
     let held = h.clone();
     let call = agent.rpc_keep(owner, f, args, KEEP_SINK, protocol::token(id, fork));
-    c.background(agent, async move {
+    c.background_now(agent, async move {
         let r = call.await;
         held.settle(r);
     });

@@ -226,6 +226,12 @@ pub fn registry() -> rpc_core::Registry {
     register(rpc_core::Registry::builder()).build()
 }
 
+/// [`live`] as the callee sees it when the call runs.
+#[remote]
+pub async fn live_now(_ctx: CallContext, ns: u64) -> Result<i64, BoxError> {
+    Ok(live(ns))
+}
+
 /// What became of the [`sleep_with`] calls under `key`: (started, stopped before finishing).
 pub fn sleeper(key: u64) -> (bool, bool) {
     sleepers()
@@ -281,6 +287,7 @@ pub fn register(b: rpc_core::RegistryBuilder) -> rpc_core::RegistryBuilder {
         .and_then(|b| b.register(release_all))
         .and_then(|b| b.register(rref_debug))
         .and_then(|b| b.register(sleep_with))
+        .and_then(|b| b.register(live_now))
         .and_then(rref::install)
         .expect("distinct names")
 }

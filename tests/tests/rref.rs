@@ -76,6 +76,31 @@ fn remote_returns_at_once_and_to_here_fetches_the_value() {
     });
 }
 
+/// `remote` queues its constructor before it returns (the connection being up), so the next
+/// call its caller makes to the owner runs after the value was made: a fetch right after
+/// `remote` finds the value instead of waiting for it.
+#[test]
+fn remote_queues_its_constructor_before_it_returns() {
+    each_transport(60, |t| async move {
+        let a = group(2, t, Duration::ZERO).await;
+        let ns = ns();
+        assert_eq!(a[0].rpc_async(1u32, live_now, (ns,)).await.unwrap(), 0);
+        for i in 0..20 {
+            let r = rref::remote(&a[0], 1u32, make, (ns, i)).unwrap();
+            let seen = a[0].rpc_async(1u32, live_now, (ns,)).await.unwrap();
+            assert_eq!(seen, 1, "round {i}: the call overtook the constructor");
+            drop(r);
+            let by = Instant::now() + Duration::from_secs(10);
+            while live(ns) != 0 && Instant::now() < by {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            assert_eq!(live(ns), 0, "round {i}: the value outlived its reference");
+        }
+        assert_quiescent(&a, ns).await;
+        shutdown_all(&a).await;
+    });
+}
+
 /// The blocking fetch, from threads that are not async: on a user (before and after the
 /// owner confirmed it), on the owner, and for a constructor that failed.
 #[test]
