@@ -438,7 +438,7 @@ impl Agent {
         p.push((key, provider));
     }
 
-    fn outgoing_meta(&self, to: u32) -> crate::context::CallMeta {
+    pub(crate) fn outgoing_meta(&self, to: u32) -> crate::context::CallMeta {
         let mut meta = current_meta();
         let p = self
             .inner
@@ -536,31 +536,67 @@ impl Agent {
         timeout: Duration,
         droppable: bool,
     ) -> impl Future<Output = Result<F::Output, RpcError>> + Send + 'static {
-        let target = self.resolve(&to);
         let agent = self.clone();
         let scope = current_scope();
-        let meta = current_meta();
-        META.scope(meta, async move {
-            let to = target?;
-            let (deadline, depth, started) = agent.plan_call::<F>(timeout, scope)?;
-            if to != agent.rank() {
-                agent.inner.spin.touch();
-                // Bounded inside: the setup by `deadline`, the call by tarpc's own deadline.
-                // Boxed, here and below: the caller's future stays a few hundred bytes, so
-                // spawning it (as `remote` does for every new reference) copies little.
-                return Box::pin(agent.call_remote::<F, F::Output>(
-                    to, args, deadline, depth, started, None, droppable,
-                ))
-                .await;
+        let planned = self
+            .resolve(&to)
+            .and_then(|to| Ok((to, self.plan_call::<F>(timeout, scope)?)));
+        // A call to another worker is encoded here, in its caller's context (its call
+        // metadata, the moment of the call), so the future only sends and waits; its
+        // arguments stay alive in it until the call ends, as they would in the caller.
+        let plan = match planned {
+            Ok((to, (deadline, depth, started))) if to != self.rank() => {
+                Plan::Remote(self.prepare::<F>(to, &args, deadline, depth, started), args)
             }
-            let call = Box::pin(agent.call_local::<F>(args, deadline, depth));
-            match deadline {
-                None => call.await,
-                Some(d) => match tokio::time::timeout_at(d.into(), call).await {
-                    Ok(r) => r,
-                    Err(_) => Err(agent.deadline_exceeded::<F>(to, d, started)),
-                },
+            other => Plan::Local(other, args, current_meta()),
+        };
+        async move {
+            match plan {
+                Plan::Remote(out, args) => {
+                    agent.inner.spin.touch();
+                    // Boxed: the caller's future stays a few hundred bytes, so spawning it
+                    // (as `remote` does for every new reference) copies little.
+                    let r =
+                        Box::pin(agent.call_remote::<F, F::Output>(out?, None, droppable)).await;
+                    drop(args);
+                    r
+                }
+                Plan::Local(planned, args, meta) => {
+                    let (to, (deadline, depth, started)) = planned?;
+                    let call =
+                        Box::pin(META.scope(meta, agent.call_local::<F>(args, deadline, depth)));
+                    match deadline {
+                        None => call.await,
+                        Some(d) => match tokio::time::timeout_at(d.into(), call).await {
+                            Ok(r) => r,
+                            Err(_) => Err(agent.deadline_exceeded::<F>(to, d, started)),
+                        },
+                    }
+                }
             }
+        }
+    }
+
+    /// A call to another worker (`to`), its arguments encoded.
+    fn prepare<F: RemoteFn>(
+        &self,
+        to: u32,
+        args: &F::Args,
+        deadline: Option<Instant>,
+        depth: u32,
+        started: Instant,
+    ) -> Result<Outgoing, RpcError> {
+        let (payload, blobs, unsent) = self.encode_args::<F>(to, args)?;
+        Ok(Outgoing {
+            to,
+            payload,
+            blobs,
+            unsent,
+            meta: self.outgoing_meta(to),
+            caller_meta: current_meta(),
+            deadline,
+            depth,
+            started,
         })
     }
 
@@ -648,10 +684,10 @@ impl Agent {
                     sink: sink.to_owned(),
                     token,
                 });
-                return Box::pin(
-                    agent.call_remote::<F, ()>(to, args, deadline, depth, started, keep, true),
-                )
-                .await;
+                let out = agent.prepare::<F>(to, &args, deadline, depth, started)?;
+                let r = Box::pin(agent.call_remote::<F, ()>(out, keep, true)).await;
+                drop(args);
+                return r;
             }
             let Some(sink_fn) = agent.inner.registry.sink(sink).cloned() else {
                 return Err(RpcError::UnknownFunction {
@@ -818,20 +854,26 @@ impl Agent {
     #[allow(clippy::too_many_arguments)]
     async fn call_remote<F: RemoteFn, O: serde::de::DeserializeOwned + Send + 'static>(
         &self,
-        to: u32,
-        args: F::Args,
-        deadline: Option<Instant>,
-        depth: u32,
-        started: Instant,
+        out: Outgoing,
         keep: Option<KeepTarget>,
         droppable: bool,
     ) -> Result<O, RpcError> {
+        let Outgoing {
+            to,
+            payload,
+            blobs,
+            unsent,
+            meta,
+            caller_meta,
+            deadline,
+            depth,
+            started,
+        } = out;
         let inner = &self.inner;
         let peer = &inner.peers[to as usize];
         let worker = || peer.info.name.clone();
         // Until the request is handed to the connection, returning (or being dropped) gives
-        // back what its arguments lent: the callee cannot have read them.
-        let (payload, blobs, unsent) = self.encode_args::<F>(to, &args)?;
+        // back what its arguments lent (`unsent`): the callee cannot have read them.
         // The common case, no blobs on a live connection, waits for nothing; the rest (bulk
         // blobs, dialling) is boxed, so that a call's future stays small, and bounded by the
         // deadline too: a peer that stopped reading must not hold the caller past it.
@@ -865,20 +907,22 @@ impl Agent {
         // A call its caller may drop is cancelled by message, and its reply is always read,
         // so that what its arguments or its result lent is accounted for (see `cancel.rs`).
         let cancel_id = droppable.then(|| inner.cancels.next_id());
-        let req = self.envelope::<F>(to, depth, payload, blobs, keep, cancel_id);
+        let req = self.envelope::<F>(depth, payload, blobs, keep, meta, cancel_id);
         // Dropped from here on without a verdict (the outcome is unknown), `lent` runs nothing.
-        let lent = unsent.sent();
+        let sent = Sent {
+            lent: unsent.sent(),
+            deadline,
+            started,
+            caller_meta,
+        };
         let Some(id) = cancel_id else {
             let reply = Self::exchange(&client, req, deadline).await;
-            return self
-                .finish_call::<F, O>(to, gen, reply, lent, deadline, started)
-                .await;
+            return self.finish_call::<F, O>(to, gen, reply, sent).await;
         };
         let me = self.clone();
         let work = Box::pin(async move {
             let reply = Self::exchange(&client, req, deadline).await;
-            me.finish_call::<F, O>(to, gen, reply, lent, deadline, started)
-                .await
+            me.finish_call::<F, O>(to, gen, reply, sent).await
         });
         crate::cancel::Detach::new(self.clone(), to, id, work).await
     }
@@ -942,11 +986,11 @@ impl Agent {
     /// The envelope of a call to `to`.
     pub(crate) fn envelope<F: RemoteFn>(
         &self,
-        to: u32,
         depth: u32,
         payload: Vec<u8>,
         blobs: Vec<crate::wire::WireBlob>,
         keep: Option<KeepTarget>,
+        meta: crate::context::CallMeta,
         cancel_id: Option<u64>,
     ) -> CallRequest {
         CallRequest {
@@ -956,7 +1000,7 @@ impl Agent {
             payload,
             blobs,
             keep,
-            meta: self.outgoing_meta(to),
+            meta,
             cancel_id,
         }
     }
@@ -968,10 +1012,14 @@ impl Agent {
         to: u32,
         gen: u64,
         reply: Result<Option<crate::wire::CallReply>, crate::mux::CallFailed>,
-        lent: blob::Lent,
-        deadline: Option<Instant>,
-        started: Instant,
+        sent: Sent,
     ) -> Result<O, RpcError> {
+        let Sent {
+            lent,
+            deadline,
+            started,
+            caller_meta,
+        } = sent;
         let peer = &self.inner.peers[to as usize];
         let worker = || peer.info.name.clone();
         let lost = || RpcError::ConnectionLost {
@@ -1011,7 +1059,8 @@ impl Agent {
                 })
             }
         };
-        self.finish_reply::<F, O>(to, reply, lent, deadline).await
+        self.finish_reply::<F, O>(to, reply, lent, deadline, caller_meta)
+            .await
     }
 
     /// A reply that arrived: settles what the arguments lent, reads the result's bulk blobs
@@ -1022,6 +1071,7 @@ impl Agent {
         reply: crate::wire::CallReply,
         lent: blob::Lent,
         deadline: Option<Instant>,
+        caller_meta: crate::context::CallMeta,
     ) -> Result<O, RpcError> {
         let worker = || self.inner.peers[to as usize].info.name.clone();
         let ok = match reply {
@@ -1051,7 +1101,12 @@ impl Agent {
                 source: e.into(),
             })?;
         let msg = MessageContext::new(self.clone(), WorkerId(to), MessageKind::Reply);
-        blob::decode::<O>(&ok.payload, blobs, Some(msg)).map_err(|e| RpcError::TypeMismatch {
+        // Decoded with its caller's metadata, wherever the caller's future is polled (or
+        // the task that took over a dropped one).
+        let decoded = META.sync_scope(caller_meta, || {
+            blob::decode::<O>(&ok.payload, blobs, Some(msg))
+        });
+        decoded.map_err(|e| RpcError::TypeMismatch {
             worker: worker(),
             fn_name: F::NAME.to_owned(),
             detail: format!(
@@ -1320,4 +1375,41 @@ where
     I::Item: Future<Output = Result<T, RpcError>>,
 {
     futures::future::try_join_all(futures).await
+}
+
+/// A call to another worker, encoded where it was made.
+struct Outgoing {
+    to: u32,
+    payload: Vec<u8>,
+    blobs: Vec<bytes::Bytes>,
+    /// What the arguments lent, given back unless the request is marked sent.
+    unsent: blob::Unsent,
+    /// What the envelope carries: the caller's metadata as the providers adjust it for `to`.
+    meta: crate::context::CallMeta,
+    /// The caller's metadata itself, in effect while the reply is decoded.
+    caller_meta: crate::context::CallMeta,
+    deadline: Option<Instant>,
+    depth: u32,
+    started: Instant,
+}
+
+/// A call on its way: what its arguments lent, its deadline and start, its caller's metadata.
+struct Sent {
+    /// Dropped without a verdict (the outcome is unknown), it runs nothing.
+    lent: blob::Lent,
+    deadline: Option<Instant>,
+    started: Instant,
+    caller_meta: crate::context::CallMeta,
+}
+
+/// A call as planned when it is made: to another worker (encoded, or why not) with its
+/// arguments, or to this one with its arguments and its caller's metadata.
+enum Plan<A> {
+    Remote(Result<Outgoing, RpcError>, A),
+    #[allow(clippy::type_complexity)]
+    Local(
+        Result<(u32, (Option<Instant>, u32, Instant)), RpcError>,
+        A,
+        crate::context::CallMeta,
+    ),
 }

@@ -494,7 +494,7 @@ impl Agent {
                 return Err(e);
             }
         };
-        let req = self.envelope::<F>(to, depth, payload, blobs, None, None);
+        let req = self.envelope::<F>(depth, payload, blobs, None, self.outgoing_meta(to), None);
         let lent = unsent.sent();
         // DIR-1: `conn` goes back only after a whole round trip; on failure it is dropped.
         let reply = match conn.round_trip(inner, req, deadline) {
@@ -538,7 +538,8 @@ impl Agent {
                 })
             }
         };
-        rt.block_on(self.finish_reply::<F, F::Output>(to, reply, lent, deadline))
+        let meta = crate::context::current_meta();
+        rt.block_on(self.finish_reply::<F, F::Output>(to, reply, lent, deadline, meta))
     }
 }
 

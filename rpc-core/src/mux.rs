@@ -691,7 +691,7 @@ mod serving_tests {
         let (payload, blobs, unsent) = agent.encode_args::<nap>(1, &(ms,)).expect("encodes");
         drop(unsent.sent());
         assert!(blobs.is_empty());
-        let req = agent.envelope::<nap>(1, 0, payload, Vec::new(), None, None);
+        let req = agent.envelope::<nap>(0, payload, Vec::new(), None, Default::default(), None);
         let msg = tarpc::ClientMessage::Request(tarpc::Request {
             context: request_context(deadline),
             id,

@@ -82,17 +82,20 @@ mod tests {
             !spin.spinning.load(Ordering::Relaxed),
             "idle before any traffic"
         );
+        // Bounded waits, not fixed sleeps: on a loaded machine the polling task may start late.
+        let eventually = |spinning: bool, what: &'static str| {
+            let spin = Arc::clone(&spin);
+            async move {
+                let by = Instant::now() + Duration::from_secs(5);
+                while spin.spinning.load(Ordering::Relaxed) != spinning {
+                    assert!(Instant::now() < by, "{what}");
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            }
+        };
         spin.touch();
-        tokio::time::sleep(Duration::from_millis(5)).await;
-        assert!(
-            spin.spinning.load(Ordering::Relaxed),
-            "polling right after traffic"
-        );
-        tokio::time::sleep(Duration::from_millis(60)).await;
-        assert!(
-            !spin.spinning.load(Ordering::Relaxed),
-            "idle again after the window"
-        );
+        eventually(true, "polling after traffic").await;
+        eventually(false, "idle again after the window").await;
         stop.cancel();
         tokio::time::timeout(Duration::from_secs(5), task)
             .await
