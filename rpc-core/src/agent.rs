@@ -1094,12 +1094,17 @@ impl Agent {
                 return Err(self.map_remote::<F>(remote));
             }
         };
-        let blobs = bulk::receive(self, to, ok.blobs, deadline)
-            .await
-            .map_err(|e| RpcError::Transport {
-                worker: worker(),
-                source: e.into(),
-            })?;
+        // Boxed where there are blobs, so that the common reply's future stays small.
+        let blobs = if ok.blobs.is_empty() {
+            Vec::new()
+        } else {
+            Box::pin(bulk::receive(self, to, ok.blobs, deadline))
+                .await
+                .map_err(|e| RpcError::Transport {
+                    worker: worker(),
+                    source: e.into(),
+                })?
+        };
         let msg = MessageContext::new(self.clone(), WorkerId(to), MessageKind::Reply);
         // Decoded with its caller's metadata, wherever the caller's future is polled (or
         // the task that took over a dropped one).

@@ -335,12 +335,16 @@ impl MuxClient {
             p.slots.insert(id, tx);
         }
         let slot = Slot { shared, id };
-        let msg = tarpc::ClientMessage::Request(tarpc::Request {
-            context: request_context(deadline),
-            id,
-            message: req,
-        });
-        match shared.out.push(&msg) {
+        let pushed = {
+            // Scoped: the request is not kept in the future while it waits.
+            let msg = tarpc::ClientMessage::Request(tarpc::Request {
+                context: request_context(deadline),
+                id,
+                message: req,
+            });
+            shared.out.push(&msg)
+        };
+        match pushed {
             Ok(()) => {}
             Err(PushError::Closed) => return Err(CallFailed::NotSent(closed())),
             Err(PushError::Encode(e)) => return Err(CallFailed::NotSent(e)),

@@ -30,7 +30,9 @@ use crate::wire::{CallOk, CallReply, CallRequest};
 pub(crate) async fn accept_loop(agent: Agent, mut listener: Listener) {
     let stop = agent.inner.stop_accepting.clone();
     loop {
+        // Biased: once told to stop, a connection waiting in the backlog is not taken.
         let conn = tokio::select! {
+            biased;
             _ = stop.cancelled() => break,
             c = listener.accept() => c,
         };
@@ -40,6 +42,7 @@ pub(crate) async fn accept_loop(agent: Agent, mut listener: Listener) {
                 agent.inner.conns.spawn(async move {
                     let stop = a.inner.stop.clone();
                     tokio::select! {
+                        biased;
                         _ = stop.cancelled() => {}
                         _ = serve_conn(a, conn) => {}
                     }
@@ -173,9 +176,14 @@ pub(crate) async fn handle(
     };
     let deadline =
         (deadline.saturating_duration_since(Instant::now()) < NO_DEADLINE / 2).then_some(deadline);
-    let blobs = crate::bulk::receive(&agent, caller, req.blobs, deadline)
-        .await
-        .map_err(|e| fail(RemoteErrorKind::Protocol, e))?;
+    // Boxed where there are blobs, here and below: a request's future stays small.
+    let blobs = if req.blobs.is_empty() {
+        Vec::new()
+    } else {
+        Box::pin(crate::bulk::receive(&agent, caller, req.blobs, deadline))
+            .await
+            .map_err(|e| fail(RemoteErrorKind::Protocol, e))?
+    };
     let ctx = CallContext {
         agent: agent.clone(),
         caller: inner.workers[caller as usize].clone(),
@@ -213,9 +221,13 @@ pub(crate) async fn handle(
             return Err(fail(RemoteErrorKind::Panic, msg));
         }
     };
-    let blobs = crate::bulk::send(&agent, caller, blobs)
-        .await
-        .map_err(|e| fail(RemoteErrorKind::Protocol, e))?;
+    let blobs = if blobs.is_empty() {
+        Vec::new()
+    } else {
+        Box::pin(crate::bulk::send(&agent, caller, blobs))
+            .await
+            .map_err(|e| fail(RemoteErrorKind::Protocol, e))?
+    };
     let size = payload.len() + crate::bulk::inline_bytes(&blobs);
     if size + 1024 > inner.cfg.max_frame_bytes {
         return Err(fail(
