@@ -13,13 +13,12 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use rpc_core::{Config, Registry, Secret};
 
-/// Logs to stderr: `RUST_LOG` if set, else warnings (tarpc's own callee-side deadline logs are
-/// off: the caller already gets a precise error).
+/// Logs to stderr: `RUST_LOG` if set, else warnings.
 pub fn init_tracing() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,tarpc=off")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_writer(std::io::stderr)
         .try_init();

@@ -1,4 +1,4 @@
-//! The bulk path: large blobs bypass tarpc and serde entirely.
+//! The bulk path: large blobs bypass the control connection and serde entirely.
 //!
 //! Each worker keeps, per peer, one outgoing *bulk* connection (authenticated like every other)
 //! and a writer task that sends records on it. A `STREAM` record, `[0][id: u64][len: u64]`

@@ -1,11 +1,11 @@
 //! Cancelling a call without losing track of what its messages lent.
 //!
-//! tarpc cancels a dropped call by dropping its request (possibly before the callee has read
-//! its arguments) and its reply (possibly after the callee encoded it). A value that lends
-//! something for a message's journey (a remote reference holds its fork until the receiver
-//! has registered its own, see `MessageContext::on_undelivered`) would then wait for an
-//! answer that never comes, in either direction. So a call that its caller may drop
-//! (`rpc_async`, not the blocking `rpc_sync`) is never cancelled by tarpc:
+//! An RPC framework usually cancels a dropped call by abandoning its request (possibly before
+//! the callee has read its arguments) and its reply (possibly after the callee encoded it), as
+//! tarpc does. A value that lends something for a message's journey (a remote reference holds
+//! its fork until the receiver has registered its own, see `MessageContext::on_undelivered`)
+//! would then wait for an answer that never comes, in either direction. So a call that its
+//! caller may drop (`rpc_async`, not the blocking `rpc_sync`) is never abandoned:
 //!
 //! - the caller's side of it (waiting for the reply, reading it) runs inline while the caller
 //!   waits, and goes on as a task of its own if the caller's future is dropped first
@@ -14,8 +14,9 @@
 //!   the callee stops the function only after its arguments were decoded (CAN-2); the reply
 //!   (an error saying so) then tells the caller's task that the arguments were read.
 //!
-//! A call that ends at its deadline still leaves a reply already on its way unread (tarpc
-//! discards it); what that reply lent is given up after the lender's own timeout.
+//! A call that ends at its deadline still leaves a reply already on its way unread (the
+//! connection discards it, MUX-1); what that reply lent is given up after the lender's own
+//! timeout.
 //!
 //! Invariants:
 //! - CAN-1: a cancel names `(caller, id)`; ids are unique per caller, and a cancel for a call

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use crate::agent::Agent;
 use crate::wire::WorkerInfo;
 
-/// Timeouts at or above this are treated as "no timeout" (tarpc needs some deadline).
+/// Timeouts at or above this are treated as "no timeout" (a request always carries one).
 pub(crate) const NO_DEADLINE: Duration = Duration::from_secs(365 * 24 * 3600);
 
 #[derive(Clone, Copy, Debug)]

@@ -12,9 +12,11 @@
 //! three machines.
 //!
 //! The master first trains a copy of the same model in one process for `--local-steps` steps
-//! on the same batches: its step time is `local_ms_per_step_median`, and its losses are
-//! compared with the distributed run's (`max_loss_diff`). `--check-equivalence` does only that
-//! comparison, over 20 steps. The last line of the output is JSON.
+//! on the same batches, and its losses are compared with the distributed run's
+//! (`max_loss_diff`); `--check-equivalence` does only that comparison, over 20 steps. That copy
+//! trains another `--local-steps` steps after every epoch, so `local_ms_per_step_median` is
+//! sampled across the run as the distributed median is (this VM's speed drifts by a quarter
+//! within minutes). The last line of the output is JSON.
 
 mod checkpoint;
 mod data;
@@ -591,17 +593,33 @@ fn training_batch(
     Ok((batch, mask))
 }
 
+/// The one-process copy of the model: its step times and losses over the first `steps`
+/// batches, and the model, which goes on training for more timing samples.
 fn local_baseline(
     args: &Args,
     dims: &Dims,
     data: &Data,
     steps: usize,
-) -> Result<(Vec<f64>, Vec<f64>)> {
+) -> Result<(LocalModel, Vec<f64>, Vec<f64>)> {
     let mut model = LocalModel::new(dims, args.seed, args.optimizer())?;
+    let idx = first_batches(args, data, steps);
+    let (times, losses) = local_steps(&mut model, args, dims, data, &idx, 0)?;
+    Ok((model, times, losses))
+}
+
+/// Trains `model` on `batches` (global steps from `step0`): each step's time and loss.
+fn local_steps(
+    model: &mut LocalModel,
+    args: &Args,
+    dims: &Dims,
+    data: &Data,
+    batches: &[Vec<usize>],
+    step0: u64,
+) -> Result<(Vec<f64>, Vec<f64>)> {
     let (mut times, mut losses) = (Vec::new(), Vec::new());
-    for (step, idx) in first_batches(args, data, steps).iter().enumerate() {
+    for (k, idx) in batches.iter().enumerate() {
         let t0 = Instant::now();
-        let (batch, mask) = training_batch(args, dims, data, idx, step as u64)?;
+        let (batch, mask) = training_batch(args, dims, data, idx, step0 + k as u64)?;
         let loss = model.step(&batch, mask.as_ref())?;
         times.push(t0.elapsed().as_secs_f64() * 1e3);
         losses.push(f64::from(loss));
@@ -622,7 +640,8 @@ async fn master(
     } else {
         args.local_steps
     };
-    let (local_times, local_losses) = local_baseline(args, &dims, data, baseline_steps)?;
+    let (mut local, mut local_times, local_losses) =
+        local_baseline(args, &dims, data, baseline_steps)?;
     let model = Hybrid::new(agent, args, &dims).await?;
 
     let mut history = History::default();
@@ -698,6 +717,10 @@ async fn master(
             bar.inc(1);
         }
         bar.finish_and_clear();
+        // More one-process samples, at this point of the run (the workers are idle).
+        let n = args.local_steps.min(batches.len());
+        let (times, _) = local_steps(&mut local, args, &dims, data, &batches[..n], step)?;
+        local_times.extend(times);
         let preds = model.predict(&data.test).await?;
         let test_acc = accuracy(&preds, data.test.labels());
         history.train_acc.push(hits as f64 / seen.max(1) as f64);
