@@ -73,6 +73,21 @@ fn frames(
     FramedRead::new(r, codec)
 }
 
+/// The next message read from `frames`; `None` at the end of the stream.
+async fn next_message<T: serde::de::DeserializeOwned>(
+    frames: &mut FramedRead<tokio::io::ReadHalf<Conn>, LengthDelimitedCodec>,
+) -> Option<io::Result<T>> {
+    let frame = match frames.next().await? {
+        Ok(f) => f,
+        Err(e) => return Some(Err(e)),
+    };
+    Some(
+        codec()
+            .deserialize(frame.chunk())
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e)),
+    )
+}
+
 /// Why a frame was not queued.
 #[derive(Debug)]
 pub(crate) enum PushError {
@@ -294,11 +309,8 @@ impl MuxClient {
             let (r, w) = tokio::io::split(conn);
             let mut replies = frames(r, max_frame);
             let read = async {
-                while let Some(frame) = replies.next().await {
-                    let frame = frame?;
-                    let reply: tarpc::Response<CallReply> = codec()
-                        .deserialize(frame.chunk())
-                        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+                while let Some(reply) = next_message(&mut replies).await {
+                    let reply: tarpc::Response<CallReply> = reply?;
                     let slot = s.pending().slots.remove(&reply.request_id);
                     if let Some(tx) = slot {
                         let _ = tx.send(reply.message);
@@ -375,11 +387,8 @@ pub(crate) async fn serve(agent: Agent, conn: Conn, caller: u32) -> io::Result<(
     let (r, w) = tokio::io::split(conn);
     let mut requests = frames(r, max);
     let read = async {
-        while let Some(frame) = requests.next().await {
-            let frame = frame?;
-            let msg: tarpc::ClientMessage<CallRequest> = codec()
-                .deserialize(frame.chunk())
-                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+        while let Some(msg) = next_message(&mut requests).await {
+            let msg: tarpc::ClientMessage<CallRequest> = msg?;
             // Our callers cancel by message of their own (`cancel.rs`) and enforce their
             // deadlines themselves; they never send tarpc's cancel.
             let tarpc::ClientMessage::Request(req) = msg else {
