@@ -49,17 +49,27 @@ async fn peak_rss(_ctx: CallContext) -> Result<f64, BoxError> {
     Ok(peak_rss_mb())
 }
 
+/// How many raw echo connections the peer serves.
+const RAW_ECHO_CONNECTIONS: usize = 2;
+
 /// Starts raw TCP echo and sink servers in this process; returns their ports.
 #[remote]
 async fn raw_servers(_ctx: CallContext) -> Result<(u16, u16), BoxError> {
     let echo_l = TcpListener::bind("127.0.0.1:0")?;
     let sink = TcpListener::bind("127.0.0.1:0")?;
     let ports = (echo_l.local_addr()?.port(), sink.local_addr()?.port());
+    // One connection per section that measures a raw baseline (latency, RRef), each served
+    // on a thread of its own; the process's exit ends whatever is left.
     std::thread::spawn(move || {
-        if let Ok((mut s, _)) = echo_l.accept() {
-            let _ = s.set_nodelay(true);
-            let mut buf = [0u8; 64];
-            while s.read_exact(&mut buf).is_ok() && s.write_all(&buf).is_ok() {}
+        for _ in 0..RAW_ECHO_CONNECTIONS {
+            let Ok((mut s, _)) = echo_l.accept() else {
+                return;
+            };
+            std::thread::spawn(move || {
+                let _ = s.set_nodelay(true);
+                let mut buf = [0u8; 64];
+                while s.read_exact(&mut buf).is_ok() && s.write_all(&buf).is_ok() {}
+            });
         }
     });
     std::thread::spawn(move || {
