@@ -883,24 +883,27 @@ impl Agent {
                 (Vec::new(), gen, client)
             }
             _ => {
-                let setup = Box::pin(async {
-                    let blobs =
-                        bulk::send(self, to, blobs)
+                Box::pin(async {
+                    let setup = async {
+                        let blobs =
+                            bulk::send(self, to, blobs)
+                                .await
+                                .map_err(|e| RpcError::Transport {
+                                    worker: worker(),
+                                    source: e.into(),
+                                })?;
+                        self.check_frame::<F>(&payload, &blobs)?;
+                        let (gen, client) = peer.client(&self.dial_ctx()).await?;
+                        Ok((blobs, gen, client))
+                    };
+                    match deadline {
+                        None => setup.await,
+                        Some(d) => tokio::time::timeout_at(d.into(), setup)
                             .await
-                            .map_err(|e| RpcError::Transport {
-                                worker: worker(),
-                                source: e.into(),
-                            })?;
-                    self.check_frame::<F>(&payload, &blobs)?;
-                    let (gen, client) = peer.client(&self.dial_ctx()).await?;
-                    Ok((blobs, gen, client))
-                });
-                match deadline {
-                    None => setup.await,
-                    Some(d) => tokio::time::timeout_at(d.into(), setup)
-                        .await
-                        .unwrap_or_else(|_| Err(self.deadline_exceeded::<F>(to, d, started))),
-                }?
+                            .unwrap_or_else(|_| Err(self.deadline_exceeded::<F>(to, d, started))),
+                    }
+                })
+                .await?
             }
         };
         let (blobs, gen, client) = ready;
@@ -915,16 +918,17 @@ impl Agent {
             started,
             caller_meta,
         };
-        let Some(id) = cancel_id else {
-            let reply = Self::exchange(&client, req, deadline).await;
-            return self.finish_call::<F, O>(to, gen, reply, sent).await;
-        };
+        // Boxed: the wait and the reply's handling are most of a call's state, and a call's
+        // future stays a few hundred bytes (it is moved, and spawned by `remote`).
         let me = self.clone();
         let work = Box::pin(async move {
             let reply = Self::exchange(&client, req, deadline).await;
             me.finish_call::<F, O>(to, gen, reply, sent).await
         });
-        crate::cancel::Detach::new(self.clone(), to, id, work).await
+        match cancel_id {
+            None => work.await,
+            Some(id) => crate::cancel::Detach::new(self.clone(), to, id, work).await,
+        }
     }
 
     /// Sends `req` on `client` and waits for its reply until `deadline` (`None`: the
