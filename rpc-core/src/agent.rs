@@ -851,7 +851,8 @@ impl Agent {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// Sends a call prepared by [`Agent::prepare`] on the control connection to its worker
+    /// (`mux.rs`) and waits for the reply.
     async fn call_remote<F: RemoteFn, O: serde::de::DeserializeOwned + Send + 'static>(
         &self,
         out: Outgoing,
