@@ -504,9 +504,14 @@ mod tests {
     }
 
     async fn read_request(peer: &mut DuplexStream) -> tarpc::Request<CallRequest> {
-        let len = peer.read_u32().await.expect("length");
-        let mut body = vec![0; len as usize];
-        peer.read_exact(&mut body).await.expect("body");
+        let body = tokio::time::timeout(Duration::from_secs(10), async {
+            let len = peer.read_u32().await.expect("length");
+            let mut body = vec![0; len as usize];
+            peer.read_exact(&mut body).await.expect("body");
+            body
+        })
+        .await
+        .expect("a request within 10 s");
         match codec().deserialize(&body).expect("a request frame") {
             tarpc::ClientMessage::Request(r) => r,
             other => panic!("expected a request, got {other:?}"),
@@ -611,7 +616,8 @@ mod tests {
             .expect("the task ended")
             .expect("joined");
         assert!(ended.is_err(), "the end of stream is reported");
-        match c.call(request(2), far()).await {
+        let refused = tokio::time::timeout(Duration::from_secs(10), c.call(request(2), far()));
+        match refused.await.expect("refused at once") {
             Err(CallFailed::NotSent(e)) => assert_eq!(e.kind(), io::ErrorKind::NotConnected),
             other => panic!("expected NotSent, got {other:?}"),
         }
@@ -647,7 +653,8 @@ mod tests {
         let (c, _task, _peer) = client(64);
         let mut big = request(1);
         big.payload = vec![0; 1000];
-        match c.call(big, far()).await {
+        let refused = tokio::time::timeout(Duration::from_secs(10), c.call(big, far()));
+        match refused.await.expect("refused at once") {
             Err(CallFailed::NotSent(e)) => assert_eq!(e.kind(), io::ErrorKind::InvalidInput),
             other => panic!("expected NotSent, got {other:?}"),
         }
