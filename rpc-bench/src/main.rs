@@ -27,7 +27,8 @@ const USAGE: &str = "usage: rpc-bench [all|latency|throughput|tensor|rref|allred
 [--threads N] [--busy-poll-us N] [--no-shm]
   --threads N        runtime worker threads of every process (default 1: two processes
                      on a 2-core machine; 0: current-thread runtime)
-  --busy-poll-us N   Config::busy_poll of every process, in microseconds (default 0: off)
+  --busy-poll-us N   Config::busy_poll of every process, in microseconds (default: the
+                     library's, 100; 0: off)
   --no-shm           bulk blobs stream over TCP instead of shared memory
 Prints one JSON object per line.";
 
@@ -50,7 +51,60 @@ async fn peak_rss(_ctx: CallContext) -> Result<f64, BoxError> {
 }
 
 /// How many raw echo connections the peer serves.
-const RAW_ECHO_CONNECTIONS: usize = 2;
+const RAW_ECHO_CONNECTIONS: usize = 3;
+
+/// The busy-poll window of this run (`--busy-poll-us`).
+fn busy_poll() -> Duration {
+    Duration::from_micros(BUSY_POLL_US.get().copied().unwrap_or(0))
+}
+
+/// Reads `buf` whole: first without blocking for up to `poll` (giving way to other threads
+/// between tries, as the framework's waits do with `Config::busy_poll`), then blocking.
+fn read_polled(s: &mut TcpStream, buf: &mut [u8], poll: Duration) -> std::io::Result<()> {
+    use rustix::io::Errno;
+    let mut got = 0;
+    let until = Instant::now() + poll;
+    while got < buf.len() && !poll.is_zero() {
+        match rustix::net::recv(&*s, &mut buf[got..], rustix::net::RecvFlags::DONTWAIT) {
+            Ok((0, _)) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok((k, _)) => got += k,
+            Err(Errno::AGAIN | Errno::INTR) if Instant::now() < until => std::thread::yield_now(),
+            Err(Errno::AGAIN | Errno::INTR) => break,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    s.read_exact(&mut buf[got..])
+}
+
+/// A raw 64-byte ping-pong connection to the peer's echo server; `polled`: both ends poll
+/// the socket for `busy_poll()` before blocking (the same waiting as the framework's).
+struct RawConn {
+    s: TcpStream,
+    poll: Duration,
+    buf: [u8; 64],
+}
+
+impl RawConn {
+    fn connect(port: u16, polled: bool) -> Result<Self> {
+        let mut s = TcpStream::connect(("127.0.0.1", port))?;
+        s.set_nodelay(true)?;
+        s.write_all(&[u8::from(polled)])?;
+        let poll = if polled { busy_poll() } else { Duration::ZERO };
+        Ok(Self {
+            s,
+            poll,
+            buf: [7; 64],
+        })
+    }
+
+    /// One round trip, in microseconds.
+    fn ping(&mut self) -> Result<f64> {
+        let t = Instant::now();
+        self.s.write_all(&self.buf)?;
+        read_polled(&mut self.s, &mut self.buf, self.poll)?;
+        Ok(t.elapsed().as_secs_f64() * 1e6)
+    }
+}
 
 /// Starts raw TCP echo and sink servers in this process; returns their ports.
 #[remote]
@@ -67,8 +121,18 @@ async fn raw_servers(_ctx: CallContext) -> Result<(u16, u16), BoxError> {
             };
             std::thread::spawn(move || {
                 let _ = s.set_nodelay(true);
+                // The first byte says whether this end polls too.
+                let mut mode = [0u8; 1];
+                if s.read_exact(&mut mode).is_err() {
+                    return;
+                }
+                let poll = if mode[0] == 1 {
+                    busy_poll()
+                } else {
+                    Duration::ZERO
+                };
                 let mut buf = [0u8; 64];
-                while s.read_exact(&mut buf).is_ok() && s.write_all(&buf).is_ok() {}
+                while read_polled(&mut s, &mut buf, poll).is_ok() && s.write_all(&buf).is_ok() {}
             });
         }
     });
@@ -259,7 +323,8 @@ fn main() -> Result<()> {
             .get(i + 1)
             .context("--busy-poll-us needs a value")?
             .parse()?,
-        None => 0,
+        // The library's default unless asked.
+        None => Config::new().busy_poll.as_micros() as u64,
     };
     let _ = BUSY_POLL_US.set(busy);
     let _ = NO_SHM.set(args.iter().any(|a| a == "--no-shm"));
@@ -408,9 +473,11 @@ fn drive(mode: &str, threads: usize) -> Result<()> {
     Ok(())
 }
 
-/// Raw 64-byte TCP ping-pong, `rpc_sync` and sequential `rpc_async` round trips, measured
-/// in alternating batches of 100 so all three see the same machine state (this matters on
-/// noisy VMs, where the raw round trip alone drifts several-fold within minutes).
+/// Raw 64-byte TCP ping-pong (blocking, and polling as the framework's waits do when busy
+/// polling is on), `rpc_sync` and sequential `rpc_async` round trips, measured in
+/// alternating batches of 100 so all see the same machine state (this matters on noisy VMs,
+/// where the raw round trip alone drifts several-fold within minutes). Ratios are to the
+/// faster raw ping-pong.
 fn latency(
     rt: &tokio::runtime::Runtime,
     agent: &Agent,
@@ -419,18 +486,24 @@ fn latency(
 ) -> Result<Vec<serde_json::Value>> {
     const ROUNDS: usize = 55;
     const BATCH: usize = 100;
-    let mut s = TcpStream::connect(("127.0.0.1", echo_port))?;
-    s.set_nodelay(true)?;
-    let mut buf = [7u8; 64];
-    let (mut raw, mut sync, mut asy) = (Vec::new(), Vec::new(), Vec::new());
+    let mut blocking = RawConn::connect(echo_port, false)?;
+    let mut polled = RawConn::connect(echo_port, true)?;
+    let (mut raw, mut raw_polled, mut sync, mut asy) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for round in 0..ROUNDS {
         let keep = round >= 5;
         for _ in 0..BATCH {
-            let t = Instant::now();
-            s.write_all(&buf)?;
-            s.read_exact(&mut buf)?;
+            let x = blocking.ping()?;
             if keep {
-                raw.push(t.elapsed().as_secs_f64() * 1e6);
+                raw.push(x);
+            }
+        }
+        if !busy_poll().is_zero() {
+            for _ in 0..BATCH {
+                let x = polled.ping()?;
+                if keep {
+                    raw_polled.push(x);
+                }
             }
         }
         if with_sync {
@@ -462,6 +535,12 @@ fn latency(
     let mut out = vec![
         json!({ "metric": "raw_tcp_pingpong_64B_rtt_us", "median": raw.median, "p99": raw.p99, "n": 5000 }),
     ];
+    let mut floor = raw.median;
+    if !raw_polled.is_empty() {
+        let st = stats(raw_polled);
+        floor = floor.min(st.median);
+        out.push(json!({ "metric": "raw_tcp_pingpong_64B_polled_rtt_us", "median": st.median, "p99": st.p99, "n": 5000 }));
+    }
     for (name, xs) in [
         ("rpc_sync_noop_rtt_us", sync),
         ("rpc_async_noop_rtt_us", asy),
@@ -472,7 +551,7 @@ fn latency(
         let st = stats(xs);
         out.push(json!({
             "metric": name, "median": st.median, "p99": st.p99, "n": 5000,
-            "ratio_to_raw_tcp": st.median / raw.median,
+            "raw_tcp_us": floor, "ratio_to_raw_tcp": st.median / floor,
         }));
     }
     Ok(out)
@@ -556,29 +635,24 @@ const RREF_N: usize = (RREF_ROUNDS - RREF_WARM) * RREF_BATCH;
 /// it from halting, and a benchmark that measures without its baseline beside it reports
 /// the machine's mood as much as the code.)
 struct RawPing {
-    s: TcpStream,
-    buf: [u8; 64],
+    conn: RawConn,
     xs: Vec<f64>,
 }
 
 impl RawPing {
+    /// Polling like the framework's waits when busy polling is on.
     fn connect(port: u16) -> Result<Self> {
-        let s = TcpStream::connect(("127.0.0.1", port))?;
-        s.set_nodelay(true)?;
         Ok(Self {
-            s,
-            buf: [7; 64],
+            conn: RawConn::connect(port, !busy_poll().is_zero())?,
             xs: Vec::new(),
         })
     }
 
     fn batch(&mut self, keep: bool) -> Result<()> {
         for _ in 0..RREF_BATCH {
-            let t = Instant::now();
-            self.s.write_all(&self.buf)?;
-            self.s.read_exact(&mut self.buf)?;
+            let x = self.conn.ping()?;
             if keep {
-                self.xs.push(t.elapsed().as_secs_f64() * 1e6);
+                self.xs.push(x);
             }
         }
         Ok(())

@@ -537,19 +537,7 @@ impl Agent {
         droppable: bool,
     ) -> impl Future<Output = Result<F::Output, RpcError>> + Send + 'static {
         let agent = self.clone();
-        let scope = current_scope();
-        let planned = self
-            .resolve(&to)
-            .and_then(|to| Ok((to, self.plan_call::<F>(timeout, scope)?)));
-        // A call to another worker is encoded here, in its caller's context (its call
-        // metadata, the moment of the call), so the future only sends and waits; its
-        // arguments stay alive in it until the call ends, as they would in the caller.
-        let plan = match planned {
-            Ok((to, (deadline, depth, started))) if to != self.rank() => {
-                Plan::Remote(self.prepare::<F>(to, &args, deadline, depth, started), args)
-            }
-            other => Plan::Local(other, args, current_meta()),
-        };
+        let plan = self.plan::<F>(&to, args, timeout);
         async move {
             match plan {
                 Plan::Remote(out, args) => {
@@ -574,6 +562,27 @@ impl Agent {
                     }
                 }
             }
+        }
+    }
+
+    /// What a call will do, decided when it is made. A call to another worker is encoded
+    /// here, in its caller's context (its call metadata, the moment of the call), so its
+    /// future only sends and waits; its arguments stay alive in it until the call ends, as
+    /// they would in the caller.
+    fn plan<F: RemoteFn>(
+        &self,
+        to: &impl ToWorker,
+        args: F::Args,
+        timeout: Duration,
+    ) -> Plan<F::Args> {
+        let planned = self
+            .resolve(to)
+            .and_then(|to| Ok((to, self.plan_call::<F>(timeout, current_scope())?)));
+        match planned {
+            Ok((to, (deadline, depth, started))) if to != self.rank() => {
+                Plan::Remote(self.prepare::<F>(to, &args, deadline, depth, started), args)
+            }
+            other => Plan::Local(other, args, current_meta()),
         }
     }
 
@@ -658,70 +667,68 @@ impl Agent {
         sink: &'static str,
         token: Vec<u8>,
     ) -> impl Future<Output = Result<(), RpcError>> + Send + 'static {
-        let target = self.resolve(&to);
         let agent = self.clone();
-        let scope = current_scope();
-        let timeout = self.inner.cfg.rpc_timeout;
-        let meta = current_meta();
-        META.scope(meta, async move {
-            let to = target?;
-            let started = Instant::now();
-            let own = (!timeout.is_zero()).then(|| started + timeout.min(NO_DEADLINE));
-            let deadline = match (own, scope.and_then(|s| s.deadline)) {
-                (Some(a), Some(b)) => Some(a.min(b)),
-                (a, b) => a.or(b),
-            };
-            let depth = scope.map_or(0, |s| s.depth);
-            if agent.is_stopping() && depth == 0 {
-                return Err(RpcError::Shutdown {
-                    worker: agent.name().to_owned(),
-                    fn_name: F::NAME.to_owned(),
-                });
-            }
-            if to != agent.rank() {
-                agent.inner.spin.touch();
-                let keep = Some(KeepTarget {
-                    sink: sink.to_owned(),
-                    token,
-                });
-                let out = agent.prepare::<F>(to, &args, deadline, depth, started)?;
-                let r = Box::pin(agent.call_remote::<F, ()>(out, keep, true)).await;
-                drop(args);
-                return r;
-            }
-            let Some(sink_fn) = agent.inner.registry.sink(sink).cloned() else {
-                return Err(RpcError::UnknownFunction {
-                    worker: agent.name().to_owned(),
-                    fn_name: format!("keep sink `{sink}`"),
-                });
-            };
-            let call = Box::pin(agent.call_local::<F>(args, deadline, depth));
-            let out = match deadline {
-                None => call.await,
-                Some(d) => tokio::time::timeout_at(d.into(), call)
-                    .await
-                    .unwrap_or_else(|_| Err(agent.deadline_exceeded::<F>(to, d, started))),
-            };
-            let ctx = CallContext {
-                agent: agent.clone(),
-                caller: agent.inner.me.clone(),
-                deadline,
-                cancel: None,
-            };
-            let result = match out {
-                Ok(v) => Ok(KeptValue::new(v)),
-                Err(RpcError::Remote(r)) => Err(r),
-                Err(e) => {
-                    return Err(e);
+        let plan = self.plan::<F>(&to, args, self.inner.cfg.rpc_timeout);
+        async move {
+            match plan {
+                Plan::Remote(out, args) => {
+                    agent.inner.spin.touch();
+                    let keep = Some(KeepTarget {
+                        sink: sink.to_owned(),
+                        token,
+                    });
+                    let r = Box::pin(agent.call_remote::<F, ()>(out?, keep, true)).await;
+                    drop(args);
+                    r
                 }
-            };
-            let failed = result.as_ref().err().cloned();
-            sink_fn(ctx, token, result).map_err(RpcError::Remote)?;
-            match failed {
-                Some(r) => Err(RpcError::Remote(r)),
-                None => Ok(()),
+                // Boxed, as the remote path is: the future stays the size of its plan.
+                Plan::Local(planned, args, meta) => {
+                    Box::pin(agent.keep_local::<F>(planned?, args, meta, sink, token)).await
+                }
             }
-        })
+        }
+    }
+
+    /// [`Agent::rpc_keep`] to this worker: runs `f` here and hands its result to the sink.
+    async fn keep_local<F: RemoteFn>(
+        &self,
+        (to, (deadline, depth, started)): (u32, (Option<Instant>, u32, Instant)),
+        args: F::Args,
+        meta: crate::context::CallMeta,
+        sink: &'static str,
+        token: Vec<u8>,
+    ) -> Result<(), RpcError> {
+        let Some(sink_fn) = self.inner.registry.sink(sink).cloned() else {
+            return Err(RpcError::UnknownFunction {
+                worker: self.name().to_owned(),
+                fn_name: format!("keep sink `{sink}`"),
+            });
+        };
+        let call = Box::pin(META.scope(meta.clone(), self.call_local::<F>(args, deadline, depth)));
+        let out = match deadline {
+            None => call.await,
+            Some(d) => tokio::time::timeout_at(d.into(), call)
+                .await
+                .unwrap_or_else(|_| Err(self.deadline_exceeded::<F>(to, d, started))),
+        };
+        let ctx = CallContext {
+            agent: self.clone(),
+            caller: self.inner.me.clone(),
+            deadline,
+            cancel: None,
+        };
+        let result = match out {
+            Ok(v) => Ok(KeptValue::new(v)),
+            Err(RpcError::Remote(r)) => Err(r),
+            Err(e) => return Err(e),
+        };
+        let failed = result.as_ref().err().cloned();
+        META.sync_scope(meta, || sink_fn(ctx, token, result))
+            .map_err(RpcError::Remote)?;
+        match failed {
+            Some(r) => Err(RpcError::Remote(r)),
+            None => Ok(()),
+        }
     }
 
     /// Blocking [`Agent::rpc_async`], for code that is not async.
@@ -768,6 +775,7 @@ impl Agent {
                 })
             }
         };
+        let spin = self.inner.cfg.busy_poll;
         let run = move || match self.resolve(&to) {
             // The thread writes and reads its own connection (see `direct.rs`).
             Ok(rank) if self.sync_connection_applies(rank) => {
@@ -777,10 +785,12 @@ impl Agent {
                         self.call_on_thread::<F>(conn, rank, args, deadline, depth, started)
                     }
                     // Every place for a sync connection is taken: through the runtime.
-                    None => rt.block_on(self.call_fut(to, f, args, timeout, false)),
+                    None => {
+                        crate::spin::block_on(rt, spin, self.call_fut(to, f, args, timeout, false))
+                    }
                 }
             }
-            _ => rt.block_on(self.call_fut(to, f, args, timeout, false)),
+            _ => crate::spin::block_on(rt, spin, self.call_fut(to, f, args, timeout, false)),
         };
         if in_runtime {
             tokio::task::block_in_place(run)

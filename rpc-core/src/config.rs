@@ -66,11 +66,15 @@ pub struct Config {
     /// Receive buffers of large blobs kept for reuse once their blobs are dropped, in bytes.
     /// Default: 128 MiB.
     pub bulk_pool_bytes: usize,
-    /// After each call sent or request received, keep one runtime thread polling for this
-    /// long instead of sleeping in the kernel. On VMs, waking a sleeping thread for each
-    /// message costs tens of microseconds (an inter-processor interrupt); polling trades a
-    /// busy core for round trips close to the raw socket's. Only for processes that have a
-    /// core to spare. Default: 0 (off).
+    /// How long a thread that expects a message polls for it before it sleeps: after each
+    /// call sent or request received, one runtime thread polls its sockets this long; a
+    /// thread in a blocking call polls for the reply, and the thread serving a blocking
+    /// connection for the next request, this long. Waking a sleeping thread costs more than
+    /// a loopback round trip on VMs (an inter-processor interrupt to a halted virtual CPU:
+    /// 50–150 µs measured on a 2-vCPU VM, against a 20 µs raw ping-pong), so a reply that
+    /// comes within the window saves that. A polling thread gives way to any other thread
+    /// runnable on its core, so it spends idle time; each message costs at most this much
+    /// CPU. Zero turns polling off (for processes that pay for every cycle). Default: 100 µs.
     pub busy_poll: Duration,
     /// Bytes of the shared-memory arena each worker offers a peer on the same host for bulk
     /// blobs; 0 turns the shared-memory path off. Whether a peer shares the host is probed,
@@ -115,7 +119,7 @@ impl Default for Config {
             max_concurrent_calls: 65_536,
             bulk_threshold: 256 << 10,
             bulk_pool_bytes: 128 << 20,
-            busy_poll: Duration::ZERO,
+            busy_poll: Duration::from_micros(100),
             shm_arena_bytes: 128 << 20,
             sync_connections: true,
             max_sync_connections: 64,

@@ -95,11 +95,14 @@ struct Frames {
     wbuf: Vec<u8>,
     read_timeout: Option<Duration>,
     write_timeout: Option<Duration>,
+    /// How long a read polls the socket before it blocks ([`crate::Config::busy_poll`]).
+    spin: Duration,
 }
 
 impl Frames {
-    fn new(stream: TcpStream) -> Self {
+    fn new(stream: TcpStream, spin: Duration) -> Self {
         Self {
+            spin,
             stream,
             rbuf: vec![0; READ_BUFFER],
             rpos: 0,
@@ -214,6 +217,7 @@ impl Frames {
         if self.rbuf.len() < n {
             self.rbuf.resize(n, 0);
         }
+        self.poll_for(n)?;
         while self.rend < n {
             let t = Some(Self::slice(deadline)?);
             if self.read_timeout != t {
@@ -234,6 +238,41 @@ impl Frames {
                     }
                 }
                 Err(e) => return Err(Failure::Lost(e)),
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Frames {
+    /// Reads without blocking until `n` bytes are buffered or `spin` has passed, giving way
+    /// to any other thread runnable on this core between tries: a reply that comes within
+    /// the window is read by a thread that never slept, so the sender wakes nobody.
+    fn poll_for(&mut self, n: usize) -> Result<(), Failure> {
+        if self.spin.is_zero() {
+            return Ok(());
+        }
+        let until = Instant::now() + self.spin;
+        while self.rend < n {
+            match rustix::net::recv(
+                &self.stream,
+                &mut self.rbuf[self.rend..],
+                rustix::net::RecvFlags::DONTWAIT,
+            ) {
+                Ok((0, _)) => {
+                    return Err(Failure::Lost(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "the peer closed the connection",
+                    )))
+                }
+                Ok((k, _)) => self.rend += k,
+                Err(rustix::io::Errno::AGAIN | rustix::io::Errno::INTR) => {
+                    if Instant::now() >= until {
+                        return Ok(());
+                    }
+                    std::thread::yield_now();
+                }
+                Err(e) => return Err(Failure::Lost(e.into())),
             }
         }
         Ok(())
@@ -375,7 +414,7 @@ impl SyncConn {
             inner.sync_out.register(s)
         };
         let key = setup(&mut stream).map_err(unreachable)?;
-        let mut frames = Frames::new(stream);
+        let mut frames = Frames::new(stream, cfg.busy_poll);
         // The handshake left its own timeouts set: `Frames` sets its own before waiting.
         frames.read_timeout = Some(Duration::ZERO);
         frames.write_timeout = Some(Duration::ZERO);
@@ -576,11 +615,14 @@ pub(crate) async fn serve(agent: &Agent, stream: TcpStream, caller: u32) {
 /// The serving thread: one request at a time, each run to completion before the next is read.
 /// Between requests it holds only a weak reference to the agent.
 fn serve_thread(weak: Weak<Inner>, stream: TcpStream, caller: u32) {
-    let mut frames = Frames::new(stream);
-    let gone = || weak.upgrade().is_none_or(|a| a.is_closed());
-    let Some(max) = weak.upgrade().map(|a| a.cfg.max_frame_bytes) else {
+    let Some((max, spin)) = weak
+        .upgrade()
+        .map(|a| (a.cfg.max_frame_bytes, a.cfg.busy_poll))
+    else {
         return;
     };
+    let mut frames = Frames::new(stream, spin);
+    let gone = || weak.upgrade().is_none_or(|a| a.is_closed());
     loop {
         let msg: tarpc::ClientMessage<CallRequest> = match frames.recv(max, None, &gone) {
             Ok(m) => m,
@@ -602,7 +644,7 @@ fn serve_thread(weak: Weak<Inner>, stream: TcpStream, caller: u32) {
         let token = agent.inner.calls.token();
         let stop = agent.inner.stop.clone();
         let run = crate::server::handle(agent.clone(), deadline, req.message, caller);
-        let reply = agent.inner.runtime.block_on(async {
+        let reply = crate::spin::block_on(&agent.inner.runtime, agent.inner.cfg.busy_poll, async {
             tokio::select! {
                 r = tokio::time::timeout_at(deadline.into(), run) => Some(r),
                 () = stop.cancelled() => None,

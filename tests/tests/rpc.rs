@@ -53,16 +53,17 @@ fn call_futures_are_small() {
     });
 }
 
-/// With busy polling on, calls (plain, nested, bulk) behave the same and shutdown is clean.
+/// With busy polling off (it is on by default), calls (plain, bulk, blocking) behave the
+/// same and shutdown is clean.
 #[test]
-fn busy_polling_changes_nothing_but_speed() {
+fn busy_polling_off_changes_nothing_but_speed() {
     each_transport(30, |t| async move {
         let a = start_group(
             3,
             t,
             Secret::generate(),
             |_| registry(),
-            |_, c| c.with_busy_poll(Duration::from_micros(300)),
+            |_, c| c.with_busy_poll(Duration::ZERO),
         )
         .await
         .expect("group starts");
@@ -75,6 +76,17 @@ fn busy_polling_changes_nothing_but_speed() {
                 i as i32 + 1
             );
         }
+        // Blocking calls from a plain thread (on TCP, on the thread's own connection).
+        let a0 = a[0].clone();
+        let blocking = std::thread::spawn(move || {
+            (0..50)
+                .map(|i| a0.rpc_sync(1u32, add, (i, 1)).unwrap())
+                .sum::<i32>()
+        });
+        let sum = tokio::task::spawn_blocking(move || blocking.join().unwrap())
+            .await
+            .unwrap();
+        assert_eq!(sum, (1..=50).sum::<i32>());
         let big = Blob::from(vec![7u8; 1 << 20]);
         let back = a[0].rpc_async(1u32, echo, (big.clone(),)).await.unwrap();
         assert_eq!(&back[..], &big[..]);
