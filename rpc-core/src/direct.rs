@@ -9,12 +9,14 @@
 //! connection route at both ends, as a raw socket ping-pong would:
 //!
 //! - the calling thread keeps one authenticated TCP connection per peer (dialled on first use,
-//!   in a thread-local table), writes the request frame itself and blocks reading the reply;
+//!   in a thread-local table), writes the request frame itself and reads the reply: polling
+//!   the socket for up to [`crate::Config::busy_poll`], then blocking;
 //!   at most `Config::max_sync_connections` are open from one worker, and threads beyond them
 //!   make their blocking calls through the runtime as before;
-//! - the callee serves that connection on a thread of its own, which reads each request,
-//!   runs it to completion with the runtime's handle (nested calls and timers work as
-//!   anywhere else) and writes the reply.
+//! - the callee serves that connection on a thread of its own, which reads each request
+//!   (polling for it likewise after each reply), runs it to completion in the runtime's
+//!   context (`spin::block_on`: nested calls and timers work as anywhere else) and writes
+//!   the reply.
 //!
 //! Frames are tarpc's (the same codec, frame limit and message types as the control
 //! connection). Everything around the round trip is shared with the async path: the envelope,

@@ -54,7 +54,8 @@
 //! - `agent`: [`Agent`], [`init`], calls and shutdown.
 //! - `direct`: blocking calls on the calling thread's own connection.
 //! - `cancel`: cancelling calls whose arguments lent something, by message.
-//! - `spin`: optional busy polling after traffic ([`Config::busy_poll`]).
+//! - `spin`: busy polling before sleeping ([`Config::busy_poll`]): the runtime's polling task and
+//!   `block_on` for plain threads.
 //! - [`testing`]: start a whole group in one process; raw connections for protocol tests.
 //! - `error`: [`RpcError`], [`InitError`], [`RemoteError`].
 #![deny(missing_docs)]
