@@ -674,7 +674,7 @@ impl Agent {
                 Plan::Remote(out, args) => {
                     agent.inner.spin.touch();
                     let keep = Some(KeepTarget {
-                        sink: sink.to_owned(),
+                        sink: sink.into(),
                         token,
                     });
                     let r = Box::pin(agent.call_remote::<F, ()>(out?, keep, true)).await;

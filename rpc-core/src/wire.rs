@@ -62,7 +62,8 @@ pub(crate) struct CallRequest {
 /// Where a keep-call's result goes on the callee.
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) struct KeepTarget {
-    pub sink: String,
+    /// Borrowed when sent (sink names are static), owned when received.
+    pub sink: std::borrow::Cow<'static, str>,
     #[serde(with = "serde_bytes")]
     pub token: Vec<u8>,
 }
