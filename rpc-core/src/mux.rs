@@ -149,7 +149,11 @@ impl Outbox {
         s.buf
             .put_u32(u32::try_from(len).expect("below the frame limit"));
         s.buf.resize(start + 4 + len, 0);
-        if let Err(e) = codec().serialize_into(&mut s.buf[start + 4..], msg) {
+        let into = SliceWriter {
+            buf: &mut s.buf[start + 4..],
+            at: 0,
+        };
+        if let Err(e) = codec().serialize_into(into, msg) {
             s.buf.truncate(start);
             return Err(PushError::Encode(io::Error::other(e)));
         }
@@ -189,6 +193,38 @@ impl Outbox {
                 spare = BytesMut::with_capacity(8 << 10);
             }
         }
+    }
+}
+
+/// A writer into a slice sized beforehand. A one-byte write (bincode writes tarpc's trace ids
+/// a byte at a time) is a store, not a call to `memcpy`.
+struct SliceWriter<'a> {
+    buf: &'a mut [u8],
+    at: usize,
+}
+
+impl io::Write for SliceWriter<'_> {
+    #[inline]
+    fn write(&mut self, data: &[u8]) -> io::Result<usize> {
+        self.write_all(data).map(|()| data.len())
+    }
+
+    #[inline]
+    fn write_all(&mut self, data: &[u8]) -> io::Result<()> {
+        let end = self.at + data.len();
+        let Some(dst) = self.buf.get_mut(self.at..end) else {
+            return Err(io::ErrorKind::WriteZero.into());
+        };
+        match data {
+            [b] => dst[0] = *b,
+            _ => dst.copy_from_slice(data),
+        }
+        self.at = end;
+        Ok(())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
     }
 }
 
