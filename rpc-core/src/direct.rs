@@ -244,9 +244,7 @@ impl Frames {
         }
         Ok(())
     }
-}
 
-impl Frames {
     /// Reads without blocking until `n` bytes are buffered or `spin` has passed, giving way
     /// to any other thread runnable on this core between tries: a reply that comes within
     /// the window is read by a thread that never slept, so the sender wakes nobody.
