@@ -605,13 +605,38 @@ fn block_on_for<F: std::future::Future>(
 /// How many threads of this process have this name (the callee's serving threads are named
 /// `rpc-sync-<caller rank>`).
 fn threads_named(name: &str) -> usize {
-    std::fs::read_dir("/proc/self/task")
-        .map(|d| {
-            d.filter_map(|e| std::fs::read_to_string(e.ok()?.path().join("comm")).ok())
-                .filter(|c| c.trim() == name)
-                .count()
-        })
-        .unwrap_or(0)
+    threads_named_report(name).len()
+}
+
+/// The threads of this process that have this name, each as `tid state wchan` (what the
+/// thread is blocked in), for assertion messages.
+fn threads_named_report(name: &str) -> Vec<String> {
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+        return Vec::new();
+    };
+    dir.filter_map(|e| {
+        let path = e.ok()?.path();
+        let comm = std::fs::read_to_string(path.join("comm")).ok()?;
+        if comm.trim() != name {
+            return None;
+        }
+        let stat = std::fs::read_to_string(path.join("stat")).unwrap_or_default();
+        // The state follows the parenthesised name.
+        let state = stat
+            .rsplit(')')
+            .next()
+            .unwrap_or("")
+            .split_whitespace()
+            .next();
+        let wchan = std::fs::read_to_string(path.join("wchan")).unwrap_or_default();
+        Some(format!(
+            "{} {} {}",
+            path.file_name()?.to_string_lossy(),
+            state.unwrap_or("?"),
+            wchan.trim()
+        ))
+    })
+    .collect()
 }
 
 /// Everything `rpc_sync` does from a plain thread, with the thread's own connection and
@@ -777,15 +802,17 @@ fn sync_connections_close_with_their_thread_and_at_shutdown() {
     let rt = runtime(2);
     let agents = block_on_for(&rt, 30, group(4, Transport::Tcp));
     let serving = || threads_named("rpc-sync-3");
-    // Threads end a moment after their connection closes: wait up to 5 s for none to be left.
+    // Threads end a moment after their connection closes: wait up to 30 s (a loaded 2-core
+    // machine runs other tests beside this one) for none to be left, and say what any thread
+    // left is blocked in.
     let serving_after_wait = || {
-        for _ in 0..100 {
+        for _ in 0..600 {
             if serving() == 0 {
                 break;
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        serving()
+        threads_named_report("rpc-sync-3")
     };
     // A thread that ends: its connection closes, and the callee's thread ends with it.
     let a3 = agents[3].clone();
@@ -796,10 +823,10 @@ fn sync_connections_close_with_their_thread_and_at_shutdown() {
     })
     .join()
     .unwrap();
-    assert_eq!(
-        serving_after_wait(),
-        0,
-        "serving threads outlived their connections"
+    let left = serving_after_wait();
+    assert!(
+        left.is_empty(),
+        "serving threads outlived their connections: {left:?}"
     );
     // A thread that stays: its connection stays open until shutdown closes it.
     let a3 = agents[3].clone();
@@ -826,7 +853,11 @@ fn sync_connections_close_with_their_thread_and_at_shutdown() {
     go_tx.send(()).unwrap();
     let err = caller.join().unwrap().unwrap_err();
     assert!(matches!(err, RpcError::Shutdown { .. }), "{err:?}");
-    assert_eq!(serving_after_wait(), 0, "serving threads outlived shutdown");
+    let left = serving_after_wait();
+    assert!(
+        left.is_empty(),
+        "serving threads outlived shutdown: {left:?}"
+    );
 }
 
 #[test]
