@@ -657,8 +657,14 @@ impl Agent {
     /// `token`. Resolves once the sink has taken it. This is how a layer above creates values
     /// that live on another worker (remote references).
     ///
+    /// Unlike [`Agent::rpc_async`], the request is queued when this is called if it can be
+    /// without waiting (the connection to `to` is up and no argument takes the bulk path), so
+    /// it goes out ahead of anything the caller sends to `to` next; the future then only
+    /// waits for the answer. The arguments stay alive in the future until the call ends.
+    ///
     /// # Cancel safety
-    /// Cancelling abandons the call; whether the sink ran is then unknown.
+    /// Dropping the future abandons the wait (once polled, it also sends a cancel for the call
+    /// and reads its answer in the background); whether the sink ran is then unknown.
     pub fn rpc_keep<F: RemoteFn>(
         &self,
         to: impl ToWorker,
@@ -668,23 +674,50 @@ impl Agent {
         token: Vec<u8>,
     ) -> impl Future<Output = Result<(), RpcError>> + Send + 'static {
         let agent = self.clone();
-        let plan = self.plan::<F>(&to, args, self.inner.cfg.rpc_timeout);
+        let keep = KeepTarget {
+            sink: sink.into(),
+            token,
+        };
+        // Everything but the wait for a queued call is boxed: thousands of these may be
+        // waiting at once (one per new remote reference), so the future stays small.
+        let call = match self.plan::<F>(&to, args, self.inner.cfg.rpc_timeout) {
+            Plan::Remote(Err(e), _) => Keep::Failed(e),
+            Plan::Remote(Ok(out), args) => {
+                self.inner.spin.touch();
+                match self.queue_now::<F>(out, Some(keep), true) {
+                    Queued::Now(Ok(q)) => Keep::Queued(self.await_reply::<F, ()>(q), args),
+                    Queued::Now(Err(e)) => Keep::Failed(e),
+                    Queued::Later(out, keep) => {
+                        let agent = agent.clone();
+                        Keep::Later(Box::pin(async move {
+                            let r = match agent.queue_later::<F>(out, keep, true).await {
+                                Ok(q) => agent.await_reply::<F, ()>(q).await,
+                                Err(e) => Err(e),
+                            };
+                            drop(args);
+                            r
+                        }))
+                    }
+                }
+            }
+            Plan::Local(planned, args, meta) => {
+                let agent = agent.clone();
+                Keep::Later(Box::pin(async move {
+                    agent
+                        .keep_local::<F>(planned?, args, meta, sink, keep.token)
+                        .await
+                }))
+            }
+        };
         async move {
-            match plan {
-                Plan::Remote(out, args) => {
-                    agent.inner.spin.touch();
-                    let keep = Some(KeepTarget {
-                        sink: sink.into(),
-                        token,
-                    });
-                    let r = Box::pin(agent.call_remote::<F, ()>(out?, keep, true)).await;
+            match call {
+                Keep::Failed(e) => Err(e),
+                Keep::Queued(reply, args) => {
+                    let r = reply.await;
                     drop(args);
                     r
                 }
-                // Boxed, as the remote path is: the future stays the size of its plan.
-                Plan::Local(planned, args, meta) => {
-                    Box::pin(agent.keep_local::<F>(planned?, args, meta, sink, token)).await
-                }
+                Keep::Later(f) => f.await,
             }
         }
     }
@@ -869,58 +902,101 @@ impl Agent {
         keep: Option<KeepTarget>,
         droppable: bool,
     ) -> Result<O, RpcError> {
+        let queued = match self.queue_now::<F>(out, keep, droppable) {
+            Queued::Now(q) => q?,
+            // Boxed, so that a call's future stays small: bulk blobs, dialling.
+            Queued::Later(out, keep) => {
+                Box::pin(self.queue_later::<F>(out, keep, droppable)).await?
+            }
+        };
+        self.await_reply::<F, O>(queued).await
+    }
+
+    /// Queues a call on its live connection at once when nothing has to be awaited first (no
+    /// bulk blobs, the connection is up); otherwise gives it back (`Later`).
+    fn queue_now<F: RemoteFn>(
+        &self,
+        out: Outgoing,
+        keep: Option<KeepTarget>,
+        droppable: bool,
+    ) -> Queued {
+        let peer = &self.inner.peers[out.to as usize];
+        let (gen, client) = match peer.current() {
+            Some(c) if out.blobs.is_empty() => c,
+            _ => return Queued::Later(out, keep),
+        };
+        // Until the request is queued, an error drops `out`, which gives back what its
+        // arguments lent (`unsent`): the callee cannot have read them.
+        if let Err(e) = self.check_frame::<F>(&out.payload, &[]) {
+            return Queued::Now(Err(e));
+        }
+        Queued::Now(Ok(self.queue::<F>(
+            out,
+            Vec::new(),
+            gen,
+            client,
+            keep,
+            droppable,
+        )))
+    }
+
+    /// [`Agent::queue_now`]'s other path: sends the bulk blobs and dials the connection if
+    /// need be, bounded by the deadline too (a peer that stopped reading must not hold the
+    /// caller past it), then queues the call.
+    async fn queue_later<F: RemoteFn>(
+        &self,
+        mut out: Outgoing,
+        keep: Option<KeepTarget>,
+        droppable: bool,
+    ) -> Result<InFlight, RpcError> {
+        let (to, deadline, started) = (out.to, out.deadline, out.started);
+        let peer = &self.inner.peers[to as usize];
+        let blobs = std::mem::take(&mut out.blobs);
+        let payload = &out.payload;
+        let setup = async {
+            let blobs = bulk::send(self, to, blobs)
+                .await
+                .map_err(|e| RpcError::Transport {
+                    worker: peer.info.name.clone(),
+                    source: e.into(),
+                })?;
+            self.check_frame::<F>(payload, &blobs)?;
+            let (gen, client) = peer.client(&self.dial_ctx()).await?;
+            Ok::<_, RpcError>((blobs, gen, client))
+        };
+        let (blobs, gen, client) = match deadline {
+            None => setup.await,
+            Some(d) => tokio::time::timeout_at(d.into(), setup)
+                .await
+                .unwrap_or_else(|_| Err(self.deadline_exceeded::<F>(to, d, started))),
+        }?;
+        Ok(self.queue::<F>(out, blobs, gen, client, keep, droppable))
+    }
+
+    /// Queues `out` (its bulk blobs already sent, as `blobs`) on connection `gen`.
+    fn queue<F: RemoteFn>(
+        &self,
+        out: Outgoing,
+        blobs: Vec<crate::wire::WireBlob>,
+        gen: u64,
+        client: crate::client::Client,
+        keep: Option<KeepTarget>,
+        droppable: bool,
+    ) -> InFlight {
         let Outgoing {
             to,
             payload,
-            blobs,
             unsent,
             meta,
             caller_meta,
             deadline,
             depth,
             started,
+            ..
         } = out;
-        let inner = &self.inner;
-        let peer = &inner.peers[to as usize];
-        let worker = || peer.info.name.clone();
-        // Until the request is handed to the connection, returning (or being dropped) gives
-        // back what its arguments lent (`unsent`): the callee cannot have read them.
-        // The common case, no blobs on a live connection, waits for nothing; the rest (bulk
-        // blobs, dialling) is boxed, so that a call's future stays small, and bounded by the
-        // deadline too: a peer that stopped reading must not hold the caller past it.
-        let ready = match peer.current() {
-            Some((gen, client)) if blobs.is_empty() => {
-                self.check_frame::<F>(&payload, &[])?;
-                (Vec::new(), gen, client)
-            }
-            _ => {
-                Box::pin(async {
-                    let setup = async {
-                        let blobs =
-                            bulk::send(self, to, blobs)
-                                .await
-                                .map_err(|e| RpcError::Transport {
-                                    worker: worker(),
-                                    source: e.into(),
-                                })?;
-                        self.check_frame::<F>(&payload, &blobs)?;
-                        let (gen, client) = peer.client(&self.dial_ctx()).await?;
-                        Ok((blobs, gen, client))
-                    };
-                    match deadline {
-                        None => setup.await,
-                        Some(d) => tokio::time::timeout_at(d.into(), setup)
-                            .await
-                            .unwrap_or_else(|_| Err(self.deadline_exceeded::<F>(to, d, started))),
-                    }
-                })
-                .await?
-            }
-        };
-        let (blobs, gen, client) = ready;
         // A call its caller may drop is cancelled by message, and its reply is always read,
         // so that what its arguments or its result lent is accounted for (see `cancel.rs`).
-        let cancel_id = droppable.then(|| inner.cancels.next_id());
+        let cancel_id = droppable.then(|| self.inner.cancels.next_id());
         let req = self.envelope::<F>(depth, payload, blobs, keep, meta, cancel_id);
         // Dropped from here on without a verdict (the outcome is unknown), `lent` runs nothing.
         let sent = Sent {
@@ -929,35 +1005,52 @@ impl Agent {
             started,
             caller_meta,
         };
-        // Boxed: the wait and the reply's handling are most of a call's state, and a call's
-        // future stays a few hundred bytes (it is moved, and spawned by `remote`).
-        let me = self.clone();
-        let work = Box::pin(async move {
-            let reply = Self::exchange(&client, req, deadline).await;
-            me.finish_call::<F, O>(to, gen, reply, sent).await
-        });
-        match cancel_id {
-            None => work.await,
-            Some(id) => crate::cancel::Detach::new(self.clone(), to, id, work).await,
+        let by = deadline.unwrap_or_else(|| Instant::now() + NO_DEADLINE);
+        InFlight {
+            waiter: client.send(req, by),
+            to,
+            gen,
+            cancel_id,
+            sent,
         }
     }
 
-    /// Sends `req` on `client` and waits for its reply until `deadline` (`None`: the
-    /// connection's lifetime); `Ok(None)` when the deadline passed first.
-    async fn exchange(
-        client: &crate::client::Client,
-        req: CallRequest,
-        deadline: Option<Instant>,
-    ) -> Result<Option<crate::wire::CallReply>, crate::mux::CallFailed> {
-        let by = deadline.unwrap_or_else(|| Instant::now() + NO_DEADLINE);
-        let call = client.call(req, by);
-        match deadline {
-            None => call.await.map(Some),
-            Some(d) => match tokio::time::timeout_at(d.into(), call).await {
+    /// The wait for a queued call's reply and its reading, as a future. A call its caller may
+    /// drop goes on as a task of its own if it is dropped first (`cancel.rs`).
+    fn await_reply<F: RemoteFn, O: serde::de::DeserializeOwned + Send + 'static>(
+        &self,
+        q: InFlight,
+    ) -> crate::cancel::Detach<Result<O, RpcError>> {
+        let (to, cancel_id) = (q.to, q.cancel_id);
+        // Boxed: the wait and the reply's handling are most of a call's state, and a call's
+        // future stays small (it is moved, and spawned by `remote`).
+        let work = Box::pin(self.clone().wait_reply::<F, O>(q));
+        crate::cancel::Detach::new(self.clone(), to, cancel_id, work)
+    }
+
+    /// Waits for `q`'s reply until its deadline, then reads it.
+    async fn wait_reply<F: RemoteFn, O: serde::de::DeserializeOwned + Send + 'static>(
+        self,
+        q: InFlight,
+    ) -> Result<O, RpcError> {
+        let InFlight {
+            waiter,
+            to,
+            gen,
+            sent,
+            ..
+        } = q;
+        let reply = match (waiter, sent.deadline) {
+            (Err(e), _) => Err(e),
+            (Ok(w), None) => w.await.map(Some),
+            (Ok(w), Some(d)) => match tokio::time::timeout_at(d.into(), w).await {
                 Ok(r) => r.map(Some),
                 Err(_) => Ok(None),
             },
-        }
+        };
+        // Boxed: reading a reply takes more state than waiting for it, and thousands of
+        // calls may be waiting at once.
+        Box::pin(self.finish_call::<F, O>(to, gen, reply, sent)).await
     }
 
     /// Encodes a call's arguments for `to`: the payload, its blobs, and what they lent (given
@@ -1420,6 +1513,29 @@ struct Sent {
     deadline: Option<Instant>,
     started: Instant,
     caller_meta: crate::context::CallMeta,
+}
+
+/// A call queued on its connection (or refused by it: `waiter` is then the reason), waiting
+/// for its reply.
+struct InFlight {
+    waiter: Result<crate::mux::Waiter, crate::mux::CallFailed>,
+    to: u32,
+    gen: u64,
+    cancel_id: Option<u64>,
+    sent: Sent,
+}
+
+/// A keep call as [`Agent::rpc_keep`] left it.
+enum Keep<A> {
+    Failed(RpcError),
+    Queued(crate::cancel::Detach<Result<(), RpcError>>, A),
+    Later(futures::future::BoxFuture<'static, Result<(), RpcError>>),
+}
+
+/// What [`Agent::queue_now`] did: queued the call (or refused it), or left it for later.
+enum Queued {
+    Now(Result<InFlight, RpcError>),
+    Later(Outgoing, Option<KeepTarget>),
 }
 
 /// A call as planned when it is made: to another worker (encoded, or why not) with its

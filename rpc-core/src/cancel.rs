@@ -101,14 +101,15 @@ impl RemoteFn for CancelCall {
 }
 
 /// The caller's side of a sent call (waiting for the reply and reading it). Dropped before it
-/// is done, it goes on as a task of its own, so the reply is still read and whatever it
-/// carries (a remote reference's fork, say) is registered and then dropped properly, and it
-/// sends a cancel for call `id` to `to`. While the caller keeps it, it runs inline: no task
-/// and no thread hand-off on the common path.
+/// is done, a call its caller may drop (`id`: its cancel id) goes on as a task of its own, so
+/// the reply is still read and whatever it carries (a remote reference's fork, say) is
+/// registered and then dropped properly, and it sends a cancel for call `id` to `to`; without
+/// an id the work is dropped with it. While the caller keeps it, it runs inline: no task and
+/// no thread hand-off on the common path.
 pub(crate) struct Detach<O: Send + 'static> {
     agent: Agent,
     to: u32,
-    id: u64,
+    id: Option<u64>,
     work: Option<futures::future::BoxFuture<'static, O>>,
 }
 
@@ -116,7 +117,7 @@ impl<O: Send + 'static> Detach<O> {
     pub(crate) fn new(
         agent: Agent,
         to: u32,
-        id: u64,
+        id: Option<u64>,
         work: futures::future::BoxFuture<'static, O>,
     ) -> Self {
         Self {
@@ -146,10 +147,10 @@ impl<O: Send + 'static> std::future::Future for Detach<O> {
 
 impl<O: Send + 'static> Drop for Detach<O> {
     fn drop(&mut self) {
-        let Some(work) = self.work.take() else {
+        let (Some(work), Some(id)) = (self.work.take(), self.id) else {
             return;
         };
-        let (agent, to, id) = (self.agent.clone(), self.to, self.id);
+        let (agent, to) = (self.agent.clone(), self.to);
         let rt = self.agent.runtime();
         // Reads the reply (or the error saying the call was cancelled) and drops it.
         rt.spawn(async move {

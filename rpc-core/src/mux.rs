@@ -314,15 +314,38 @@ impl Drop for EndOnDrop {
     }
 }
 
-/// Removes a call's slot when its future is dropped (MUX-1).
-struct Slot<'a> {
-    shared: &'a ClientShared,
+/// A queued request's wait for its reply. Dropped before the reply came, it removes the
+/// call's slot, so a late reply is discarded (MUX-1).
+pub(crate) struct Waiter {
+    shared: Arc<ClientShared>,
     id: u64,
+    rx: oneshot::Receiver<ReplyMsg>,
+    /// The reader took the slot and sent the reply (or the connection ended).
+    answered: bool,
 }
 
-impl Drop for Slot<'_> {
+impl std::future::Future for Waiter {
+    type Output = Result<CallReply, CallFailed>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> Poll<Self::Output> {
+        let reply = std::task::ready!(std::pin::Pin::new(&mut self.rx).poll(cx));
+        self.answered = true;
+        Poll::Ready(match reply {
+            Ok(Ok(reply)) => Ok(reply),
+            Ok(Err(e)) => Err(CallFailed::Server(e)),
+            Err(_) => Err(CallFailed::Lost),
+        })
+    }
+}
+
+impl Drop for Waiter {
     fn drop(&mut self) {
-        self.shared.pending().slots.remove(&self.id);
+        if !self.answered {
+            self.shared.pending().slots.remove(&self.id);
+        }
     }
 }
 
@@ -368,14 +391,11 @@ impl MuxClient {
         (Self { shared }, task)
     }
 
-    /// Sends `req` with `deadline` and waits for its reply. The deadline is enforced by the
-    /// caller (and by the callee, which drops the request once it passes).
-    pub(crate) async fn call(
-        &self,
-        req: CallRequest,
-        deadline: Instant,
-    ) -> Result<CallReply, CallFailed> {
-        let shared = &*self.shared;
+    /// Queues `req` with `deadline` now; the returned [`Waiter`] resolves to its reply. The
+    /// deadline is enforced by the caller (and by the callee, which drops the request once it
+    /// passes).
+    pub(crate) fn send(self, req: CallRequest, deadline: Instant) -> Result<Waiter, CallFailed> {
+        let shared = self.shared;
         let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         {
@@ -385,27 +405,22 @@ impl MuxClient {
             }
             p.slots.insert(id, tx);
         }
-        let slot = Slot { shared, id };
-        let pushed = {
-            // Scoped: the request is not kept in the future while it waits.
-            let msg = tarpc::ClientMessage::Request(tarpc::Request {
-                context: request_context(deadline),
-                id,
-                message: req,
-            });
-            shared.out.push(&msg)
+        // From here on, dropping the waiter removes the slot (MUX-1).
+        let waiter = Waiter {
+            shared,
+            id,
+            rx,
+            answered: false,
         };
-        match pushed {
-            Ok(()) => {}
-            Err(PushError::Closed) => return Err(CallFailed::NotSent(closed())),
-            Err(PushError::Encode(e)) => return Err(CallFailed::NotSent(e)),
-        }
-        let reply = rx.await;
-        std::mem::forget(slot);
-        match reply {
-            Ok(Ok(reply)) => Ok(reply),
-            Ok(Err(e)) => Err(CallFailed::Server(e)),
-            Err(_) => Err(CallFailed::Lost),
+        let msg = tarpc::ClientMessage::Request(tarpc::Request {
+            context: request_context(deadline),
+            id,
+            message: req,
+        });
+        match waiter.shared.out.push(&msg) {
+            Ok(()) => Ok(waiter),
+            Err(PushError::Closed) => Err(CallFailed::NotSent(closed())),
+            Err(PushError::Encode(e)) => Err(CallFailed::NotSent(e)),
         }
     }
 
@@ -574,6 +589,11 @@ mod tests {
         Instant::now() + Duration::from_secs(30)
     }
 
+    /// Queues `req` and waits for its reply.
+    async fn call(c: &MuxClient, req: CallRequest, d: Instant) -> Result<CallReply, CallFailed> {
+        c.clone().send(req, d)?.await
+    }
+
     fn tag(r: Result<CallReply, CallFailed>) -> u8 {
         match r {
             Ok(Ok(ok)) => ok.payload[0],
@@ -587,7 +607,7 @@ mod tests {
         let calls: Vec<_> = (0..3u8)
             .map(|t| {
                 let c = c.clone();
-                tokio::spawn(async move { c.call(request(t), far()).await })
+                tokio::spawn(async move { call(&c, request(t), far()).await })
             })
             .collect();
         let mut seen = Vec::new();
@@ -612,14 +632,14 @@ mod tests {
         let (c, _task, mut peer) = client(1 << 20);
         // MUX-1: the caller gives up; its slot goes with its future.
         let gave_up =
-            tokio::time::timeout(Duration::from_millis(50), c.call(request(1), far())).await;
+            tokio::time::timeout(Duration::from_millis(50), call(&c, request(1), far())).await;
         assert!(gave_up.is_err());
         let first = read_request(&mut peer).await;
         assert!(c.shared.pending().slots.is_empty());
         reply(&mut peer, first.id, 7).await;
         let next = {
             let c = c.clone();
-            tokio::spawn(async move { c.call(request(2), far()).await })
+            tokio::spawn(async move { call(&c, request(2), far()).await })
         };
         let second = read_request(&mut peer).await;
         assert_ne!(second.id, first.id);
@@ -640,7 +660,7 @@ mod tests {
         let (c, task, mut peer) = client(1 << 20);
         let waiting = {
             let c = c.clone();
-            tokio::spawn(async move { c.call(request(1), far()).await })
+            tokio::spawn(async move { call(&c, request(1), far()).await })
         };
         let _ = read_request(&mut peer).await;
         drop(peer);
@@ -655,7 +675,7 @@ mod tests {
             .expect("the task ended")
             .expect("joined");
         assert!(ended.is_err(), "the end of stream is reported");
-        let refused = tokio::time::timeout(Duration::from_secs(10), c.call(request(2), far()));
+        let refused = tokio::time::timeout(Duration::from_secs(10), call(&c, request(2), far()));
         match refused.await.expect("refused at once") {
             Err(CallFailed::NotSent(e)) => assert_eq!(e.kind(), io::ErrorKind::NotConnected),
             other => panic!("expected NotSent, got {other:?}"),
@@ -667,7 +687,7 @@ mod tests {
         let (c, _task, mut peer) = client(64);
         let waiting = {
             let c = c.clone();
-            tokio::spawn(async move { c.call(request(1), far()).await })
+            tokio::spawn(async move { call(&c, request(1), far()).await })
         };
         let r = read_request(&mut peer).await;
         let resp = tarpc::Response::<CallReply> {
@@ -692,7 +712,7 @@ mod tests {
         let (c, _task, _peer) = client(64);
         let mut big = request(1);
         big.payload = vec![0; 1000];
-        let refused = tokio::time::timeout(Duration::from_secs(10), c.call(big, far()));
+        let refused = tokio::time::timeout(Duration::from_secs(10), call(&c, big, far()));
         match refused.await.expect("refused at once") {
             Err(CallFailed::NotSent(e)) => assert_eq!(e.kind(), io::ErrorKind::InvalidInput),
             other => panic!("expected NotSent, got {other:?}"),

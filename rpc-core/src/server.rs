@@ -145,8 +145,11 @@ pub(crate) async fn handle(
     };
     if let Some(keep) = &req.keep {
         if inner.registry.sink(&keep.sink).is_none() {
-            return Err(fail(
+            // Named as the sink, as a keep call to this worker itself names it.
+            return Err(RemoteError::new(
                 RemoteErrorKind::UnknownFunction,
+                &format!("keep sink `{}`", keep.sink),
+                agent.name(),
                 format!("no keep sink `{}` is registered here", keep.sink),
             ));
         }

@@ -153,6 +153,11 @@ impl Ctx {
             .store(max.as_micros() as u64, Ordering::Relaxed);
     }
 
+    /// Whether protocol messages are delayed on purpose (tests of reorderings).
+    pub(crate) fn jittered(&self) -> bool {
+        self.jitter_us.load(Ordering::Relaxed) > 0
+    }
+
     /// Runs a protocol message in the background, counted in `messages_in_flight`.
     pub(crate) fn background<Fut>(self: &Arc<Self>, agent: &Agent, fut: Fut)
     where
@@ -166,41 +171,9 @@ impl Ctx {
             if jitter > 0 {
                 // A cheap hash of a counter: varied delays without a random-number crate.
                 let r = salt.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 33;
-                tokio::time::sleep(Duration::from_micros(r % (jitter + 1))).await;
+                // Boxed: the task stays the size of the message when there is no jitter.
+                Box::pin(tokio::time::sleep(Duration::from_micros(r % (jitter + 1)))).await;
             }
-            fut.await;
-            me.inflight.fetch_sub(1, Ordering::AcqRel);
-        });
-    }
-
-    /// Like [`Ctx::background`], but whatever the message can do without waiting (encoding
-    /// it and queueing it on a live connection) is done before this returns; only the wait
-    /// for its reply runs as a task. A constructor sent by `remote` is then on the wire ahead
-    /// of anything its caller sends to the owner next (a fetch of the new reference, a call
-    /// that takes it), so the owner finds the value made instead of waiting for it. With
-    /// injected jitter (tests) it is [`Ctx::background`].
-    pub(crate) fn background_now<Fut>(self: &Arc<Self>, agent: &Agent, fut: Fut)
-    where
-        Fut: std::future::Future<Output = ()> + Send + 'static,
-    {
-        if self.jitter_us.load(Ordering::Relaxed) > 0 {
-            return self.background(agent, fut);
-        }
-        self.inflight.fetch_add(1, Ordering::AcqRel);
-        let mut fut = Box::pin(fut);
-        let polled = {
-            // The task that takes the future over polls it again with its own waker, which
-            // replaces this one wherever the future is waiting.
-            let _rt = agent.runtime().enter();
-            let mut cx = std::task::Context::from_waker(futures::task::noop_waker_ref());
-            fut.as_mut().poll(&mut cx)
-        };
-        if polled.is_ready() {
-            self.inflight.fetch_sub(1, Ordering::AcqRel);
-            return;
-        }
-        let me = self.clone();
-        agent.runtime().spawn(async move {
             fut.await;
             me.inflight.fetch_sub(1, Ordering::AcqRel);
         });

@@ -286,11 +286,24 @@ pub fn remote<F: RemoteFn>(
     let fork = c.new_fork_id();
     let h = Handle::with_creator(&c, id, fork, owner, HState::Unconfirmed, true);
     let held = h.clone();
-    let call = agent.rpc_keep(owner, f, args, KEEP_SINK, protocol::token(id, fork));
-    c.background_now(agent, async move {
-        let r = call.await;
-        held.settle(r);
-    });
+    let token = protocol::token(id, fork);
+    if c.jittered() {
+        // Tests of reorderings: the creation is delayed like any other protocol message.
+        let a = agent.clone();
+        c.background(agent, async move {
+            let r = a.rpc_keep(owner, f, args, KEEP_SINK, token).await;
+            held.settle(r);
+        });
+    } else {
+        // Queued now, ahead of anything this worker sends the owner next (a fetch of the new
+        // reference, a call that takes it), so the owner finds the value made instead of
+        // waiting for it; only the wait for the owner's answer runs as a task.
+        let call = agent.rpc_keep(owner, f, args, KEEP_SINK, token);
+        c.background(agent, async move {
+            let r = call.await;
+            held.settle(r);
+        });
+    }
     Ok(RRef::from_handle(h))
 }
 

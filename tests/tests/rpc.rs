@@ -49,6 +49,22 @@ fn call_futures_are_small() {
         assert!(std::mem::size_of_val(&local) <= 512);
         assert_eq!(remote.await.unwrap(), 3);
         assert_eq!(local.await.unwrap(), 3);
+        // A keep call waits queued on its connection (one per new remote reference, thousands
+        // at once): only the wait is kept, the rest is boxed. No sink is registered here, so
+        // the callee refuses it, naming the sink.
+        let kept = a[0].rpc_keep(1u32, add, (1, 2), "no-such-sink", Vec::new());
+        assert!(
+            std::mem::size_of_val(&kept) <= 192,
+            "{} bytes",
+            std::mem::size_of_val(&kept)
+        );
+        match kept.await {
+            Err(RpcError::UnknownFunction { worker, fn_name }) => {
+                assert_eq!(worker, "worker1");
+                assert!(fn_name.contains("no-such-sink"), "{fn_name}");
+            }
+            other => panic!("expected the sink to be unknown, got {other:?}"),
+        }
         shutdown_all(&a).await;
     });
 }
