@@ -542,24 +542,35 @@ impl Agent {
             match plan {
                 Plan::Remote(out, args) => {
                     agent.inner.spin.touch();
-                    // Boxed: the caller's future stays a few hundred bytes, so spawning it
-                    // (as `remote` does for every new reference) copies little.
-                    let r =
-                        Box::pin(agent.call_remote::<F, F::Output>(out?, None, droppable)).await;
+                    // Only the wait is kept in this future; the rest is boxed.
+                    let step = match agent.queue_now::<F>(out?, None, droppable) {
+                        Queued::Now(q) => Ok(q),
+                        Queued::Later(out, keep) => {
+                            Err(Box::pin(agent.queue_later::<F>(out, keep, droppable)))
+                        }
+                    };
+                    let q = match step {
+                        Ok(q) => q?,
+                        Err(later) => later.await?,
+                    };
+                    let r = agent.await_reply::<F, F::Output>(q).await;
                     drop(args);
                     r
                 }
                 Plan::Local(planned, args, meta) => {
                     let (to, (deadline, depth, started)) = planned?;
-                    let call =
-                        Box::pin(META.scope(meta, agent.call_local::<F>(args, deadline, depth)));
-                    match deadline {
-                        None => call.await,
-                        Some(d) => match tokio::time::timeout_at(d.into(), call).await {
-                            Ok(r) => r,
-                            Err(_) => Err(agent.deadline_exceeded::<F>(to, d, started)),
-                        },
-                    }
+                    // Boxed with its timer: the caller's future stays small.
+                    Box::pin(async move {
+                        let call = META.scope(meta, agent.call_local::<F>(args, deadline, depth));
+                        match deadline {
+                            None => call.await,
+                            Some(d) => match tokio::time::timeout_at(d.into(), call).await {
+                                Ok(r) => r,
+                                Err(_) => Err(agent.deadline_exceeded::<F>(to, d, started)),
+                            },
+                        }
+                    })
+                    .await
                 }
             }
         }
@@ -894,24 +905,6 @@ impl Agent {
         }
     }
 
-    /// Sends a call prepared by [`Agent::prepare`] on the control connection to its worker
-    /// (`mux.rs`) and waits for the reply.
-    async fn call_remote<F: RemoteFn, O: serde::de::DeserializeOwned + Send + 'static>(
-        &self,
-        out: Outgoing,
-        keep: Option<KeepTarget>,
-        droppable: bool,
-    ) -> Result<O, RpcError> {
-        let queued = match self.queue_now::<F>(out, keep, droppable) {
-            Queued::Now(q) => q?,
-            // Boxed, so that a call's future stays small: bulk blobs, dialling.
-            Queued::Later(out, keep) => {
-                Box::pin(self.queue_later::<F>(out, keep, droppable)).await?
-            }
-        };
-        self.await_reply::<F, O>(queued).await
-    }
-
     /// Queues a call on its live connection at once when nothing has to be awaited first (no
     /// bulk blobs, the connection is up); otherwise gives it back (`Later`).
     fn queue_now<F: RemoteFn>(
@@ -1048,9 +1041,15 @@ impl Agent {
                 Err(_) => Ok(None),
             },
         };
-        // Boxed: reading a reply takes more state than waiting for it, and thousands of
-        // calls may be waiting at once.
-        Box::pin(self.finish_call::<F, O>(to, gen, reply, sent)).await
+        let Sent {
+            lent,
+            deadline,
+            started,
+            caller_meta,
+        } = sent;
+        let reply = self.reply_arrived::<F>(to, gen, reply, deadline, started, lent)?;
+        self.read_result::<F, O>(to, reply, deadline, caller_meta)
+            .await
     }
 
     /// Encodes a call's arguments for `to`: the payload, its blobs, and what they lent (given
@@ -1113,21 +1112,17 @@ impl Agent {
         }
     }
 
-    /// The reply's side of a call: maps transport and remote failures, settles what the
-    /// arguments lent, reads the result's bulk blobs and decodes it.
-    async fn finish_call<F: RemoteFn, O: serde::de::DeserializeOwned + Send + 'static>(
+    /// What came back for a call: the callee's answer, or the error that replaced it (a
+    /// transport failure, the deadline, a remote error); settles what the arguments lent.
+    fn reply_arrived<F: RemoteFn>(
         &self,
         to: u32,
         gen: u64,
         reply: Result<Option<crate::wire::CallReply>, crate::mux::CallFailed>,
-        sent: Sent,
-    ) -> Result<O, RpcError> {
-        let Sent {
-            lent,
-            deadline,
-            started,
-            caller_meta,
-        } = sent;
+        deadline: Option<Instant>,
+        started: Instant,
+        lent: blob::Lent,
+    ) -> Result<crate::wire::CallOk, RpcError> {
         let peer = &self.inner.peers[to as usize];
         let worker = || peer.info.name.clone();
         let lost = || RpcError::ConnectionLost {
@@ -1167,25 +1162,19 @@ impl Agent {
                 })
             }
         };
-        self.finish_reply::<F, O>(to, reply, lent, deadline, caller_meta)
-            .await
+        self.answered::<F>(reply, lent)
     }
 
-    /// A reply that arrived: settles what the arguments lent, reads the result's bulk blobs
-    /// and decodes it (or maps the remote error).
-    pub(crate) async fn finish_reply<F: RemoteFn, O: serde::de::DeserializeOwned>(
+    /// An answer that arrived: settles what the arguments lent; maps a remote error.
+    pub(crate) fn answered<F: RemoteFn>(
         &self,
-        to: u32,
         reply: crate::wire::CallReply,
         lent: blob::Lent,
-        deadline: Option<Instant>,
-        caller_meta: crate::context::CallMeta,
-    ) -> Result<O, RpcError> {
-        let worker = || self.inner.peers[to as usize].info.name.clone();
-        let ok = match reply {
+    ) -> Result<crate::wire::CallOk, RpcError> {
+        match reply {
             Ok(ok) => {
                 lent.answered();
-                ok
+                Ok(ok)
             }
             Err(remote) => {
                 // Refused before its arguments were read, or answered after.
@@ -1199,17 +1188,27 @@ impl Agent {
                 } else {
                     lent.answered();
                 }
-                return Err(self.map_remote::<F>(remote));
+                Err(self.map_remote::<F>(remote))
             }
-        };
-        // Boxed where there are blobs, so that the common reply's future stays small.
+        }
+    }
+
+    /// Reads a result's bulk blobs, if it has any, and decodes it. Without blobs nothing is
+    /// awaited, and the future stays small (many calls wait at once, each holding one).
+    pub(crate) async fn read_result<F: RemoteFn, O: serde::de::DeserializeOwned>(
+        &self,
+        to: u32,
+        ok: crate::wire::CallOk,
+        deadline: Option<Instant>,
+        caller_meta: crate::context::CallMeta,
+    ) -> Result<O, RpcError> {
         let blobs = if ok.blobs.is_empty() {
             Vec::new()
         } else {
             Box::pin(bulk::receive(self, to, ok.blobs, deadline))
                 .await
                 .map_err(|e| RpcError::Transport {
-                    worker: worker(),
+                    worker: self.inner.peers[to as usize].info.name.clone(),
                     source: e.into(),
                 })?
         };
@@ -1220,7 +1219,7 @@ impl Agent {
             blob::decode::<O>(&ok.payload, blobs, Some(msg))
         });
         decoded.map_err(|e| RpcError::TypeMismatch {
-            worker: worker(),
+            worker: self.inner.peers[to as usize].info.name.clone(),
             fn_name: F::NAME.to_owned(),
             detail: format!(
                 "cannot decode the result as `{}`: {e}",

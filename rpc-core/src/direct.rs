@@ -578,7 +578,8 @@ impl Agent {
             }
         };
         let meta = crate::context::current_meta();
-        rt.block_on(self.finish_reply::<F, F::Output>(to, reply, lent, deadline, meta))
+        let ok = self.answered::<F>(reply, lent)?;
+        rt.block_on(self.read_result::<F, F::Output>(to, ok, deadline, meta))
     }
 }
 
