@@ -33,10 +33,12 @@ use crate::context::CallContext;
 use crate::error::BoxError;
 use crate::registry::RemoteFn;
 
+type RunningMap = HashMap<(u32, u64), CancellationToken, foldhash::fast::RandomState>;
+
 /// The cancellable calls running on this worker, and ids for the ones it makes.
 #[derive(Default)]
 pub(crate) struct Cancels {
-    running: Mutex<HashMap<(u32, u64), CancellationToken>>,
+    running: Mutex<RunningMap>,
     next: AtomicU64,
 }
 
@@ -46,18 +48,23 @@ impl Cancels {
         self.next.fetch_add(1, Ordering::Relaxed)
     }
 
-    fn running(&self) -> std::sync::MutexGuard<'_, HashMap<(u32, u64), CancellationToken>> {
+    fn running(&self) -> std::sync::MutexGuard<'_, RunningMap> {
         self.running.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Registers an incoming call; it is cancellable until the guard drops.
-    pub(crate) fn register(&self, caller: u32, id: u64) -> Running<'_> {
-        let token = CancellationToken::new();
-        self.running().insert((caller, id), token.clone());
+    /// Registers an incoming call that is still running after its first poll (one that
+    /// finished in it cannot be cancelled: no cancel can have been read before it ended); it
+    /// is cancellable through `token` until the guard drops.
+    pub(crate) fn register(
+        agent: &Agent,
+        caller: u32,
+        id: u64,
+        token: CancellationToken,
+    ) -> Running {
+        agent.inner.cancels.running().insert((caller, id), token);
         Running {
-            cancels: self,
+            agent: agent.clone(),
             key: (caller, id),
-            token,
         }
     }
 
@@ -69,21 +76,14 @@ impl Cancels {
 }
 
 /// An incoming cancellable call, registered while it runs.
-pub(crate) struct Running<'a> {
-    cancels: &'a Cancels,
+pub(crate) struct Running {
+    agent: Agent,
     key: (u32, u64),
-    token: CancellationToken,
 }
 
-impl Running<'_> {
-    pub(crate) fn token(&self) -> CancellationToken {
-        self.token.clone()
-    }
-}
-
-impl Drop for Running<'_> {
+impl Drop for Running {
     fn drop(&mut self) {
-        self.cancels.running().remove(&self.key);
+        self.agent.inner.cancels.running().remove(&self.key);
     }
 }
 

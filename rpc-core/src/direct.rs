@@ -644,7 +644,8 @@ fn serve_thread(weak: Weak<Inner>, stream: TcpStream, caller: u32) {
         // abandoned when the agent aborts what is left.
         let token = agent.inner.calls.token();
         let stop = agent.inner.stop.clone();
-        let run = crate::server::handle(agent.clone(), deadline, req.message, caller);
+        // The calling thread never cancels (it waits for each reply): not cancellable.
+        let run = crate::server::handle(agent.clone(), deadline, req.message, caller, None);
         let reply = crate::spin::block_on(&agent.inner.runtime, agent.inner.cfg.busy_poll, async {
             tokio::select! {
                 r = tokio::time::timeout_at(deadline.into(), run) => Some(r),

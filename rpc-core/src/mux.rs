@@ -47,6 +47,7 @@ use serde::Serialize;
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::sync::{oneshot, Notify};
 use tokio_util::codec::{FramedRead, LengthDelimitedCodec};
+use tokio_util::sync::CancellationToken;
 
 use crate::agent::Agent;
 use crate::transport::Conn;
@@ -448,7 +449,7 @@ pub(crate) async fn serve(agent: Agent, conn: Conn, caller: u32) -> io::Result<(
             let tarpc::ClientMessage::Request(req) = msg else {
                 continue;
             };
-            let Some((id, mut call)) = start_call(&agent, req, caller) else {
+            let Some((id, mut call, cancel)) = start_call(&agent, req, caller) else {
                 continue;
             };
             // Polled once here, in this task's context: a handler that finishes without
@@ -459,9 +460,15 @@ pub(crate) async fn serve(agent: Agent, conn: Conn, caller: u32) -> io::Result<(
                 Poll::Ready(Ok(reply)) => respond(&out, id, reply),
                 Poll::Ready(Err(_)) => {}
                 Poll::Pending => {
+                    // Cancellable from now on: registered before the next frame is read, so
+                    // a cancel sent after this request finds it (CAN-1).
+                    let running = cancel.map(|(cancel_id, token)| {
+                        crate::cancel::Cancels::register(&agent, caller, cancel_id, token)
+                    });
                     let stop = agent.inner.stop.clone();
                     let out = Arc::clone(&out);
                     agent.inner.calls.spawn(async move {
+                        let _running = running;
                         tokio::select! {
                             _ = stop.cancelled() => {}
                             r = call => if let Ok(reply) = r {
@@ -482,8 +489,8 @@ pub(crate) async fn serve(agent: Agent, conn: Conn, caller: u32) -> io::Result<(
     result
 }
 
-/// A request's id and its run, bounded by its deadline; `None` if the deadline has passed
-/// (MUX-3: dropped unanswered).
+/// A request's id and its run, bounded by its deadline, and the caller's cancel id with the
+/// token that cancels it; `None` if the deadline has passed (MUX-3: dropped unanswered).
 #[allow(clippy::type_complexity)]
 fn start_call(
     agent: &Agent,
@@ -492,15 +499,22 @@ fn start_call(
 ) -> Option<(
     u64,
     std::pin::Pin<Box<tokio::time::Timeout<impl std::future::Future<Output = CallReply> + Send>>>,
+    Option<(u64, CancellationToken)>,
 )> {
     let deadline = req.context.deadline;
     if Instant::now() >= deadline {
         return None;
     }
-    let run = crate::server::handle(agent.clone(), deadline, req.message, caller);
+    let cancel = req
+        .message
+        .cancel_id
+        .map(|id| (id, CancellationToken::new()));
+    let token = cancel.as_ref().map(|(_, t)| t.clone());
+    let run = crate::server::handle(agent.clone(), deadline, req.message, caller, token);
     Some((
         req.id,
         Box::pin(tokio::time::timeout_at(deadline.into(), run)),
+        cancel,
     ))
 }
 

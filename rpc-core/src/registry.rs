@@ -266,8 +266,10 @@ pub enum RegistryError {
 /// ```
 #[derive(Clone, Default)]
 pub struct Registry {
-    entries: HashMap<&'static str, Entry>,
-    sinks: HashMap<&'static str, KeepSink>,
+    // Looked up by name on every request: a fast hash (names come from authenticated peers,
+    // who could run any registered function anyway).
+    entries: HashMap<&'static str, Entry, foldhash::fast::RandomState>,
+    sinks: HashMap<&'static str, KeepSink, foldhash::fast::RandomState>,
 }
 
 impl std::fmt::Debug for Registry {

@@ -115,12 +115,15 @@ pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     }
 }
 
-#[tracing::instrument(level = "debug", skip_all, fields(rpc.fn = %req.fn_name, rpc.caller = caller, rpc.depth = req.depth))]
+/// Runs one request to its reply. Not a tracing span: one per request doubled the size of
+/// every request's future (each is boxed, and a connection's task may hold thousands); the
+/// failures are logged with the function and caller instead.
 pub(crate) async fn handle(
     agent: Agent,
     deadline: Instant,
     req: CallRequest,
     caller: u32,
+    cancel: Option<tokio_util::sync::CancellationToken>,
 ) -> CallReply {
     let inner = &agent.inner;
     inner.spin.touch();
@@ -160,8 +163,6 @@ pub(crate) async fn handle(
             format!("callee's `{}` is {}", req.fn_name, entry.signature_text()),
         ));
     }
-    // Registered before the first wait: a cancel sent after this request finds it (CAN-1).
-    let running = req.cancel_id.map(|id| inner.cancels.register(caller, id));
     // Framework-internal calls (the shutdown barrier) never wait for a permit: they must not
     // queue behind the user calls whose completion they wait for.
     let _permit = if req.depth == 0 && !req.fn_name.starts_with("rpc_core::") {
@@ -191,7 +192,7 @@ pub(crate) async fn handle(
         agent: agent.clone(),
         caller: inner.workers[caller as usize].clone(),
         deadline,
-        cancel: running.as_ref().map(|r| r.token()),
+        cancel,
     };
     let scope = Scope {
         deadline,
@@ -209,7 +210,8 @@ pub(crate) async fn handle(
             req.payload,
             blobs,
         );
-        return META.scope(meta, fut).await;
+        // Boxed: creating a value is the rarer request, and its state is the larger.
+        return Box::pin(META.scope(meta, fut)).await;
     }
     let fut = META.scope(meta, (entry.handler)(ctx, req.payload, blobs));
     let (payload, blobs) = match SCOPE
@@ -220,7 +222,7 @@ pub(crate) async fn handle(
         Ok(Err(e)) => return Err(e),
         Err(p) => {
             let msg = panic_message(&*p);
-            tracing::error!(worker = %agent.name(), fn_name = %req.fn_name, panic = %msg, "handler panicked");
+            tracing::error!(worker = %agent.name(), fn_name = %req.fn_name, caller, panic = %msg, "handler panicked");
             return Err(fail(RemoteErrorKind::Panic, msg));
         }
     };

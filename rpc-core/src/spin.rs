@@ -10,7 +10,7 @@
 //! Both give way to any other thread runnable on their core at every turn (`sched_yield`),
 //! so polling takes only time the core would spend idle.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -19,9 +19,9 @@ use tokio_util::sync::CancellationToken;
 
 pub(crate) struct Spin {
     window: Duration,
-    epoch: Instant,
-    /// Nanoseconds after `epoch` of the last message.
-    last: AtomicU64,
+    /// Traffic since the polling loop last looked (a flag, not a time: noting traffic is on
+    /// every message's path and reads no clock).
+    seen: AtomicBool,
     spinning: AtomicBool,
     wake: Notify,
 }
@@ -30,15 +30,10 @@ impl Spin {
     pub(crate) fn new(window: Duration) -> Self {
         Self {
             window,
-            epoch: Instant::now(),
-            last: AtomicU64::new(0),
+            seen: AtomicBool::new(false),
             spinning: AtomicBool::new(false),
             wake: Notify::new(),
         }
-    }
-
-    fn now(&self) -> u64 {
-        self.epoch.elapsed().as_nanos() as u64
     }
 
     /// Notes traffic: polling continues (or starts) for `window` from now.
@@ -46,22 +41,25 @@ impl Spin {
         if self.window.is_zero() {
             return;
         }
-        self.last.store(self.now(), Ordering::Relaxed);
-        if !self.spinning.load(Ordering::Relaxed) {
+        // SeqCst with the loop's end (`spinning` stored, then `seen` read): one of the two
+        // sees the other, so traffic is never left without polling.
+        self.seen.store(true, Ordering::SeqCst);
+        if !self.spinning.load(Ordering::SeqCst) {
             self.wake.notify_one();
         }
     }
 
     /// The polling task; ends when `stop` is cancelled.
     pub(crate) async fn run(self: Arc<Self>, stop: CancellationToken) {
-        let window = self.window.as_nanos() as u64;
         loop {
             tokio::select! {
                 () = self.wake.notified() => {}
                 () = stop.cancelled() => return,
             }
-            self.spinning.store(true, Ordering::Relaxed);
-            while self.now().saturating_sub(self.last.load(Ordering::Relaxed)) < window {
+            self.spinning.store(true, Ordering::SeqCst);
+            self.seen.store(false, Ordering::Relaxed);
+            let mut until = Instant::now() + self.window;
+            loop {
                 if stop.is_cancelled() {
                     return;
                 }
@@ -69,8 +67,18 @@ impl Spin {
                 // goes first: polling only fills time that would otherwise be idle.
                 std::thread::yield_now();
                 tokio::task::yield_now().await;
+                let now = Instant::now();
+                if self.seen.swap(false, Ordering::Relaxed) {
+                    until = now + self.window;
+                } else if now >= until {
+                    self.spinning.store(false, Ordering::SeqCst);
+                    if !self.seen.load(Ordering::SeqCst) {
+                        break;
+                    }
+                    // Traffic came in as the window closed: go on polling.
+                    self.spinning.store(true, Ordering::SeqCst);
+                }
             }
-            self.spinning.store(false, Ordering::Relaxed);
         }
     }
 }
