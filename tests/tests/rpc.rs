@@ -69,6 +69,67 @@ fn call_futures_are_small() {
     });
 }
 
+/// A keep call to a connected peer is queued when it is made: the callee runs the function
+/// and hands the result to its sink even if the caller drops the future without polling it.
+/// Polled, the future resolves once the sink has taken the result.
+#[test]
+fn keep_calls_are_queued_when_made() {
+    static KEPT: std::sync::Mutex<Vec<(Vec<u8>, i32)>> = std::sync::Mutex::new(Vec::new());
+    let sink: rpc_core::KeepSink = std::sync::Arc::new(|_ctx, token, value| {
+        let v = value?;
+        let n = *v.downcast_ref::<i32>().expect("an i32 was kept");
+        KEPT.lock().unwrap().push((token, n));
+        Ok(())
+    });
+    let kept = |token: &[u8], n: i32| {
+        KEPT.lock()
+            .unwrap()
+            .iter()
+            .any(|(t, v)| t == token && *v == n)
+    };
+    each_transport(30, |t| {
+        let sink = sink.clone();
+        async move {
+            let name = rpc_core::testing::transport_name(&t).to_owned();
+            let a = start_group(
+                2,
+                t,
+                Secret::generate(),
+                move |_| {
+                    registry_builder()
+                        .keep_sink("test-keep", sink.clone())
+                        .unwrap()
+                        .build()
+                },
+                |_, c| c,
+            )
+            .await
+            .unwrap();
+            // The connection is up once a call has gone through.
+            assert_eq!(a[0].rpc_async(1u32, add, (0, 0)).await.unwrap(), 0);
+            let dropped = format!("{name}-dropped").into_bytes();
+            drop(a[0].rpc_keep(1u32, add, (20, 22), "test-keep", dropped.clone()));
+            let by = Instant::now() + Duration::from_secs(10);
+            while !kept(&dropped, 42) {
+                assert!(
+                    Instant::now() < by,
+                    "the dropped keep call never reached its sink"
+                );
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            let awaited = format!("{name}-awaited").into_bytes();
+            a[0].rpc_keep(1u32, add, (1, 2), "test-keep", awaited.clone())
+                .await
+                .unwrap();
+            assert!(
+                kept(&awaited, 3),
+                "resolved before the sink took the result"
+            );
+            shutdown_all(&a).await;
+        }
+    });
+}
+
 /// With busy polling off (it is on by default), calls (plain, bulk, blocking) behave the
 /// same and shutdown is clean.
 #[test]
