@@ -13,14 +13,18 @@
 //! - [`Outbox`]: the frames waiting to be written. Senders encode straight into one shared
 //!   buffer; the connection's task writes whatever has gathered with one system call, so
 //!   calls made together leave together.
-//! - [`MuxClient`]: the calling end. A call registers a one-shot slot under a fresh id,
-//!   queues its request and waits; the connection's task reads replies and fills the slots.
+//! - [`MuxClient`]: the calling end. [`MuxClient::send`] registers a one-shot slot under a
+//!   fresh id and queues the request at once, without waiting; the returned [`Waiter`] waits
+//!   for the reply (so a caller can queue now and wait later, as `rpc_keep` does). The
+//!   connection's task reads replies and fills the slots.
 //! - [`serve`]: the serving end. Each request is polled once as it is read; one that has to
-//!   wait becomes a task of its own. Its reply is queued when it is done.
+//!   wait becomes a task of its own, and only then is it registered for cancellation (a call
+//!   that ended in its first poll cannot have been cancelled: the cancel would come in a later
+//!   frame). Its reply is queued when it is done.
 //!
 //! Invariants:
-//! - MUX-1: a call's slot is registered before its request is queued, and removed when the
-//!   call's future is dropped, so a reply finds its caller or nobody: a reply for an id
+//! - MUX-1: a call's slot is registered before its request is queued, and removed when its
+//!   [`Waiter`] is dropped, so a reply finds its caller or nobody: a reply for an id
 //!   nobody waits for (the caller gave up at its deadline) is read and dropped.
 //! - MUX-2: when a connection ends (read error, end of stream, a frame above the limit, or
 //!   `close`), every call waiting on it fails at once and no further request is queued on it;

@@ -247,7 +247,11 @@ impl<'de, T> Deserialize<'de> for RRef<T> {
 
 /// Runs `f` on `to` and returns at once a reference to its result, which stays on `to`.
 ///
-/// The constructor's failure is reported by the next use of the reference.
+/// It does not wait for the owner: when the connection to `to` is up, the constructor's
+/// request is queued before this returns (so whatever this worker sends `to` next, a fetch of
+/// the reference or a call that takes it, arrives after it), and only the wait for the
+/// owner's answer runs in the background. The constructor's failure is reported by the next
+/// use of the reference.
 ///
 /// ```
 /// # #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
