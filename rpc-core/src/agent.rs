@@ -674,8 +674,9 @@ impl Agent {
     /// waits for the answer. The arguments stay alive in the future until the call ends.
     ///
     /// # Cancel safety
-    /// Dropping the future abandons the wait (once polled, it also sends a cancel for the call
-    /// and reads its answer in the background); whether the sink ran is then unknown.
+    /// Dropping the future before it ends cancels the call, as dropping an
+    /// [`Agent::rpc_async`] future does (a cancel message; the answer is still read in the
+    /// background); whether the sink ran is then unknown.
     pub fn rpc_keep<F: RemoteFn>(
         &self,
         to: impl ToWorker,

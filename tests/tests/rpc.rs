@@ -70,8 +70,9 @@ fn call_futures_are_small() {
 }
 
 /// A keep call to a connected peer is queued when it is made: the callee runs the function
-/// and hands the result to its sink even if the caller drops the future without polling it.
-/// Polled, the future resolves once the sink has taken the result.
+/// and hands the result to its sink even if the caller drops the future without polling it
+/// (`add` ends in its first poll on the callee, before the cancel that the drop sends behind
+/// the request can arrive). Polled, the future resolves once the sink has taken the result.
 #[test]
 fn keep_calls_are_queued_when_made() {
     static KEPT: std::sync::Mutex<Vec<(Vec<u8>, i32)>> = std::sync::Mutex::new(Vec::new());
