@@ -758,7 +758,7 @@ impl Agent {
         };
         let ctx = CallContext {
             agent: self.clone(),
-            caller: self.inner.me.clone(),
+            caller: self.rank(),
             deadline,
             cancel: None,
         };
@@ -874,7 +874,7 @@ impl Agent {
         }
         let ctx = CallContext {
             agent: self.clone(),
-            caller: self.inner.me.clone(),
+            caller: self.rank(),
             deadline,
             cancel: None,
         };

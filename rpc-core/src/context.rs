@@ -87,7 +87,8 @@ pub(crate) fn current_scope() -> Option<Scope> {
 #[derive(Clone)]
 pub struct CallContext {
     pub(crate) agent: Agent,
-    pub(crate) caller: WorkerInfo,
+    /// The caller's rank (its [`WorkerInfo`] is the agent's: nothing is copied per call).
+    pub(crate) caller: u32,
     pub(crate) deadline: Option<Instant>,
     /// Cancelled when the caller cancels this call by message (`cancel.rs`).
     pub(crate) cancel: Option<tokio_util::sync::CancellationToken>,
@@ -97,7 +98,7 @@ impl std::fmt::Debug for CallContext {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CallContext")
             .field("worker", &self.agent.name())
-            .field("caller", &self.caller)
+            .field("caller", self.caller())
             .field("deadline", &self.deadline)
             .finish()
     }
@@ -111,7 +112,7 @@ impl CallContext {
 
     /// The worker that made the call.
     pub fn caller(&self) -> &WorkerInfo {
-        &self.caller
+        &self.agent.inner.workers[self.caller as usize]
     }
 
     /// When the caller stops waiting, if it set a timeout.

@@ -128,10 +128,39 @@ impl Outbox {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Encodes `msg` as one frame at the end of the buffer. Its size is computed first, so a
-    /// frame above the limit is refused before it is encoded, and the encoder writes into a
-    /// plain slice (byte by byte through `BufMut` costs more than the rest of a small call).
+    /// Encodes `msg` as one frame at the end of the buffer, into a plain slice (byte by byte
+    /// through `BufMut` costs more than the rest of a small call). A frame that fits in
+    /// [`SMALL_FRAME`] bytes is encoded straight into room made for it; a larger one has its
+    /// size computed first, so a frame above the limit is refused before it is encoded.
     fn push<T: Serialize>(&self, msg: &T) -> Result<(), PushError> {
+        {
+            let mut s = self.lock();
+            if s.closed {
+                return Err(PushError::Closed);
+            }
+            let start = s.buf.len();
+            let room = SMALL_FRAME.min(self.max_frame);
+            s.buf.resize(start + 4 + room, 0);
+            let mut into = SliceWriter {
+                buf: &mut s.buf[start + 4..],
+                at: 0,
+            };
+            if codec().serialize_into(&mut into, msg).is_ok() {
+                let len = into.at;
+                s.buf.truncate(start + 4 + len);
+                s.buf[start..start + 4]
+                    .copy_from_slice(&u32::try_from(len).expect("small").to_be_bytes());
+                drop(s);
+                if start == 0 {
+                    // The writer may be waiting for the buffer to fill (a stored permit if
+                    // not).
+                    self.ready.notify_one();
+                }
+                return Ok(());
+            }
+            // Larger than the room (or not encodable: sizing it says why).
+            s.buf.truncate(start);
+        }
         let len = match codec().serialized_size(msg) {
             Err(e) => return Err(PushError::Encode(io::Error::other(e))),
             Ok(n) if n > self.max_frame as u64 => {
@@ -154,11 +183,11 @@ impl Outbox {
         s.buf
             .put_u32(u32::try_from(len).expect("below the frame limit"));
         s.buf.resize(start + 4 + len, 0);
-        let into = SliceWriter {
+        let mut into = SliceWriter {
             buf: &mut s.buf[start + 4..],
             at: 0,
         };
-        if let Err(e) = codec().serialize_into(into, msg) {
+        if let Err(e) = codec().serialize_into(&mut into, msg) {
             s.buf.truncate(start);
             return Err(PushError::Encode(io::Error::other(e)));
         }
@@ -200,6 +229,10 @@ impl Outbox {
         }
     }
 }
+
+/// The room a frame is first encoded into, without computing its size: most control frames
+/// (requests and replies of small calls, protocol messages) are under a few hundred bytes.
+const SMALL_FRAME: usize = 512;
 
 /// A writer into a slice sized beforehand. A one-byte write (bincode writes tarpc's trace ids
 /// a byte at a time) is a store, not a call to `memcpy`.

@@ -134,7 +134,7 @@ pub(crate) async fn handle(
             "worker is shutting down".into(),
         ));
     }
-    let Some(entry) = inner.registry.get(&req.fn_name).cloned() else {
+    let Some(entry) = inner.registry.get(&req.fn_name) else {
         let names = inner.registry.names();
         let shown: Vec<_> = names
             .iter()
@@ -190,7 +190,7 @@ pub(crate) async fn handle(
     };
     let ctx = CallContext {
         agent: agent.clone(),
-        caller: inner.workers[caller as usize].clone(),
+        caller,
         deadline,
         cancel,
     };
@@ -251,7 +251,7 @@ pub(crate) async fn handle(
 async fn handle_keep(
     agent: &Agent,
     fn_name: &str,
-    entry: crate::registry::Entry,
+    entry: &crate::registry::Entry,
     ctx: CallContext,
     scope: Scope,
     keep: crate::wire::KeepTarget,
