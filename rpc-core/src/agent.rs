@@ -503,8 +503,16 @@ impl Agent {
     /// Calls `f` on `to` with the group's default timeout. Dropping the future cancels the
     /// call, on the callee too.
     ///
+    /// As PyTorch's `rpc_async` does, the call starts when this is called: a call to another
+    /// worker whose connection is up (and whose arguments have no bulk blobs) is queued before
+    /// this returns, so work done before awaiting the future overlaps it. Otherwise (the
+    /// first call to a peer, bulk arguments, a call to this worker) it starts when the future
+    /// is first polled.
+    ///
     /// # Cancel safety
-    /// Cancelling abandons the call; the callee's handler is aborted.
+    /// Cancelling (dropping the future, polled or not) abandons the call; the callee's
+    /// handler is aborted if it is still running, and the reply is still read in the
+    /// background.
     pub fn rpc_async<F: RemoteFn>(
         &self,
         to: impl ToWorker,
@@ -528,6 +536,11 @@ impl Agent {
 
     /// The future of a call. `droppable`: the caller may drop it before it ends (see
     /// `cancel.rs`); `rpc_sync` drives it to the end and says so, which spares a task.
+    ///
+    /// A call to another worker is queued here when nothing has to be awaited first (the
+    /// connection is up, no bulk blobs): it starts at once, as PyTorch's `rpc_async` does,
+    /// and the future only waits for the reply. Anything else (dialling, bulk blobs, a call
+    /// to this worker) runs when the future is polled, boxed, so the future stays small.
     fn call_fut<F: RemoteFn>(
         &self,
         to: impl ToWorker,
@@ -536,44 +549,44 @@ impl Agent {
         timeout: Duration,
         droppable: bool,
     ) -> impl Future<Output = Result<F::Output, RpcError>> + Send + 'static {
-        let agent = self.clone();
-        let plan = self.plan::<F>(&to, args, timeout);
-        async move {
-            match plan {
-                Plan::Remote(out, args) => {
-                    agent.inner.spin.touch();
-                    // Only the wait is kept in this future; the rest is boxed.
-                    let step = match agent.queue_now::<F>(out?, None, droppable) {
-                        Queued::Now(q) => Ok(q),
-                        Queued::Later(out, keep) => {
-                            Err(Box::pin(agent.queue_later::<F>(out, keep, droppable)))
-                        }
-                    };
-                    let q = match step {
-                        Ok(q) => q?,
-                        Err(later) => later.await?,
-                    };
-                    let r = agent.await_reply::<F, F::Output>(q).await;
-                    drop(args);
-                    r
-                }
-                Plan::Local(planned, args, meta) => {
-                    let (to, (deadline, depth, started)) = planned?;
-                    // Boxed with its timer: the caller's future stays small.
-                    Box::pin(async move {
-                        let call = META.scope(meta, agent.call_local::<F>(args, deadline, depth));
-                        match deadline {
-                            None => call.await,
-                            Some(d) => match tokio::time::timeout_at(d.into(), call).await {
-                                Ok(r) => r,
-                                Err(_) => Err(agent.deadline_exceeded::<F>(to, d, started)),
-                            },
-                        }
-                    })
-                    .await
+        let call = match self.plan::<F>(&to, args, timeout) {
+            Plan::Remote(Err(e), _) => Started::Failed(e),
+            Plan::Remote(Ok(out), args) => {
+                self.inner.spin.touch();
+                match self.queue_now::<F>(out, None, droppable) {
+                    Queued::Now(Ok(q)) => {
+                        Started::Queued(self.await_reply::<F, F::Output>(q), args)
+                    }
+                    Queued::Now(Err(e)) => Started::Failed(e),
+                    Queued::Later(out, keep) => {
+                        let agent = self.clone();
+                        Started::Later(Box::pin(async move {
+                            let r = match agent.queue_later::<F>(out, keep, droppable).await {
+                                Ok(q) => agent.await_reply::<F, F::Output>(q).await,
+                                Err(e) => Err(e),
+                            };
+                            drop(args);
+                            r
+                        }))
+                    }
                 }
             }
-        }
+            Plan::Local(planned, args, meta) => {
+                let agent = self.clone();
+                Started::Later(Box::pin(async move {
+                    let (to, (deadline, depth, started)) = planned?;
+                    let call = META.scope(meta, agent.call_local::<F>(args, deadline, depth));
+                    match deadline {
+                        None => call.await,
+                        Some(d) => match tokio::time::timeout_at(d.into(), call).await {
+                            Ok(r) => r,
+                            Err(_) => Err(agent.deadline_exceeded::<F>(to, d, started)),
+                        },
+                    }
+                }))
+            }
+        };
+        call.run()
     }
 
     /// What a call will do, decided when it is made. A call to another worker is encoded
@@ -685,7 +698,6 @@ impl Agent {
         sink: &'static str,
         token: Vec<u8>,
     ) -> impl Future<Output = Result<(), RpcError>> + Send + 'static {
-        let agent = self.clone();
         let keep = KeepTarget {
             sink: sink.into(),
             token,
@@ -693,15 +705,15 @@ impl Agent {
         // Everything but the wait for a queued call is boxed: thousands of these may be
         // waiting at once (one per new remote reference), so the future stays small.
         let call = match self.plan::<F>(&to, args, self.inner.cfg.rpc_timeout) {
-            Plan::Remote(Err(e), _) => Keep::Failed(e),
+            Plan::Remote(Err(e), _) => Started::Failed(e),
             Plan::Remote(Ok(out), args) => {
                 self.inner.spin.touch();
                 match self.queue_now::<F>(out, Some(keep), true) {
-                    Queued::Now(Ok(q)) => Keep::Queued(self.await_reply::<F, ()>(q), args),
-                    Queued::Now(Err(e)) => Keep::Failed(e),
+                    Queued::Now(Ok(q)) => Started::Queued(self.await_reply::<F, ()>(q), args),
+                    Queued::Now(Err(e)) => Started::Failed(e),
                     Queued::Later(out, keep) => {
-                        let agent = agent.clone();
-                        Keep::Later(Box::pin(async move {
+                        let agent = self.clone();
+                        Started::Later(Box::pin(async move {
                             let r = match agent.queue_later::<F>(out, keep, true).await {
                                 Ok(q) => agent.await_reply::<F, ()>(q).await,
                                 Err(e) => Err(e),
@@ -713,25 +725,15 @@ impl Agent {
                 }
             }
             Plan::Local(planned, args, meta) => {
-                let agent = agent.clone();
-                Keep::Later(Box::pin(async move {
+                let agent = self.clone();
+                Started::Later(Box::pin(async move {
                     agent
                         .keep_local::<F>(planned?, args, meta, sink, keep.token)
                         .await
                 }))
             }
         };
-        async move {
-            match call {
-                Keep::Failed(e) => Err(e),
-                Keep::Queued(reply, args) => {
-                    let r = reply.await;
-                    drop(args);
-                    r
-                }
-                Keep::Later(f) => f.await,
-            }
-        }
+        call.run()
     }
 
     /// [`Agent::rpc_keep`] to this worker: runs `f` here and hands its result to the sink.
@@ -906,8 +908,9 @@ impl Agent {
         }
     }
 
-    /// Queues a call on its live connection at once when nothing has to be awaited first (no
-    /// bulk blobs, the connection is up); otherwise gives it back (`Later`).
+    /// Queues a call on its live connection at once when nothing has to be awaited first (the
+    /// connection is up, every blob rides inside the envelope); otherwise gives it back
+    /// (`Later`).
     fn queue_now<F: RemoteFn>(
         &self,
         out: Outgoing,
@@ -915,23 +918,23 @@ impl Agent {
         droppable: bool,
     ) -> Queued {
         let peer = &self.inner.peers[out.to as usize];
-        let (gen, client) = match peer.current() {
-            Some(c) if out.blobs.is_empty() => c,
-            _ => return Queued::Later(out, keep),
+        let Some((gen, client)) = peer.current() else {
+            return Queued::Later(out, keep);
+        };
+        let blobs = if out.blobs.is_empty() {
+            Vec::new()
+        } else {
+            match bulk::all_inline(self, &out.blobs) {
+                Some(b) => b,
+                None => return Queued::Later(out, keep),
+            }
         };
         // Until the request is queued, an error drops `out`, which gives back what its
         // arguments lent (`unsent`): the callee cannot have read them.
-        if let Err(e) = self.check_frame::<F>(&out.payload, &[]) {
+        if let Err(e) = self.check_frame::<F>(&out.payload, &blobs) {
             return Queued::Now(Err(e));
         }
-        Queued::Now(Ok(self.queue::<F>(
-            out,
-            Vec::new(),
-            gen,
-            client,
-            keep,
-            droppable,
-        )))
+        Queued::Now(Ok(self.queue::<F>(out, blobs, gen, client, keep, droppable)))
     }
 
     /// [`Agent::queue_now`]'s other path: sends the bulk blobs and dials the connection if
@@ -1525,11 +1528,34 @@ struct InFlight {
     sent: Sent,
 }
 
-/// A keep call as [`Agent::rpc_keep`] left it.
-enum Keep<A> {
+/// A call as it was made: refused, queued on its connection (its arguments kept alive until
+/// it ends), or left for its future's first poll.
+enum Started<A, O: Send + 'static> {
     Failed(RpcError),
-    Queued(crate::cancel::Detach<Result<(), RpcError>>, A),
-    Later(futures::future::BoxFuture<'static, Result<(), RpcError>>),
+    Queued(crate::cancel::Detach<Result<O, RpcError>>, A),
+    Later(futures::future::BoxFuture<'static, Result<O, RpcError>>),
+}
+
+impl<A: Send + 'static, O: Send + 'static> Started<A, O> {
+    /// The call's future. (Not an `async fn`: its argument would be stored twice, and the
+    /// future of every call in flight would be a hundred bytes larger.)
+    #[allow(clippy::manual_async_fn)]
+    fn run(self) -> impl Future<Output = Result<O, RpcError>> + Send + 'static
+    where
+        A: Send,
+    {
+        async move {
+            match self {
+                Started::Failed(e) => Err(e),
+                Started::Queued(reply, args) => {
+                    let r = reply.await;
+                    drop(args);
+                    r
+                }
+                Started::Later(f) => f.await,
+            }
+        }
+    }
 }
 
 /// What [`Agent::queue_now`] did: queued the call (or refused it), or left it for later.

@@ -285,6 +285,20 @@ pub(crate) fn inline_bytes(blobs: &[WireBlob]) -> usize {
         .sum()
 }
 
+/// Whether `blob` rides inside the envelope (below the bulk threshold).
+fn is_inline(agent: &Agent, blob: &Bytes) -> bool {
+    blob.len() < agent.inner.cfg.bulk_threshold
+}
+
+/// `blobs` as they go on the wire when every one rides inside the envelope: sending them
+/// then waits for nothing. `None` when one takes the bulk path ([`send`]).
+pub(crate) fn all_inline(agent: &Agent, blobs: &[Bytes]) -> Option<Vec<WireBlob>> {
+    blobs
+        .iter()
+        .map(|b| is_inline(agent, b).then(|| WireBlob::Inline(b.to_vec())))
+        .collect()
+}
+
 /// Turns an outgoing side table into wire entries, queueing large blobs on the bulk
 /// connection to `to`.
 pub(crate) async fn send(
@@ -295,7 +309,7 @@ pub(crate) async fn send(
     let inner = &agent.inner;
     let mut out = Vec::with_capacity(blobs.len());
     for b in blobs {
-        if b.len() < inner.cfg.bulk_threshold {
+        if is_inline(agent, &b) {
             out.push(WireBlob::Inline(b.to_vec()));
             continue;
         }

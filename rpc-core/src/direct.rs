@@ -508,6 +508,8 @@ impl Agent {
             let (payload, blobs, unsent) = self.encode_args::<F>(to, &args)?;
             let blobs = if blobs.is_empty() {
                 Vec::new()
+            } else if let Some(inline) = crate::bulk::all_inline(self, &blobs) {
+                inline
             } else {
                 // Large blobs take the bulk path, which the runtime drives.
                 let send = crate::bulk::send(self, to, blobs);
@@ -645,7 +647,13 @@ fn serve_thread(weak: Weak<Inner>, stream: TcpStream, caller: u32) {
         let token = agent.inner.calls.token();
         let stop = agent.inner.stop.clone();
         // The calling thread never cancels (it waits for each reply): not cancellable.
-        let run = crate::server::handle(agent.clone(), deadline, req.message, caller, None);
+        let run = crate::server::handle(
+            agent.clone(),
+            crate::server::callers_deadline(deadline, Instant::now()),
+            req.message,
+            caller,
+            None,
+        );
         let reply = crate::spin::block_on(&agent.inner.runtime, agent.inner.cfg.busy_poll, async {
             tokio::select! {
                 r = tokio::time::timeout_at(deadline.into(), run) => Some(r),

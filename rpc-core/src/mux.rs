@@ -539,7 +539,8 @@ fn start_call(
     Option<(u64, CancellationToken)>,
 )> {
     let deadline = req.context.deadline;
-    if Instant::now() >= deadline {
+    let now = Instant::now();
+    if now >= deadline {
         return None;
     }
     let cancel = req
@@ -547,7 +548,13 @@ fn start_call(
         .cancel_id
         .map(|id| (id, CancellationToken::new()));
     let token = cancel.as_ref().map(|(_, t)| t.clone());
-    let run = crate::server::handle(agent.clone(), deadline, req.message, caller, token);
+    let run = crate::server::handle(
+        agent.clone(),
+        crate::server::callers_deadline(deadline, now),
+        req.message,
+        caller,
+        token,
+    );
     Some((
         req.id,
         Box::pin(tokio::time::timeout_at(deadline.into(), run)),

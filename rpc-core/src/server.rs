@@ -115,12 +115,18 @@ pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     }
 }
 
+/// The deadline a request's caller set, if any (one without sends [`NO_DEADLINE`] from its
+/// start), as of `now`.
+pub(crate) fn callers_deadline(deadline: Instant, now: Instant) -> Option<Instant> {
+    (deadline.saturating_duration_since(now) < NO_DEADLINE / 2).then_some(deadline)
+}
+
 /// Runs one request to its reply. Not a tracing span: one per request doubled the size of
 /// every request's future (each is boxed, and a connection's task may hold thousands); the
 /// failures are logged with the function and caller instead.
 pub(crate) async fn handle(
     agent: Agent,
-    deadline: Instant,
+    deadline: Option<Instant>,
     req: CallRequest,
     caller: u32,
     cancel: Option<tokio_util::sync::CancellationToken>,
@@ -178,8 +184,6 @@ pub(crate) async fn handle(
     } else {
         None
     };
-    let deadline =
-        (deadline.saturating_duration_since(Instant::now()) < NO_DEADLINE / 2).then_some(deadline);
     // Boxed where there are blobs, here and below: a request's future stays small.
     let blobs = if req.blobs.is_empty() {
         Vec::new()
