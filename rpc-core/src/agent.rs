@@ -552,24 +552,7 @@ impl Agent {
         let call = match self.plan::<F>(&to, args, timeout) {
             Plan::Remote(Err(e), _) => Started::Failed(e),
             Plan::Remote(Ok(out), args) => {
-                self.inner.spin.touch();
-                match self.queue_now::<F>(out, None, droppable) {
-                    Queued::Now(Ok(q)) => {
-                        Started::Queued(self.await_reply::<F, F::Output>(q), args)
-                    }
-                    Queued::Now(Err(e)) => Started::Failed(e),
-                    Queued::Later(out, keep) => {
-                        let agent = self.clone();
-                        Started::Later(Box::pin(async move {
-                            let r = match agent.queue_later::<F>(out, keep, droppable).await {
-                                Ok(q) => agent.await_reply::<F, F::Output>(q).await,
-                                Err(e) => Err(e),
-                            };
-                            drop(args);
-                            r
-                        }))
-                    }
-                }
+                self.start_remote::<F, F::Output>(out, args, None, droppable)
             }
             Plan::Local(planned, args, meta) => {
                 let agent = self.clone();
@@ -706,24 +689,7 @@ impl Agent {
         // waiting at once (one per new remote reference), so the future stays small.
         let call = match self.plan::<F>(&to, args, self.inner.cfg.rpc_timeout) {
             Plan::Remote(Err(e), _) => Started::Failed(e),
-            Plan::Remote(Ok(out), args) => {
-                self.inner.spin.touch();
-                match self.queue_now::<F>(out, Some(keep), true) {
-                    Queued::Now(Ok(q)) => Started::Queued(self.await_reply::<F, ()>(q), args),
-                    Queued::Now(Err(e)) => Started::Failed(e),
-                    Queued::Later(out, keep) => {
-                        let agent = self.clone();
-                        Started::Later(Box::pin(async move {
-                            let r = match agent.queue_later::<F>(out, keep, true).await {
-                                Ok(q) => agent.await_reply::<F, ()>(q).await,
-                                Err(e) => Err(e),
-                            };
-                            drop(args);
-                            r
-                        }))
-                    }
-                }
-            }
+            Plan::Remote(Ok(out), args) => self.start_remote::<F, ()>(out, args, Some(keep), true),
             Plan::Local(planned, args, meta) => {
                 let agent = self.clone();
                 Started::Later(Box::pin(async move {
@@ -905,6 +871,33 @@ impl Agent {
                 me,
                 server::panic_message(&*p),
             ))),
+        }
+    }
+
+    /// Starts a call to another worker: queued now if it can be ([`Agent::queue_now`]), else
+    /// left, boxed, for its future's first poll. The arguments stay alive until it ends.
+    fn start_remote<F: RemoteFn, O: serde::de::DeserializeOwned + Send + 'static>(
+        &self,
+        out: Outgoing,
+        args: F::Args,
+        keep: Option<KeepTarget>,
+        droppable: bool,
+    ) -> Started<F::Args, O> {
+        self.inner.spin.touch();
+        match self.queue_now::<F>(out, keep, droppable) {
+            Queued::Now(Ok(q)) => Started::Queued(self.await_reply::<F, O>(q), args),
+            Queued::Now(Err(e)) => Started::Failed(e),
+            Queued::Later(out, keep) => {
+                let agent = self.clone();
+                Started::Later(Box::pin(async move {
+                    let r = match agent.queue_later::<F>(out, keep, droppable).await {
+                        Ok(q) => agent.await_reply::<F, O>(q).await,
+                        Err(e) => Err(e),
+                    };
+                    drop(args);
+                    r
+                }))
+            }
         }
     }
 
