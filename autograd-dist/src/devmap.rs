@@ -8,7 +8,8 @@
 //! - DM-1: maps are validated when installed: known peer, not this worker, one-to-one, and
 //!   every local device usable here.
 
-use rpc_core::{Agent, MessageKind};
+use rpc_core::ext::{AgentExt, MessageKind};
+use rpc_core::Agent;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, RwLock};
 
@@ -182,7 +183,7 @@ pub(crate) fn target(agent: &Agent, peer: u32, kind: MessageKind, dev: DeviceSpe
                 .copied()
                 .unwrap_or(dev)
         }
-        MessageKind::Reply => rpc_core::call_meta(REPLY_MAP_KEY)
+        MessageKind::Reply => rpc_core::ext::call_meta(REPLY_MAP_KEY)
             .map(|b| decode_pairs(&b))
             .filter(|(for_rank, _)| *for_rank == agent.rank())
             .and_then(|(_, pairs)| {

@@ -27,94 +27,16 @@
 //! - AD-5: releasing a context removes its state on this worker and forwards the release to
 //!   every peer it exchanged tensors with; a worker without state for it stops the cascade.
 
-use candle_core::{Tensor, TensorId, Var};
+use candle_core::{Tensor, TensorId};
 use futures::future::BoxFuture;
-use rpc_core::{Agent, BoxError, CallContext, MessageContext, RemoteFn};
-use std::collections::{BTreeSet, HashMap};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use rpc_core::ext::with_call_meta;
+use rpc_core::{Agent, BoxError, CallContext, RemoteFn};
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
 
 use crate::error::AutogradError;
-use crate::tensor::{RTensor, Tag};
-
-/// The call-metadata key carrying the current context id.
-pub const CTX_KEY: &str = "autograd.ctx";
-
-#[derive(Default)]
-struct CtxState {
-    sends: HashMap<u64, Tensor>,
-    recvs: HashMap<TensorId, (u32, u64)>,
-    grads: HashMap<TensorId, (Tensor, Tensor)>,
-    peers: BTreeSet<u32>,
-    /// A backward pass is executing on this worker in this context (AD-6).
-    running: bool,
-    /// Gradients for this worker's sends that arrived while it was running: (sent tensor,
-    /// gradient), folded into its next local pass.
-    pending: Vec<(Tensor, Tensor)>,
-}
-
-pub(crate) struct Container {
-    me: u32,
-    next_ctx: AtomicU64,
-    next_msg: AtomicU64,
-    contexts: Mutex<HashMap<u64, CtxState>>,
-}
-
-fn container(agent: &Agent) -> Arc<Container> {
-    agent.extension(|| Container {
-        me: agent.rank(),
-        next_ctx: AtomicU64::new(1),
-        next_msg: AtomicU64::new(1),
-        contexts: Mutex::new(HashMap::new()),
-    })
-}
-
-impl Container {
-    fn with<R>(&self, ctx: u64, f: impl FnOnce(&mut CtxState) -> R) -> R {
-        let mut m = self.contexts.lock().unwrap_or_else(|p| p.into_inner());
-        f(m.entry(ctx).or_default())
-    }
-}
-
-/// The context id in the current task's call metadata, if any.
-pub fn current_context_id() -> Option<u64> {
-    rpc_core::call_meta(CTX_KEY)
-        .and_then(|b| b.try_into().ok())
-        .map(u64::from_le_bytes)
-}
-
-pub(crate) fn record_send(msg: &MessageContext, t: &Tensor) -> Option<Tag> {
-    let ctx = current_context_id()?;
-    if !t.track_op() {
-        return None;
-    }
-    let c = container(msg.agent());
-    let id = c.next_msg.fetch_add(1, Ordering::Relaxed);
-    c.with(ctx, |s| {
-        s.sends.insert(id, t.clone());
-        s.peers.insert(msg.peer().0);
-    });
-    Some(Tag {
-        ctx,
-        sender: c.me,
-        msg: id,
-    })
-}
-
-pub(crate) fn record_recv(
-    msg: &MessageContext,
-    tag: Tag,
-    t: Tensor,
-) -> candle_core::Result<Tensor> {
-    let c = container(msg.agent());
-    let var = Var::from_tensor(&t)?;
-    let leaf = var.as_tensor().clone();
-    c.with(tag.ctx, |s| {
-        s.recvs.insert(leaf.id(), (tag.sender, tag.msg));
-        s.peers.insert(tag.sender);
-    });
-    Ok(leaf)
-}
+use crate::record::{container, CTX_KEY};
+use crate::tensor::RTensor;
 
 /// A distributed autograd context on the worker that opened it. Calls made inside
 /// [`DistContext::run`] carry it; dropping the guard releases it on every worker it touched
@@ -151,7 +73,7 @@ impl DistContext {
 
     /// Runs `fut` inside the context: tensors sent in the calls it makes are recorded.
     pub async fn run<F: std::future::Future>(&self, fut: F) -> F::Output {
-        rpc_core::with_call_meta(CTX_KEY, Some(self.id.to_le_bytes().to_vec()), fut).await
+        with_call_meta(CTX_KEY, Some(self.id.to_le_bytes().to_vec()), fut).await
     }
 
     /// Runs backward from `roots` (their sum) across every worker the graph touched. Returns
@@ -309,7 +231,7 @@ async fn local_pass(agent: &Agent, ctx: u64, loss: Tensor) -> Result<(), Autogra
     let calls = outgoing.into_iter().map(|(sender, items)| {
         let a = agent.clone();
         async move {
-            rpc_core::with_call_meta(
+            with_call_meta(
                 CTX_KEY,
                 None,
                 a.rpc_async(sender, BackwardStep, (ctx, items)),
@@ -411,7 +333,7 @@ fn release_from<'a>(
             .collect();
         drop(state);
         let calls = peers.into_iter().map(|p| async move {
-            rpc_core::with_call_meta(CTX_KEY, None, agent.rpc_async(p, ReleaseContext, (ctx,)))
+            with_call_meta(CTX_KEY, None, agent.rpc_async(p, ReleaseContext, (ctx,)))
                 .await
                 .map_err(|source| AutogradError::Rpc {
                     worker: agent.name_of(p),

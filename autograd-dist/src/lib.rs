@@ -12,36 +12,45 @@
 //! Install the engine's functions in every worker's registry with [`install`].
 //!
 //! # Layout
-//! - `tensor`: the wire form of tensors and the send/recv hooks.
+//! Each module depends only on those above it (as candle stacks `backprop.rs` on `Tensor`, the
+//! recording sits under the tensor codec and the engine over both):
+//! - `error`: [`AutogradError`].
 //! - `device`: device identity and creation (dummy CUDA module without the feature).
 //! - `devmap`: per-peer device maps, inverted on the reply path (DM-1).
-//! - `engine`: contexts, recording, backward, release (AD-1…).
-//! - `optim`: [`DistributedOptimizer`], [`Parameter`].
-//! - `error`: [`AutogradError`].
+//! - `record`: the per-worker state of every context; the send and recv functions recorded as
+//!   tensors cross workers.
+//! - `tensor`: [`RTensor`], the wire form of tensors, calling the recording hooks.
+//! - `engine`: [`DistContext`], backward across workers, release (AD-1…).
+//! - `optim`: the local [`Optimizer`] and its update rules.
+//! - `dist_optim`: [`DistributedOptimizer`], [`Parameter`], [`GradientHook`].
 #![deny(missing_docs)]
 
 mod device;
 mod devmap;
+mod dist_optim;
 mod engine;
 mod error;
 mod optim;
+mod record;
 mod tensor;
 
 pub use device::{DeviceError, DeviceSpec};
 pub use devmap::{DeviceMapError, DeviceMaps};
-pub use engine::{context, current_context_id, gradients, live_contexts, DistContext, CTX_KEY};
-pub use error::AutogradError;
-pub use optim::{
+pub use dist_optim::{
     parameter_rrefs, parameter_var, set_gradient_hook, DistributedOptimizer, GradientHook,
-    Gradients, LocalOptimizer, Optimizer, OptimizerKind, OptimizerState, Parameter,
+    LocalOptimizer, Parameter,
 };
+pub use engine::{context, gradients, live_contexts, DistContext};
+pub use error::AutogradError;
+pub use optim::{Gradients, Optimizer, OptimizerKind, OptimizerState};
+pub use record::{current_context_id, CTX_KEY};
 pub use tensor::RTensor;
 
 /// Adds the engine's functions to a worker's registry.
 pub fn install(
     builder: rpc_core::RegistryBuilder,
 ) -> Result<rpc_core::RegistryBuilder, rpc_core::RegistryError> {
-    optim::register(
+    dist_optim::register(
         builder
             .register(engine::BackwardStep)?
             .register(engine::ReleaseContext)?,

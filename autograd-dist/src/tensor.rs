@@ -5,17 +5,19 @@
 //! no element goes through serde. Sending gathers the elements once into a new buffer (strided
 //! tensors included: the strides are walked directly, with no intermediate contiguous copy);
 //! receiving builds the tensor from that buffer with one copy. Inside a distributed autograd
-//! context the same hook records the send and recv functions (see `engine.rs`).
+//! context the same hook records the send and recv functions (see `record.rs`).
 
 use bytes::Bytes;
 use candle_core::{CpuStorage, DType, Device, Layout, Storage, Tensor, WithDType};
-use rpc_core::{Blob, MessageContext};
+use rpc_core::ext::MessageContext;
+use rpc_core::Blob;
 use serde::de::{self, Deserializer};
 use serde::ser::{self, Serializer};
 use serde::{Deserialize, Serialize};
 
 use crate::device::DeviceSpec;
-use crate::{devmap, engine};
+use crate::devmap;
+use crate::record::{self, Tag};
 
 /// A tensor that can be sent in RPC arguments and results (alone or inside any serde type).
 ///
@@ -54,14 +56,6 @@ impl std::ops::Deref for RTensor {
     fn deref(&self) -> &Tensor {
         &self.0
     }
-}
-
-/// Autograd tag of a tensor sent inside a context: which send function it came from.
-#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
-pub(crate) struct Tag {
-    pub ctx: u64,
-    pub sender: u32,
-    pub msg: u64,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -168,7 +162,7 @@ impl Serialize for RTensor {
         let here = DeviceSpec::of(self.0.device());
         let (tag, device) = match MessageContext::current() {
             Some(msg) => (
-                engine::record_send(&msg, &self.0),
+                record::record_send(&msg, &self.0),
                 devmap::target(msg.agent(), msg.peer().0, msg.kind(), here),
             ),
             None => (None, here),
@@ -205,7 +199,7 @@ impl<'de> Deserialize<'de> for RTensor {
             .map_err(de::Error::custom)?;
         let t = match (w.tag, MessageContext::current()) {
             (Some(tag), Some(msg)) => {
-                engine::record_recv(&msg, tag, t).map_err(de::Error::custom)?
+                record::record_recv(&msg, tag, t).map_err(de::Error::custom)?
             }
             _ => t,
         };

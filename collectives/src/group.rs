@@ -252,7 +252,7 @@ impl Op<'_> {
             .iter()
             .filter(|&&r| r != agent.rank())
             .map(|&r| {
-                rpc_core::with_call_meta(
+                rpc_core::ext::with_call_meta(
                     autograd_dist::CTX_KEY,
                     None,
                     agent.rpc_async(r, Abort, (self.g.id, self.seq, why.to_owned())),

@@ -1,6 +1,7 @@
 //! Messages matched by (source, tag), and per-operation aborts.
 
 use candle_core::Tensor;
+use rpc_core::ext::AgentExt;
 use rpc_core::{Agent, BoxError, CallContext, RemoteFn, ToWorker};
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, VecDeque};
@@ -193,7 +194,7 @@ async fn deliver<F: RemoteFn<Output = ()>>(
     f: F,
     args: F::Args,
 ) -> Result<(), P2pError> {
-    rpc_core::with_call_meta(autograd_dist::CTX_KEY, None, agent.rpc_async(to, f, args))
+    rpc_core::ext::with_call_meta(autograd_dist::CTX_KEY, None, agent.rpc_async(to, f, args))
         .await
         .map_err(|source| P2pError::Send {
             worker: agent.name_of(to),

@@ -12,6 +12,7 @@
 //!   that step, so every trainer's step `c` starts from the same parameters.
 
 use candle_core::Tensor;
+use rpc_core::ext::AgentExt;
 use rpc_core::{Agent, BoxError, CallContext, RemoteFn};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;

@@ -7,9 +7,8 @@
 
 use std::time::Duration;
 
-use crate::auth::{Secret, SECRET_ENV, SECRET_FILE_ENV};
 use crate::error::InitError;
-use crate::transport::Transport;
+use crate::net::{NetConfig, Secret, Transport, SECRET_ENV, SECRET_FILE_ENV};
 
 /// How a worker joins its group. Build with [`Config::new`] and the `with_*` setters.
 ///
@@ -275,26 +274,28 @@ impl Config {
         }
         Ok(Resolved {
             name: self.name.unwrap_or_else(|| format!("worker{rank}")),
-            rank,
-            world_size,
             serve_rendezvous: self.serve_rendezvous.unwrap_or(rank == 0),
             rendezvous,
             listen_addr,
-            transport: self.transport,
-            secret,
-            rpc_timeout: self.rpc_timeout,
             init_timeout: self.init_timeout,
+            rpc_timeout: self.rpc_timeout,
             shutdown_timeout: self.shutdown_timeout,
-            connect_timeout: self.connect_timeout,
-            handshake_timeout: self.handshake_timeout,
-            max_frame_bytes: self.max_frame_bytes,
             max_concurrent_calls: self.max_concurrent_calls,
-            bulk_threshold: self.bulk_threshold,
-            bulk_pool_bytes: self.bulk_pool_bytes,
-            busy_poll: self.busy_poll,
-            shm_arena_bytes: self.shm_arena_bytes,
             sync_connections: self.sync_connections,
-            max_sync_connections: self.max_sync_connections,
+            net: NetConfig {
+                transport: self.transport,
+                secret,
+                rank,
+                world_size,
+                connect_timeout: self.connect_timeout,
+                handshake_timeout: self.handshake_timeout,
+                max_frame_bytes: self.max_frame_bytes,
+                bulk_threshold: self.bulk_threshold,
+                bulk_pool_bytes: self.bulk_pool_bytes,
+                shm_arena_bytes: self.shm_arena_bytes,
+                busy_poll: self.busy_poll,
+                max_sync_connections: self.max_sync_connections,
+            },
         })
     }
 }
@@ -307,30 +308,22 @@ fn is_loopback(host: &str) -> bool {
             .is_ok_and(|ip| ip.is_loopback())
 }
 
-/// A fully resolved configuration.
+/// A configuration with every default and environment variable applied, split by who uses
+/// it: group formation, the caller and callee, and the network layer ([`NetConfig`], which
+/// holds the rank, world size, secret and transport).
 #[derive(Clone, Debug)]
 pub(crate) struct Resolved {
     pub name: String,
-    pub rank: u32,
-    pub world_size: u32,
-    pub serve_rendezvous: bool,
+    /// `host:port` of the rendezvous.
     pub rendezvous: String,
+    pub serve_rendezvous: bool,
     pub listen_addr: String,
-    pub transport: Transport,
-    pub secret: Secret,
-    pub rpc_timeout: Duration,
     pub init_timeout: Duration,
+    pub rpc_timeout: Duration,
     pub shutdown_timeout: Duration,
-    pub connect_timeout: Duration,
-    pub handshake_timeout: Duration,
-    pub max_frame_bytes: usize,
     pub max_concurrent_calls: usize,
-    pub bulk_threshold: usize,
-    pub bulk_pool_bytes: usize,
-    pub busy_poll: Duration,
-    pub shm_arena_bytes: usize,
     pub sync_connections: bool,
-    pub max_sync_connections: usize,
+    pub net: NetConfig,
 }
 
 #[cfg(test)]
@@ -361,7 +354,7 @@ mod tests {
             ]))
             .unwrap();
         assert_eq!(
-            (r.rank, r.world_size, r.rendezvous.as_str()),
+            (r.net.rank, r.net.world_size, r.rendezvous.as_str()),
             (2, 4, "127.0.0.1:29500")
         );
         assert_eq!(r.name, "worker2");
@@ -380,7 +373,7 @@ mod tests {
                 ("SLURM_NTASKS", "8"),
             ]))
             .unwrap();
-        assert_eq!((r.rank, r.world_size), (0, 8));
+        assert_eq!((r.net.rank, r.net.world_size), (0, 8));
         assert!(r.serve_rendezvous);
         assert_eq!(r.listen_addr, "0.0.0.0:0");
         let r = base()
@@ -391,7 +384,7 @@ mod tests {
                 ("OMPI_COMM_WORLD_SIZE", "5"),
             ]))
             .unwrap();
-        assert_eq!((r.rank, r.world_size), (3, 5));
+        assert_eq!((r.net.rank, r.net.world_size), (3, 5));
     }
 
     #[test]
@@ -403,7 +396,7 @@ mod tests {
             .resolve_with(&env(&[("RANK", "9"), ("WORLD_SIZE", "10")]))
             .unwrap();
         assert_eq!(
-            (r.rank, r.world_size, r.rendezvous.as_str()),
+            (r.net.rank, r.net.world_size, r.rendezvous.as_str()),
             (1, 2, "localhost:7")
         );
     }
@@ -451,6 +444,6 @@ mod tests {
             .resolve_with(&env(&[("RPC_SECRET_FILE", dir.to_str().unwrap())]))
             .unwrap();
         std::fs::remove_file(&dir).unwrap();
-        assert_eq!(r.secret.as_str(), Some("from-file"));
+        assert_eq!(r.net.secret.as_str(), Some("from-file"));
     }
 }

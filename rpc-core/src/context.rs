@@ -1,19 +1,16 @@
-//! Per-call context: who called, the deadline, and the nesting depth.
+//! Per-call context: who called, the deadline, the nesting depth, and the call metadata.
 //!
 //! While a handler runs, a task-local scope holds its deadline and depth. Every call made from
 //! inside it (on the same task) inherits the deadline, clipped to its own timeout, and carries
 //! `depth + 1`, so nested calls never outlive the call that caused them and are admitted without
-//! waiting for a root-call permit (see `server.rs`).
+//! waiting for a root-call permit (see `dispatch.rs`). A second task-local holds the
+//! [`CallMeta`] the call carries.
 
-use serde::{Deserialize, Serialize};
 use std::future::Future;
 use std::time::{Duration, Instant};
 
 use crate::agent::Agent;
-use crate::wire::WorkerInfo;
-
-/// Timeouts at or above this are treated as "no timeout" (a request always carries one).
-pub(crate) const NO_DEADLINE: Duration = Duration::from_secs(365 * 24 * 3600);
+use crate::wire::{CallMeta, WorkerInfo};
 
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Scope {
@@ -24,35 +21,6 @@ pub(crate) struct Scope {
 tokio::task_local! {
     pub(crate) static SCOPE: Scope;
     pub(crate) static META: CallMeta;
-}
-
-/// Per-call metadata that layers above the RPC core attach to calls (for instance the
-/// distributed autograd context id). Set it with [`with_call_meta`]; every call made inside
-/// carries it, and the callee's handler (with its argument decoding, its nested calls and its
-/// reply encoding) runs with it, so it follows chains of calls in both directions.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CallMeta(Vec<(String, Vec<u8>)>);
-
-impl CallMeta {
-    fn get(&self, key: &str) -> Option<&[u8]> {
-        self.0
-            .iter()
-            .find(|(k, _)| k == key)
-            .map(|(_, v)| v.as_slice())
-    }
-
-    pub(crate) fn with(&self, key: &str, value: Vec<u8>) -> Self {
-        let mut m = self.clone();
-        match m.0.iter_mut().find(|(k, _)| k == key) {
-            Some(slot) => slot.1 = value,
-            None => m.0.push((key.to_owned(), value)),
-        }
-        m
-    }
-
-    pub(crate) fn without(&self, key: &str) -> Self {
-        Self(self.0.iter().filter(|(k, _)| k != key).cloned().collect())
-    }
 }
 
 /// The metadata of the current task (empty outside [`with_call_meta`] and handlers).
@@ -90,7 +58,7 @@ pub struct CallContext {
     /// The caller's rank (its [`WorkerInfo`] is the agent's: nothing is copied per call).
     pub(crate) caller: u32,
     pub(crate) deadline: Option<Instant>,
-    /// Cancelled when the caller cancels this call by message (`cancel.rs`).
+    /// Cancelled when the caller cancels this call by message (`call/cancel.rs`).
     pub(crate) cancel: Option<tokio_util::sync::CancellationToken>,
 }
 
@@ -112,7 +80,7 @@ impl CallContext {
 
     /// The worker that made the call.
     pub fn caller(&self) -> &WorkerInfo {
-        &self.agent.inner.workers[self.caller as usize]
+        self.agent.inner.group.worker(self.caller)
     }
 
     /// When the caller stops waiting, if it set a timeout.

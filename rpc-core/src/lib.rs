@@ -37,66 +37,71 @@
 //! # }
 //! ```
 //!
+//! Layers built on top (remote references, distributed autograd, collectives) use the items
+//! in [`ext`]; a program that only makes calls needs none of them.
+//!
 //! # Layout
-//! - `wire`: worker identity, the call envelope and reply, signature fingerprints.
-//! - `blob`: [`Blob`], bytes carried in a side table beside the serde payload.
-//! - `transport`: TCP and the in-memory network behind one byte-stream abstraction.
-//! - `auth`: the group [`Secret`] and the HMAC connection handshake.
-//! - `registry`: [`RemoteFn`], [`Registry`].
-//! - `context`: [`CallContext`], inherited deadlines and depth.
+//! The crate is a pipeline; each module depends only on those above it in this list, except
+//! that the agent names its parts and they name the agent back (handlers get it in their
+//! context). See `docs/ARCHITECTURE.md` for one call's path through it.
+//!
+//! - `error`, `wire`, `lifecycle`: the error types, what travels on the wire ([`WorkerInfo`],
+//!   the envelope, [`ext::CallMeta`]), running/stopping/closed.
+//! - `net`: the network layer. Transports, the handshake ([`Secret`]), the directory and the
+//!   one dialer, tarpc's frames, the multiplexed connection's two ends, blocking connections,
+//!   the bulk path and shared memory, busy polling. It never names the agent: it hands each
+//!   request it reads to the `Serve` seam.
 //! - `config`: [`Config`] and its resolution from the environment.
 //! - `rendezvous`: group formation, [`RendezvousServer`].
-//! - `client`: per-peer outgoing control connections.
-//! - `mux`: calls multiplexed on a control connection (tarpc's frames, our dispatch).
-//! - `server`: the accept loop, admission, panic isolation.
-//! - `bulk`: the raw data path for large blobs, [`BulkStats`].
-//! - `shm`: shared-memory arenas for bulk blobs between workers on one host.
-//! - `agent`: [`Agent`], [`init`], calls and shutdown.
-//! - `direct`: blocking calls on the calling thread's own connection.
-//! - `cancel`: cancelling calls whose arguments lent something, by message.
-//! - `spin`: busy polling before sleeping ([`Config::busy_poll`]): the runtime's polling task and
-//!   `block_on` for plain threads.
-//! - [`testing`]: start a whole group in one process; raw connections for protocol tests.
-//! - `error`: [`RpcError`], [`InitError`], [`RemoteError`].
+//! - `context`: [`CallContext`], inherited deadlines and depth, call metadata.
+//! - `blob`: [`Blob`], bytes in a side table beside the serde payload; the message context.
+//! - `registry`: [`RemoteFn`], [`Registry`].
+//! - `group`: this worker and the group by rank and name, [`ToWorker`].
+//! - `dispatch`: the callee, one path for requests from the wire, calls to oneself and
+//!   blocking connections (admission, panics, keep-calls, cancellation's callee side).
+//! - `call`: the caller, plan, send, reply, blocking, cancel.
+//! - `shutdown`: the barrier and the phases of [`Agent::shutdown`].
+//! - `agent`: [`Agent`], [`init`]: identity, group and lifecycle tied together.
+//! - [`ext`]: the layer-author API. [`testing`]: whole groups in one process.
 #![deny(missing_docs)]
 
 extern crate self as rpc_core;
 
 mod agent;
-mod auth;
 mod blob;
-mod bulk;
-mod cancel;
-mod client;
+mod call;
 mod config;
 mod context;
-mod direct;
+mod dispatch;
 mod error;
-mod mux;
+pub mod ext;
+mod group;
+mod lifecycle;
+mod net;
 mod registry;
 mod rendezvous;
-mod server;
-mod shm;
-mod spin;
+mod shutdown;
 pub mod testing;
-mod transport;
 mod wire;
 
-pub use agent::{
-    init, wait_all, Agent, ShutdownHook, ShutdownReport, ToWorker, WeakAgent, WorkerRef,
-};
-pub use auth::{Secret, SECRET_ENV, SECRET_FILE_ENV};
-pub use blob::{large_vec, Blob, MessageContext, MessageKind, Payload};
-pub use bulk::BulkStats;
+pub use agent::{init, Agent};
+pub use blob::{large_vec, Blob};
+pub use call::wait_all;
 pub use config::Config;
-pub use context::{call_meta, with_call_meta, CallContext, CallMeta};
+pub use context::CallContext;
 pub use error::{
     error_chain, BoxError, CodecError, InitError, RemoteError, RemoteErrorKind, RpcError,
 };
-pub use registry::{
-    IntoHandlerResult, KeepSink, KeptValue, Registry, RegistryBuilder, RegistryError, RemoteFn,
-};
+pub use group::{ToWorker, WorkerRef};
+pub use net::{BulkStats, MemoryNetwork, Secret, Transport, SECRET_ENV, SECRET_FILE_ENV};
+pub use registry::{Registry, RegistryBuilder, RegistryError, RemoteFn};
 pub use rendezvous::RendezvousServer;
 pub use rpc_macros::remote;
-pub use transport::{MemoryNetwork, Transport};
+pub use shutdown::ShutdownReport;
 pub use wire::{WorkerId, WorkerInfo};
+
+/// Support for the [`remote`] attribute's expansion; not an API.
+#[doc(hidden)]
+pub mod __private {
+    pub use crate::registry::IntoHandlerResult;
+}

@@ -90,7 +90,7 @@ type ErasedKeep = Arc<
 >;
 
 /// A function's result kept on the callee as a typed value instead of being sent back (see
-/// [`Agent::rpc_keep`](crate::Agent::rpc_keep)); it remembers how to encode itself.
+/// [`AgentExt::rpc_keep`](crate::ext::AgentExt::rpc_keep)); it remembers how to encode itself.
 pub struct KeptValue {
     value: Box<dyn Any + Send>,
     type_name: &'static str,
@@ -334,7 +334,7 @@ impl RegistryBuilder {
         Ok(self)
     }
 
-    /// Registers a sink for keep-calls (see [`Agent::rpc_keep`](crate::Agent::rpc_keep)).
+    /// Registers a sink for keep-calls (see [`AgentExt::rpc_keep`](crate::ext::AgentExt::rpc_keep)).
     pub fn keep_sink(mut self, name: &'static str, sink: KeepSink) -> Result<Self, RegistryError> {
         if self.registry.sinks.contains_key(name) {
             return Err(RegistryError::DuplicateSink(name));

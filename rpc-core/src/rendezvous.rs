@@ -17,9 +17,9 @@ use tokio::task::JoinHandle;
 use tokio::time::{sleep, Instant};
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
-use crate::auth::{self, ConnKind, Secret};
 use crate::error::InitError;
-use crate::transport::{Conn, Transport};
+use crate::net::auth::{self, ConnKind, Secret};
+use crate::net::transport::{Conn, Listener, Transport};
 
 /// Largest rendezvous message (a table of many workers still fits).
 const MAX_MSG: usize = 16 << 20;
@@ -132,12 +132,7 @@ impl Drop for RendezvousServer {
     }
 }
 
-async fn serve(
-    listener: &mut crate::transport::Listener,
-    secret: Secret,
-    world_size: u32,
-    deadline: Instant,
-) {
+async fn serve(listener: &mut Listener, secret: Secret, world_size: u32, deadline: Instant) {
     // Bounded: each accepted connection sends at most one join.
     let (tx, mut rx) = mpsc::channel::<(Join, Framed_)>(64);
     let mut joined: BTreeMap<u32, (Join, Framed_)> = BTreeMap::new();

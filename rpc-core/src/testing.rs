@@ -8,13 +8,13 @@ use std::io;
 use std::time::Duration;
 
 use crate::agent::{init, Agent};
-use crate::auth::{self, ConnKind, Secret};
 use crate::config::Config;
 use crate::error::InitError;
+use crate::net::auth::{self, ConnKind, Secret};
+pub use crate::net::Io;
+use crate::net::{MemoryNetwork, Transport};
 use crate::registry::Registry;
 use crate::rendezvous::RendezvousServer;
-pub use crate::transport::Io;
-use crate::transport::{MemoryNetwork, Transport};
 
 /// One TCP transport and one fresh in-memory network.
 pub fn transports() -> Vec<Transport> {
@@ -25,8 +25,8 @@ pub fn transports() -> Vec<Transport> {
 /// [`Config::shm_arena_bytes`]): creates a small arena and maps it back the way a peer
 /// would. The error says why not (no memfd, no `/proc`, not Linux).
 pub fn shared_memory_probe() -> io::Result<()> {
-    let arena = crate::shm::Arena::create(crate::shm::HEADER + 4096)?;
-    crate::shm::Mapping::open(&arena.announce()).map(drop)
+    let arena = crate::net::shm::Arena::create(crate::net::shm::HEADER + 4096)?;
+    crate::net::shm::Mapping::open(&arena.announce()).map(drop)
 }
 
 /// A short human name for a transport, for test messages.

@@ -4,9 +4,9 @@
 //! result type mismatches are detected instead of decoding garbage), the nesting
 //! depth, the serde payload, and a side table of [`Blob`](crate::Blob)s. Blobs above the bulk
 //! threshold do not ride in the envelope at all: the envelope names them by id and their bytes
-//! travel on the bulk connection (see `bulk.rs`). On the wire both are the message of a tarpc
-//! frame (`mux.rs`, `direct.rs`); the deadline travels as a relative duration in tarpc's
-//! request context.
+//! travel on the bulk connection (see `net/bulk.rs`). On the wire both are the message of a tarpc
+//! frame (`net/frame.rs`); the deadline travels as a relative duration in tarpc's request
+//! context. [`CallMeta`], the metadata layers above attach to calls, travels in the envelope.
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -53,9 +53,9 @@ pub(crate) struct CallRequest {
     pub blobs: Vec<WireBlob>,
     /// Keep the result on the callee and hand it to this sink instead of returning it.
     pub keep: Option<KeepTarget>,
-    /// The caller's call metadata (see `context::CallMeta`).
-    pub meta: crate::context::CallMeta,
-    /// Set when the caller cancels this call by message (`cancel.rs`).
+    /// The caller's call metadata.
+    pub meta: CallMeta,
+    /// Set when the caller cancels this call by message (`call/cancel.rs`).
     pub cancel_id: Option<u64>,
 }
 
@@ -66,6 +66,39 @@ pub(crate) struct KeepTarget {
     pub sink: std::borrow::Cow<'static, str>,
     #[serde(with = "serde_bytes")]
     pub token: Vec<u8>,
+}
+
+/// Per-call metadata that layers above the RPC core attach to calls (for instance the
+/// distributed autograd context id). Set it with [`with_call_meta`](crate::ext::with_call_meta);
+/// every call made inside carries it, and the callee's handler (with its argument decoding, its
+/// nested calls and its reply encoding) runs with it, so it follows chains of calls in both
+/// directions.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CallMeta(Vec<(String, Vec<u8>)>);
+
+impl CallMeta {
+    /// The value of `key`, if set.
+    pub(crate) fn get(&self, key: &str) -> Option<&[u8]> {
+        self.0
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_slice())
+    }
+
+    /// A copy with `key` set to `value`.
+    pub(crate) fn with(&self, key: &str, value: Vec<u8>) -> Self {
+        let mut m = self.clone();
+        match m.0.iter_mut().find(|(k, _)| k == key) {
+            Some(slot) => slot.1 = value,
+            None => m.0.push((key.to_owned(), value)),
+        }
+        m
+    }
+
+    /// A copy without `key`.
+    pub(crate) fn without(&self, key: &str) -> Self {
+        Self(self.0.iter().filter(|(k, _)| k != key).cloned().collect())
+    }
 }
 
 /// A successful reply.

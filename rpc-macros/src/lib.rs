@@ -111,7 +111,7 @@ fn expand(func: ItemFn, name_override: Option<LitStr>) -> syn::Result<proc_macro
         impl ::rpc_core::RemoteFn for #ident {
             const NAME: &'static str = #name;
             type Args = (#(#tys,)*);
-            type Output = <#ret as ::rpc_core::IntoHandlerResult>::Ok;
+            type Output = <#ret as ::rpc_core::__private::IntoHandlerResult>::Ok;
             fn call(
                 ctx: ::rpc_core::CallContext,
                 args: Self::Args,
@@ -121,7 +121,7 @@ fn expand(func: ItemFn, name_override: Option<LitStr>) -> syn::Result<proc_macro
                 #[allow(clippy::too_many_arguments)]
                 async fn #inner(#ctx_pat: #ctx_ty, (#(#pats,)*): (#(#tys,)*)) -> #ret #body
                 async move {
-                    ::rpc_core::IntoHandlerResult::into_handler_result(#inner(ctx, args).await)
+                    ::rpc_core::__private::IntoHandlerResult::into_handler_result(#inner(ctx, args).await)
                 }
             }
         }

@@ -17,18 +17,30 @@
 //!   usual. One whose fate is unknown (the connection broke after sending, or a reply arrived
 //!   after its call's deadline) is released after `CHILD_TTL`, with a warning.
 
-use rpc_core::{Agent, WeakAgent};
+use rpc_core::ext::{AgentExt, WeakAgent};
+use rpc_core::Agent;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::id::{ForkId, RRefId};
-use crate::owner::OwnerTable;
-use crate::rref::Handle;
+use crate::owner::{Lookup, OwnerTable, Value};
 
 /// A pending child is given up on after this long.
 pub(crate) const CHILD_TTL: Duration = Duration::from_secs(600);
+
+/// What a pending child holds: its parent's handle, kept alive (and so not deleted) until the
+/// owner has accepted the child (G2). Held for its drop alone, so of no particular type here.
+pub(crate) type Hold = Arc<dyn std::any::Any + Send + Sync>;
+
+/// Why [`Ctx::settled`] found no value.
+pub(crate) enum Settled {
+    /// The constructor failed; its error.
+    Failed(String),
+    /// Not settled by the deadline (never created, or already deleted).
+    Timeout,
+}
 
 /// Counts that make leaks visible (PyTorch's `_get_debug_info`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -51,7 +63,7 @@ pub(crate) struct Ctx {
     pub me: u32,
     next: AtomicU64,
     pub owner: Mutex<OwnerTable>,
-    pending_children: Mutex<HashMap<ForkId, (Arc<Handle>, Instant)>>,
+    pending_children: Mutex<HashMap<ForkId, (Hold, Instant)>>,
     last_sweep: Mutex<Instant>,
     pub user_refs: AtomicUsize,
     pub unconfirmed: AtomicUsize,
@@ -116,7 +128,7 @@ impl Ctx {
         drop(removed);
     }
 
-    pub(crate) fn hold_child(&self, child: ForkId, parent: Arc<Handle>) {
+    pub(crate) fn hold_child(&self, child: ForkId, parent: Hold) {
         let now = Instant::now();
         let expired: Vec<_> = {
             let mut sweep = lock(&self.last_sweep);
@@ -145,6 +157,28 @@ impl Ctx {
     pub(crate) fn release_child(&self, child: ForkId) {
         let released = lock(&self.pending_children).remove(&child);
         drop(released);
+    }
+
+    /// Waits until the value `id` owned here is settled, or `deadline`.
+    pub(crate) async fn settled(&self, id: RRefId, deadline: Instant) -> Result<Value, Settled> {
+        for _ in 0..4 {
+            let lookup = lock(&self.owner).lookup(id);
+            match lookup {
+                Lookup::Ready(v) => return Ok(v),
+                Lookup::Failed(e) => return Err(Settled::Failed(e.to_string())),
+                Lookup::Pending(mut rx) => {
+                    if tokio::time::timeout_at(deadline.into(), rx.wait_for(|s| *s))
+                        .await
+                        .is_err()
+                    {
+                        let removed = lock(&self.owner).forget_if_idle(id);
+                        drop(removed);
+                        return Err(Settled::Timeout);
+                    }
+                }
+            }
+        }
+        Err(Settled::Timeout)
     }
 
     /// Sets a delay of up to `max` before each protocol message (testing reorderings).

@@ -9,17 +9,21 @@
 //! Install the protocol's functions in every worker's registry with [`install`].
 //!
 //! # Layout
+//! Each module depends only on those above it:
+//! - `error`: [`RRefError`].
 //! - `id`: [`RRefId`], [`ForkId`].
 //! - `owner`: the owner's table, a pure state machine over signed fork counts (OWN-1…).
 //! - `context`: per-agent state, the sharing rule, background messages (CTX-1…), [`DebugInfo`].
-//! - `rref`: [`RRef<T>`], [`remote`], [`LocalValue`].
 //! - `protocol`: the messages (`add_fork`, `child_accepted`, `delete_fork`, `fetch`, the
 //!   keep sink of `remote`).
-//! - `error`: [`RRefError`].
+//! - `handle`: the state every clone of one reference shares: its fork, its standing with the
+//!   owner, the delete its drop sends (G1).
+//! - `rref`: [`RRef<T>`], [`remote`], [`LocalValue`].
 #![deny(missing_docs)]
 
 mod context;
 mod error;
+mod handle;
 mod id;
 mod owner;
 mod protocol;

@@ -16,7 +16,8 @@
 //! - OWN-4: removed values are returned to the caller, who drops them after releasing the
 //!   table's lock (a value may hold remote references whose drop re-enters the table).
 
-use rpc_core::{KeptValue, RemoteError};
+use rpc_core::ext::KeptValue;
+use rpc_core::RemoteError;
 use std::collections::HashMap;
 use std::sync::Arc;
 use tokio::sync::watch;

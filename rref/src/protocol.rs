@@ -1,15 +1,12 @@
 //! The protocol's messages, served like any registered function (`install` adds them).
 
-use rpc_core::{
-    BoxError, CallContext, KeepSink, KeptValue, MessageContext, MessageKind, Payload, RemoteError,
-    RemoteFn,
-};
+use rpc_core::ext::{KeepSink, KeptValue, MessageContext, MessageKind, Payload};
+use rpc_core::{BoxError, CallContext, RemoteError, RemoteFn};
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::context::ctx;
+use crate::context::{ctx, Settled};
 use crate::id::{ForkId, RRefId};
-use crate::rref::{settled, Settled};
 
 /// The keep sink that stores `remote` results on the owner.
 pub(crate) const KEEP_SINK: &str = "rref::keep";
@@ -81,7 +78,7 @@ impl RemoteFn for Fetch {
         let deadline = cx
             .deadline()
             .unwrap_or_else(|| Instant::now() + std::time::Duration::from_secs(365 * 24 * 3600));
-        let v = match settled(&c, id, deadline).await {
+        let v = match c.settled(id, deadline).await {
             Ok(v) => v,
             Err(Settled::Failed(message)) => return Ok(Err(message)),
             Err(Settled::Timeout) => {

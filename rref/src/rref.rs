@@ -1,135 +1,21 @@
 //! [`RRef<T>`]: a handle on a value owned by one worker, usable from any worker.
 
-use rpc_core::{Agent, MessageContext, RemoteFn, RpcError, ToWorker, WorkerId};
+use rpc_core::ext::{AgentExt, KeptValue, MessageContext, MessageKind, Payload};
+use rpc_core::{Agent, RemoteFn, RpcError, ToWorker, WorkerId};
 use serde::de::{self, DeserializeOwned};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use std::fmt;
 use std::future::Future;
 use std::marker::PhantomData;
-use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::context::{ctx, Ctx};
+use crate::context::{ctx, Settled};
 use crate::error::RRefError;
+use crate::handle::{HState, Handle};
 use crate::id::{ForkId, RRefId};
-use crate::owner::{Lookup, Value};
-use crate::protocol::{self, AddFork, ChildAccepted, DeleteFork, Fetch, KEEP_SINK};
-
-/// Where a handle stands with its owner.
-#[derive(Clone, Debug)]
-pub(crate) enum HState {
-    Confirmed,
-    Unconfirmed,
-    /// The constructor failed on the owner (which keeps the failure).
-    Failed(String),
-    /// The creating call never reached the owner: there is nothing to delete.
-    Lost(String),
-}
-
-/// The state shared by all clones of one handle: one fork.
-pub(crate) struct Handle {
-    pub ctx: Arc<Ctx>,
-    pub id: RRefId,
-    pub fork: ForkId,
-    pub owner: u32,
-    /// Made by `remote`: the owner registers this fork together with the value.
-    creator: bool,
-    state: Mutex<HState>,
-}
-
-impl Handle {
-    fn new(ctx: &Arc<Ctx>, id: RRefId, fork: ForkId, owner: u32, state: HState) -> Arc<Self> {
-        Self::with_creator(ctx, id, fork, owner, state, false)
-    }
-
-    fn with_creator(
-        ctx: &Arc<Ctx>,
-        id: RRefId,
-        fork: ForkId,
-        owner: u32,
-        state: HState,
-        creator: bool,
-    ) -> Arc<Self> {
-        if owner != ctx.me {
-            ctx.user_refs.fetch_add(1, Ordering::AcqRel);
-        }
-        if matches!(state, HState::Unconfirmed) {
-            ctx.unconfirmed.fetch_add(1, Ordering::AcqRel);
-        }
-        Arc::new(Self {
-            ctx: ctx.clone(),
-            id,
-            fork,
-            owner,
-            creator,
-            state: Mutex::new(state),
-        })
-    }
-
-    fn state(&self) -> HState {
-        self.state.lock().unwrap_or_else(|p| p.into_inner()).clone()
-    }
-
-    /// Records the owner's answer to this handle's creation or registration.
-    fn settle(&self, outcome: Result<(), RpcError>) {
-        let next = match outcome {
-            Ok(()) => HState::Confirmed,
-            Err(e) => {
-                let text = rpc_core::error_chain(&e);
-                match e {
-                    RpcError::Remote(r) => HState::Failed(r.to_string()),
-                    RpcError::Unreachable { .. }
-                    | RpcError::Encode { .. }
-                    | RpcError::TooLarge { .. }
-                    | RpcError::Shutdown { .. }
-                    | RpcError::UnknownWorker { .. }
-                    | RpcError::UnknownFunction { .. }
-                    | RpcError::TypeMismatch { .. }
-                    | RpcError::PeerShuttingDown { .. } => HState::Lost(text),
-                    _ => HState::Failed(text),
-                }
-            }
-        };
-        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        // Only the first answer counts (a successful fetch may have confirmed us already).
-        if matches!(*s, HState::Unconfirmed) {
-            self.ctx.unconfirmed.fetch_sub(1, Ordering::AcqRel);
-            *s = next;
-        }
-    }
-}
-
-impl Drop for Handle {
-    fn drop(&mut self) {
-        let c = &self.ctx;
-        if self.owner != c.me {
-            c.user_refs.fetch_sub(1, Ordering::AcqRel);
-        }
-        let state = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
-        if matches!(state, HState::Unconfirmed) {
-            c.unconfirmed.fetch_sub(1, Ordering::AcqRel);
-        }
-        if matches!(state, HState::Lost(_)) {
-            return;
-        }
-        if self.owner == c.me {
-            c.owner_add(self.id, self.fork, -1);
-            return;
-        }
-        // G1: tell the owner. Never block in drop: the message goes from a background task.
-        let Some(agent) = c.agent.upgrade() else {
-            return;
-        };
-        let (owner, id, fork) = (self.owner, self.id, self.fork);
-        let a = agent.clone();
-        c.background(&agent, async move {
-            if let Err(e) = a.rpc_async(owner, DeleteFork, (id, fork)).await {
-                tracing::debug!(%id, cause = %rpc_core::error_chain(&e), "delete of a fork failed");
-            }
-        });
-    }
-}
+use crate::owner::Value;
+use crate::protocol::{self, AddFork, ChildAccepted, Fetch, KEEP_SINK};
 
 /// A reference to a value of type `T` owned by one worker of the group.
 ///
@@ -190,7 +76,7 @@ impl<T> Serialize for RRef<T> {
         let child = c.new_fork_id();
         c.hold_child(child, self.h.clone());
         let lender = c.clone();
-        let to_owner = msg.kind() == rpc_core::MessageKind::Request && msg.peer().0 == self.h.owner;
+        let to_owner = msg.kind() == MessageKind::Request && msg.peer().0 == self.h.owner;
         let released_on_answer = if to_owner {
             msg.on_answered(move || lender.release_child(child))
         } else {
@@ -311,37 +197,6 @@ pub fn remote<F: RemoteFn>(
     Ok(RRef::from_handle(h))
 }
 
-/// Waits until the value `id` owned here is settled, or `deadline`.
-pub(crate) async fn settled(c: &Ctx, id: RRefId, deadline: Instant) -> Result<Value, Settled> {
-    for _ in 0..4 {
-        let lookup = c.owner.lock().unwrap_or_else(|p| p.into_inner()).lookup(id);
-        match lookup {
-            Lookup::Ready(v) => return Ok(v),
-            Lookup::Failed(e) => return Err(Settled::Failed(e.to_string())),
-            Lookup::Pending(mut rx) => {
-                if tokio::time::timeout_at(deadline.into(), rx.wait_for(|s| *s))
-                    .await
-                    .is_err()
-                {
-                    let removed = c
-                        .owner
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .forget_if_idle(id);
-                    drop(removed);
-                    return Err(Settled::Timeout);
-                }
-            }
-        }
-    }
-    Err(Settled::Timeout)
-}
-
-pub(crate) enum Settled {
-    Failed(String),
-    Timeout,
-}
-
 fn default_deadline(agent: &Agent) -> Instant {
     let t = agent.rpc_timeout();
     Instant::now()
@@ -413,7 +268,7 @@ impl<T: 'static> RRef<T> {
             .owner
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .set(id, Ok(rpc_core::KeptValue::new(value)));
+            .set(id, Ok(KeptValue::new(value)));
         drop(extra);
         Self::from_handle(Handle::new(&c, id, fork, c.me, HState::Confirmed))
     }
@@ -519,7 +374,7 @@ impl<T: 'static> RRef<T> {
     fn fetched(
         &self,
         agent: Agent,
-        fetched: Result<Result<rpc_core::Payload, String>, RpcError>,
+        fetched: Result<Result<Payload, String>, RpcError>,
     ) -> Result<T, RRefError>
     where
         T: DeserializeOwned,
@@ -538,7 +393,7 @@ impl<T: 'static> RRef<T> {
             // The owner registers the creator's fork together with the value it just served.
             self.h.settle(Ok(()));
         }
-        let msg = MessageContext::new(agent, self.owner(), rpc_core::MessageKind::Reply);
+        let msg = MessageContext::new(agent, self.owner(), MessageKind::Reply);
         payload
             .decode::<T>(Some(msg))
             .map_err(|source| RRefError::Decode { id, source })
@@ -571,7 +426,10 @@ impl<T: 'static> RRef<T> {
         } else {
             Instant::now() + timeout
         };
-        let v = settled(&self.h.ctx, self.h.id, deadline)
+        let v = self
+            .h
+            .ctx
+            .settled(self.h.id, deadline)
             .await
             .map_err(|e| match e {
                 Settled::Failed(message) => RRefError::CreationFailed {

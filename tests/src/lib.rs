@@ -12,6 +12,7 @@ use std::time::Duration;
 pub mod autograd_fns;
 pub mod rref_fns;
 
+use rpc_core::ext::AgentExt;
 use rpc_core::{remote, Blob, BoxError, CallContext, Registry};
 use serde::{Deserialize, Serialize};
 
@@ -109,7 +110,7 @@ pub async fn meta_seen(
     key: String,
     next: Option<u32>,
 ) -> Result<(Option<Vec<u8>>, Option<Vec<u8>>), BoxError> {
-    let here = rpc_core::call_meta(&key);
+    let here = rpc_core::ext::call_meta(&key);
     let nested = match next {
         Some(n) => ctx.agent().rpc_async(n, meta_seen, (key, None)).await?.0,
         None => None,

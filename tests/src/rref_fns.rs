@@ -4,6 +4,7 @@ use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
+use rpc_core::ext::AgentExt;
 use rpc_core::{remote, BoxError, CallContext};
 use rref::RRef;
 use serde::{Deserialize, Serialize};

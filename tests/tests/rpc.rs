@@ -4,6 +4,7 @@
 use std::time::{Duration, Instant};
 
 use integration_tests::*;
+use rpc_core::ext::AgentExt;
 use rpc_core::testing::{self, start_group};
 use rpc_core::{Agent, Blob, RemoteErrorKind, RpcError, Secret, Transport};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -95,7 +96,7 @@ fn rpc_async_starts_when_called() {
 #[test]
 fn keep_calls_are_queued_when_made() {
     static KEPT: std::sync::Mutex<Vec<(Vec<u8>, i32)>> = std::sync::Mutex::new(Vec::new());
-    let sink: rpc_core::KeepSink = std::sync::Arc::new(|_ctx, token, value| {
+    let sink: rpc_core::ext::KeepSink = std::sync::Arc::new(|_ctx, token, value| {
         let v = value?;
         let n = *v.downcast_ref::<i32>().expect("an i32 was kept");
         KEPT.lock().unwrap().push((token, n));
@@ -1357,7 +1358,7 @@ fn call_metadata_follows_calls_nested_calls_and_self_calls() {
             .await
             .unwrap();
         assert_eq!(plain, (None, None));
-        let with = rpc_core::with_call_meta(&key, Some(b"ctx-7".to_vec()), async {
+        let with = rpc_core::ext::with_call_meta(&key, Some(b"ctx-7".to_vec()), async {
             let remote = a[0]
                 .rpc_async(1u32, meta_seen, (key.clone(), Some(2)))
                 .await

@@ -31,10 +31,12 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::agent::Agent;
-use crate::auth::{self, ConnKind};
-use crate::shm::{self, Answer, Arena};
-use crate::transport::Conn;
+use super::auth::ConnKind;
+use super::config::NetConfig;
+use super::dial::Dialer;
+use super::shm::{self, Answer, Arena};
+use super::transport::Conn;
+use crate::lifecycle::Lifecycle;
 use crate::wire::WireBlob;
 
 const ORPHAN_TTL: Duration = Duration::from_secs(300);
@@ -120,9 +122,8 @@ impl Drop for Pooled {
     }
 }
 
-/// How this worker's large blobs have travelled so far (see [`Agent::bulk_stats`]).
-///
-/// [`Agent::bulk_stats`]: crate::Agent::bulk_stats
+/// How this worker's large blobs have travelled so far: on the bulk connections' byte
+/// streams or through shared memory.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct BulkStats {
@@ -161,8 +162,12 @@ impl Counters {
 /// The queue feeding one outgoing bulk connection's writer task.
 type Outbox = mpsc::Sender<(u64, Bytes)>;
 
-/// Bulk state of one agent.
+/// The bulk path of one worker: its outgoing bulk connections, the inbox of blobs that
+/// arrived, the pool of receive buffers.
 pub(crate) struct Bulk {
+    cfg: Arc<NetConfig>,
+    dialer: Arc<Dialer>,
+    life: Arc<Lifecycle>,
     pool: Arc<BufPool>,
     next_id: AtomicU64,
     inbox: Mutex<Inbox>,
@@ -179,9 +184,10 @@ struct Inbox {
 }
 
 impl Bulk {
-    pub(crate) fn new(world_size: u32, pool_bytes: usize) -> Self {
+    pub(crate) fn new(cfg: Arc<NetConfig>, dialer: Arc<Dialer>, life: Arc<Lifecycle>) -> Self {
+        let world_size = cfg.world_size;
         Self {
-            pool: BufPool::new(pool_bytes),
+            pool: BufPool::new(cfg.bulk_pool_bytes),
             next_id: AtomicU64::new(1),
             inbox: Mutex::new(Inbox::default()),
             outboxes: (0..world_size)
@@ -189,6 +195,9 @@ impl Bulk {
                 .collect(),
             arenas: (0..world_size).map(|_| Mutex::new(None)).collect(),
             counters: Arc::default(),
+            cfg,
+            dialer,
+            life,
         }
     }
 
@@ -254,24 +263,104 @@ impl Bulk {
     }
 }
 
-/// A blob of `len` bytes written by `fill`, built where sending it to `to` costs least: in the
-/// shared-memory arena of the bulk connection to `to` when there is one with room (sending it
-/// then copies nothing), else in ordinary memory.
-pub(crate) fn blob_for(agent: &Agent, to: u32, len: usize, fill: impl FnOnce(&mut [u8])) -> Bytes {
-    let inner = &agent.inner;
-    let fill = match inner.bulk.ready_arena(to) {
-        Some(a) if len >= inner.cfg.bulk_threshold && to != inner.cfg.rank => {
-            match a.stage(len, fill) {
-                Ok(b) => return b,
-                Err(fill) => fill,
+impl Bulk {
+    /// A blob of `len` bytes written by `fill`, built where sending it to `to` costs least:
+    /// in the shared-memory arena of the bulk connection to `to` when there is one with room
+    /// (sending it then copies nothing), else in ordinary memory.
+    pub(crate) fn blob_for(&self, to: u32, len: usize, fill: impl FnOnce(&mut [u8])) -> Bytes {
+        let fill = match self.ready_arena(to) {
+            Some(a) if len >= self.cfg.bulk_threshold && to != self.cfg.rank => {
+                match a.stage(len, fill) {
+                    Ok(b) => return b,
+                    Err(fill) => fill,
+                }
             }
+            _ => fill,
+        };
+        let mut v = crate::large_vec::<u8>(len);
+        v.resize(len, 0);
+        fill(&mut v);
+        Bytes::from(v)
+    }
+
+    /// Whether `blob` rides inside the envelope (below the bulk threshold).
+    fn is_inline(&self, blob: &Bytes) -> bool {
+        blob.len() < self.cfg.bulk_threshold
+    }
+
+    /// `blobs` as they go on the wire when every one rides inside the envelope: sending them
+    /// then waits for nothing. `None` when one takes the bulk path ([`Bulk::send`]).
+    pub(crate) fn all_inline(&self, blobs: &[Bytes]) -> Option<Vec<WireBlob>> {
+        blobs
+            .iter()
+            .map(|b| self.is_inline(b).then(|| WireBlob::Inline(b.to_vec())))
+            .collect()
+    }
+
+    /// Turns an outgoing side table into wire entries, queueing large blobs on the bulk
+    /// connection to `to`.
+    pub(crate) async fn send(&self, to: u32, blobs: Vec<Bytes>) -> Result<Vec<WireBlob>, String> {
+        let mut out = Vec::with_capacity(blobs.len());
+        for b in blobs {
+            if self.is_inline(&b) {
+                out.push(WireBlob::Inline(b.to_vec()));
+                continue;
+            }
+            let max = self.cfg.max_frame_bytes;
+            if b.len() > max {
+                return Err(format!(
+                    "a blob of {} bytes exceeds the frame limit of {max}",
+                    b.len(),
+                ));
+            }
+            let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+            let len = b.len() as u64;
+            let tx = self.outbox(to).await?;
+            tx.send((id, b)).await.map_err(|_| {
+                format!(
+                    "bulk connection to `{}` closed",
+                    self.dialer.directory().name(to)
+                )
+            })?;
+            out.push(WireBlob::Bulk { id, len });
         }
-        _ => fill,
-    };
-    let mut v = crate::large_vec::<u8>(len);
-    v.resize(len, 0);
-    fill(&mut v);
-    Bytes::from(v)
+        Ok(out)
+    }
+
+    async fn outbox(&self, to: u32) -> Result<Outbox, String> {
+        let mut slot = self.outboxes[to as usize].lock().await;
+        if let Some(tx) = slot.as_ref().filter(|tx| !tx.is_closed()) {
+            return Ok(tx.clone());
+        }
+        let conn = self
+            .dialer
+            .dial(to, ConnKind::Bulk)
+            .await
+            .map_err(|e| format!("bulk {e}"))?;
+        let (tx, rx) = mpsc::channel(QUEUE);
+        let name = self.dialer.directory().name(to).to_owned();
+        let stop = self.life.stop.clone();
+        let arena_bytes = self.cfg.shm_arena_bytes;
+        let counters = Arc::clone(&self.counters);
+        let state: SharedArena = Arc::new(Mutex::new(if arena_bytes > shm::HEADER {
+            ArenaState::None
+        } else {
+            ArenaState::Off
+        }));
+        *self.arenas[to as usize]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(Arc::clone(&state));
+        self.life.conns.spawn(async move {
+            tokio::select! {
+                _ = stop.cancelled() => {}
+                r = write_loop(conn, rx, state, arena_bytes, &name, &counters) => if let Err(e) = r {
+                    tracing::warn!(peer = %name, cause = %e, "bulk connection failed");
+                }
+            }
+        });
+        *slot = Some(tx.clone());
+        Ok(tx)
+    }
 }
 
 /// Bytes of a side table that ride inline in the envelope.
@@ -283,102 +372,6 @@ pub(crate) fn inline_bytes(blobs: &[WireBlob]) -> usize {
             WireBlob::Bulk { .. } => 24,
         })
         .sum()
-}
-
-/// Whether `blob` rides inside the envelope (below the bulk threshold).
-fn is_inline(agent: &Agent, blob: &Bytes) -> bool {
-    blob.len() < agent.inner.cfg.bulk_threshold
-}
-
-/// `blobs` as they go on the wire when every one rides inside the envelope: sending them
-/// then waits for nothing. `None` when one takes the bulk path ([`send`]).
-pub(crate) fn all_inline(agent: &Agent, blobs: &[Bytes]) -> Option<Vec<WireBlob>> {
-    blobs
-        .iter()
-        .map(|b| is_inline(agent, b).then(|| WireBlob::Inline(b.to_vec())))
-        .collect()
-}
-
-/// Turns an outgoing side table into wire entries, queueing large blobs on the bulk
-/// connection to `to`.
-pub(crate) async fn send(
-    agent: &Agent,
-    to: u32,
-    blobs: Vec<Bytes>,
-) -> Result<Vec<WireBlob>, String> {
-    let inner = &agent.inner;
-    let mut out = Vec::with_capacity(blobs.len());
-    for b in blobs {
-        if is_inline(agent, &b) {
-            out.push(WireBlob::Inline(b.to_vec()));
-            continue;
-        }
-        if b.len() > inner.cfg.max_frame_bytes {
-            return Err(format!(
-                "a blob of {} bytes exceeds the frame limit of {}",
-                b.len(),
-                inner.cfg.max_frame_bytes
-            ));
-        }
-        let id = inner.bulk.next_id.fetch_add(1, Ordering::Relaxed);
-        let len = b.len() as u64;
-        let tx = outbox(agent, to).await?;
-        tx.send((id, b)).await.map_err(|_| {
-            format!(
-                "bulk connection to `{}` closed",
-                inner.workers[to as usize].name
-            )
-        })?;
-        out.push(WireBlob::Bulk { id, len });
-    }
-    Ok(out)
-}
-
-async fn outbox(agent: &Agent, to: u32) -> Result<Outbox, String> {
-    let inner = &agent.inner;
-    let mut slot = inner.bulk.outboxes[to as usize].lock().await;
-    if let Some(tx) = slot.as_ref().filter(|tx| !tx.is_closed()) {
-        return Ok(tx.clone());
-    }
-    let peer = &inner.peers[to as usize];
-    let cfg = &inner.cfg;
-    let dial = async {
-        let (mut conn, _) = inner.cfg.transport.connect(&peer.addr).await?;
-        auth::client(&mut conn, &cfg.secret, ConnKind::Bulk, cfg.rank).await?;
-        Ok::<_, std::io::Error>(conn)
-    };
-    let conn = tokio::time::timeout(cfg.connect_timeout + cfg.handshake_timeout, dial)
-        .await
-        .map_err(|_| format!("bulk connection to `{}` timed out", peer.info.name))?
-        .map_err(|e| {
-            format!(
-                "bulk connection to `{}` at {} failed: {e}",
-                peer.info.name, peer.addr
-            )
-        })?;
-    let (tx, rx) = mpsc::channel(QUEUE);
-    let name = peer.info.name.clone();
-    let stop = inner.stop.clone();
-    let arena_bytes = cfg.shm_arena_bytes;
-    let counters = Arc::clone(&inner.bulk.counters);
-    let state: SharedArena = Arc::new(Mutex::new(if arena_bytes > shm::HEADER {
-        ArenaState::None
-    } else {
-        ArenaState::Off
-    }));
-    *inner.bulk.arenas[to as usize]
-        .lock()
-        .unwrap_or_else(|p| p.into_inner()) = Some(Arc::clone(&state));
-    inner.conns.spawn(async move {
-        tokio::select! {
-            _ = stop.cancelled() => {}
-            r = write_loop(conn, rx, state, arena_bytes, &name, &counters) => if let Err(e) = r {
-                tracing::warn!(peer = %name, cause = %e, "bulk connection failed");
-            }
-        }
-    });
-    *slot = Some(tx.clone());
-    Ok(tx)
 }
 
 /// The sender's view of its shared-memory arena on one bulk connection.
@@ -535,175 +528,183 @@ async fn read_answers(
     }
 }
 
-/// Reads records from `from`'s bulk connection into the inbox, answering on the same
-/// connection.
-pub(crate) async fn serve_incoming(agent: &Agent, conn: Conn, from: u32) {
-    let (rd, mut wr) = tokio::io::split(conn);
-    // Unbounded, but bounded in practice: one message per probe and one per shared blob
-    // dropped, and at most one shared blob per page of the arena is alive at once.
-    let (answer, mut answers) = mpsc::unbounded_channel::<Answer>();
-    let write_answers = async move {
-        while let Some(m) = answers.recv().await {
-            wr.write_all(&m.encode()).await?;
-            if answers.is_empty() {
-                wr.flush().await?;
+impl Bulk {
+    /// Reads records from `from`'s bulk connection into the inbox, answering on the same
+    /// connection.
+    pub(crate) async fn serve_incoming(&self, conn: Conn, from: u32) {
+        let (rd, mut wr) = tokio::io::split(conn);
+        // Unbounded, but bounded in practice: one message per probe and one per shared blob
+        // dropped, and at most one shared blob per page of the arena is alive at once.
+        let (answer, mut answers) = mpsc::unbounded_channel::<Answer>();
+        let write_answers = async move {
+            while let Some(m) = answers.recv().await {
+                wr.write_all(&m.encode()).await?;
+                if answers.is_empty() {
+                    wr.flush().await?;
+                }
             }
-        }
-        Ok::<_, std::io::Error>(())
-    };
-    tokio::select! {
-        _ = read_records(agent, rd, from, answer) => {}
-        r = write_answers => if let Err(e) = r {
-            tracing::debug!(worker = %agent.name(), from, cause = %e, "bulk answers failed");
+            Ok::<_, std::io::Error>(())
+        };
+        tokio::select! {
+            _ = self.read_records(rd, from, answer) => {}
+            r = write_answers => if let Err(e) = r {
+                tracing::debug!(from, cause = %e, "bulk answers failed");
+            }
         }
     }
-}
 
-async fn read_records(
-    agent: &Agent,
-    mut conn: tokio::io::ReadHalf<Conn>,
-    from: u32,
-    answer: mpsc::UnboundedSender<Answer>,
-) {
-    let inner = &agent.inner;
-    let mut mapping: Option<Arc<shm::Mapping>> = None;
-    loop {
-        let mut kind = [0u8; 1];
-        if conn.read_exact(&mut kind).await.is_err() {
-            return;
-        }
-        match kind[0] {
-            STREAM => {}
-            ARENA => {
-                let mut a = [0u8; shm::Announce::BYTES];
-                if conn.read_exact(&mut a).await.is_err() {
-                    return;
-                }
-                let a = shm::Announce::decode(&a);
-                let m = match shm::Mapping::open(&a) {
-                    Ok(map) => {
-                        mapping = Some(map);
-                        Answer::Mapped
-                    }
-                    Err(e) => {
-                        tracing::debug!(worker = %agent.name(), from, cause = %e, "cannot map the peer's arena");
-                        Answer::NotMapped
-                    }
-                };
-                if answer.send(m).is_err() {
-                    return;
-                }
-                continue;
-            }
-            SHM => {
-                let mut r = [0u8; 24];
-                if conn.read_exact(&mut r).await.is_err() {
-                    return;
-                }
-                let at = |i: usize| u64::from_le_bytes(r[i..i + 8].try_into().expect("8 bytes"));
-                let (id, len, off) = (at(0), at(8), at(16));
-                let leased = mapping.as_ref().and_then(|m| {
-                    m.lease(
-                        usize::try_from(off).ok()?,
-                        usize::try_from(len).ok()?,
-                        answer.clone(),
-                    )
-                });
-                let Some(bytes) = leased else {
-                    tracing::warn!(
-                        worker = %agent.name(), from, off, len,
-                        "refused a shared blob outside the mapped arena; closing that bulk connection"
-                    );
-                    return;
-                };
-                inner.bulk.deposit(from, id, bytes);
-                continue;
-            }
-            other => {
-                tracing::warn!(worker = %agent.name(), from, kind = other, "unknown bulk record; closing that bulk connection");
+    async fn read_records(
+        &self,
+        mut conn: tokio::io::ReadHalf<Conn>,
+        from: u32,
+        answer: mpsc::UnboundedSender<Answer>,
+    ) {
+        let mut mapping: Option<Arc<shm::Mapping>> = None;
+        loop {
+            let mut kind = [0u8; 1];
+            if conn.read_exact(&mut kind).await.is_err() {
                 return;
             }
-        }
-        let mut header = [0u8; 16];
-        if conn.read_exact(&mut header).await.is_err() {
-            return;
-        }
-        let id = u64::from_le_bytes(header[..8].try_into().expect("8 bytes"));
-        let len = u64::from_le_bytes(header[8..].try_into().expect("8 bytes"));
-        if len > inner.cfg.max_frame_bytes as u64 {
-            tracing::warn!(
-                worker = %agent.name(), from, len, limit = inner.cfg.max_frame_bytes,
-                "refused an oversized bulk record; closing that bulk connection"
-            );
-            return;
-        }
-        let len = len as usize;
-        let mut buf = inner.bulk.pool.take(len);
-        let mut record = (&mut conn).take(len as u64);
-        while buf.len() < len {
-            match record.read_buf(&mut buf).await {
-                Ok(0) | Err(_) => return,
-                Ok(_) => {}
+            match kind[0] {
+                STREAM => {}
+                ARENA => {
+                    let mut a = [0u8; shm::Announce::BYTES];
+                    if conn.read_exact(&mut a).await.is_err() {
+                        return;
+                    }
+                    let a = shm::Announce::decode(&a);
+                    let m = match shm::Mapping::open(&a) {
+                        Ok(map) => {
+                            mapping = Some(map);
+                            Answer::Mapped
+                        }
+                        Err(e) => {
+                            tracing::debug!(from, cause = %e, "cannot map the peer's arena");
+                            Answer::NotMapped
+                        }
+                    };
+                    if answer.send(m).is_err() {
+                        return;
+                    }
+                    continue;
+                }
+                SHM => {
+                    let mut r = [0u8; 24];
+                    if conn.read_exact(&mut r).await.is_err() {
+                        return;
+                    }
+                    let at =
+                        |i: usize| u64::from_le_bytes(r[i..i + 8].try_into().expect("8 bytes"));
+                    let (id, len, off) = (at(0), at(8), at(16));
+                    let leased = mapping.as_ref().and_then(|m| {
+                        m.lease(
+                            usize::try_from(off).ok()?,
+                            usize::try_from(len).ok()?,
+                            answer.clone(),
+                        )
+                    });
+                    let Some(bytes) = leased else {
+                        tracing::warn!(
+                        from, off, len,
+                        "refused a shared blob outside the mapped arena; closing that bulk connection"
+                    );
+                        return;
+                    };
+                    self.deposit(from, id, bytes);
+                    continue;
+                }
+                other => {
+                    tracing::warn!(
+                        from,
+                        kind = other,
+                        "unknown bulk record; closing that bulk connection"
+                    );
+                    return;
+                }
             }
+            let mut header = [0u8; 16];
+            if conn.read_exact(&mut header).await.is_err() {
+                return;
+            }
+            let id = u64::from_le_bytes(header[..8].try_into().expect("8 bytes"));
+            let len = u64::from_le_bytes(header[8..].try_into().expect("8 bytes"));
+            if len > self.cfg.max_frame_bytes as u64 {
+                tracing::warn!(
+                    from,
+                    len,
+                    limit = self.cfg.max_frame_bytes,
+                    "refused an oversized bulk record; closing that bulk connection"
+                );
+                return;
+            }
+            let len = len as usize;
+            let mut buf = self.pool.take(len);
+            let mut record = (&mut conn).take(len as u64);
+            while buf.len() < len {
+                match record.read_buf(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {}
+                }
+            }
+            let pooled = Pooled {
+                buf,
+                pool: Arc::downgrade(&self.pool),
+            };
+            self.deposit(from, id, Bytes::from_owner(pooled));
         }
-        let pooled = Pooled {
-            buf,
-            pool: Arc::downgrade(&inner.bulk.pool),
-        };
-        inner.bulk.deposit(from, id, Bytes::from_owner(pooled));
     }
-}
 
-/// Rebuilds an incoming side table, waiting for bulk records as needed.
-pub(crate) async fn receive(
-    agent: &Agent,
-    from: u32,
-    wire: Vec<WireBlob>,
-    deadline: Option<Instant>,
-) -> Result<Vec<Bytes>, String> {
-    let bulk: &Arc<Bulk> = &agent.inner.bulk;
-    let mut out = Vec::with_capacity(wire.len());
-    for w in wire {
-        match w {
-            WireBlob::Inline(v) => out.push(Bytes::from(v)),
-            WireBlob::Bulk { id, len } => {
-                let rx = {
-                    let mut inbox = bulk.inbox();
-                    match inbox.slots.remove(&(from, id)) {
-                        Some(Slot::Arrived(b, _)) => {
-                            out.push(b);
-                            continue;
+    /// Rebuilds an incoming side table, waiting for bulk records as needed.
+    pub(crate) async fn receive(
+        &self,
+        from: u32,
+        wire: Vec<WireBlob>,
+        deadline: Option<Instant>,
+    ) -> Result<Vec<Bytes>, String> {
+        let bulk = self;
+        let mut out = Vec::with_capacity(wire.len());
+        for w in wire {
+            match w {
+                WireBlob::Inline(v) => out.push(Bytes::from(v)),
+                WireBlob::Bulk { id, len } => {
+                    let rx = {
+                        let mut inbox = bulk.inbox();
+                        match inbox.slots.remove(&(from, id)) {
+                            Some(Slot::Arrived(b, _)) => {
+                                out.push(b);
+                                continue;
+                            }
+                            _ => {
+                                let (tx, rx) = oneshot::channel();
+                                inbox.slots.insert((from, id), Slot::Waiting(tx));
+                                rx
+                            }
                         }
-                        _ => {
-                            let (tx, rx) = oneshot::channel();
-                            inbox.slots.insert((from, id), Slot::Waiting(tx));
-                            rx
+                    };
+                    let until = deadline.unwrap_or_else(|| Instant::now() + MAX_WAIT);
+                    match tokio::time::timeout_at(until.into(), rx).await {
+                        Ok(Ok(b)) if b.len() as u64 == len => out.push(b),
+                        Ok(Ok(b)) => {
+                            return Err(format!(
+                                "bulk blob {id} has {} bytes, expected {len}",
+                                b.len()
+                            ))
                         }
-                    }
-                };
-                let until = deadline.unwrap_or_else(|| Instant::now() + MAX_WAIT);
-                match tokio::time::timeout_at(until.into(), rx).await {
-                    Ok(Ok(b)) if b.len() as u64 == len => out.push(b),
-                    Ok(Ok(b)) => {
-                        return Err(format!(
-                            "bulk blob {id} has {} bytes, expected {len}",
-                            b.len()
-                        ))
-                    }
-                    Ok(Err(_)) => {
-                        return Err(format!("bulk blob {id} was dropped (shutting down)"))
-                    }
-                    Err(_) => {
-                        bulk.inbox().slots.remove(&(from, id));
-                        return Err(format!(
-                            "bulk blob {id} ({len} bytes) did not arrive before the deadline"
-                        ));
+                        Ok(Err(_)) => {
+                            return Err(format!("bulk blob {id} was dropped (shutting down)"))
+                        }
+                        Err(_) => {
+                            bulk.inbox().slots.remove(&(from, id));
+                            return Err(format!(
+                                "bulk blob {id} ({len} bytes) did not arrive before the deadline"
+                            ));
+                        }
                     }
                 }
             }
         }
+        Ok(out)
     }
-    Ok(out)
 }
 
 #[cfg(test)]

@@ -18,87 +18,11 @@
 //! connection discards it, MUX-1); what that reply lent is given up after the lender's own
 //! timeout.
 //!
-//! Invariants:
-//! - CAN-1: a cancel names `(caller, id)`; ids are unique per caller, and a cancel for a call
-//!   that is not running (it finished, or never arrived) does nothing.
-//! - CAN-2: a call is cancelled only between the decoding of its arguments and its end.
-
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
-use tokio_util::sync::CancellationToken;
+//! The callee's side (the registry of running calls, `rpc_core::cancel`, CAN-1 and CAN-2) is in
+//! `dispatch.rs`.
 
 use crate::agent::Agent;
-use crate::context::CallContext;
-use crate::error::BoxError;
-use crate::registry::RemoteFn;
-
-type RunningMap = HashMap<(u32, u64), CancellationToken, foldhash::fast::RandomState>;
-
-/// The cancellable calls running on this worker, and ids for the ones it makes.
-#[derive(Default)]
-pub(crate) struct Cancels {
-    running: Mutex<RunningMap>,
-    next: AtomicU64,
-}
-
-impl Cancels {
-    /// A fresh id for an outgoing cancellable call.
-    pub(crate) fn next_id(&self) -> u64 {
-        self.next.fetch_add(1, Ordering::Relaxed)
-    }
-
-    fn running(&self) -> std::sync::MutexGuard<'_, RunningMap> {
-        self.running.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Registers an incoming call that is still running after its first poll (one that
-    /// finished in it cannot be cancelled: no cancel can have been read before it ended); it
-    /// is cancellable through `token` until the guard drops.
-    pub(crate) fn register(
-        agent: &Agent,
-        caller: u32,
-        id: u64,
-        token: CancellationToken,
-    ) -> Running {
-        agent.inner.cancels.running().insert((caller, id), token);
-        Running {
-            agent: agent.clone(),
-            key: (caller, id),
-        }
-    }
-
-    fn cancel(&self, caller: u32, id: u64) {
-        if let Some(t) = self.running().get(&(caller, id)) {
-            t.cancel();
-        }
-    }
-}
-
-/// An incoming cancellable call, registered while it runs.
-pub(crate) struct Running {
-    agent: Agent,
-    key: (u32, u64),
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        self.agent.inner.cancels.running().remove(&self.key);
-    }
-}
-
-/// Internal: the caller dropped call `id`.
-pub(crate) struct CancelCall;
-
-impl RemoteFn for CancelCall {
-    const NAME: &'static str = "rpc_core::cancel";
-    type Args = (u64,);
-    type Output = ();
-    async fn call(ctx: CallContext, (id,): (u64,)) -> Result<(), BoxError> {
-        ctx.agent().inner.cancels.cancel(ctx.caller().id.0, id);
-        Ok(())
-    }
-}
+use crate::dispatch::CancelCall;
 
 /// The caller's side of a sent call (waiting for the reply and reading it). Dropped before it
 /// is done, a call its caller may drop (`id`: its cancel id) goes on as a task of its own, so

@@ -19,8 +19,8 @@ use std::io;
 use std::sync::Arc;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use super::transport::Conn;
 use crate::error::InitError;
-use crate::transport::Conn;
 
 /// Env var holding the group secret.
 pub const SECRET_ENV: &str = "RPC_SECRET";

@@ -199,7 +199,7 @@ impl Arena {
         file.set_len(size as u64)?;
         let map = memmap2::MmapOptions::new().len(size).map_raw(&file)?;
         let mut token = [0u8; 16];
-        crate::auth::fill_random(&mut token);
+        super::auth::fill_random(&mut token);
         // SAFETY: the mapping is `size > HEADER >= 16` bytes long and nothing else writes it
         // yet: the arena has not been announced.
         unsafe { std::ptr::copy_nonoverlapping(token.as_ptr(), map.as_mut_ptr(), token.len()) };

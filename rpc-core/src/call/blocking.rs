@@ -1,0 +1,125 @@
+//! The blocking call (`rpc_sync`): on the calling thread's own connection to the callee where
+//! that applies (TCP, another worker, `Config::sync_connections`, a place free; see
+//! `net/blocking.rs`), else the async call driven to its end on this thread.
+
+use tokio::runtime::RuntimeFlavor;
+
+use super::plan::{self, Timing};
+use super::reply;
+use crate::agent::Agent;
+use crate::context::{current_meta, current_scope};
+use crate::error::RpcError;
+use crate::group::ToWorker;
+use crate::net::{self, SyncConn};
+use crate::registry::RemoteFn;
+
+/// Calls `F` on `to` and blocks this thread until it ends (see `Agent::rpc_sync`).
+pub(crate) fn rpc_sync<F: RemoteFn>(
+    agent: &Agent,
+    to: impl ToWorker,
+    args: F::Args,
+    timeout: std::time::Duration,
+) -> Result<F::Output, RpcError> {
+    let rt = &agent.inner.net.runtime;
+    if rt.runtime_flavor() != RuntimeFlavor::MultiThread {
+        return Err(RpcError::CannotBlock {
+            reason: "the agent runs on a current-thread runtime, which blocking would stall",
+        });
+    }
+    let in_runtime = match tokio::runtime::Handle::try_current() {
+        Err(_) => false,
+        Ok(h) if h.runtime_flavor() == RuntimeFlavor::MultiThread => true,
+        Ok(_) => {
+            return Err(RpcError::CannotBlock {
+                reason: "called on a current-thread runtime",
+            })
+        }
+    };
+    let spin = agent.inner.net.cfg.busy_poll;
+    let run = move || {
+        let rank = agent.inner.group.resolve(&to)?;
+        if applies(agent, rank) {
+            // The thread writes and reads its own connection (see `net/blocking.rs`).
+            let timing = plan::timing::<F>(agent, timeout, current_scope())?;
+            if let Some(conn) = agent.inner.net.sync_conn(rank, timing.deadline)? {
+                return on_thread::<F>(agent, conn, rank, args, timing);
+            }
+            // Every place for a sync connection is taken: through the runtime.
+        }
+        net::block_on(
+            rt,
+            spin,
+            super::call_fut::<F>(agent, rank, args, timeout, false),
+        )
+    };
+    if in_runtime {
+        tokio::task::block_in_place(run)
+    } else {
+        run()
+    }
+}
+
+/// Whether `rpc_sync` to `to` takes this thread's own connection.
+fn applies(agent: &Agent, to: u32) -> bool {
+    let cfg = &agent.inner.net.cfg;
+    agent.inner.caller.sync_connections
+        && to != cfg.rank
+        && matches!(cfg.transport, crate::Transport::Tcp)
+}
+
+/// A blocking call to `to` (another worker, over TCP) on `conn`, this thread's connection to
+/// it. Must not be called from async code: it blocks the thread.
+fn on_thread<F: RemoteFn>(
+    agent: &Agent,
+    conn: SyncConn,
+    to: u32,
+    args: F::Args,
+    timing: Timing,
+) -> Result<F::Output, RpcError> {
+    let net = &agent.inner.net;
+    let rt = &net.runtime;
+    let prepared = (|| {
+        let (payload, blobs, unsent) = plan::encode_args::<F>(agent, to, &args)?;
+        let blobs = if blobs.is_empty() {
+            Vec::new()
+        } else if let Some(inline) = net.bulk.all_inline(&blobs) {
+            inline
+        } else {
+            // Large blobs take the bulk path, which the runtime drives.
+            let send = net.bulk.send(to, blobs);
+            let sent = match timing.deadline {
+                None => rt.block_on(send),
+                Some(d) => rt
+                    .block_on(async { tokio::time::timeout_at(d.into(), send).await })
+                    .map_err(|_| reply::deadline_exceeded::<F>(agent, to, timing))?,
+            };
+            sent.map_err(|e| RpcError::Transport {
+                worker: net.directory().name(to).to_owned(),
+                source: e.into(),
+            })?
+        };
+        plan::check_frame::<F>(agent, &payload, &blobs)?;
+        Ok((payload, blobs, unsent))
+    })();
+    // Nothing was written: the connection stays this thread's.
+    let (payload, blobs, unsent) = match prepared {
+        Ok(p) => p,
+        Err(e) => {
+            conn.put_back();
+            return Err(e);
+        }
+    };
+    let meta = agent.inner.layers.outgoing_meta(to);
+    let req = plan::envelope::<F>(timing.depth, payload, blobs, None, meta, None);
+    let lent = unsent.sent();
+    // DIR-1: `conn` goes back only after a whole round trip; on failure it is dropped.
+    let replied = conn.call(req, timing.deadline);
+    let ok = reply::settle::<F>(agent, to, replied, timing, lent)?;
+    rt.block_on(reply::read_result::<F, F::Output>(
+        agent,
+        to,
+        ok,
+        timing.deadline,
+        current_meta(),
+    ))
+}

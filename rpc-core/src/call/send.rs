@@ -1,0 +1,205 @@
+//! Sending a planned call to another worker: queued on its connection at once when nothing has
+//! to be awaited first (the connection is up, every blob rides inside the envelope), as
+//! PyTorch's `rpc_async` does; otherwise, boxed, at its future's first poll (dialling, bulk
+//! blobs). Either way the call's future then only waits for the reply.
+
+use std::future::Future;
+use std::time::Instant;
+
+use super::cancel::Detach;
+use super::plan::{self, Outgoing, Timing};
+use super::reply;
+use crate::agent::Agent;
+use crate::blob;
+use crate::error::RpcError;
+use crate::net::{CallFailed, MuxClient, Waiter, NO_DEADLINE};
+use crate::registry::RemoteFn;
+use crate::wire::{CallMeta, KeepTarget, WireBlob};
+
+/// A call on its way: what its arguments lent, its timing, its caller's metadata.
+pub(super) struct Sent {
+    /// Dropped without a verdict (the outcome is unknown), it runs nothing.
+    pub lent: blob::Lent,
+    pub timing: Timing,
+    pub caller_meta: CallMeta,
+}
+
+/// A call queued on its connection (or refused by it: `waiter` is then the reason), waiting
+/// for its reply.
+pub(super) struct InFlight {
+    pub waiter: Result<Waiter, CallFailed>,
+    pub to: u32,
+    /// The connection's generation, to forget it if the call finds it broken.
+    pub gen: u64,
+    pub cancel_id: Option<u64>,
+    pub sent: Sent,
+}
+
+/// A call as it was made: refused, queued on its connection (its arguments kept alive until
+/// it ends), or left for its future's first poll.
+pub(super) enum Started<A, O: Send + 'static> {
+    Failed(RpcError),
+    Queued(Detach<Result<O, RpcError>>, A),
+    Later(futures::future::BoxFuture<'static, Result<O, RpcError>>),
+}
+
+impl<A: Send + 'static, O: Send + 'static> Started<A, O> {
+    /// The call's future. (Not an `async fn`: its argument would be stored twice, and the
+    /// future of every call in flight would be a hundred bytes larger.)
+    #[allow(clippy::manual_async_fn)]
+    pub(super) fn run(self) -> impl Future<Output = Result<O, RpcError>> + Send + 'static {
+        async move {
+            match self {
+                Started::Failed(e) => Err(e),
+                Started::Queued(reply, args) => {
+                    let r = reply.await;
+                    drop(args);
+                    r
+                }
+                Started::Later(f) => f.await,
+            }
+        }
+    }
+}
+
+/// What [`queue_now`] did: queued the call (or refused it), or left it for later.
+enum Queued {
+    Now(Result<InFlight, RpcError>),
+    Later(Outgoing, Option<KeepTarget>),
+}
+
+/// Starts a call to another worker: queued now if it can be ([`queue_now`]), else left,
+/// boxed, for its future's first poll. The arguments stay alive until it ends. `droppable`:
+/// the caller may drop the future before it ends (see `cancel.rs`); `rpc_sync` drives it to
+/// the end and says so, which spares a task.
+pub(super) fn start_remote<F: RemoteFn, O: serde::de::DeserializeOwned + Send + 'static>(
+    agent: &Agent,
+    out: Outgoing,
+    args: F::Args,
+    keep: Option<KeepTarget>,
+    droppable: bool,
+) -> Started<F::Args, O> {
+    agent.inner.net.spin.touch();
+    match queue_now::<F>(agent, out, keep, droppable) {
+        Queued::Now(Ok(q)) => Started::Queued(reply::await_reply::<F, O>(agent, q), args),
+        Queued::Now(Err(e)) => Started::Failed(e),
+        Queued::Later(out, keep) => {
+            let agent = agent.clone();
+            Started::Later(Box::pin(async move {
+                let r = match queue_later::<F>(&agent, out, keep, droppable).await {
+                    Ok(q) => reply::await_reply::<F, O>(&agent, q).await,
+                    Err(e) => Err(e),
+                };
+                drop(args);
+                r
+            }))
+        }
+    }
+}
+
+/// Queues a call on its live connection at once when nothing has to be awaited first (the
+/// connection is up, every blob rides inside the envelope); otherwise gives it back
+/// (`Later`).
+fn queue_now<F: RemoteFn>(
+    agent: &Agent,
+    out: Outgoing,
+    keep: Option<KeepTarget>,
+    droppable: bool,
+) -> Queued {
+    let net = &agent.inner.net;
+    let Some((gen, client)) = net.peers[out.to as usize].current() else {
+        return Queued::Later(out, keep);
+    };
+    let blobs = if out.blobs.is_empty() {
+        Vec::new()
+    } else {
+        match net.bulk.all_inline(&out.blobs) {
+            Some(b) => b,
+            None => return Queued::Later(out, keep),
+        }
+    };
+    // Until the request is queued, an error drops `out`, which gives back what its
+    // arguments lent (`unsent`): the callee cannot have read them.
+    if let Err(e) = plan::check_frame::<F>(agent, &out.payload, &blobs) {
+        return Queued::Now(Err(e));
+    }
+    Queued::Now(Ok(queue::<F>(
+        agent, out, blobs, gen, client, keep, droppable,
+    )))
+}
+
+/// [`queue_now`]'s other path: sends the bulk blobs and dials the connection if need be,
+/// bounded by the deadline too (a peer that stopped reading must not hold the caller past it),
+/// then queues the call.
+async fn queue_later<F: RemoteFn>(
+    agent: &Agent,
+    mut out: Outgoing,
+    keep: Option<KeepTarget>,
+    droppable: bool,
+) -> Result<InFlight, RpcError> {
+    let (to, timing) = (out.to, out.timing);
+    let net = &agent.inner.net;
+    let blobs = std::mem::take(&mut out.blobs);
+    let payload = &out.payload;
+    let setup = async {
+        let blobs = net
+            .bulk
+            .send(to, blobs)
+            .await
+            .map_err(|e| RpcError::Transport {
+                worker: net.directory().name(to).to_owned(),
+                source: e.into(),
+            })?;
+        plan::check_frame::<F>(agent, payload, &blobs)?;
+        let (gen, client) = net.control(to).await?;
+        Ok::<_, RpcError>((blobs, gen, client))
+    };
+    let (blobs, gen, client) = match timing.deadline {
+        None => setup.await,
+        Some(d) => tokio::time::timeout_at(d.into(), setup)
+            .await
+            .unwrap_or_else(|_| Err(reply::deadline_exceeded::<F>(agent, to, timing))),
+    }?;
+    Ok(queue::<F>(agent, out, blobs, gen, client, keep, droppable))
+}
+
+/// Queues `out` (its bulk blobs already sent, as `blobs`) on connection `gen`.
+fn queue<F: RemoteFn>(
+    agent: &Agent,
+    out: Outgoing,
+    blobs: Vec<WireBlob>,
+    gen: u64,
+    client: MuxClient,
+    keep: Option<KeepTarget>,
+    droppable: bool,
+) -> InFlight {
+    let Outgoing {
+        to,
+        payload,
+        unsent,
+        meta,
+        caller_meta,
+        timing,
+        ..
+    } = out;
+    // A call its caller may drop is cancelled by message, and its reply is always read, so
+    // that what its arguments or its result lent is accounted for (see `cancel.rs`).
+    let cancel_id = droppable.then(|| agent.inner.caller.next_cancel_id());
+    let req = plan::envelope::<F>(timing.depth, payload, blobs, keep, meta, cancel_id);
+    // Dropped from here on without a verdict (the outcome is unknown), `lent` runs nothing.
+    let sent = Sent {
+        lent: unsent.sent(),
+        timing,
+        caller_meta,
+    };
+    let by = timing
+        .deadline
+        .unwrap_or_else(|| Instant::now() + NO_DEADLINE);
+    InFlight {
+        waiter: client.send(req, by),
+        to,
+        gen,
+        cancel_id,
+        sent,
+    }
+}

@@ -1,0 +1,425 @@
+//! The callee: one path for every call a worker serves, whether it came from the wire (a
+//! multiplexed or a blocking connection, through the network layer's [`Serve`] seam) or from
+//! this worker itself (typed, without serialization).
+//!
+//! Every call is first *admitted* ([`admit`]): refused while shutting down (root calls from the
+//! wire), looked up by name, its keep sink and its signature fingerprint checked, and, for a
+//! root call from the wire, given a permit of `max_concurrent_calls`. Calls nested in another
+//! call never wait for a permit, so a chain A→B→A→… of any depth cannot deadlock on the limit;
+//! there is no fixed pool for nested calls to exhaust. Then the function runs *guarded*
+//! ([`guarded`]): under its deadline and depth, with a panic caught and reported to the caller
+//! as a remote error (the worker keeps serving). A keep-call hands its typed result to the keep
+//! sink instead of returning it. A result too large for the frame limit is reported as an
+//! error instead of breaking the connection for every other call on it.
+//!
+//! A handler that computes for long before its first `.await` delays the next request on the
+//! same connection, as any blocking code on an async runtime would: move such work to
+//! `spawn_blocking`.
+//!
+//! Cancellation (the callee's side of `call/cancel.rs`):
+//! - CAN-1: a cancel names `(caller, id)`; ids are unique per caller, and a cancel for a call
+//!   that is not running (it finished, or never arrived) does nothing. A request is registered
+//!   for cancellation when its first poll leaves it pending, before the next frame of its
+//!   connection is read, so a cancel sent after the request finds it.
+//! - CAN-2: a call is cancelled only between the decoding of its arguments and its end.
+
+use futures::FutureExt;
+use std::collections::HashMap;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
+
+use crate::agent::{Agent, Inner};
+use crate::context::{CallContext, Scope, META, SCOPE};
+use crate::error::{BoxError, RemoteError, RemoteErrorKind};
+use crate::net::{self, Serve};
+use crate::registry::{sig_of, Entry, KeepSink, KeptValue, Registry, RemoteFn};
+use crate::wire::{CallMeta, CallOk, CallReply, CallRequest};
+
+type RunningMap = HashMap<(u32, u64), CancellationToken, foldhash::fast::RandomState>;
+
+/// The callee's state: what it serves, how many root calls at once, which calls can be
+/// cancelled.
+pub(crate) struct Callee {
+    pub registry: Registry,
+    admission: Arc<Semaphore>,
+    running: Mutex<RunningMap>,
+}
+
+impl Callee {
+    pub(crate) fn new(mut registry: Registry, max_concurrent_calls: usize) -> Self {
+        registry.insert_internal::<CancelCall>();
+        registry.insert_internal::<crate::shutdown::ShutdownBarrier>();
+        Self {
+            registry,
+            admission: Arc::new(Semaphore::new(max_concurrent_calls)),
+            running: Mutex::new(HashMap::default()),
+        }
+    }
+
+    /// No root call is admitted from now on (shutdown phase 3).
+    pub(crate) fn close_admission(&self) {
+        self.admission.close();
+    }
+
+    fn running(&self) -> std::sync::MutexGuard<'_, RunningMap> {
+        self.running.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Serve for Inner {
+    fn serve(
+        self: &Arc<Self>,
+        caller: u32,
+        deadline: Option<Instant>,
+        req: CallRequest,
+    ) -> impl Future<Output = CallReply> + Send + 'static {
+        let agent = Agent {
+            inner: Arc::clone(self),
+        };
+        let cancel = req.cancel_id.map(|id| (id, CancellationToken::new()));
+        let token = cancel.as_ref().map(|(_, t)| t.clone());
+        let mut register = cancel.map(|(id, t)| (Arc::clone(self), id, t));
+        async move {
+            let mut run = std::pin::pin!(handle(agent, deadline, req, caller, token));
+            let mut _running = None;
+            std::future::poll_fn(|cx| {
+                let r = run.as_mut().poll(cx);
+                if r.is_pending() {
+                    if let Some((inner, id, token)) = register.take() {
+                        // CAN-1: cancellable from now on (before the next frame is read).
+                        _running = Some(Running::register(inner, caller, id, token));
+                    }
+                }
+                r
+            })
+            .await
+        }
+    }
+}
+
+/// An incoming cancellable call, registered while it runs.
+struct Running {
+    inner: Arc<Inner>,
+    key: (u32, u64),
+}
+
+impl Running {
+    fn register(inner: Arc<Inner>, caller: u32, id: u64, token: CancellationToken) -> Self {
+        inner.callee.running().insert((caller, id), token);
+        Self {
+            inner,
+            key: (caller, id),
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.inner.callee.running().remove(&self.key);
+    }
+}
+
+/// Internal: the caller dropped call `id`.
+pub(crate) struct CancelCall;
+
+impl RemoteFn for CancelCall {
+    const NAME: &'static str = "rpc_core::cancel";
+    type Args = (u64,);
+    type Output = ();
+    async fn call(ctx: CallContext, (id,): (u64,)) -> Result<(), BoxError> {
+        let running = ctx.agent.inner.callee.running();
+        if let Some(t) = running.get(&(ctx.caller, id)) {
+            t.cancel();
+        }
+        Ok(())
+    }
+}
+
+/// Where a call comes from.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Origin {
+    /// A request read from a connection.
+    Wire,
+    /// A call this worker made to itself (its caller already refused a root call once
+    /// shutdown began, AG-3, and local calls take no permit).
+    Local,
+}
+
+/// A call that passed the callee's checks.
+struct Admitted<'a> {
+    entry: &'a Entry,
+    sink: Option<&'a KeepSink>,
+    _permit: Option<OwnedSemaphorePermit>,
+}
+
+/// The callee's checks, in order: shutting down (root calls from the wire), the function's
+/// name, the keep sink's name, the signature; then a permit for a root call from the wire.
+/// Framework-internal calls (the shutdown barrier, cancels) never wait for a permit: they must
+/// not queue behind the user calls whose completion they wait for.
+async fn admit<'a>(
+    agent: &'a Agent,
+    origin: Origin,
+    fn_name: &str,
+    sig: u64,
+    depth: u32,
+    sink: Option<&str>,
+) -> Result<Admitted<'a>, RemoteError> {
+    let callee = &agent.inner.callee;
+    let fail = |kind, msg: String| RemoteError::new(kind, fn_name, agent.name(), msg);
+    let shutting_down = || {
+        fail(
+            RemoteErrorKind::ShuttingDown,
+            "worker is shutting down".into(),
+        )
+    };
+    let wire_root = origin == Origin::Wire && depth == 0;
+    if wire_root && agent.inner.life.is_stopping() {
+        return Err(shutting_down());
+    }
+    let Some(entry) = callee.registry.get(fn_name) else {
+        let names = callee.registry.names();
+        let shown: Vec<_> = names
+            .iter()
+            .filter(|n| !n.starts_with("rpc_core::"))
+            .take(20)
+            .collect();
+        return Err(fail(
+            RemoteErrorKind::UnknownFunction,
+            format!("no function of that name is registered (registered: {shown:?})"),
+        ));
+    };
+    let sink = match sink {
+        None => None,
+        Some(name) => Some(callee.registry.sink(name).ok_or_else(|| {
+            // Named as the sink.
+            RemoteError::new(
+                RemoteErrorKind::UnknownFunction,
+                &format!("keep sink `{name}`"),
+                agent.name(),
+                format!("no keep sink `{name}` is registered here"),
+            )
+        })?),
+    };
+    if entry.sig != sig {
+        return Err(fail(
+            RemoteErrorKind::TypeMismatch,
+            format!("callee's `{fn_name}` is {}", entry.signature_text()),
+        ));
+    }
+    let permit = if wire_root && !fn_name.starts_with("rpc_core::") {
+        match Arc::clone(&callee.admission).acquire_owned().await {
+            Ok(p) => Some(p),
+            Err(_) => return Err(shutting_down()),
+        }
+    } else {
+        None
+    };
+    Ok(Admitted {
+        entry,
+        sink,
+        _permit: permit,
+    })
+}
+
+/// Runs `fut` under `scope`, a panic caught and reported as a remote error.
+async fn guarded<T>(
+    scope: Scope,
+    fut: impl Future<Output = Result<T, RemoteError>>,
+    agent: &Agent,
+    fn_name: &str,
+    caller: u32,
+) -> Result<T, RemoteError> {
+    match SCOPE
+        .scope(scope, AssertUnwindSafe(fut).catch_unwind())
+        .await
+    {
+        Ok(r) => r,
+        Err(p) => {
+            let msg = panic_message(&*p);
+            tracing::error!(worker = %agent.name(), %fn_name, caller, panic = %msg, "handler panicked");
+            Err(RemoteError::new(
+                RemoteErrorKind::Panic,
+                fn_name,
+                agent.name(),
+                msg,
+            ))
+        }
+    }
+}
+
+/// Hands a keep-call's result (or its failure) to the sink; the call's answer is the failure,
+/// or the sink's own.
+fn hand_to_sink(
+    sink: &KeepSink,
+    ctx: CallContext,
+    token: Vec<u8>,
+    result: Result<KeptValue, RemoteError>,
+) -> Result<(), RemoteError> {
+    let failed = result.as_ref().err().cloned();
+    sink(ctx, token, result)?;
+    match failed {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+/// A request from the wire, run to its reply. Not a tracing span: one per request doubled the
+/// size of every request's future (each is boxed, and a connection's task may hold
+/// thousands); the failures are logged with the function and caller instead.
+async fn handle(
+    agent: Agent,
+    deadline: Option<Instant>,
+    req: CallRequest,
+    caller: u32,
+    cancel: Option<CancellationToken>,
+) -> CallReply {
+    let fn_name = &req.fn_name;
+    let fail = |kind, msg: String| RemoteError::new(kind, fn_name, agent.name(), msg);
+    let sink_name = req.keep.as_ref().map(|k| &*k.sink);
+    let admitted = admit(&agent, Origin::Wire, fn_name, req.sig, req.depth, sink_name).await?;
+    let net = &agent.inner.net;
+    // Boxed where there are blobs, here and below: a request's future stays small.
+    let blobs = if req.blobs.is_empty() {
+        Vec::new()
+    } else {
+        Box::pin(net.bulk.receive(caller, req.blobs, deadline))
+            .await
+            .map_err(|e| fail(RemoteErrorKind::Protocol, e))?
+    };
+    let ctx = CallContext {
+        agent: agent.clone(),
+        caller,
+        deadline,
+        cancel,
+    };
+    let scope = Scope {
+        deadline,
+        depth: req.depth + 1,
+    };
+    let meta = req.meta;
+    let entry = admitted.entry;
+    if let (Some(keep), Some(sink)) = (req.keep, admitted.sink) {
+        // Boxed: creating a value is the rarer request, and its state is the larger.
+        let fut = async {
+            let run = (entry.keep)(ctx.clone(), req.payload, blobs);
+            let result = guarded(scope, run, &agent, fn_name, caller).await;
+            hand_to_sink(sink, ctx, keep.token, result)
+        };
+        Box::pin(META.scope(meta, fut)).await?;
+        return Ok(CallOk {
+            payload: Vec::new(),
+            blobs: Vec::new(),
+        });
+    }
+    let run = META.scope(meta, (entry.handler)(ctx, req.payload, blobs));
+    let (payload, blobs) = guarded(scope, run, &agent, fn_name, caller).await?;
+    let blobs = if blobs.is_empty() {
+        Vec::new()
+    } else {
+        Box::pin(net.bulk.send(caller, blobs))
+            .await
+            .map_err(|e| fail(RemoteErrorKind::Protocol, e))?
+    };
+    let size = payload.len() + net::inline_bytes(&blobs);
+    let limit = net.cfg.max_frame_bytes;
+    if !net::fits(size, limit) {
+        return Err(fail(
+            RemoteErrorKind::Protocol,
+            format!("result is {size} bytes, above the frame limit of {limit}"),
+        ));
+    }
+    Ok(CallOk { payload, blobs })
+}
+
+/// Runs `F` here for this worker itself, typed (AG-1): the checks and guards of a request from
+/// the wire, with `meta` as its call metadata.
+pub(crate) async fn call_local<F: RemoteFn>(
+    agent: &Agent,
+    args: F::Args,
+    deadline: Option<Instant>,
+    depth: u32,
+    meta: CallMeta,
+) -> Result<F::Output, RemoteError> {
+    admit(agent, Origin::Local, F::NAME, sig_of::<F>(), depth, None).await?;
+    let run = run_typed::<F>(agent, args, deadline, depth, meta);
+    run.await
+}
+
+/// `F` run here under its scope and `meta`, panics caught.
+async fn run_typed<F: RemoteFn>(
+    agent: &Agent,
+    args: F::Args,
+    deadline: Option<Instant>,
+    depth: u32,
+    meta: CallMeta,
+) -> Result<F::Output, RemoteError> {
+    let me = agent.rank();
+    let ctx = CallContext {
+        agent: agent.clone(),
+        caller: me,
+        deadline,
+        cancel: None,
+    };
+    let scope = Scope {
+        deadline,
+        depth: depth + 1,
+    };
+    // Boxed and type-erased: a function that calls itself (directly or through a peer) would
+    // otherwise have an infinitely sized future.
+    let fut: std::pin::Pin<Box<dyn Future<Output = Result<F::Output, BoxError>> + Send>> =
+        Box::pin(F::call(ctx, args));
+    let run = META.scope(meta, async {
+        fut.await.map_err(|e| {
+            RemoteError::from_error(RemoteErrorKind::Handler, F::NAME, agent.name(), &*e)
+        })
+    });
+    guarded(scope, run, agent, F::NAME, me).await
+}
+
+/// A keep-call to this worker itself: runs `F` here as [`call_local`] does and hands its
+/// result to the keep sink `sink` with `token`.
+pub(crate) async fn keep_local<F: RemoteFn>(
+    agent: &Agent,
+    args: F::Args,
+    deadline: Option<Instant>,
+    depth: u32,
+    meta: CallMeta,
+    sink: &str,
+    token: Vec<u8>,
+) -> Result<(), RemoteError> {
+    let admitted = admit(
+        agent,
+        Origin::Local,
+        F::NAME,
+        sig_of::<F>(),
+        depth,
+        Some(sink),
+    )
+    .await?;
+    let sink = admitted.sink.expect("admitted with a sink");
+    let result = run_typed::<F>(agent, args, deadline, depth, meta.clone())
+        .await
+        .map(KeptValue::new);
+    let ctx = CallContext {
+        agent: agent.clone(),
+        caller: agent.rank(),
+        deadline,
+        cancel: None,
+    };
+    META.sync_scope(meta, || hand_to_sink(sink, ctx, token, result))
+}
+
+/// The message of a caught panic.
+pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "panic with a non-string payload".to_owned()
+    }
+}

@@ -1,0 +1,189 @@
+//! For authors of layers built on the RPC core (remote references, distributed autograd,
+//! collectives), not for programs that only make calls: per-agent state, shutdown hooks, call
+//! metadata, values that see the message they travel in, keep-calls.
+//!
+//! Most of it is reached through [`AgentExt`], implemented by [`Agent`]:
+//!
+//! ```
+//! use rpc_core::ext::AgentExt;
+//! use std::sync::atomic::{AtomicU64, Ordering};
+//!
+//! /// A layer's per-agent state, created on first use.
+//! #[derive(Default)]
+//! struct Counter(AtomicU64);
+//!
+//! # #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # use rpc_core::{testing, Registry, Secret, Transport};
+//! let agents =
+//!     testing::start_group(1, Transport::Tcp, Secret::generate(), |_| Registry::default(), |_, c| c)
+//!         .await?;
+//! let agent = &agents[0];
+//! agent.extension(Counter::default).0.fetch_add(1, Ordering::Relaxed);
+//! assert_eq!(agent.extension(Counter::default).0.load(Ordering::Relaxed), 1);
+//! agent.shutdown().await;
+//! # Ok(()) }
+//! ```
+
+use std::any::{Any, TypeId};
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex, RwLock};
+
+use crate::agent::Agent;
+pub use crate::agent::WeakAgent;
+use crate::error::RpcError;
+use crate::group::ToWorker;
+use crate::registry::RemoteFn;
+use crate::wire::WorkerId;
+
+pub use crate::blob::{MessageContext, MessageKind, Payload};
+pub use crate::context::{call_meta, with_call_meta};
+pub use crate::registry::{KeepSink, KeptValue};
+pub use crate::wire::CallMeta;
+
+/// Computes a call-metadata value for each outgoing call from its destination (see
+/// [`AgentExt::set_meta_provider`]); `None` removes the key for that call.
+pub type MetaProvider = Arc<dyn Fn(WorkerId) -> Option<Vec<u8>> + Send + Sync>;
+
+/// Work to finish before the shutdown barrier (see [`AgentExt::on_shutdown`]).
+pub type ShutdownHook = Box<dyn Fn() -> futures::future::BoxFuture<'static, ()> + Send + Sync>;
+
+/// What layers attached to one agent.
+#[derive(Default)]
+pub(crate) struct Layers {
+    extensions: Mutex<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>,
+    hooks: Mutex<Vec<ShutdownHook>>,
+    providers: RwLock<Vec<(&'static str, MetaProvider)>>,
+}
+
+impl Layers {
+    /// The caller's metadata as the providers adjust it for a call to `to`.
+    pub(crate) fn outgoing_meta(&self, to: u32) -> CallMeta {
+        let mut meta = crate::context::current_meta();
+        let p = self.providers.read().unwrap_or_else(|e| e.into_inner());
+        for (key, provider) in p.iter() {
+            meta = match provider(WorkerId(to)) {
+                Some(v) => meta.with(key, v),
+                None => meta.without(key),
+            };
+        }
+        meta
+    }
+
+    /// Starts every shutdown hook.
+    pub(crate) fn shutdown_hooks(&self) -> Vec<futures::future::BoxFuture<'static, ()>> {
+        let hooks = self.hooks.lock().unwrap_or_else(|p| p.into_inner());
+        hooks.iter().map(|h| h()).collect()
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for crate::Agent {}
+}
+
+/// What layers built on the RPC core use of an [`Agent`]. Sealed: only `Agent` implements it.
+pub trait AgentExt: sealed::Sealed {
+    /// Per-agent state of type `T` for a layer built on the agent (created by `init` on first
+    /// use). One value per type per agent.
+    fn extension<T: Send + Sync + 'static>(&self, init: impl FnOnce() -> T) -> Arc<T>;
+
+    /// Registers work that `shutdown` runs (concurrently with other hooks, bounded by the
+    /// shutdown timeout) before the group barrier, while every peer still serves.
+    fn on_shutdown(&self, hook: ShutdownHook);
+
+    /// Sets the call-metadata key `key` of every outgoing remote call (calls to oneself run
+    /// without serialization and keep the caller's metadata) to what `provider` returns for
+    /// the call's destination. Unlike [`with_call_meta`], the value is per destination and per
+    /// hop: a callee's own calls get its own providers' values. Replaces an earlier provider
+    /// of the same key.
+    fn set_meta_provider(&self, key: &'static str, provider: MetaProvider);
+
+    /// A handle that does not keep the agent alive.
+    fn downgrade(&self) -> WeakAgent;
+
+    /// Whether the process of worker `rank` is known to be gone: uses the live connection if
+    /// there is one (then it is not gone), else redials and reports `true` only when nothing
+    /// listens at the worker's address (connection refused). A live but slow, frozen or
+    /// partitioned peer reads as not gone; so does this worker and an unknown rank.
+    fn peer_gone(&self, rank: u32) -> impl Future<Output = bool> + Send;
+
+    /// Runs `f` on `to` and keeps its result there: instead of returning it, the callee hands
+    /// the typed result (or the error) to the keep sink registered there under `sink`, with
+    /// `token`. Resolves once the sink has taken it. This is how a layer above creates values
+    /// that live on another worker (remote references).
+    ///
+    /// Unlike `Agent::rpc_async`, the request is queued when this is called if it can be
+    /// without waiting (the connection to `to` is up and no argument takes the bulk path), so
+    /// it goes out ahead of anything the caller sends to `to` next; the future then only waits
+    /// for the answer. The arguments stay alive in the future until the call ends.
+    ///
+    /// # Cancel safety
+    /// Dropping the future before it ends cancels the call, as dropping an `rpc_async` future
+    /// does (a cancel message; the answer is still read in the background); whether the sink
+    /// ran is then unknown.
+    fn rpc_keep<F: RemoteFn>(
+        &self,
+        to: impl ToWorker,
+        f: F,
+        args: F::Args,
+        sink: &'static str,
+        token: Vec<u8>,
+    ) -> impl Future<Output = Result<(), RpcError>> + Send + 'static;
+}
+
+impl AgentExt for Agent {
+    fn extension<T: Send + Sync + 'static>(&self, init: impl FnOnce() -> T) -> Arc<T> {
+        let mut ext = self
+            .inner
+            .layers
+            .extensions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let any = ext
+            .entry(TypeId::of::<T>())
+            .or_insert_with(|| Arc::new(init()))
+            .clone();
+        any.downcast::<T>().expect("keyed by TypeId")
+    }
+
+    fn on_shutdown(&self, hook: ShutdownHook) {
+        self.inner
+            .layers
+            .hooks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(hook);
+    }
+
+    fn set_meta_provider(&self, key: &'static str, provider: MetaProvider) {
+        let mut p = self
+            .inner
+            .layers
+            .providers
+            .write()
+            .unwrap_or_else(|e| e.into_inner());
+        p.retain(|(k, _)| *k != key);
+        p.push((key, provider));
+    }
+
+    fn downgrade(&self) -> WeakAgent {
+        WeakAgent(Arc::downgrade(&self.inner))
+    }
+
+    fn peer_gone(&self, rank: u32) -> impl Future<Output = bool> + Send {
+        crate::shutdown::peer_gone(self, rank)
+    }
+
+    fn rpc_keep<F: RemoteFn>(
+        &self,
+        to: impl ToWorker,
+        _f: F,
+        args: F::Args,
+        sink: &'static str,
+        token: Vec<u8>,
+    ) -> impl Future<Output = Result<(), RpcError>> + Send + 'static {
+        crate::call::rpc_keep::<F>(self, to, args, sink, token)
+    }
+}

@@ -1,0 +1,26 @@
+//! What the network layer is configured with: resolved from [`Config`](crate::Config) once at
+//! init and shared by every connection, so no connection reads the user's configuration.
+
+use std::time::Duration;
+
+use super::auth::Secret;
+use super::transport::Transport;
+
+/// The network layer's settings (each documented on the `Config` field it comes from).
+#[derive(Clone, Debug)]
+pub(crate) struct NetConfig {
+    pub transport: Transport,
+    pub secret: Secret,
+    /// This worker's rank, sent in every handshake.
+    pub rank: u32,
+    /// Ranks at or above this are refused at the handshake.
+    pub world_size: u32,
+    pub connect_timeout: Duration,
+    pub handshake_timeout: Duration,
+    pub max_frame_bytes: usize,
+    pub bulk_threshold: usize,
+    pub bulk_pool_bytes: usize,
+    pub shm_arena_bytes: usize,
+    pub busy_poll: Duration,
+    pub max_sync_connections: usize,
+}

@@ -1,0 +1,181 @@
+//! Reaching a peer: the group's directory of addresses and the one dialer every outgoing
+//! connection goes through (control, bulk, blocking), each authenticated before it is used.
+//!
+//! - DIAL-1: every dial is bounded: connecting by the connect timeout (and, for a blocking
+//!   connection, the call's deadline), the handshake by the handshake timeout.
+
+use std::io;
+use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::auth::{self, ConnKind};
+use super::config::NetConfig;
+use super::frame::left;
+use super::transport::Conn;
+use crate::error::RpcError;
+use crate::wire::{WorkerId, WorkerInfo};
+
+/// Every worker of the group, by rank: its identity and the address it listens at.
+#[derive(Debug)]
+pub(crate) struct Directory {
+    workers: Vec<WorkerInfo>,
+    addrs: Vec<String>,
+}
+
+impl Directory {
+    /// The directory of `(name, addr)` by rank.
+    pub(crate) fn new(table: Vec<(String, String)>) -> Self {
+        let (names, addrs): (Vec<_>, Vec<_>) = table.into_iter().unzip();
+        let workers = names
+            .into_iter()
+            .enumerate()
+            .map(|(r, name)| WorkerInfo {
+                name,
+                id: WorkerId(r as u32),
+            })
+            .collect();
+        Self { workers, addrs }
+    }
+
+    /// Worker `rank`. Ranks come from the group's own table; an unknown rank is a bug, not
+    /// input.
+    pub(crate) fn info(&self, rank: u32) -> &WorkerInfo {
+        &self.workers[rank as usize]
+    }
+
+    /// Worker `rank`'s name.
+    pub(crate) fn name(&self, rank: u32) -> &str {
+        &self.info(rank).name
+    }
+
+    /// The address worker `rank` listens at.
+    pub(crate) fn addr(&self, rank: u32) -> &str {
+        &self.addrs[rank as usize]
+    }
+
+    /// Every worker, by rank.
+    pub(crate) fn workers(&self) -> &[WorkerInfo] {
+        &self.workers
+    }
+}
+
+/// A dial that failed: who, where, why.
+#[derive(Debug)]
+pub(crate) struct DialError {
+    pub worker: String,
+    pub addr: String,
+    pub source: io::Error,
+}
+
+impl std::fmt::Display for DialError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "connection to `{}` at {} failed: {}",
+            self.worker, self.addr, self.source
+        )
+    }
+}
+
+impl From<DialError> for RpcError {
+    fn from(e: DialError) -> Self {
+        RpcError::Unreachable {
+            worker: e.worker,
+            addr: e.addr,
+            source: e.source,
+        }
+    }
+}
+
+/// Dials peers of the group and authenticates each connection as this worker.
+#[derive(Debug)]
+pub(crate) struct Dialer {
+    cfg: Arc<NetConfig>,
+    directory: Arc<Directory>,
+}
+
+impl Dialer {
+    pub(crate) fn new(cfg: Arc<NetConfig>, directory: Arc<Directory>) -> Self {
+        Self { cfg, directory }
+    }
+
+    /// The group's directory.
+    pub(crate) fn directory(&self) -> &Directory {
+        &self.directory
+    }
+
+    /// The error of a dial to `to` that failed with `source`.
+    pub(crate) fn failed(&self, to: u32, source: io::Error) -> DialError {
+        DialError {
+            worker: self.directory.name(to).to_owned(),
+            addr: self.directory.addr(to).to_owned(),
+            source,
+        }
+    }
+
+    /// An authenticated connection of `kind` to worker `to` (DIAL-1).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a dial abandoned half way leaves nothing behind.
+    pub(crate) async fn dial(&self, to: u32, kind: ConnKind) -> Result<Conn, DialError> {
+        let cfg = &self.cfg;
+        let addr = self.directory.addr(to);
+        let (mut conn, _) = tokio::time::timeout(cfg.connect_timeout, cfg.transport.connect(addr))
+            .await
+            .map_err(|_| {
+                self.failed(
+                    to,
+                    io::Error::new(io::ErrorKind::TimedOut, "connect timed out"),
+                )
+            })?
+            .map_err(|e| self.failed(to, e))?;
+        tokio::time::timeout(
+            cfg.handshake_timeout,
+            auth::client(&mut conn, &cfg.secret, kind, cfg.rank),
+        )
+        .await
+        .map_err(|_| {
+            self.failed(
+                to,
+                io::Error::new(io::ErrorKind::TimedOut, "handshake timed out"),
+            )
+        })?
+        .map_err(|e| self.failed(to, e))?;
+        Ok(conn)
+    }
+
+    /// A blocking, authenticated TCP connection of `kind` to worker `to`, dialled from this
+    /// thread, by `deadline` at the latest (DIAL-1). Its socket timeouts are left set; the
+    /// caller sets its own before waiting.
+    pub(crate) fn dial_blocking(
+        &self,
+        to: u32,
+        kind: ConnKind,
+        deadline: Instant,
+    ) -> Result<TcpStream, DialError> {
+        let cfg = &self.cfg;
+        let addr = self.directory.addr(to);
+        let mut last = io::Error::new(io::ErrorKind::NotFound, "address resolved to nothing");
+        let mut stream = None;
+        for a in addr.to_socket_addrs().map_err(|e| self.failed(to, e))? {
+            match TcpStream::connect_timeout(&a, cfg.connect_timeout.min(left(deadline))) {
+                Ok(s) => {
+                    stream = Some(s);
+                    break;
+                }
+                Err(e) => last = e,
+            }
+        }
+        let mut stream = stream.ok_or_else(|| self.failed(to, last))?;
+        let setup = |s: &mut TcpStream| -> io::Result<()> {
+            s.set_nodelay(true)?;
+            let t = Some(cfg.handshake_timeout.min(left(deadline)));
+            s.set_read_timeout(t)?;
+            s.set_write_timeout(t)?;
+            auth::client_blocking(s, &cfg.secret, kind, cfg.rank)
+        };
+        setup(&mut stream).map_err(|e| self.failed(to, e))?;
+        Ok(stream)
+    }
+}

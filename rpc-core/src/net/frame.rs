@@ -1,0 +1,526 @@
+//! tarpc's frames, for every connection that carries calls: a 4-byte big-endian length, then a
+//! bincode message (`ClientMessage<CallRequest>` one way, `Response<CallReply>` the other),
+//! refused above the frame limit both ways. The multiplexed connection writes through an
+//! [`Outbox`] and reads with [`reader`]; the blocking connection through [`BlockingFrames`].
+//! Both encode with [`encode`] and decode with [`decode`], so the bytes are the same.
+//!
+//! - FRAME-1: a frame above the limit is refused before any byte of it is queued or written
+//!   (sending), and ends its connection (receiving).
+
+use std::io::{self, Read, Write};
+use std::net::TcpStream;
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use bincode::Options;
+use bytes::{Buf, BufMut, BytesMut};
+use futures::StreamExt;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tokio::io::{AsyncWrite, AsyncWriteExt};
+use tokio::sync::Notify;
+use tokio_util::codec::{FramedRead, LengthDelimitedCodec};
+
+use super::failure::CallFailed;
+use super::transport::Conn;
+
+/// Room an envelope needs besides its payload and inline blobs (names, ids, the deadline):
+/// a request or result is refused when payload, blobs and this exceed the frame limit.
+pub(crate) const ENVELOPE_ROOM: usize = 1024;
+
+/// A write buffer above this is not kept once written.
+const KEEP_BUFFER: usize = 1 << 20;
+
+/// The room a frame is first encoded into, without computing its size: most control frames
+/// (requests and replies of small calls, protocol messages) are under a few hundred bytes.
+const SMALL_FRAME: usize = 512;
+
+fn codec() -> bincode::DefaultOptions {
+    bincode::DefaultOptions::new()
+}
+
+/// Whether a message of `size` bytes of payload and inline blobs fits in a frame of `limit`.
+pub(crate) fn fits(size: usize, limit: usize) -> bool {
+    size.saturating_add(ENVELOPE_ROOM) <= limit
+}
+
+/// Decodes one frame's body.
+pub(crate) fn decode<T: DeserializeOwned>(body: &[u8]) -> io::Result<T> {
+    codec()
+        .deserialize(body)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
+}
+
+/// Appends `msg` as one frame to `buf`, into a plain slice (byte by byte through `BufMut`
+/// costs more than the rest of a small call). A frame that fits in [`SMALL_FRAME`] bytes is
+/// encoded straight into room made for it; a larger one has its size computed first, so a
+/// frame above `max` is refused before it is encoded (FRAME-1). On error `buf` is as it was.
+pub(crate) fn encode<T: Serialize>(buf: &mut BytesMut, msg: &T, max: usize) -> io::Result<()> {
+    let start = buf.len();
+    let room = SMALL_FRAME.min(max);
+    buf.resize(start + 4 + room, 0);
+    let mut into = SliceWriter {
+        buf: &mut buf[start + 4..],
+        at: 0,
+    };
+    if codec().serialize_into(&mut into, msg).is_ok() {
+        let len = into.at;
+        buf.truncate(start + 4 + len);
+        buf[start..start + 4].copy_from_slice(&u32::try_from(len).expect("small").to_be_bytes());
+        return Ok(());
+    }
+    // Larger than the room (or not encodable: sizing it says why).
+    buf.truncate(start);
+    let len = match codec().serialized_size(msg) {
+        Err(e) => return Err(io::Error::other(e)),
+        Ok(n) if n > max as u64 => {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("frame of {n} bytes is above the limit of {max}"),
+            ))
+        }
+        Ok(n) => usize::try_from(n).expect("below the frame limit"),
+    };
+    buf.reserve(4 + len);
+    buf.put_u32(u32::try_from(len).expect("below the frame limit"));
+    buf.resize(start + 4 + len, 0);
+    let mut into = SliceWriter {
+        buf: &mut buf[start + 4..],
+        at: 0,
+    };
+    if let Err(e) = codec().serialize_into(&mut into, msg) {
+        buf.truncate(start);
+        return Err(io::Error::other(e));
+    }
+    Ok(())
+}
+
+/// A writer into a slice sized beforehand. A one-byte write (bincode writes tarpc's trace ids
+/// a byte at a time) is a store, not a call to `memcpy`.
+struct SliceWriter<'a> {
+    buf: &'a mut [u8],
+    at: usize,
+}
+
+impl Write for SliceWriter<'_> {
+    #[inline]
+    fn write(&mut self, data: &[u8]) -> io::Result<usize> {
+        self.write_all(data).map(|()| data.len())
+    }
+
+    #[inline]
+    fn write_all(&mut self, data: &[u8]) -> io::Result<()> {
+        let end = self.at + data.len();
+        let Some(dst) = self.buf.get_mut(self.at..end) else {
+            return Err(io::ErrorKind::WriteZero.into());
+        };
+        match data {
+            [b] => dst[0] = *b,
+            _ => dst.copy_from_slice(data),
+        }
+        self.at = end;
+        Ok(())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The request context sent with every call: only its deadline is read (tarpc's trace context
+/// is not used by either end).
+pub(crate) fn request_context(deadline: Instant) -> tarpc::context::Context {
+    static TEMPLATE: OnceLock<tarpc::context::Context> = OnceLock::new();
+    let mut c = *TEMPLATE.get_or_init(tarpc::context::current);
+    c.deadline = deadline;
+    c
+}
+
+/// Reads length-prefixed frames of at most `max` bytes from a connection's read half.
+pub(crate) type FrameReader = FramedRead<tokio::io::ReadHalf<Conn>, LengthDelimitedCodec>;
+
+/// A [`FrameReader`] on `r`.
+pub(crate) fn reader(r: tokio::io::ReadHalf<Conn>, max: usize) -> FrameReader {
+    let codec = LengthDelimitedCodec::builder()
+        .max_frame_length(max)
+        .new_codec();
+    FramedRead::new(r, codec)
+}
+
+/// The next message read from `frames`; `None` at the end of the stream.
+pub(crate) async fn next_message<T: DeserializeOwned>(
+    frames: &mut FrameReader,
+) -> Option<io::Result<T>> {
+    let frame = match frames.next().await? {
+        Ok(f) => f,
+        Err(e) => return Some(Err(e)),
+    };
+    Some(decode(frame.chunk()))
+}
+
+/// Why a frame was not queued.
+#[derive(Debug)]
+pub(crate) enum PushError {
+    /// The outbox is closed: its connection has ended.
+    Closed,
+    /// The message could not be encoded, or its frame is above the limit.
+    Encode(io::Error),
+}
+
+#[derive(Default)]
+struct OutState {
+    buf: BytesMut,
+    closed: bool,
+}
+
+/// The frames waiting to be written on one multiplexed connection. Senders encode straight
+/// into one shared buffer; the connection's task writes whatever has gathered with one system
+/// call, so calls made together leave together.
+pub(crate) struct Outbox {
+    state: Mutex<OutState>,
+    ready: Notify,
+    max_frame: usize,
+}
+
+impl Outbox {
+    pub(crate) fn new(max_frame: usize) -> Self {
+        Self {
+            state: Mutex::new(OutState::default()),
+            ready: Notify::new(),
+            max_frame,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, OutState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Encodes `msg` as one frame at the end of the buffer.
+    pub(crate) fn push<T: Serialize>(&self, msg: &T) -> Result<(), PushError> {
+        let mut s = self.lock();
+        if s.closed {
+            return Err(PushError::Closed);
+        }
+        let start = s.buf.len();
+        encode(&mut s.buf, msg, self.max_frame).map_err(PushError::Encode)?;
+        drop(s);
+        if start == 0 {
+            // The writer may be waiting for the buffer to fill (a stored permit if not).
+            self.ready.notify_one();
+        }
+        Ok(())
+    }
+
+    /// No frame is queued from now on; the writer stops.
+    pub(crate) fn close(&self) {
+        self.lock().closed = true;
+        self.ready.notify_one();
+    }
+
+    /// Writes what gathers until the outbox is closed or a write fails.
+    pub(crate) async fn write_loop<W: AsyncWrite + Unpin>(&self, mut w: W) -> io::Result<()> {
+        let mut spare = BytesMut::with_capacity(8 << 10);
+        loop {
+            {
+                let mut s = self.lock();
+                if s.closed {
+                    return Ok(());
+                }
+                std::mem::swap(&mut s.buf, &mut spare);
+            }
+            if spare.is_empty() {
+                self.ready.notified().await;
+                continue;
+            }
+            w.write_all(&spare).await?;
+            w.flush().await?;
+            spare.clear();
+            if spare.capacity() > KEEP_BUFFER {
+                spare = BytesMut::with_capacity(8 << 10);
+            }
+        }
+    }
+
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
+        self.lock().buf.is_empty()
+    }
+}
+
+/// The longest a blocking read or write waits before checking the deadline and whether the
+/// worker closed.
+const SLICE: Duration = Duration::from_millis(200);
+
+/// A blocking connection's receive buffer; it grows for larger frames, and goes back to this
+/// size once a frame above `KEEP_BUFFER` has been consumed (send buffers likewise).
+const READ_BUFFER: usize = 16 << 10;
+
+/// The part of `deadline` left, at least a millisecond (a zero socket timeout means none).
+pub(crate) fn left(deadline: Instant) -> Duration {
+    deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1))
+}
+
+/// Frames on a blocking TCP stream. Socket timeouts are `SLICE` (shorter only near a
+/// deadline), so a wait wakes up to check its deadline and `closed` without a system call per
+/// frame to set them.
+pub(crate) struct BlockingFrames {
+    stream: TcpStream,
+    max: usize,
+    /// Received bytes not yet consumed: `rbuf[rpos..rend]`.
+    rbuf: Vec<u8>,
+    rpos: usize,
+    rend: usize,
+    wbuf: BytesMut,
+    read_timeout: Option<Duration>,
+    write_timeout: Option<Duration>,
+    /// How long a read polls the socket before it blocks ([`crate::Config::busy_poll`]).
+    spin: Duration,
+}
+
+impl BlockingFrames {
+    /// Frames of at most `max` bytes on `stream`, whose socket timeouts are unknown (they are
+    /// set before the first wait).
+    pub(crate) fn new(stream: TcpStream, max: usize, spin: Duration) -> Self {
+        Self {
+            stream,
+            max,
+            rbuf: vec![0; READ_BUFFER],
+            rpos: 0,
+            rend: 0,
+            wbuf: BytesMut::new(),
+            read_timeout: Some(Duration::ZERO),
+            write_timeout: Some(Duration::ZERO),
+            spin,
+        }
+    }
+
+    /// The timeout for the next wait; `Err` once the deadline has passed.
+    fn slice(deadline: Option<Instant>) -> Result<Duration, CallFailed> {
+        match deadline {
+            Some(d) if Instant::now() >= d => Err(CallFailed::Deadline),
+            Some(d) => Ok(left(d).min(SLICE)),
+            None => Ok(SLICE),
+        }
+    }
+
+    /// Writes `msg` as one frame by `deadline`; `closed` is checked whenever a wait times out.
+    pub(crate) fn send<T: Serialize>(
+        &mut self,
+        msg: &T,
+        deadline: Option<Instant>,
+        closed: &dyn Fn() -> bool,
+    ) -> Result<(), CallFailed> {
+        self.wbuf.clear();
+        encode(&mut self.wbuf, msg, self.max).map_err(|cause| CallFailed::NotSent {
+            cause,
+            broken: false,
+        })?;
+        let mut done = 0;
+        while done < self.wbuf.len() {
+            let t = Some(Self::slice(deadline)?);
+            if self.write_timeout != t {
+                self.stream
+                    .set_write_timeout(t)
+                    .map_err(|cause| CallFailed::NotSent {
+                        cause,
+                        broken: true,
+                    })?;
+                self.write_timeout = t;
+            }
+            match self.stream.write(&self.wbuf[done..]) {
+                Ok(0) => {
+                    let e = io::Error::new(io::ErrorKind::WriteZero, "connection closed");
+                    return Err(if done == 0 {
+                        CallFailed::NotSent {
+                            cause: e,
+                            broken: true,
+                        }
+                    } else {
+                        CallFailed::Lost(e)
+                    });
+                }
+                Ok(n) => done += n,
+                Err(e) if is_timeout(&e) => {
+                    if closed() {
+                        return Err(CallFailed::Closed);
+                    }
+                }
+                Err(cause) if done == 0 => {
+                    return Err(CallFailed::NotSent {
+                        cause,
+                        broken: true,
+                    })
+                }
+                Err(e) => return Err(CallFailed::Lost(e)),
+            }
+        }
+        if self.wbuf.capacity() > KEEP_BUFFER {
+            self.wbuf = BytesMut::new();
+        }
+        Ok(())
+    }
+
+    /// Receives one frame by `deadline`; `closed` is checked whenever a wait times out.
+    pub(crate) fn recv<T: DeserializeOwned>(
+        &mut self,
+        deadline: Option<Instant>,
+        closed: &dyn Fn() -> bool,
+    ) -> Result<T, CallFailed> {
+        self.fill(4, deadline, closed)?;
+        let head: [u8; 4] = self.rbuf[self.rpos..self.rpos + 4]
+            .try_into()
+            .expect("4 bytes");
+        let len = u32::from_be_bytes(head) as usize;
+        if len > self.max {
+            return Err(CallFailed::Lost(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("frame of {len} bytes is above the limit of {}", self.max),
+            )));
+        }
+        self.fill(4 + len, deadline, closed)?;
+        let body = &self.rbuf[self.rpos + 4..self.rpos + 4 + len];
+        let msg = decode(body).map_err(CallFailed::Lost);
+        self.rpos += 4 + len;
+        // A connection that once carried a large frame does not keep its buffer.
+        if self.rpos == self.rend && self.rbuf.len() > KEEP_BUFFER {
+            self.rbuf = vec![0; READ_BUFFER];
+            (self.rpos, self.rend) = (0, 0);
+        }
+        msg
+    }
+
+    /// Ensures `n` unconsumed bytes are buffered.
+    fn fill(
+        &mut self,
+        n: usize,
+        deadline: Option<Instant>,
+        closed: &dyn Fn() -> bool,
+    ) -> Result<(), CallFailed> {
+        if self.rend - self.rpos >= n {
+            return Ok(());
+        }
+        // Move what is left to the front, and make room for `n`.
+        self.rbuf.copy_within(self.rpos..self.rend, 0);
+        self.rend -= self.rpos;
+        self.rpos = 0;
+        if self.rbuf.len() < n {
+            self.rbuf.resize(n, 0);
+        }
+        self.poll_for(n)?;
+        while self.rend < n {
+            let t = Some(Self::slice(deadline)?);
+            if self.read_timeout != t {
+                self.stream.set_read_timeout(t).map_err(CallFailed::Lost)?;
+                self.read_timeout = t;
+            }
+            match self.stream.read(&mut self.rbuf[self.rend..]) {
+                Ok(0) => return Err(CallFailed::Lost(eof())),
+                Ok(k) => self.rend += k,
+                Err(e) if is_timeout(&e) => {
+                    if closed() {
+                        return Err(CallFailed::Closed);
+                    }
+                }
+                Err(e) => return Err(CallFailed::Lost(e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads without blocking until `n` bytes are buffered or `spin` has passed, giving way
+    /// to any other thread runnable on this core between tries: a reply that comes within
+    /// the window is read by a thread that never slept, so the sender wakes nobody.
+    fn poll_for(&mut self, n: usize) -> Result<(), CallFailed> {
+        if self.spin.is_zero() {
+            return Ok(());
+        }
+        let until = Instant::now() + self.spin;
+        while self.rend < n {
+            match rustix::net::recv(
+                &self.stream,
+                &mut self.rbuf[self.rend..],
+                rustix::net::RecvFlags::DONTWAIT,
+            ) {
+                Ok((0, _)) => return Err(CallFailed::Lost(eof())),
+                Ok((k, _)) => self.rend += k,
+                Err(rustix::io::Errno::AGAIN | rustix::io::Errno::INTR) => {
+                    if Instant::now() >= until {
+                        return Ok(());
+                    }
+                    std::thread::yield_now();
+                }
+                Err(e) => return Err(CallFailed::Lost(e.into())),
+            }
+        }
+        Ok(())
+    }
+}
+
+fn eof() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::UnexpectedEof,
+        "the peer closed the connection",
+    )
+}
+
+fn is_timeout(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut | io::ErrorKind::Interrupted
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncReadExt;
+
+    #[tokio::test]
+    async fn queued_frames_leave_length_prefixed_and_in_order() {
+        let out = Outbox::new(1 << 20);
+        for t in 0..3u8 {
+            out.push(&t).expect("queued");
+        }
+        let (a, mut b) = tokio::io::duplex(1 << 16);
+        let writer = tokio::spawn(async move {
+            let out = out;
+            let r = tokio::time::timeout(Duration::from_millis(200), out.write_loop(a)).await;
+            assert!(
+                r.is_err(),
+                "the writer waits for more once the buffer is written"
+            );
+        });
+        let mut got = vec![0u8; 3 * 5];
+        tokio::time::timeout(Duration::from_secs(10), b.read_exact(&mut got))
+            .await
+            .expect("written")
+            .expect("read");
+        assert_eq!(got, [0, 0, 0, 1, 0, 0, 0, 0, 1, 1, 0, 0, 0, 1, 2]);
+        writer.await.expect("joined");
+    }
+
+    /// FRAME-1: small and large frames encode to the same bytes as bincode's own encoding,
+    /// and a frame above the limit leaves the buffer as it was.
+    #[test]
+    fn frames_of_any_size_encode_alike_and_the_limit_holds() {
+        for len in [0usize, 10, 600, 5000] {
+            let msg = vec![7u8; len];
+            let mut buf = BytesMut::from(&b"xy"[..]);
+            encode(&mut buf, &msg, 1 << 20).expect("encodes");
+            let body = codec().serialize(&msg).expect("bincode");
+            assert_eq!(&buf[..2], b"xy");
+            assert_eq!(&buf[2..6], &(body.len() as u32).to_be_bytes());
+            assert_eq!(&buf[6..], &body[..]);
+            assert_eq!(decode::<Vec<u8>>(&buf[6..]).expect("decodes"), msg);
+        }
+        let mut buf = BytesMut::from(&b"xy"[..]);
+        let err = encode(&mut buf, &vec![0u8; 5000], 1000).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
+        assert_eq!(&buf[..], b"xy", "nothing half-encoded");
+        assert!(fits(1000, 1000 + ENVELOPE_ROOM));
+        assert!(!fits(1001, 1000 + ENVELOPE_ROOM));
+        assert!(!fits(usize::MAX, 10));
+    }
+}

@@ -1,0 +1,250 @@
+//! The network layer: everything between a worker's calls and the bytes on the wire. It never
+//! names the agent; it reaches what answers requests through one seam, [`Serve`].
+//!
+//! ```text
+//! transport   TCP and the in-memory network behind one byte stream (`Conn`)
+//! auth        the group secret and the HMAC handshake every connection starts with
+//! dial        the directory of peers and the one dialer (control, bulk, blocking)
+//! frame       tarpc's frames: the outbox and reader (multiplexed), blocking frames
+//! mux_client  the calling end of a multiplexed connection: ids, slots, waiters
+//! mux_server  the serving end: each request polled once, a task only if it waits
+//! peer        one lazily dialled multiplexed connection per peer
+//! blocking    a calling thread's own connection, served by a thread of the peer's
+//! bulk, shm   large blobs beside the control connection: a raw stream, shared memory
+//! spin        busy polling before sleeping
+//! serve       the seam: `Serve`, the caller's deadline
+//! failure     why a call got no reply (`CallFailed`)
+//! ```
+//!
+//! [`Net`] owns the pieces of one worker and its accept loop, which authenticates every
+//! incoming connection (bounded by the handshake timeout) before anything is decoded, then
+//! serves it by kind: control connections by `mux_server`, bulk connections by `bulk`, blocking
+//! connections by `blocking`.
+
+pub(crate) mod auth;
+mod blocking;
+mod bulk;
+mod config;
+mod dial;
+mod failure;
+mod frame;
+mod mux_client;
+mod mux_server;
+mod peer;
+mod serve;
+pub(crate) mod shm;
+mod spin;
+pub(crate) mod transport;
+
+use std::sync::Arc;
+
+use auth::ConnKind;
+pub use auth::{Secret, SECRET_ENV, SECRET_FILE_ENV};
+pub(crate) use blocking::SyncConn;
+pub use bulk::BulkStats;
+pub(crate) use bulk::{inline_bytes, Bulk};
+pub(crate) use config::NetConfig;
+pub(crate) use dial::{DialError, Directory};
+pub(crate) use failure::CallFailed;
+pub(crate) use frame::fits;
+pub(crate) use mux_client::{MuxClient, Waiter};
+pub(crate) use peer::Peer;
+pub(crate) use serve::{Serve, NO_DEADLINE};
+pub(crate) use spin::{block_on, Spin};
+pub(crate) use transport::{Conn, Listener};
+pub use transport::{Io, MemoryNetwork, Transport};
+
+use blocking::Blocking;
+use dial::Dialer;
+
+use crate::lifecycle::Lifecycle;
+
+/// One worker's network: its configuration, peers, bulk path and blocking connections.
+pub(crate) struct Net {
+    pub cfg: Arc<NetConfig>,
+    dialer: Arc<Dialer>,
+    /// Outgoing control connections, by rank.
+    pub peers: Vec<Arc<Peer>>,
+    pub bulk: Bulk,
+    pub blocking: Arc<Blocking>,
+    pub spin: Arc<Spin>,
+    pub life: Arc<Lifecycle>,
+    /// The runtime every connection's task runs on.
+    pub runtime: tokio::runtime::Handle,
+}
+
+impl Net {
+    /// The network of a worker whose group is `directory`, on the current runtime.
+    pub(crate) fn new(cfg: NetConfig, directory: Arc<Directory>, life: Arc<Lifecycle>) -> Self {
+        let cfg = Arc::new(cfg);
+        let runtime = tokio::runtime::Handle::current();
+        let peers = (0..directory.workers().len() as u32)
+            .map(Peer::new)
+            .collect();
+        let dialer = Arc::new(Dialer::new(Arc::clone(&cfg), directory));
+        let spin = Arc::new(Spin::new(cfg.busy_poll));
+        Self {
+            bulk: Bulk::new(Arc::clone(&cfg), Arc::clone(&dialer), Arc::clone(&life)),
+            blocking: Arc::new(Blocking::new(
+                Arc::clone(&cfg),
+                Arc::clone(&dialer),
+                Arc::clone(&life),
+                Arc::clone(&spin),
+                runtime.clone(),
+            )),
+            peers,
+            spin,
+            dialer,
+            life,
+            runtime,
+            cfg,
+        }
+    }
+
+    /// The group's directory: every worker's name and address.
+    pub(crate) fn directory(&self) -> &Directory {
+        self.dialer.directory()
+    }
+
+    /// The live control connection to `to`, dialled if there is none.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a dial abandoned half way leaves nothing behind.
+    pub(crate) async fn control(&self, to: u32) -> Result<(u64, MuxClient), DialError> {
+        self.peers[to as usize]
+            .client(&self.dialer, self.cfg.max_frame_bytes)
+            .await
+    }
+
+    /// This thread's blocking connection to `to`, or `None` if every place is taken.
+    pub(crate) fn sync_conn(
+        &self,
+        to: u32,
+        deadline: Option<std::time::Instant>,
+    ) -> Result<Option<SyncConn>, DialError> {
+        self.blocking.conn(to, deadline)
+    }
+
+    /// Starts serving: accepts connections on `listener` until [`Lifecycle::stop_accepting`],
+    /// answering requests with `service`.
+    pub(crate) fn serve<S: Serve>(self: &Arc<Self>, listener: Listener, service: Arc<S>) {
+        tokio::spawn(Arc::clone(self).accept_loop(listener, service));
+        if !self.cfg.busy_poll.is_zero() {
+            tokio::spawn(Arc::clone(&self.spin).run(self.life.stop.clone()));
+        }
+    }
+
+    /// Closes every outgoing connection (shutdown phase 3).
+    pub(crate) fn close_outgoing(&self) {
+        for p in &self.peers {
+            p.close();
+        }
+        self.blocking.close_outgoing();
+        self.bulk.close();
+    }
+
+    /// Closes the serving ends of blocking connections (shutdown phase 4).
+    pub(crate) fn close_incoming(&self) {
+        self.blocking.close_incoming();
+    }
+
+    async fn accept_loop<S: Serve>(self: Arc<Self>, mut listener: Listener, service: Arc<S>) {
+        let stop = self.life.stop_accepting.clone();
+        loop {
+            // Biased: once told to stop, a connection waiting in the backlog is not taken.
+            let conn = tokio::select! {
+                biased;
+                _ = stop.cancelled() => break,
+                c = listener.accept() => c,
+            };
+            match conn {
+                Ok(conn) => {
+                    let (net, service) = (Arc::clone(&self), Arc::clone(&service));
+                    self.life.conns.spawn(async move {
+                        let stop = net.life.stop.clone();
+                        tokio::select! {
+                            biased;
+                            _ = stop.cancelled() => {}
+                            _ = net.serve_conn(conn, service) => {}
+                        }
+                    });
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotConnected => break,
+                Err(e) => {
+                    // Out of file descriptors and the like: back off instead of spinning.
+                    tracing::warn!(rank = self.cfg.rank, cause = %e, "accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                }
+            }
+        }
+    }
+
+    async fn serve_conn<S: Serve>(&self, mut conn: Conn, service: Arc<S>) {
+        let me = self.cfg.rank;
+        let hs = tokio::time::timeout(
+            self.cfg.handshake_timeout,
+            auth::server(&mut conn, &self.cfg.secret),
+        )
+        .await;
+        let (kind, rank) = match hs {
+            Ok(Ok(v)) => v,
+            Ok(Err(e)) => {
+                tracing::warn!(rank = me, cause = %e, "refused a connection");
+                return;
+            }
+            Err(_) => {
+                tracing::warn!(rank = me, "refused a connection: handshake timed out");
+                return;
+            }
+        };
+        if rank >= self.cfg.world_size {
+            tracing::warn!(
+                rank = me,
+                caller = rank,
+                "refused a connection from a rank outside the group"
+            );
+            return;
+        }
+        match kind {
+            ConnKind::Control => {
+                let served = mux_server::serve(
+                    service,
+                    conn,
+                    rank,
+                    self.cfg.max_frame_bytes,
+                    &self.life,
+                    &self.spin,
+                )
+                .await;
+                match served {
+                    Ok(()) => {
+                        tracing::debug!(rank = me, caller = rank, "control connection closed")
+                    }
+                    Err(e) => {
+                        tracing::warn!(rank = me, caller = rank, cause = %e, "control connection failed")
+                    }
+                }
+            }
+            ConnKind::Bulk => self.bulk.serve_incoming(conn, rank).await,
+            ConnKind::Sync => match transport::into_std_tcp(conn) {
+                Some(stream) => {
+                    self.blocking
+                        .serve(stream, rank, Arc::downgrade(&service))
+                        .await
+                }
+                None => {
+                    tracing::warn!(
+                        rank = me,
+                        "refused a sync connection on a transport other than TCP"
+                    )
+                }
+            },
+            ConnKind::Rendezvous => {
+                tracing::warn!(
+                    rank = me,
+                    "refused a rendezvous connection on a worker port"
+                )
+            }
+        }
+    }
+}

@@ -1,0 +1,258 @@
+//! Leaving the group: a group-wide barrier on rank 0, then the phases that stop a worker.
+//!
+//! 0. Layers above finish their protocol traffic (their shutdown hooks) while every peer
+//!    still serves.
+//! 1. Every worker waits at rank 0's barrier, so no worker closes while another still needs
+//!    it.
+//! 2. New root calls are refused; calls in flight drain.
+//! 3. Outgoing connections and the listener close; the peers close theirs.
+//! 4. Whatever is left is aborted.
+//!
+//! Invariants:
+//! - AG-3: after shutdown starts, no new root call is sent or served; nested calls of work
+//!   already in flight still are, so draining cannot deadlock.
+//! - AG-4: shutdown is idempotent and bounded: every phase has a timeout, and a second call
+//!   returns the first call's report.
+//! - AG-5: rank 0 does not wait out the barrier's timeout for ranks whose process is gone:
+//!   while it waits, it redials the missing ranks, and once every missing rank refuses
+//!   connections (nothing listens: the process exited or was killed) the barrier fails at
+//!   once, naming them. Frozen or partitioned peers still cost the timeout.
+
+use std::collections::BTreeSet;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+use tokio::sync::oneshot;
+
+use crate::agent::Agent;
+use crate::context::CallContext;
+use crate::error::{BoxError, RpcError};
+use crate::registry::RemoteFn;
+
+/// What [`Agent::shutdown`] did.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct ShutdownReport {
+    /// `Ok` if every worker reached the shutdown barrier; otherwise why not (missing ranks,
+    /// unreachable rank 0).
+    pub barrier: Result<(), String>,
+    /// Incoming calls still running when draining began.
+    pub in_flight: usize,
+    /// Incoming calls aborted because draining timed out.
+    pub aborted: usize,
+    /// Total time taken.
+    pub elapsed: Duration,
+}
+
+impl ShutdownReport {
+    /// The barrier completed and nothing was aborted.
+    pub fn is_clean(&self) -> bool {
+        self.barrier.is_ok() && self.aborted == 0
+    }
+}
+
+/// A worker's shutdown state: rank 0's barrier and the report of the first shutdown.
+pub(crate) struct State {
+    /// Bound on each phase unless a caller gives its own.
+    pub timeout: Duration,
+    barrier: Mutex<Barrier>,
+    report: tokio::sync::OnceCell<ShutdownReport>,
+}
+
+#[derive(Default)]
+struct Barrier {
+    arrived: BTreeSet<u32>,
+    waiters: Vec<oneshot::Sender<Result<(), Vec<u32>>>>,
+    /// Set when rank 0 gave up waiting: the ranks that never arrived.
+    failed: Option<Vec<u32>>,
+}
+
+impl State {
+    pub(crate) fn new(timeout: Duration) -> Self {
+        Self {
+            timeout,
+            barrier: Mutex::new(Barrier::default()),
+            report: tokio::sync::OnceCell::new(),
+        }
+    }
+
+    fn barrier(&self) -> std::sync::MutexGuard<'_, Barrier> {
+        self.barrier.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The ranks of a group of `world` that have not reached the barrier.
+    fn missing(&self, world: u32) -> Vec<u32> {
+        let b = self.barrier();
+        (0..world).filter(|r| !b.arrived.contains(r)).collect()
+    }
+
+    /// Rank 0's side of the barrier: waits until all `world` ranks have arrived, or until
+    /// rank 0 gives up (then fails with the missing ranks).
+    async fn arrive(&self, rank: u32, world: usize) -> Result<(), Vec<u32>> {
+        let rx = {
+            let mut b = self.barrier();
+            if let Some(missing) = &b.failed {
+                return Err(missing.clone());
+            }
+            b.arrived.insert(rank);
+            let (tx, rx) = oneshot::channel();
+            b.waiters.push(tx);
+            if b.arrived.len() == world {
+                for tx in b.waiters.drain(..) {
+                    let _ = tx.send(Ok(()));
+                }
+            }
+            rx
+        };
+        rx.await.unwrap_or(Ok(()))
+    }
+
+    /// Rank 0 gives up on the barrier: every waiter learns which ranks never arrived.
+    fn fail(&self, world: u32) -> Vec<u32> {
+        let mut b = self.barrier();
+        let missing: Vec<u32> = (0..world).filter(|r| !b.arrived.contains(r)).collect();
+        b.failed = Some(missing.clone());
+        for tx in b.waiters.drain(..) {
+            let _ = tx.send(Err(missing.clone()));
+        }
+        missing
+    }
+}
+
+/// Internal: rank 0's shutdown barrier, served like any registered function.
+pub(crate) struct ShutdownBarrier;
+
+impl RemoteFn for ShutdownBarrier {
+    const NAME: &'static str = "rpc_core::shutdown_barrier";
+    type Args = (u32,);
+    type Output = ();
+    async fn call(ctx: CallContext, (rank,): (u32,)) -> Result<(), BoxError> {
+        let agent = ctx.agent();
+        agent
+            .inner
+            .shutdown
+            .arrive(rank, agent.world_size())
+            .await
+            .map_err(|missing| {
+                format!("ranks {missing:?} never reached the shutdown barrier").into()
+            })
+    }
+}
+
+/// Shuts `agent` down with `t` per phase, once (AG-4).
+pub(crate) async fn shutdown(agent: &Agent, t: Duration) -> ShutdownReport {
+    agent
+        .inner
+        .shutdown
+        .report
+        .get_or_init(|| run(agent.clone(), t))
+        .await
+        .clone()
+}
+
+async fn run(agent: Agent, t: Duration) -> ShutdownReport {
+    let inner = &agent.inner;
+    let start = Instant::now();
+    // Phase 0: layers above finish their protocol traffic while every peer still serves.
+    let hooks = inner.layers.shutdown_hooks();
+    if tokio::time::timeout(t, futures::future::join_all(hooks))
+        .await
+        .is_err()
+    {
+        tracing::warn!(worker = %agent.name(), "shutdown hooks did not finish in time");
+    }
+    // Phase 1: the barrier.
+    let barrier = barrier(&agent, t).await;
+    if let Err(why) = &barrier {
+        tracing::warn!(worker = %agent.name(), %why, "shutdown barrier incomplete");
+    }
+    // Phase 2: refuse new root calls; let the calls in flight finish.
+    let life = &inner.life;
+    life.set_stopping();
+    life.calls.close();
+    let in_flight = life.calls.len();
+    let drained = tokio::time::timeout(t, life.calls.wait()).await.is_ok();
+    let aborted = if drained { 0 } else { life.calls.len() };
+    // Phase 3: close our outgoing connections and the listener, then let the peers close
+    // theirs (they do so once their own barrier call has returned), so every reply that is
+    // still being written reaches its caller.
+    life.set_closed();
+    inner.callee.close_admission();
+    inner.net.close_outgoing();
+    life.stop_accepting.cancel();
+    life.conns.close();
+    let _ = tokio::time::timeout(t, life.conns.wait()).await;
+    // Phase 4: abort whatever is left.
+    life.stop.cancel();
+    inner.net.close_incoming();
+    let _ = tokio::time::timeout(Duration::from_secs(5), life.conns.wait()).await;
+    let _ = tokio::time::timeout(Duration::from_secs(5), life.calls.wait()).await;
+    let report = ShutdownReport {
+        barrier,
+        in_flight,
+        aborted,
+        elapsed: start.elapsed(),
+    };
+    tracing::info!(worker = %agent.name(), ?report, "shut down");
+    report
+}
+
+/// Phase 1: every rank calls rank 0's barrier; rank 0 stops waiting for ranks whose process
+/// is gone (AG-5).
+async fn barrier(agent: &Agent, t: Duration) -> Result<(), String> {
+    let world = agent.world_size() as u32;
+    if world <= 1 {
+        return Ok(());
+    }
+    let barrier = agent.rpc_async_timeout(0u32, ShutdownBarrier, (agent.rank(),), t);
+    if agent.rank() != 0 {
+        return barrier.await.map_err(|e| crate::error::error_chain(&e));
+    }
+    let state = &agent.inner.shutdown;
+    tokio::select! {
+        r = barrier => r.map_err(|e| format!(
+            "ranks {:?} never reached the shutdown barrier: {e}",
+            state.fail(world)
+        )),
+        dead = watch_missing_ranks(agent) => {
+            state.fail(world);
+            Err(format!(
+                "ranks {dead:?} never reached the shutdown barrier: their processes are gone \
+                 (connections refused)"
+            ))
+        }
+    }
+}
+
+/// Rank 0, waiting at the shutdown barrier: resolves once every rank that has not arrived is
+/// known dead (its listener refuses connections: the process is gone), with those ranks.
+/// Pending forever while any missing rank may still come. A frozen or partitioned peer does
+/// not refuse connections; the barrier's timeout covers those.
+async fn watch_missing_ranks(agent: &Agent) -> Vec<u32> {
+    let world = agent.world_size() as u32;
+    let mut dead = BTreeSet::new();
+    loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let missing = agent.inner.shutdown.missing(world);
+        for &r in &missing {
+            if !dead.contains(&r) && peer_gone(agent, r).await {
+                dead.insert(r);
+            }
+        }
+        if !missing.is_empty() && missing.iter().all(|r| dead.contains(r)) {
+            return missing;
+        }
+    }
+}
+
+/// Whether the process of worker `rank` is known to be gone (see
+/// [`AgentExt::peer_gone`](crate::ext::AgentExt::peer_gone)).
+pub(crate) async fn peer_gone(agent: &Agent, rank: u32) -> bool {
+    if rank == agent.rank() || rank as usize >= agent.world_size() {
+        return false;
+    }
+    matches!(
+        agent.inner.net.control(rank).await.map_err(RpcError::from),
+        Err(RpcError::Unreachable { source, .. })
+            if source.kind() == std::io::ErrorKind::ConnectionRefused
+    )
+}
