@@ -80,42 +80,6 @@ impl From<&'static [u8]> for Blob {
     }
 }
 
-/// An empty vector with room for `len` elements, for large buffers that are filled right
-/// away. Large ones are asked to be backed by transparent huge pages (Linux) before they are
-/// touched: a fresh 64 MiB buffer otherwise costs 16,384 page faults, which on a VM took
-/// longer than sending it over loopback.
-///
-/// ```
-/// let mut v = rpc_core::large_vec::<f32>(1 << 22);
-/// v.resize(1 << 22, 1.0);
-/// assert_eq!(v.len(), 1 << 22);
-/// ```
-pub fn large_vec<T>(len: usize) -> Vec<T> {
-    let v: Vec<T> = Vec::with_capacity(len);
-    #[cfg(target_os = "linux")]
-    {
-        const HUGE: usize = 2 << 20;
-        let bytes = len * std::mem::size_of::<T>();
-        if bytes >= 4 * HUGE {
-            let start = v.as_ptr() as usize;
-            let aligned = (start + HUGE - 1) & !(HUGE - 1);
-            let end = (start + bytes) & !(HUGE - 1);
-            if end > aligned {
-                // SAFETY: advice on pages of this vector's own allocation; it changes how
-                // the kernel backs them, never their contents or validity.
-                unsafe {
-                    libc::madvise(
-                        aligned as *mut libc::c_void,
-                        end - aligned,
-                        libc::MADV_HUGEPAGE,
-                    );
-                }
-            }
-        }
-    }
-    v
-}
-
 /// Which way a message travels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MessageKind {

@@ -85,7 +85,7 @@ pub mod testing;
 mod wire;
 
 pub use agent::{init, Agent};
-pub use blob::{large_vec, Blob};
+pub use blob::Blob;
 pub use call::wait_all;
 pub use config::Config;
 pub use context::CallContext;
@@ -93,7 +93,9 @@ pub use error::{
     error_chain, BoxError, CodecError, InitError, RemoteError, RemoteErrorKind, RpcError,
 };
 pub use group::{ToWorker, WorkerRef};
-pub use net::{BulkStats, MemoryNetwork, Secret, Transport, SECRET_ENV, SECRET_FILE_ENV};
+pub use net::{
+    large_vec, BulkStats, MemoryNetwork, Secret, Transport, SECRET_ENV, SECRET_FILE_ENV,
+};
 pub use registry::{Registry, RegistryBuilder, RegistryError, RemoteFn};
 pub use rendezvous::RendezvousServer;
 pub use rpc_macros::remote;

@@ -7,14 +7,32 @@ use std::time::Instant;
 
 use super::cancel::Detach;
 use super::plan::Timing;
-use super::send::{InFlight, Sent};
 use crate::agent::Agent;
 use crate::blob::{self, MessageContext, MessageKind};
 use crate::context::META;
 use crate::error::{RemoteError, RemoteErrorKind, RpcError};
-use crate::net::CallFailed;
+use crate::net::{CallFailed, Waiter};
 use crate::registry::RemoteFn;
 use crate::wire::{CallMeta, CallOk, CallReply, WorkerId};
+
+/// A call on its way: what its arguments lent, its timing, its caller's metadata.
+pub(super) struct Sent {
+    /// Dropped without a verdict (the outcome is unknown), it runs nothing.
+    pub lent: blob::Lent,
+    pub timing: Timing,
+    pub caller_meta: CallMeta,
+}
+
+/// A call queued on its connection (or refused by it: `waiter` is then the reason), waiting
+/// for its reply.
+pub(super) struct InFlight {
+    pub waiter: Result<Waiter, CallFailed>,
+    pub to: u32,
+    /// The connection's generation, to forget it if the call finds it broken.
+    pub gen: u64,
+    pub cancel_id: Option<u64>,
+    pub sent: Sent,
+}
 
 /// The wait for a queued call's reply and its reading, as a future. A call its caller may
 /// drop goes on as a task of its own if it is dropped first (`cancel.rs`).

@@ -7,33 +7,13 @@ use std::future::Future;
 use std::time::Instant;
 
 use super::cancel::Detach;
-use super::plan::{self, Outgoing, Timing};
-use super::reply;
+use super::plan::{self, Outgoing};
+use super::reply::{self, InFlight, Sent};
 use crate::agent::Agent;
-use crate::blob;
 use crate::error::RpcError;
-use crate::net::{CallFailed, MuxClient, Waiter, NO_DEADLINE};
+use crate::net::{MuxClient, NO_DEADLINE};
 use crate::registry::RemoteFn;
-use crate::wire::{CallMeta, KeepTarget, WireBlob};
-
-/// A call on its way: what its arguments lent, its timing, its caller's metadata.
-pub(super) struct Sent {
-    /// Dropped without a verdict (the outcome is unknown), it runs nothing.
-    pub lent: blob::Lent,
-    pub timing: Timing,
-    pub caller_meta: CallMeta,
-}
-
-/// A call queued on its connection (or refused by it: `waiter` is then the reason), waiting
-/// for its reply.
-pub(super) struct InFlight {
-    pub waiter: Result<Waiter, CallFailed>,
-    pub to: u32,
-    /// The connection's generation, to forget it if the call finds it broken.
-    pub gen: u64,
-    pub cancel_id: Option<u64>,
-    pub sent: Sent,
-}
+use crate::wire::{KeepTarget, WireBlob};
 
 /// A call as it was made: refused, queued on its connection (its arguments kept alive until
 /// it ends), or left for its future's first poll.

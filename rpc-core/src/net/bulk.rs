@@ -1,16 +1,13 @@
 //! The bulk path: large blobs bypass the control connection and serde entirely.
 //!
 //! Each worker keeps, per peer, one outgoing *bulk* connection (authenticated like every other)
-//! and a writer task that sends records on it. A `STREAM` record, `[0][id: u64][len: u64]`
-//! followed by the bytes, goes straight from the blob's memory; the receiving side reads it
-//! into a buffer allocated at its exact size (no growth, no re-copy). Where the peer shares the
-//! host, the first large blob also announces a shared-memory arena (`ARENA`, see `shm.rs`);
-//! once the peer has mapped it, blobs that fit travel as `SHM` records, `[2][id][len][off:
-//! u64]`, their bytes copied once into the arena and handed to the receiver without a copy.
-//! The connection's other direction carries the receiver's answers: `[kind][u64]` with
-//! `MAPPED`/`NOT_MAPPED` for the probe and `RELEASED off` when a shared blob's last reference
-//! is dropped. Either way the blob is filed in an inbox under `(sender, id)`. The control
-//! envelope names the blob by id; whichever of the two arrives first waits for the other.
+//! and a writer task that sends records on it (`bulk_conn.rs`): a blob's bytes straight from
+//! its memory, read on the other side into a buffer allocated at its exact size (no growth, no
+//! re-copy); or, where the peer shares the host and has mapped this worker's shared-memory
+//! arena (`shm.rs`), only its place in the arena, the bytes copied once into it (or built there
+//! by `blob_for`) and handed to the receiver without a copy. Either way the blob is filed in an
+//! inbox under `(sender, id)`. The control envelope names the blob by id; whichever of the two
+//! arrives first waits for the other.
 //!
 //! Invariants:
 //! - BULK-1: a blob is handed to exactly one receiver; an unclaimed one (its call was
@@ -25,16 +22,17 @@
 
 use bytes::Bytes;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot};
 
 use super::auth::ConnKind;
+use super::buffers::BufPool;
+use super::bulk_conn::{self, lock_arena, write_loop, ArenaState, Counters, SharedArena};
 use super::config::NetConfig;
 use super::dial::Dialer;
-use super::shm::{self, Answer, Arena};
+use super::shm::{self, Arena};
 use super::transport::Conn;
 use crate::lifecycle::Lifecycle;
 use crate::wire::WireBlob;
@@ -44,82 +42,9 @@ const MAX_WAIT: Duration = Duration::from_secs(300);
 /// Records queued per outgoing bulk connection (each holds a reference, not a copy).
 const QUEUE: usize = 64;
 
-/// Record kinds, sender to receiver.
-const STREAM: u8 = 0;
-const ARENA: u8 = 1;
-const SHM: u8 = 2;
-
 enum Slot {
     Arrived(Bytes, Instant),
     Waiting(oneshot::Sender<Bytes>),
-}
-
-/// Recycled receive buffers.
-pub(crate) struct BufPool {
-    free: Mutex<Vec<Vec<u8>>>,
-    /// Bytes of capacity currently parked in `free`.
-    parked: AtomicUsize,
-    cap_bytes: usize,
-}
-
-impl BufPool {
-    pub(crate) fn new(cap_bytes: usize) -> Arc<Self> {
-        Arc::new(Self {
-            free: Mutex::new(Vec::new()),
-            parked: AtomicUsize::new(0),
-            cap_bytes,
-        })
-    }
-
-    /// An empty buffer with capacity for at least `len` bytes (at most twice that, so a huge
-    /// parked buffer is not wasted on a small blob).
-    fn take(&self, len: usize) -> Vec<u8> {
-        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(i) = free
-            .iter()
-            .position(|v| v.capacity() >= len && v.capacity() <= len.saturating_mul(2))
-        {
-            let mut v = free.swap_remove(i);
-            self.parked.fetch_sub(v.capacity(), Ordering::Relaxed);
-            v.clear();
-            return v;
-        }
-        Vec::with_capacity(len)
-    }
-
-    fn give(&self, v: Vec<u8>) {
-        let cap = v.capacity();
-        if self.parked.load(Ordering::Relaxed) + cap > self.cap_bytes {
-            return;
-        }
-        self.parked.fetch_add(cap, Ordering::Relaxed);
-        self.free.lock().unwrap_or_else(|p| p.into_inner()).push(v);
-    }
-
-    fn clear(&self) {
-        self.free.lock().unwrap_or_else(|p| p.into_inner()).clear();
-        self.parked.store(0, Ordering::Relaxed);
-    }
-}
-
-/// A pooled buffer behind a `Bytes`: returns to the pool when the last reference drops.
-struct Pooled {
-    buf: Vec<u8>,
-    pool: Weak<BufPool>,
-}
-
-impl AsRef<[u8]> for Pooled {
-    fn as_ref(&self) -> &[u8] {
-        &self.buf
-    }
-}
-
-impl Drop for Pooled {
-    fn drop(&mut self) {
-        if let Some(pool) = self.pool.upgrade() {
-            pool.give(std::mem::take(&mut self.buf));
-        }
-    }
 }
 
 /// How this worker's large blobs have travelled so far: on the bulk connections' byte
@@ -137,26 +62,6 @@ pub struct BulkStats {
     pub shared_blobs: u64,
     /// Their bytes.
     pub shared_bytes: u64,
-}
-
-#[derive(Default)]
-struct Counters {
-    streamed_blobs: AtomicU64,
-    streamed_bytes: AtomicU64,
-    shared_blobs: AtomicU64,
-    shared_bytes: AtomicU64,
-}
-
-impl Counters {
-    fn count(&self, shared: bool, bytes: usize) {
-        let (n, b) = if shared {
-            (&self.shared_blobs, &self.shared_bytes)
-        } else {
-            (&self.streamed_blobs, &self.streamed_bytes)
-        };
-        n.fetch_add(1, Ordering::Relaxed);
-        b.fetch_add(bytes as u64, Ordering::Relaxed);
-    }
 }
 
 /// The queue feeding one outgoing bulk connection's writer task.
@@ -277,7 +182,7 @@ impl Bulk {
             }
             _ => fill,
         };
-        let mut v = crate::large_vec::<u8>(len);
+        let mut v = super::buffers::large_vec::<u8>(len);
         v.resize(len, 0);
         fill(&mut v);
         Bytes::from(v)
@@ -374,284 +279,14 @@ pub(crate) fn inline_bytes(blobs: &[WireBlob]) -> usize {
         .sum()
 }
 
-/// The sender's view of its shared-memory arena on one bulk connection.
-enum ArenaState {
-    /// Not created yet (no blob large enough so far).
-    None,
-    /// Announced; blobs stream until the peer answers.
-    Probing(Arc<Arena>),
-    /// Mapped by the peer.
-    Ready(Arc<Arena>),
-    /// Off: not configured, not creatable, or the peer could not map it.
-    Off,
-}
-
-type SharedArena = Arc<Mutex<ArenaState>>;
-
-fn lock_arena(a: &SharedArena) -> std::sync::MutexGuard<'_, ArenaState> {
-    a.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-async fn write_loop(
-    conn: Conn,
-    mut rx: mpsc::Receiver<(u64, Bytes)>,
-    state: SharedArena,
-    arena_bytes: usize,
-    peer: &str,
-    counters: &Counters,
-) -> std::io::Result<()> {
-    let (rd, mut wr) = tokio::io::split(conn);
-    let answers = read_answers(rd, Arc::clone(&state), peer);
-    let records = async {
-        while let Some((id, data)) = rx.recv().await {
-            let len = data.len() as u64;
-            let placement = place(&state, &data, arena_bytes, peer);
-            counters.count(matches!(placement, Placement::Shared(_)), data.len());
-            match placement {
-                Placement::Shared(off) => {
-                    let mut r = [0u8; 25];
-                    r[0] = SHM;
-                    r[1..9].copy_from_slice(&id.to_le_bytes());
-                    r[9..17].copy_from_slice(&len.to_le_bytes());
-                    r[17..].copy_from_slice(&(off as u64).to_le_bytes());
-                    wr.write_all(&r).await?;
-                }
-                Placement::Stream(announce) => {
-                    if let Some(a) = announce {
-                        let mut r = [0u8; 1 + shm::Announce::BYTES];
-                        r[0] = ARENA;
-                        r[1..].copy_from_slice(&a.encode());
-                        wr.write_all(&r).await?;
-                    }
-                    let mut r = [0u8; 17];
-                    r[0] = STREAM;
-                    r[1..9].copy_from_slice(&id.to_le_bytes());
-                    r[9..].copy_from_slice(&len.to_le_bytes());
-                    wr.write_all(&r).await?;
-                    wr.write_all(&data).await?;
-                }
-            }
-            if rx.is_empty() {
-                wr.flush().await?;
-            }
-        }
-        wr.shutdown().await
-    };
-    tokio::pin!(answers);
-    let out = tokio::select! {
-        r = records => r,
-        // The peer closed its end (or broke the protocol): nothing more can be delivered.
-        r = &mut answers => r.and(Err(std::io::Error::new(
-            std::io::ErrorKind::ConnectionAborted,
-            "the receiving side closed the bulk connection",
-        ))),
-    };
-    // The arena goes with the connection (blobs staged in it keep it alive until dropped).
-    *lock_arena(&state) = ArenaState::Off;
-    out
-}
-
-enum Placement {
-    /// In the arena at this offset.
-    Shared(usize),
-    /// On the stream, after announcing a new arena if one is given.
-    Stream(Option<shm::Announce>),
-}
-
-/// Where a blob goes: the arena when the peer has mapped it (where it already is, if it was
-/// staged there, else copied in if there is room; SHM-2: never waits for room), else the
-/// stream. The first blob large enough creates the arena.
-fn place(state: &SharedArena, data: &[u8], arena_bytes: usize, peer: &str) -> Placement {
-    let mut st = lock_arena(state);
-    match &*st {
-        ArenaState::Ready(a) => {
-            let a = Arc::clone(a);
-            drop(st);
-            match a.hold_staged(data).or_else(|| a.put(data)) {
-                Some(off) => Placement::Shared(off),
-                None => Placement::Stream(None),
-            }
-        }
-        ArenaState::None if data.len() <= arena_bytes - shm::HEADER => {
-            match Arena::create(arena_bytes) {
-                Ok(a) => {
-                    let announce = a.announce();
-                    *st = ArenaState::Probing(Arc::new(a));
-                    Placement::Stream(Some(announce))
-                }
-                Err(e) => {
-                    tracing::debug!(peer, cause = %e, "no shared-memory arena; bulk blobs stream");
-                    *st = ArenaState::Off;
-                    Placement::Stream(None)
-                }
-            }
-        }
-        _ => Placement::Stream(None),
-    }
-}
-
-/// Reads the receiver's answers until it closes its end.
-async fn read_answers(
-    mut rd: tokio::io::ReadHalf<Conn>,
-    state: SharedArena,
-    peer: &str,
-) -> std::io::Result<()> {
-    let bad = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidData, what);
-    loop {
-        let mut m = [0u8; 9];
-        match rd.read_exact(&mut m).await {
-            Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
-            Err(e) => return Err(e),
-        }
-        let mut st = lock_arena(&state);
-        match (Answer::decode(m), &*st) {
-            (Some(Answer::Mapped), ArenaState::Probing(a)) => {
-                tracing::debug!(
-                    peer,
-                    bytes = a.announce().size,
-                    "bulk blobs go through shared memory"
-                );
-                *st = ArenaState::Ready(Arc::clone(a));
-            }
-            (Some(Answer::NotMapped), ArenaState::Probing(_)) => {
-                tracing::debug!(
-                    peer,
-                    "the peer cannot map our arena (another host?); bulk blobs stream"
-                );
-                *st = ArenaState::Off;
-            }
-            (Some(Answer::Released(off)), ArenaState::Ready(a))
-                if usize::try_from(off).is_ok_and(|off| a.release(off)) => {}
-            (answer, _) => return Err(bad(format!("unexpected bulk answer {answer:?} ({m:?})"))),
-        }
-    }
-}
-
 impl Bulk {
-    /// Reads records from `from`'s bulk connection into the inbox, answering on the same
-    /// connection.
+    /// Reads records from `from`'s bulk connection into the inbox (see `bulk_conn.rs`).
     pub(crate) async fn serve_incoming(&self, conn: Conn, from: u32) {
-        let (rd, mut wr) = tokio::io::split(conn);
-        // Unbounded, but bounded in practice: one message per probe and one per shared blob
-        // dropped, and at most one shared blob per page of the arena is alive at once.
-        let (answer, mut answers) = mpsc::unbounded_channel::<Answer>();
-        let write_answers = async move {
-            while let Some(m) = answers.recv().await {
-                wr.write_all(&m.encode()).await?;
-                if answers.is_empty() {
-                    wr.flush().await?;
-                }
-            }
-            Ok::<_, std::io::Error>(())
-        };
-        tokio::select! {
-            _ = self.read_records(rd, from, answer) => {}
-            r = write_answers => if let Err(e) = r {
-                tracing::debug!(from, cause = %e, "bulk answers failed");
-            }
-        }
-    }
-
-    async fn read_records(
-        &self,
-        mut conn: tokio::io::ReadHalf<Conn>,
-        from: u32,
-        answer: mpsc::UnboundedSender<Answer>,
-    ) {
-        let mut mapping: Option<Arc<shm::Mapping>> = None;
-        loop {
-            let mut kind = [0u8; 1];
-            if conn.read_exact(&mut kind).await.is_err() {
-                return;
-            }
-            match kind[0] {
-                STREAM => {}
-                ARENA => {
-                    let mut a = [0u8; shm::Announce::BYTES];
-                    if conn.read_exact(&mut a).await.is_err() {
-                        return;
-                    }
-                    let a = shm::Announce::decode(&a);
-                    let m = match shm::Mapping::open(&a) {
-                        Ok(map) => {
-                            mapping = Some(map);
-                            Answer::Mapped
-                        }
-                        Err(e) => {
-                            tracing::debug!(from, cause = %e, "cannot map the peer's arena");
-                            Answer::NotMapped
-                        }
-                    };
-                    if answer.send(m).is_err() {
-                        return;
-                    }
-                    continue;
-                }
-                SHM => {
-                    let mut r = [0u8; 24];
-                    if conn.read_exact(&mut r).await.is_err() {
-                        return;
-                    }
-                    let at =
-                        |i: usize| u64::from_le_bytes(r[i..i + 8].try_into().expect("8 bytes"));
-                    let (id, len, off) = (at(0), at(8), at(16));
-                    let leased = mapping.as_ref().and_then(|m| {
-                        m.lease(
-                            usize::try_from(off).ok()?,
-                            usize::try_from(len).ok()?,
-                            answer.clone(),
-                        )
-                    });
-                    let Some(bytes) = leased else {
-                        tracing::warn!(
-                        from, off, len,
-                        "refused a shared blob outside the mapped arena; closing that bulk connection"
-                    );
-                        return;
-                    };
-                    self.deposit(from, id, bytes);
-                    continue;
-                }
-                other => {
-                    tracing::warn!(
-                        from,
-                        kind = other,
-                        "unknown bulk record; closing that bulk connection"
-                    );
-                    return;
-                }
-            }
-            let mut header = [0u8; 16];
-            if conn.read_exact(&mut header).await.is_err() {
-                return;
-            }
-            let id = u64::from_le_bytes(header[..8].try_into().expect("8 bytes"));
-            let len = u64::from_le_bytes(header[8..].try_into().expect("8 bytes"));
-            if len > self.cfg.max_frame_bytes as u64 {
-                tracing::warn!(
-                    from,
-                    len,
-                    limit = self.cfg.max_frame_bytes,
-                    "refused an oversized bulk record; closing that bulk connection"
-                );
-                return;
-            }
-            let len = len as usize;
-            let mut buf = self.pool.take(len);
-            let mut record = (&mut conn).take(len as u64);
-            while buf.len() < len {
-                match record.read_buf(&mut buf).await {
-                    Ok(0) | Err(_) => return,
-                    Ok(_) => {}
-                }
-            }
-            let pooled = Pooled {
-                buf,
-                pool: Arc::downgrade(&self.pool),
-            };
-            self.deposit(from, id, Bytes::from_owner(pooled));
-        }
+        let max = self.cfg.max_frame_bytes;
+        bulk_conn::serve(conn, from, max, &self.pool, |id, b| {
+            self.deposit(from, id, b)
+        })
+        .await;
     }
 
     /// Rebuilds an incoming side table, waiting for bulk records as needed.
@@ -704,36 +339,5 @@ impl Bulk {
             }
         }
         Ok(out)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn pool_recycles_within_its_cap_and_size_band() {
-        let pool = BufPool::new(3 << 20);
-        let mut v = pool.take(1 << 20);
-        v.resize(1 << 20, 7);
-        let ptr = v.as_ptr();
-        let b = Bytes::from_owner(Pooled {
-            buf: v,
-            pool: Arc::downgrade(&pool),
-        });
-        let b2 = b.clone();
-        drop(b);
-        assert_eq!(pool.parked.load(Ordering::Relaxed), 0, "still referenced");
-        drop(b2);
-        assert!(pool.parked.load(Ordering::Relaxed) >= 1 << 20);
-        // Too small a request does not take a buffer more than twice its size.
-        let small = pool.take(100);
-        assert_ne!(small.as_ptr(), ptr);
-        let again = pool.take((1 << 20) - 10);
-        assert_eq!(again.as_ptr(), ptr, "the parked buffer is reused");
-        assert!(again.is_empty());
-        // Over the cap, buffers are freed instead of parked.
-        pool.give(Vec::with_capacity(4 << 20));
-        assert_eq!(pool.parked.load(Ordering::Relaxed), 0);
     }
 }

@@ -10,7 +10,10 @@
 //! mux_server  the serving end: each request polled once, a task only if it waits
 //! peer        one lazily dialled multiplexed connection per peer
 //! blocking    a calling thread's own connection, served by a thread of the peer's
-//! bulk, shm   large blobs beside the control connection: a raw stream, shared memory
+//! bulk        large blobs beside the control connection: the inbox, sending, receiving
+//! bulk_conn   one bulk connection's two ends: records, the writer, the reader
+//! shm         shared-memory arenas for bulk blobs between workers on one host
+//! buffers     large and recycled buffers
 //! spin        busy polling before sleeping
 //! serve       the seam: `Serve`, the caller's deadline
 //! failure     why a call got no reply (`CallFailed`)
@@ -23,7 +26,9 @@
 
 pub(crate) mod auth;
 mod blocking;
+mod buffers;
 mod bulk;
+mod bulk_conn;
 mod config;
 mod dial;
 mod failure;
@@ -41,6 +46,7 @@ use std::sync::Arc;
 use auth::ConnKind;
 pub use auth::{Secret, SECRET_ENV, SECRET_FILE_ENV};
 pub(crate) use blocking::SyncConn;
+pub use buffers::large_vec;
 pub use bulk::BulkStats;
 pub(crate) use bulk::{inline_bytes, Bulk};
 pub(crate) use config::NetConfig;
