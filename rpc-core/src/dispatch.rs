@@ -2,9 +2,9 @@
 //! multiplexed or a blocking connection, through the network layer's [`Serve`] seam) or from
 //! this worker itself (typed, without serialization).
 //!
-//! Every call is first *admitted* ([`admit`]): refused while shutting down (root calls from the
-//! wire), looked up by name, its keep sink and its signature fingerprint checked, and, for a
-//! root call from the wire, given a permit of `max_concurrent_calls`. Calls nested in another
+//! Every call is first *checked* ([`check`]): refused while shutting down (root calls from the
+//! wire), looked up by name, its keep sink and its signature fingerprint checked; a root call
+//! from the wire then waits for a permit of `max_concurrent_calls`. Calls nested in another
 //! call never wait for a permit, so a chain A→B→A→… of any depth cannot deadlock on the limit;
 //! there is no fixed pool for nested calls to exhaust. Then the function runs *guarded*
 //! ([`guarded`]): under its deadline and depth, with a panic caught and reported to the caller
@@ -27,9 +27,11 @@ use futures::FutureExt;
 use std::collections::HashMap;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::Instant;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 use crate::agent::{Agent, Inner};
@@ -82,22 +84,39 @@ impl Serve for Inner {
         };
         let cancel = req.cancel_id.map(|id| (id, CancellationToken::new()));
         let token = cancel.as_ref().map(|(_, t)| t.clone());
-        let mut register = cancel.map(|(id, t)| (Arc::clone(self), id, t));
-        async move {
-            let mut run = std::pin::pin!(handle(agent, deadline, req, caller, token));
-            let mut _running = None;
-            std::future::poll_fn(|cx| {
-                let r = run.as_mut().poll(cx);
-                if r.is_pending() {
-                    if let Some((inner, id, token)) = register.take() {
-                        // CAN-1: cancellable from now on (before the next frame is read).
-                        _running = Some(Running::register(inner, caller, id, token));
-                    }
-                }
-                r
-            })
-            .await
+        Cancellable {
+            run: handle(agent, deadline, req, caller, token),
+            register: cancel.map(|(id, t)| (Arc::clone(self), caller, id, t)),
+            running: None,
         }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A request from the wire that becomes cancellable (CAN-1) if its first poll leaves it
+    /// pending: one that ends in its first poll cannot have been cancelled (the cancel would
+    /// come in a later frame), so it costs no registration.
+    struct Cancellable<F> {
+        #[pin]
+        run: F,
+        register: Option<(Arc<Inner>, u32, u64, CancellationToken)>,
+        running: Option<Running>,
+    }
+}
+
+impl<F: Future> Future for Cancellable<F> {
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let this = self.project();
+        let r = this.run.poll(cx);
+        if r.is_pending() {
+            if let Some((inner, caller, id, token)) = this.register.take() {
+                // Registered before the next frame of the connection is read.
+                *this.running = Some(Running::register(inner, caller, id, token));
+            }
+        }
+        r
     }
 }
 
@@ -150,35 +169,30 @@ enum Origin {
 }
 
 /// A call that passed the callee's checks.
-struct Admitted<'a> {
+struct Checked<'a> {
     entry: &'a Entry,
     sink: Option<&'a KeepSink>,
-    _permit: Option<OwnedSemaphorePermit>,
+    /// A root call from the wire: it takes a permit of `max_concurrent_calls`.
+    needs_permit: bool,
 }
 
 /// The callee's checks, in order: shutting down (root calls from the wire), the function's
-/// name, the keep sink's name, the signature; then a permit for a root call from the wire.
-/// Framework-internal calls (the shutdown barrier, cancels) never wait for a permit: they must
-/// not queue behind the user calls whose completion they wait for.
-async fn admit<'a>(
+/// name, the keep sink's name, the signature. A root call from the wire then takes a permit;
+/// framework-internal calls (the shutdown barrier, cancels) never wait for one:
+/// they must not queue behind the user calls whose completion they wait for.
+fn check<'a>(
     agent: &'a Agent,
     origin: Origin,
     fn_name: &str,
     sig: u64,
     depth: u32,
     sink: Option<&str>,
-) -> Result<Admitted<'a>, RemoteError> {
+) -> Result<Checked<'a>, RemoteError> {
     let callee = &agent.inner.callee;
     let fail = |kind, msg: String| RemoteError::new(kind, fn_name, agent.name(), msg);
-    let shutting_down = || {
-        fail(
-            RemoteErrorKind::ShuttingDown,
-            "worker is shutting down".into(),
-        )
-    };
     let wire_root = origin == Origin::Wire && depth == 0;
     if wire_root && agent.inner.life.is_stopping() {
-        return Err(shutting_down());
+        return Err(shutting_down(agent, fn_name));
     }
     let Some(entry) = callee.registry.get(fn_name) else {
         let names = callee.registry.names();
@@ -210,45 +224,46 @@ async fn admit<'a>(
             format!("callee's `{fn_name}` is {}", entry.signature_text()),
         ));
     }
-    let permit = if wire_root && !fn_name.starts_with("rpc_core::") {
-        match Arc::clone(&callee.admission).acquire_owned().await {
-            Ok(p) => Some(p),
-            Err(_) => return Err(shutting_down()),
-        }
-    } else {
-        None
-    };
-    Ok(Admitted {
+    Ok(Checked {
         entry,
         sink,
-        _permit: permit,
+        needs_permit: wire_root && !fn_name.starts_with("rpc_core::"),
     })
 }
 
-/// Runs `fut` under `scope`, a panic caught and reported as a remote error.
-async fn guarded<T>(
+fn shutting_down(agent: &Agent, fn_name: &str) -> RemoteError {
+    RemoteError::new(
+        RemoteErrorKind::ShuttingDown,
+        fn_name,
+        agent.name(),
+        "worker is shutting down",
+    )
+}
+
+/// `fut` run under `scope`, a panic caught and reported as a remote error. (Not an `async
+/// fn`: it would hold `fut` twice, and a request's future is allocated for every request.)
+fn guarded<'a, T: 'a>(
     scope: Scope,
-    fut: impl Future<Output = Result<T, RemoteError>>,
-    agent: &Agent,
-    fn_name: &str,
+    fut: impl Future<Output = Result<T, RemoteError>> + 'a,
+    agent: &'a Agent,
+    fn_name: &'a str,
     caller: u32,
-) -> Result<T, RemoteError> {
-    match SCOPE
+) -> impl Future<Output = Result<T, RemoteError>> + 'a {
+    SCOPE
         .scope(scope, AssertUnwindSafe(fut).catch_unwind())
-        .await
-    {
-        Ok(r) => r,
-        Err(p) => {
-            let msg = panic_message(&*p);
-            tracing::error!(worker = %agent.name(), %fn_name, caller, panic = %msg, "handler panicked");
-            Err(RemoteError::new(
-                RemoteErrorKind::Panic,
-                fn_name,
-                agent.name(),
-                msg,
-            ))
-        }
-    }
+        .map(move |r| match r {
+            Ok(r) => r,
+            Err(p) => {
+                let msg = panic_message(&*p);
+                tracing::error!(worker = %agent.name(), %fn_name, caller, panic = %msg, "handler panicked");
+                Err(RemoteError::new(
+                    RemoteErrorKind::Panic,
+                    fn_name,
+                    agent.name(),
+                    msg,
+                ))
+            }
+        })
 }
 
 /// Hands a keep-call's result (or its failure) to the sink; the call's answer is the failure,
@@ -269,94 +284,115 @@ fn hand_to_sink(
 
 /// A request from the wire, run to its reply. Not a tracing span: one per request doubled the
 /// size of every request's future (each is boxed, and a connection's task may hold
-/// thousands); the failures are logged with the function and caller instead.
-async fn handle(
+/// thousands); the failures are logged with the function and caller instead. (Not an `async
+/// fn`: it would hold the request twice, as a parameter and as the local it is moved into.)
+fn handle(
     agent: Agent,
     deadline: Option<Instant>,
     req: CallRequest,
     caller: u32,
     cancel: Option<CancellationToken>,
-) -> CallReply {
-    let fn_name = &req.fn_name;
-    let fail = |kind, msg: String| RemoteError::new(kind, fn_name, agent.name(), msg);
-    let sink_name = req.keep.as_ref().map(|k| &*k.sink);
-    let admitted = admit(&agent, Origin::Wire, fn_name, req.sig, req.depth, sink_name).await?;
-    let net = &agent.inner.net;
-    // Boxed where there are blobs, here and below: a request's future stays small.
-    let blobs = if req.blobs.is_empty() {
-        Vec::new()
-    } else {
-        Box::pin(net.bulk.receive(caller, req.blobs, deadline))
-            .await
-            .map_err(|e| fail(RemoteErrorKind::Protocol, e))?
-    };
-    let ctx = CallContext {
-        agent: agent.clone(),
-        caller,
-        deadline,
-        cancel,
-    };
-    let scope = Scope {
-        deadline,
-        depth: req.depth + 1,
-    };
-    let meta = req.meta;
-    let entry = admitted.entry;
-    if let (Some(keep), Some(sink)) = (req.keep, admitted.sink) {
-        // Boxed: creating a value is the rarer request, and its state is the larger.
-        let fut = async {
-            let run = (entry.keep)(ctx.clone(), req.payload, blobs);
-            let result = guarded(scope, run, &agent, fn_name, caller).await;
-            hand_to_sink(sink, ctx, keep.token, result)
+) -> impl Future<Output = CallReply> + Send + 'static {
+    let CallRequest {
+        fn_name,
+        sig,
+        depth,
+        payload,
+        blobs,
+        keep,
+        meta,
+        cancel_id: _,
+    } = req;
+    async move {
+        let fn_name = &*fn_name;
+        let fail = |kind, msg: String| RemoteError::new(kind, fn_name, agent.name(), msg);
+        let sink_name = keep.as_ref().map(|k| &*k.sink);
+        let checked = check(&agent, Origin::Wire, fn_name, sig, depth, sink_name)?;
+        let callee = &agent.inner.callee;
+        let _permit = match checked.needs_permit {
+            true => Some(
+                Arc::clone(&callee.admission)
+                    .acquire_owned()
+                    .await
+                    .map_err(|_| shutting_down(&agent, fn_name))?,
+            ),
+            false => None,
         };
-        Box::pin(META.scope(meta, fut)).await?;
-        return Ok(CallOk {
-            payload: Vec::new(),
-            blobs: Vec::new(),
-        });
+        let net = &agent.inner.net;
+        // Boxed where there are blobs, here and below: a request's future stays small.
+        let blobs = if blobs.is_empty() {
+            Vec::new()
+        } else {
+            Box::pin(net.bulk.receive(caller, blobs, deadline))
+                .await
+                .map_err(|e| fail(RemoteErrorKind::Protocol, e))?
+        };
+        let ctx = CallContext {
+            agent: agent.clone(),
+            caller,
+            deadline,
+            cancel,
+        };
+        let scope = Scope {
+            deadline,
+            depth: depth + 1,
+        };
+        let entry = checked.entry;
+        if let (Some(keep), Some(sink)) = (keep, checked.sink) {
+            // Boxed: creating a value is the rarer request, and its state is the larger.
+            let fut = async {
+                let run = (entry.keep)(ctx.clone(), payload, blobs);
+                let result = guarded(scope, run, &agent, fn_name, caller).await;
+                hand_to_sink(sink, ctx, keep.token, result)
+            };
+            Box::pin(META.scope(meta, fut)).await?;
+            return Ok(CallOk {
+                payload: Vec::new(),
+                blobs: Vec::new(),
+            });
+        }
+        let run = META.scope(meta, (entry.handler)(ctx, payload, blobs));
+        let (payload, blobs) = guarded(scope, run, &agent, fn_name, caller).await?;
+        let blobs = if blobs.is_empty() {
+            Vec::new()
+        } else {
+            Box::pin(net.bulk.send(caller, blobs))
+                .await
+                .map_err(|e| fail(RemoteErrorKind::Protocol, e))?
+        };
+        let size = payload.len() + net::inline_bytes(&blobs);
+        let limit = net.cfg.max_frame_bytes;
+        if !net::fits(size, limit) {
+            return Err(fail(
+                RemoteErrorKind::Protocol,
+                format!("result is {size} bytes, above the frame limit of {limit}"),
+            ));
+        }
+        Ok(CallOk { payload, blobs })
     }
-    let run = META.scope(meta, (entry.handler)(ctx, req.payload, blobs));
-    let (payload, blobs) = guarded(scope, run, &agent, fn_name, caller).await?;
-    let blobs = if blobs.is_empty() {
-        Vec::new()
-    } else {
-        Box::pin(net.bulk.send(caller, blobs))
-            .await
-            .map_err(|e| fail(RemoteErrorKind::Protocol, e))?
-    };
-    let size = payload.len() + net::inline_bytes(&blobs);
-    let limit = net.cfg.max_frame_bytes;
-    if !net::fits(size, limit) {
-        return Err(fail(
-            RemoteErrorKind::Protocol,
-            format!("result is {size} bytes, above the frame limit of {limit}"),
-        ));
-    }
-    Ok(CallOk { payload, blobs })
 }
 
-/// Runs `F` here for this worker itself, typed (AG-1): the checks and guards of a request from
-/// the wire, with `meta` as its call metadata.
-pub(crate) async fn call_local<F: RemoteFn>(
-    agent: &Agent,
+/// `F` run here for this worker itself, typed (AG-1): the checks and guards of a request
+/// from the wire, with `meta` as its call metadata. The checks are made now.
+pub(crate) fn call_local<'a, F: RemoteFn>(
+    agent: &'a Agent,
     args: F::Args,
     deadline: Option<Instant>,
     depth: u32,
     meta: CallMeta,
-) -> Result<F::Output, RemoteError> {
-    admit(agent, Origin::Local, F::NAME, sig_of::<F>(), depth, None).await?;
-    let run = run_typed::<F>(agent, args, deadline, depth, meta);
-    run.await
+) -> Result<impl Future<Output = Result<F::Output, RemoteError>> + Send + 'a, RemoteError> {
+    check(agent, Origin::Local, F::NAME, sig_of::<F>(), depth, None)?;
+    Ok(run_typed::<F>(agent, args, deadline, depth, meta))
 }
 
 /// `F` run here under its scope and `meta`, panics caught.
-async fn run_typed<F: RemoteFn>(
-    agent: &Agent,
+fn run_typed<'a, F: RemoteFn>(
+    agent: &'a Agent,
     args: F::Args,
     deadline: Option<Instant>,
     depth: u32,
     meta: CallMeta,
-) -> Result<F::Output, RemoteError> {
+) -> impl Future<Output = Result<F::Output, RemoteError>> + Send + 'a {
     let me = agent.rank();
     let ctx = CallContext {
         agent: agent.clone(),
@@ -368,49 +404,49 @@ async fn run_typed<F: RemoteFn>(
         deadline,
         depth: depth + 1,
     };
-    // Boxed and type-erased: a function that calls itself (directly or through a peer) would
-    // otherwise have an infinitely sized future.
-    let fut: std::pin::Pin<Box<dyn Future<Output = Result<F::Output, BoxError>> + Send>> =
-        Box::pin(F::call(ctx, args));
-    let run = META.scope(meta, async {
+    let run = META.scope(meta, async move {
+        // Boxed and type-erased: a function that calls itself (directly or through a peer)
+        // would otherwise have an infinitely sized future.
+        let fut: Pin<Box<dyn Future<Output = Result<F::Output, BoxError>> + Send>> =
+            Box::pin(F::call(ctx, args));
         fut.await.map_err(|e| {
             RemoteError::from_error(RemoteErrorKind::Handler, F::NAME, agent.name(), &*e)
         })
     });
-    guarded(scope, run, agent, F::NAME, me).await
+    guarded(scope, run, agent, F::NAME, me)
 }
 
-/// A keep-call to this worker itself: runs `F` here as [`call_local`] does and hands its
-/// result to the keep sink `sink` with `token`.
-pub(crate) async fn keep_local<F: RemoteFn>(
-    agent: &Agent,
+/// A keep-call to this worker itself: `F` run here as [`call_local`] runs it, its result
+/// handed to the keep sink `sink` with `token`. The checks are made now.
+pub(crate) fn keep_local<'a, F: RemoteFn>(
+    agent: &'a Agent,
     args: F::Args,
     deadline: Option<Instant>,
     depth: u32,
     meta: CallMeta,
     sink: &str,
     token: Vec<u8>,
-) -> Result<(), RemoteError> {
-    let admitted = admit(
+) -> Result<impl Future<Output = Result<(), RemoteError>> + Send + 'a, RemoteError> {
+    let checked = check(
         agent,
         Origin::Local,
         F::NAME,
         sig_of::<F>(),
         depth,
         Some(sink),
-    )
-    .await?;
-    let sink = admitted.sink.expect("admitted with a sink");
-    let result = run_typed::<F>(agent, args, deadline, depth, meta.clone())
-        .await
-        .map(KeptValue::new);
+    )?;
+    let sink = checked.sink.expect("checked with a sink");
     let ctx = CallContext {
         agent: agent.clone(),
         caller: agent.rank(),
         deadline,
         cancel: None,
     };
-    META.sync_scope(meta, || hand_to_sink(sink, ctx, token, result))
+    let run = run_typed::<F>(agent, args, deadline, depth, meta.clone());
+    Ok(run.map(move |result| {
+        let result = result.map(KeptValue::new);
+        META.sync_scope(meta, || hand_to_sink(sink, ctx, token, result))
+    }))
 }
 
 /// The message of a caught panic.

@@ -47,11 +47,12 @@ pub(super) fn await_reply<F: RemoteFn, O: serde::de::DeserializeOwned + Send + '
     Detach::new(agent.clone(), to, cancel_id, work)
 }
 
-/// Waits for `q`'s reply until its deadline, then reads it.
-async fn wait_reply<F: RemoteFn, O: serde::de::DeserializeOwned + Send + 'static>(
+/// Waits for `q`'s reply until its deadline, then reads it. (Not an `async fn`: it would hold
+/// `q` twice, as a parameter and as the locals it is taken apart into.)
+fn wait_reply<F: RemoteFn, O: serde::de::DeserializeOwned + Send + 'static>(
     agent: Agent,
     q: InFlight,
-) -> Result<O, RpcError> {
+) -> impl Future<Output = Result<O, RpcError>> + Send + 'static {
     let InFlight {
         waiter,
         to,
@@ -59,14 +60,29 @@ async fn wait_reply<F: RemoteFn, O: serde::de::DeserializeOwned + Send + 'static
         sent,
         ..
     } = q;
-    let reply = match (waiter, sent.timing.deadline) {
-        (Err(e), _) => Err(e),
-        (Ok(w), None) => w.await,
-        (Ok(w), Some(d)) => match tokio::time::timeout_at(d.into(), w).await {
-            Ok(r) => r,
-            Err(_) => Err(CallFailed::Deadline),
-        },
-    };
+    async move {
+        let reply = match (waiter, sent.timing.deadline) {
+            (Err(e), _) => Err(e),
+            (Ok(w), None) => w.await,
+            (Ok(w), Some(d)) => match tokio::time::timeout_at(d.into(), w).await {
+                Ok(r) => r,
+                Err(_) => Err(CallFailed::Deadline),
+            },
+        };
+        let (ok, deadline, caller_meta) = arrived::<F>(&agent, to, gen, reply, sent)?;
+        read_result::<F, O>(&agent, to, ok, deadline, caller_meta).await
+    }
+}
+
+/// A multiplexed call's reply as it arrived: forgets a connection the call found broken, then
+/// settles the reply. (A function of its own, so nothing of it stays in the waiting future.)
+fn arrived<F: RemoteFn>(
+    agent: &Agent,
+    to: u32,
+    gen: u64,
+    reply: Result<CallReply, CallFailed>,
+    sent: Sent,
+) -> Result<(CallOk, Option<Instant>, CallMeta), RpcError> {
     if reply.as_ref().is_err_and(CallFailed::broke_connection) {
         agent.inner.net.peers[to as usize].invalidate(gen);
     }
@@ -75,8 +91,8 @@ async fn wait_reply<F: RemoteFn, O: serde::de::DeserializeOwned + Send + 'static
         timing,
         caller_meta,
     } = sent;
-    let ok = settle::<F>(&agent, to, reply, timing, lent)?;
-    read_result::<F, O>(&agent, to, ok, timing.deadline, caller_meta).await
+    let ok = settle::<F>(agent, to, reply, timing, lent)?;
+    Ok((ok, timing.deadline, caller_meta))
 }
 
 /// What came back for a call to `to`, as the caller's result: the callee's answer, or the
@@ -152,21 +168,29 @@ pub(super) fn settle<F: RemoteFn>(
     }
 }
 
-/// A call to this worker itself (`to`), run by `run` within the call's deadline.
-pub(super) async fn local<F: RemoteFn, T>(
-    agent: &Agent,
+/// A call to this worker itself (`to`), run by `run` (or refused by the callee's checks)
+/// within the call's deadline. (Not an `async fn`: it would hold `run` twice.)
+pub(super) fn local<'a, F: RemoteFn, T: 'a>(
+    agent: &'a Agent,
     to: u32,
     timing: Timing,
-    run: impl Future<Output = Result<T, RemoteError>>,
-) -> Result<T, RpcError> {
-    let out = match timing.deadline {
-        None => run.await,
-        Some(d) => match tokio::time::timeout_at(d.into(), run).await {
-            Ok(r) => r,
-            Err(_) => return Err(deadline_exceeded::<F>(agent, to, timing)),
-        },
+    run: Result<impl Future<Output = Result<T, RemoteError>> + 'a, RemoteError>,
+) -> impl Future<Output = Result<T, RpcError>> + 'a {
+    use futures::future::{ready, Either};
+    use futures::FutureExt;
+    let run = match run {
+        Ok(run) => run,
+        Err(e) => return Either::Left(ready(Err(map_remote::<F>(e)))),
     };
-    out.map_err(map_remote::<F>)
+    Either::Right(match timing.deadline {
+        None => Either::Left(run.map(|r| r.map_err(map_remote::<F>))),
+        Some(d) => Either::Right(
+            tokio::time::timeout_at(d.into(), run).map(move |r| match r {
+                Ok(r) => r.map_err(map_remote::<F>),
+                Err(_) => Err(deadline_exceeded::<F>(agent, to, timing)),
+            }),
+        ),
+    })
 }
 
 /// A remote error as the caller's error: the kinds a caller acts on get variants of their
