@@ -71,7 +71,10 @@ impl DistContext {
         self.id
     }
 
-    /// Runs `fut` inside the context: tensors sent in the calls it makes are recorded.
+    /// Runs `fut` inside the context: tensors sent in the calls it makes are recorded. The
+    /// calls must be *made* inside `fut` (`ctx.run(async { agent.rpc_async(..).await })`):
+    /// a call starts when it is made, so one made outside and only awaited inside carries no
+    /// context.
     pub async fn run<F: std::future::Future>(&self, fut: F) -> F::Output {
         with_call_meta(CTX_KEY, Some(self.id.to_le_bytes().to_vec()), fut).await
     }

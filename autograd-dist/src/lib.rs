@@ -1,5 +1,58 @@
 //! Tensors over RPC, device placement, and distributed autograd.
 //!
+//! ```
+//! use autograd_dist::{DistributedOptimizer, OptimizerKind, Parameter, RTensor};
+//! use candle_core::{Device, Tensor};
+//! use rpc_core::{remote, testing, BoxError, CallContext, Registry, Secret, Transport};
+//! use rref::RRef;
+//!
+//! /// On the worker that runs it: a weight `w = 2`, returned as a remote reference.
+//! #[remote]
+//! async fn weight(ctx: CallContext) -> Result<RRef<Parameter>, BoxError> {
+//!     let w = Parameter::new(&Tensor::new(&[2f32], &Device::Cpu)?)?;
+//!     Ok(RRef::new(ctx.agent(), w))
+//! }
+//!
+//! /// `w * x` on the weight's owner.
+//! #[remote]
+//! async fn forward(_ctx: CallContext, w: RRef<Parameter>, x: RTensor) -> Result<RTensor, BoxError> {
+//!     let w = autograd_dist::parameter_var(&w).await?;
+//!     Ok(RTensor(x.mul(w.as_tensor())?))
+//! }
+//!
+//! # #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! let registry = |_| {
+//!     let b = Registry::builder().register(weight).unwrap().register(forward).unwrap();
+//!     autograd_dist::install(rref::install(b).unwrap()).unwrap().build()
+//! };
+//! let workers =
+//!     testing::start_group(2, Transport::Tcp, Secret::generate(), registry, |_, c| c).await?;
+//! let (me, owner) = (&workers[0], &workers[1]);
+//! let w = me.rpc_async("worker1", weight, ()).await?;
+//! let opt = DistributedOptimizer::new(me, OptimizerKind::sgd(0.1), vec![w.clone()])?;
+//!
+//! let ctx = autograd_dist::context(me);
+//! let x = RTensor(Tensor::new(&[3f32], &Device::Cpu)?);
+//! // Calls made inside the context record the graph across workers.
+//! let y = ctx
+//!     .run(async { me.rpc_async("worker1", forward, (w.clone(), x)).await })
+//!     .await?;
+//! let loss = y.0.sum_all()?;
+//! ctx.backward(&[loss]).await?; // runs on worker1 too
+//! // The gradient stays where the weight lives: d(w x)/dw = x = 3.
+//! let grads = autograd_dist::gradients(owner, ctx.id());
+//! let g: Vec<f32> = grads.values().next().unwrap().to_vec1()?;
+//! assert_eq!(g, [3.0]);
+//! opt.step(&ctx).await?; // w = 2 - 0.1 * 3, stepped on worker1
+//! let stepped: Parameter = w.to_here().await?;
+//! assert!((stepped.0.as_tensor().to_vec1::<f32>()?[0] - 1.7).abs() < 1e-6);
+//! drop((w, opt));
+//! ctx.release().await?;
+//! futures::future::join_all(workers.iter().map(|w| w.shutdown())).await;
+//! # Ok(()) }
+//! ```
+//!
 //! - [`RTensor`]: a candle tensor that is a valid argument or result of any call (and of
 //!   `remote`, `to_here` and RRef methods), raw bytes on the fastest path.
 //! - [`DeviceSpec`]: `cpu` or `cuda:N` as plain data; CUDA behind the `cuda` feature.

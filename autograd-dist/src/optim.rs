@@ -105,8 +105,8 @@ impl Gradients for HashMap<TensorId, Tensor> {
 }
 
 /// An optimizer over variables of this process: the update rules of [`OptimizerKind`] with
-/// their per-parameter state. [`DistributedOptimizer`] runs one on every owner; single-process
-/// training uses it directly, with the same arithmetic.
+/// their per-parameter state. [`DistributedOptimizer`](crate::DistributedOptimizer) runs one
+/// on every owner; single-process training uses it directly, with the same arithmetic.
 ///
 /// ```
 /// use autograd_dist::{Optimizer, OptimizerKind};

@@ -3,6 +3,38 @@
 //! Everything travels as RPCs of `rpc-core` (tensors as [`RTensor`]s, so large ones take the
 //! bulk path) into a per-worker mailbox matched by source and tag.
 //!
+//! ```
+//! use candle_core::{Device, Tensor};
+//! use collectives::ReduceOp;
+//! use rpc_core::{testing, Agent, Registry, Secret, Transport};
+//!
+//! /// What every rank runs: an all-reduce over the whole group, then rank 0 sends its result
+//! /// to rank 1 (tag 7).
+//! async fn rank_main(agent: Agent) -> Result<Vec<f32>, Box<dyn std::error::Error + Send + Sync>> {
+//!     let group = collectives::world(&agent);
+//!     let mine = Tensor::full(agent.rank() as f32 + 1.0, 4, &Device::Cpu)?;
+//!     let sum = group.all_reduce(&mine, ReduceOp::Sum).await?; // 1 + 2 on every rank
+//!     if agent.rank() == 0 {
+//!         collectives::send(&agent, 1u32, 7, &sum).await?;
+//!     } else {
+//!         let got = collectives::recv(&agent, 0u32, 7).await?;
+//!         assert_eq!(got.to_vec1::<f32>()?, sum.to_vec1::<f32>()?);
+//!     }
+//!     Ok(sum.to_vec1()?)
+//! }
+//!
+//! # #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! let registry = |_| collectives::install(Registry::builder()).unwrap().build();
+//! let workers =
+//!     testing::start_group(2, Transport::Tcp, Secret::generate(), registry, |_, c| c).await?;
+//! // Here both ranks run in this process; in a real job each process runs `rank_main`.
+//! let sums = futures::future::try_join_all(workers.iter().cloned().map(rank_main)).await?;
+//! assert_eq!(sums, vec![vec![3.0; 4]; 2]);
+//! futures::future::join_all(workers.iter().map(|w| w.shutdown())).await;
+//! # Ok(()) }
+//! ```
+//!
 //! - [`send`] / [`recv`] (and [`isend`] / [`irecv`], which return handles): point to point.
 //! - [`ProcessGroup`]: the whole group ([`world`]) or a subset ([`new_group`]). Every member
 //!   must call the group's collectives in the same order (each call takes the group's next

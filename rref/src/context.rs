@@ -13,7 +13,7 @@
 //! - CTX-2: a pending child whose request was never sent, or was refused before its
 //!   arguments were read (unknown function, signature mismatch, callee shutting down), is
 //!   released at once (`MessageContext::on_undelivered`). A call or reply dropped by its caller
-//!   is still read (rpc-core's `cancel.rs`), so its children are registered and released as
+//!   is still read (rpc-core's `call/cancel.rs`), so its children are registered and released as
 //!   usual. One whose fate is unknown (the connection broke after sending, or a reply arrived
 //!   after its call's deadline) is released after `CHILD_TTL`, with a warning.
 

@@ -6,6 +6,45 @@
 //! collector: the owner keeps a value exactly as long as a handle to it exists anywhere,
 //! whatever order the protocol's messages arrive in.
 //!
+//! ```
+//! use rpc_core::{remote, testing, BoxError, CallContext, Registry, Secret, Transport};
+//! use rref::RRef;
+//!
+//! /// A constructor: the counter it returns stays on the worker that runs it.
+//! #[remote]
+//! async fn counter(_ctx: CallContext, start: u64) -> Result<u64, BoxError> {
+//!     Ok(start)
+//! }
+//!
+//! /// A method: takes the reference first and reaches the value on its owner.
+//! #[remote]
+//! async fn add(_ctx: CallContext, c: RRef<u64>, n: u64) -> Result<u64, BoxError> {
+//!     let value = c.local_value().await?;
+//!     let mut v = value.lock().await;
+//!     *v += n;
+//!     Ok(*v)
+//! }
+//!
+//! # #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! // Every worker installs the protocol beside its own functions.
+//! let registry = |_| {
+//!     let b = Registry::builder().register(counter).unwrap().register(add).unwrap();
+//!     rref::install(b).unwrap().build()
+//! };
+//! let workers =
+//!     testing::start_group(2, Transport::Tcp, Secret::generate(), registry, |_, c| c).await?;
+//! let me = &workers[0];
+//! let c = rref::remote(me, "worker1", counter, (40,))?; // returns at once; lives on worker1
+//! assert_eq!(c.rpc_async(add, (1,)).await?, 41); // a method, run on the owner
+//! let sum: RRef<u64> = c.remote(add, (1,))?; // its result stays on the owner too
+//! assert_eq!(sum.to_here().await?, 42); // a copy, fetched
+//! assert_eq!(c.to_here().await?, 42);
+//! drop((c, sum)); // the owner hears of it and frees both values
+//! futures::future::join_all(workers.iter().map(|w| w.shutdown())).await;
+//! # Ok(()) }
+//! ```
+//!
 //! Install the protocol's functions in every worker's registry with [`install`].
 //!
 //! # Layout

@@ -12,6 +12,12 @@ use std::time::Duration;
 pub mod autograd_fns;
 pub mod rref_fns;
 
+/// The README's Rust snippets, compiled (and run where they can be) as doc tests, so the
+/// README stays true to the API.
+#[doc = include_str!("../../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeSnippets;
+
 use rpc_core::ext::AgentExt;
 use rpc_core::{remote, Blob, BoxError, CallContext, Registry};
 use serde::{Deserialize, Serialize};

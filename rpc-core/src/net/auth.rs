@@ -114,7 +114,7 @@ pub(crate) enum ConnKind {
     Control = 1,
     Bulk = 2,
     Rendezvous = 3,
-    /// A calling thread's own connection for blocking calls (`direct.rs`).
+    /// A calling thread's own connection for blocking calls (`blocking.rs`).
     Sync = 4,
 }
 
