@@ -721,7 +721,7 @@ const PIECE_BYTES: usize = 8 << 20;
 /// Pieces per ring step that the step numbering leaves room for (chunks up to 256 GiB).
 const MAX_PIECES: u32 = 1 << 16;
 
-/// A CPU tensor's elements in a fresh buffer (from [`rpc_core::large_vec`]).
+/// A CPU tensor's elements in a fresh buffer (from [`rpc_core::ext::large_vec`]).
 fn copy_out<T: Element>(t: &Tensor) -> candle_core::Result<Vec<T>> {
     let t = t.flatten_all()?.contiguous()?;
     let (storage, layout) = t.storage_and_layout();
@@ -732,7 +732,7 @@ fn copy_out<T: Element>(t: &Tensor) -> candle_core::Result<Vec<T>> {
     let Some((a, b)) = layout.contiguous_offsets() else {
         return t.to_vec1::<T>();
     };
-    let mut v = rpc_core::large_vec::<T>(b - a);
+    let mut v = rpc_core::ext::large_vec::<T>(b - a);
     v.extend_from_slice(&all[a..b]);
     Ok(v)
 }

@@ -39,6 +39,7 @@ use crate::wire::WorkerId;
 
 pub use crate::blob::{MessageContext, MessageKind, Payload};
 pub use crate::context::{call_meta, with_call_meta};
+pub use crate::net::large_vec;
 pub use crate::registry::{KeepSink, KeptValue};
 pub use crate::wire::CallMeta;
 

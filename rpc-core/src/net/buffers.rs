@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex, Weak};
 /// longer than sending it over loopback.
 ///
 /// ```
-/// let mut v = rpc_core::large_vec::<f32>(1 << 22);
+/// let mut v = rpc_core::ext::large_vec::<f32>(1 << 22);
 /// v.resize(1 << 22, 1.0);
 /// assert_eq!(v.len(), 1 << 22);
 /// ```
