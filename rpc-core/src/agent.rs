@@ -22,7 +22,7 @@ use crate::error::{InitError, RpcError};
 use crate::ext::Layers;
 use crate::group::{Group, ToWorker};
 use crate::lifecycle::Lifecycle;
-use crate::net::{BulkStats, Directory, Net};
+use crate::net::{BulkStats, Directory, FailureWatch, Net, WorkerFailed};
 use crate::registry::{Registry, RemoteFn};
 use crate::rendezvous::{self, Join, RendezvousServer};
 use crate::shutdown::{self, ShutdownReport};
@@ -127,6 +127,22 @@ pub async fn init(config: Config, registry: Registry) -> Result<Agent, InitError
         .await
         .map_err(bind_error)?;
     let my_addr = listener.local_addr().map_err(bind_error)?;
+    // The failure detector's own listener, on the same host, served by its own thread.
+    let heartbeats = if net_cfg.heartbeat_interval.is_zero() {
+        None
+    } else {
+        let host = cfg.listen_addr.rsplit_once(':').map_or("", |(h, _)| h);
+        let addr = format!("{host}:0");
+        let l = net_cfg
+            .transport
+            .bind_detached(&addr)
+            .map_err(|source| InitError::Bind { addr, source })?;
+        Some(l)
+    };
+    let heartbeat_addr = match &heartbeats {
+        Some(l) => l.local_addr().map_err(bind_error)?,
+        None => String::new(),
+    };
     let server = if cfg.serve_rendezvous {
         let (t, secret) = (&net_cfg.transport, net_cfg.secret.clone());
         let world = net_cfg.world_size;
@@ -139,6 +155,7 @@ pub async fn init(config: Config, registry: Registry) -> Result<Agent, InitError
         rank: net_cfg.rank,
         world_size: net_cfg.world_size,
         addr: my_addr,
+        heartbeat: heartbeat_addr,
     };
     let table = rendezvous::join(
         &net_cfg.transport,
@@ -163,7 +180,20 @@ pub async fn init(config: Config, registry: Registry) -> Result<Agent, InitError
         net: Arc::new(Net::new(cfg.net, directory, Arc::clone(&life))),
         life,
     });
-    inner.net.serve(listener, Arc::clone(&inner));
+    {
+        // AG-6: the shutdown barrier does not wait for a worker declared failed.
+        let weak = Arc::downgrade(&inner);
+        let world = inner.group.size();
+        inner
+            .net
+            .membership
+            .on_failure(Arc::new(move |f: &WorkerFailed| {
+                if let Some(inner) = weak.upgrade() {
+                    inner.shutdown.excuse(f.rank, world);
+                }
+            }));
+    }
+    inner.net.serve(listener, Arc::clone(&inner), heartbeats);
     let agent = Agent { inner };
     tracing::info!(worker = %agent.name(), rank = agent.rank(), world = agent.world_size(), "joined group");
     Ok(agent)
@@ -313,6 +343,28 @@ impl Agent {
     /// streams or through shared memory.
     pub fn bulk_stats(&self) -> BulkStats {
         self.inner.net.bulk.stats()
+    }
+
+    /// The workers this worker's failure detector declared failed so far (frozen, hung, cut
+    /// off, or their process gone; see [`Config::failure_timeout`]), by rank. Every wait on
+    /// them has ended with [`RpcError::PeerFailed`].
+    pub fn failed_workers(&self) -> Vec<WorkerFailed> {
+        self.inner.net.membership.failures()
+    }
+
+    /// The verdicts of this worker's failure detector as they come, those already made first:
+    /// a master reacts to a failed worker here.
+    ///
+    /// ```no_run
+    /// # async fn demo(agent: rpc_core::Agent) {
+    /// let mut failures = agent.watch_failures();
+    /// while let Some(f) = failures.next().await {
+    ///     eprintln!("worker `{}` (rank {}) failed: {}", f.name, f.rank, f.cause);
+    /// }
+    /// # }
+    /// ```
+    pub fn watch_failures(&self) -> FailureWatch {
+        FailureWatch::new(Arc::clone(&self.inner.net.membership))
     }
 
     /// Whether shutdown has begun.

@@ -96,6 +96,17 @@ pub struct Config {
     /// makes its blocking calls through the runtime instead. This bounds the serving threads
     /// a program with many calling threads costs its peers. Default: 64.
     pub max_sync_connections: usize,
+    /// How often the failure detector sends each peer a heartbeat. The detector runs on a
+    /// thread of its own, so a worker whose runtime is busy computing still beats, and one
+    /// that is frozen (SIGSTOP, a hung host, a partition) does not. `Duration::ZERO` turns
+    /// the detector off. Default: `RPC_HEARTBEAT_INTERVAL_MS` if set, else 250 ms.
+    pub heartbeat_interval: Option<Duration>,
+    /// How long a peer may stay silent before it is declared failed (every wait on it then
+    /// ends with [`RpcError::PeerFailed`](crate::RpcError::PeerFailed)). A peer whose process
+    /// is gone is declared failed at once. At least twice the heartbeat interval. Default:
+    /// `RPC_FAILURE_TIMEOUT_MS` if set, else 1.5 s: a frozen peer is found within 2 s on
+    /// loopback, with room for a loaded machine's scheduling delays.
+    pub failure_timeout: Option<Duration>,
 }
 
 impl Default for Config {
@@ -122,6 +133,8 @@ impl Default for Config {
             shm_arena_bytes: 128 << 20,
             sync_connections: true,
             max_sync_connections: 64,
+            heartbeat_interval: None,
+            failure_timeout: None,
         }
     }
 }
@@ -181,6 +194,10 @@ impl Config {
         with_sync_connections(sync_connections: bool) => sync_connections;
         /// Sets [`Config::max_sync_connections`].
         with_max_sync_connections(max_sync_connections: usize) => max_sync_connections;
+        /// Sets [`Config::heartbeat_interval`] (`Duration::ZERO`: no failure detector).
+        with_heartbeat_interval(heartbeat_interval: Duration) => Some(heartbeat_interval);
+        /// Sets [`Config::failure_timeout`].
+        with_failure_timeout(failure_timeout: Duration) => Some(failure_timeout);
     }
 
     pub(crate) fn resolve(self) -> Result<Resolved, InitError> {
@@ -272,6 +289,37 @@ impl Config {
                 "max_concurrent_calls must be positive".into(),
             ));
         }
+        let millis = |key: &str, given: Option<Duration>, default: Duration| {
+            if let Some(d) = given {
+                return Ok(d);
+            }
+            match env(key) {
+                None => Ok(default),
+                Some(v) => v
+                    .trim()
+                    .parse::<u64>()
+                    .map(Duration::from_millis)
+                    .map_err(|_| {
+                        InitError::Config(format!("{key}={v:?} is not a number of milliseconds"))
+                    }),
+            }
+        };
+        let heartbeat_interval = millis(
+            "RPC_HEARTBEAT_INTERVAL_MS",
+            self.heartbeat_interval,
+            Duration::from_millis(250),
+        )?;
+        let failure_timeout = millis(
+            "RPC_FAILURE_TIMEOUT_MS",
+            self.failure_timeout,
+            Duration::from_millis(1500),
+        )?;
+        if !heartbeat_interval.is_zero() && failure_timeout < heartbeat_interval * 2 {
+            return Err(InitError::Config(format!(
+                "failure_timeout ({failure_timeout:?}) must be at least twice the heartbeat \
+                 interval ({heartbeat_interval:?})"
+            )));
+        }
         Ok(Resolved {
             name: self.name.unwrap_or_else(|| format!("worker{rank}")),
             serve_rendezvous: self.serve_rendezvous.unwrap_or(rank == 0),
@@ -295,6 +343,8 @@ impl Config {
                 shm_arena_bytes: self.shm_arena_bytes,
                 busy_poll: self.busy_poll,
                 max_sync_connections: self.max_sync_connections,
+                heartbeat_interval,
+                failure_timeout,
             },
         })
     }
@@ -385,6 +435,42 @@ mod tests {
             ]))
             .unwrap();
         assert_eq!((r.net.rank, r.net.world_size), (3, 5));
+    }
+
+    #[test]
+    fn detector_settings_from_config_or_env() {
+        let base = || {
+            base()
+                .with_rank(0)
+                .with_world_size(1)
+                .with_init_method("tcp://a:1")
+        };
+        let r = base().resolve_with(&env(&[])).unwrap();
+        assert_eq!(r.net.heartbeat_interval, Duration::from_millis(250));
+        assert_eq!(r.net.failure_timeout, Duration::from_millis(1500));
+        let r = base()
+            .resolve_with(&env(&[
+                ("RPC_HEARTBEAT_INTERVAL_MS", "100"),
+                ("RPC_FAILURE_TIMEOUT_MS", "900"),
+            ]))
+            .unwrap();
+        assert_eq!(r.net.heartbeat_interval, Duration::from_millis(100));
+        assert_eq!(r.net.failure_timeout, Duration::from_millis(900));
+        let r = base()
+            .with_heartbeat_interval(Duration::ZERO)
+            .resolve_with(&env(&[("RPC_HEARTBEAT_INTERVAL_MS", "100")]))
+            .unwrap();
+        assert!(r.net.heartbeat_interval.is_zero(), "the config wins");
+        let e = base()
+            .resolve_with(&env(&[("RPC_FAILURE_TIMEOUT_MS", "soon")]))
+            .unwrap_err();
+        assert!(e.to_string().contains("RPC_FAILURE_TIMEOUT_MS"), "{e}");
+        let e = base()
+            .with_heartbeat_interval(Duration::from_secs(1))
+            .with_failure_timeout(Duration::from_secs(1))
+            .resolve_with(&env(&[]))
+            .unwrap_err();
+        assert!(e.to_string().contains("twice"), "{e}");
     }
 
     #[test]

@@ -187,6 +187,17 @@ pub enum RpcError {
         #[source]
         source: std::io::Error,
     },
+    /// The peer was declared failed by the failure detector (frozen, hung, cut off, or its
+    /// process gone): every call to it, and every wait on it, ends with this.
+    #[error("worker `{worker}` failed, so `{fn_name}` cannot complete: {cause}")]
+    PeerFailed {
+        /// The failed worker.
+        worker: String,
+        /// The function called (or the operation waited for).
+        fn_name: String,
+        /// Why it was declared failed.
+        cause: String,
+    },
     /// The connection to the peer closed while the call was in flight.
     #[error("connection to worker `{worker}` closed during call to `{fn_name}`")]
     ConnectionLost {

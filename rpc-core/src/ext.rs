@@ -104,6 +104,12 @@ pub trait AgentExt: sealed::Sealed {
     /// A handle that does not keep the agent alive.
     fn downgrade(&self) -> WeakAgent;
 
+    /// Runs `hook` whenever the failure detector declares a worker failed, after the network
+    /// layer has closed every connection to it and failed what waited on them. It runs on
+    /// the detector's thread: it must return quickly (spawn on the agent's runtime for work
+    /// that waits).
+    fn on_worker_failed(&self, hook: impl Fn(&crate::WorkerFailed) + Send + Sync + 'static);
+
     /// Whether the process of worker `rank` is known to be gone: uses the live connection if
     /// there is one (then it is not gone), else redials and reports `true` only when nothing
     /// listens at the worker's address (connection refused). A live but slow, frozen or
@@ -171,6 +177,10 @@ impl AgentExt for Agent {
 
     fn downgrade(&self) -> WeakAgent {
         WeakAgent(Arc::downgrade(&self.inner))
+    }
+
+    fn on_worker_failed(&self, hook: impl Fn(&crate::WorkerFailed) + Send + Sync + 'static) {
+        self.inner.net.membership.on_failure(Arc::new(hook));
     }
 
     fn peer_gone(&self, rank: u32) -> impl Future<Output = bool> + Send {

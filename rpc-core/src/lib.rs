@@ -93,7 +93,10 @@ pub use error::{
     error_chain, BoxError, CodecError, InitError, RemoteError, RemoteErrorKind, RpcError,
 };
 pub use group::{ToWorker, WorkerRef};
-pub use net::{BulkStats, MemoryNetwork, Secret, Transport, SECRET_ENV, SECRET_FILE_ENV};
+pub use net::{
+    BulkStats, FailureWatch, MemoryNetwork, Secret, Transport, WorkerFailed, SECRET_ENV,
+    SECRET_FILE_ENV,
+};
 pub use registry::{Registry, RegistryBuilder, RegistryError, RemoteFn};
 pub use rendezvous::RendezvousServer;
 pub use rpc_macros::remote;

@@ -20,6 +20,7 @@ use tokio_util::codec::{Framed, LengthDelimitedCodec};
 use crate::error::InitError;
 use crate::net::auth::{self, ConnKind, Secret};
 use crate::net::transport::{Conn, Listener, Transport};
+use crate::net::Endpoint;
 
 /// Largest rendezvous message (a table of many workers still fits).
 const MAX_MSG: usize = 16 << 20;
@@ -32,13 +33,16 @@ pub(crate) struct Join {
     pub name: String,
     pub rank: u32,
     pub world_size: u32,
+    /// Where the worker's listener is reachable.
     pub addr: String,
+    /// Where its failure detector listens for heartbeats (empty: no detector).
+    pub heartbeat: String,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
 enum Verdict {
-    /// `(name, addr)` per rank.
-    Table(Vec<(String, String)>),
+    /// Every member, by rank.
+    Table(Vec<Endpoint>),
     Missing(Vec<u32>),
     Refused(String),
 }
@@ -193,9 +197,13 @@ async fn serve(listener: &mut Listener, secret: Secret, world_size: u32, deadlin
             }
         }
     }
-    let table: Vec<(String, String)> = joined
+    let table: Vec<Endpoint> = joined
         .values()
-        .map(|(j, _)| (j.name.clone(), j.addr.clone()))
+        .map(|(j, _)| Endpoint {
+            name: j.name.clone(),
+            addr: j.addr.clone(),
+            heartbeat: j.heartbeat.clone(),
+        })
         .collect();
     let verdict = Verdict::Table(table);
     let sends = joined.into_values().map(|(_, mut f)| {
@@ -213,14 +221,14 @@ async fn serve(listener: &mut Listener, secret: Secret, world_size: u32, deadlin
     futures::future::join_all(sends).await;
 }
 
-/// Joins the group at `addr`; returns `(name, addr)` per rank.
+/// Joins the group at `addr`; returns every member, by rank.
 pub(crate) async fn join(
     transport: &Transport,
     addr: &str,
     secret: &Secret,
     mut me: Join,
     timeout_: Duration,
-) -> Result<Vec<(String, String)>, InitError> {
+) -> Result<Vec<Endpoint>, InitError> {
     let deadline = Instant::now() + timeout_;
     let mut backoff = Duration::from_millis(20);
     let (mut conn, local_ip) = loop {
@@ -268,9 +276,13 @@ pub(crate) async fn join(
         }
     }
     // A wildcard listener is advertised under the IP this host uses to reach the rendezvous.
-    if let (Some(ip), Some((host, port))) = (local_ip, me.addr.clone().rsplit_once(':')) {
-        if host == "0.0.0.0" || host == "[::]" {
-            me.addr = std::net::SocketAddr::new(ip, port.parse().unwrap_or(0)).to_string();
+    if let Some(ip) = local_ip {
+        for addr in [&mut me.addr, &mut me.heartbeat] {
+            if let Some((host, port)) = addr.clone().rsplit_once(':') {
+                if host == "0.0.0.0" || host == "[::]" {
+                    *addr = std::net::SocketAddr::new(ip, port.parse().unwrap_or(0)).to_string();
+                }
+            }
         }
     }
     let mut f = framed(conn);

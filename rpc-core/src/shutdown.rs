@@ -5,7 +5,8 @@
 //! 1. Every worker waits at rank 0's barrier, so no worker closes while another still needs
 //!    it.
 //! 2. New root calls are refused; calls in flight drain.
-//! 3. Outgoing connections and the listener close; the peers close theirs.
+//! 3. The failure detector tells the peers this worker is leaving; outgoing connections and
+//!    the listener close; the peers close theirs.
 //! 4. Whatever is left is aborted.
 //!
 //! Invariants:
@@ -13,6 +14,8 @@
 //!   already in flight still are, so draining cannot deadlock.
 //! - AG-4: shutdown is idempotent and bounded: every phase has a timeout, and a second call
 //!   returns the first call's report.
+//! - AG-6: the barrier does not wait for ranks declared failed, and a rank whose rank 0 was
+//!   declared failed learns it at once.
 //! - AG-5: rank 0 does not wait out the barrier's timeout for ranks whose process is gone:
 //!   while it waits, it redials the missing ranks, and once every missing rank refuses
 //!   connections (nothing listens: the process exited or was killed) the barrier fails at
@@ -60,10 +63,30 @@ pub(crate) struct State {
 
 #[derive(Default)]
 struct Barrier {
+    /// Ranks that reached the barrier.
     arrived: BTreeSet<u32>,
+    /// Ranks declared failed before they did (they will not come; shutdown skips them).
+    excused: BTreeSet<u32>,
     waiters: Vec<oneshot::Sender<Result<(), Vec<u32>>>>,
     /// Set when rank 0 gave up waiting: the ranks that never arrived.
     failed: Option<Vec<u32>>,
+}
+
+impl Barrier {
+    /// Every rank arrived or was excused: the waiters learn which were excused, if any.
+    fn release_if_complete(&mut self, world: usize) {
+        if self.arrived.union(&self.excused).count() < world {
+            return;
+        }
+        let excused: Vec<u32> = self.excused.iter().copied().collect();
+        for tx in self.waiters.drain(..) {
+            let _ = tx.send(if excused.is_empty() {
+                Ok(())
+            } else {
+                Err(excused.clone())
+            });
+        }
+    }
 }
 
 impl State {
@@ -79,14 +102,18 @@ impl State {
         self.barrier.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The ranks of a group of `world` that have not reached the barrier.
+    /// The ranks of a group of `world` that have neither reached the barrier nor been
+    /// declared failed.
     fn missing(&self, world: u32) -> Vec<u32> {
         let b = self.barrier();
-        (0..world).filter(|r| !b.arrived.contains(r)).collect()
+        (0..world)
+            .filter(|r| !b.arrived.contains(r) && !b.excused.contains(r))
+            .collect()
     }
 
-    /// Rank 0's side of the barrier: waits until all `world` ranks have arrived, or until
-    /// rank 0 gives up (then fails with the missing ranks).
+    /// Rank 0's side of the barrier: waits until all `world` ranks have arrived or been
+    /// declared failed (then fails naming those, AG-6), or until rank 0 gives up (then fails
+    /// with the missing ranks).
     async fn arrive(&self, rank: u32, world: usize) -> Result<(), Vec<u32>> {
         let rx = {
             let mut b = self.barrier();
@@ -96,14 +123,19 @@ impl State {
             b.arrived.insert(rank);
             let (tx, rx) = oneshot::channel();
             b.waiters.push(tx);
-            if b.arrived.len() == world {
-                for tx in b.waiters.drain(..) {
-                    let _ = tx.send(Ok(()));
-                }
-            }
+            b.release_if_complete(world);
             rx
         };
         rx.await.unwrap_or(Ok(()))
+    }
+
+    /// `rank` was declared failed: the barrier does not wait for it (AG-6).
+    pub(crate) fn excuse(&self, rank: u32, world: usize) {
+        let mut b = self.barrier();
+        if !b.arrived.contains(&rank) {
+            b.excused.insert(rank);
+            b.release_if_complete(world);
+        }
     }
 
     /// Rank 0 gives up on the barrier: every waiter learns which ranks never arrived.
@@ -133,7 +165,11 @@ impl RemoteFn for ShutdownBarrier {
             .arrive(rank, agent.world_size())
             .await
             .map_err(|missing| {
-                format!("ranks {missing:?} never reached the shutdown barrier").into()
+                format!(
+                    "ranks {missing:?} never reached the shutdown barrier (missing or declared \
+                     failed)"
+                )
+                .into()
             })
     }
 }
@@ -172,10 +208,12 @@ async fn run(agent: Agent, t: Duration) -> ShutdownReport {
     let in_flight = life.calls.len();
     let drained = tokio::time::timeout(t, life.calls.wait()).await.is_ok();
     let aborted = if drained { 0 } else { life.calls.len() };
-    // Phase 3: close our outgoing connections and the listener, then let the peers close
-    // theirs (they do so once their own barrier call has returned), so every reply that is
-    // still being written reaches its caller.
+    // Phase 3: tell the peers' failure detectors this worker is leaving (it is not failing),
+    // close our outgoing connections and the listener, then let the peers close theirs (they
+    // do so once their own barrier call has returned), so every reply that is still being
+    // written reaches its caller.
     life.set_closed();
+    inner.net.leave().await;
     inner.callee.close_admission();
     inner.net.close_outgoing();
     life.stop_accepting.cancel();
@@ -209,10 +247,26 @@ async fn barrier(agent: &Agent, t: Duration) -> Result<(), String> {
     }
     let state = &agent.inner.shutdown;
     tokio::select! {
-        r = barrier => r.map_err(|e| format!(
-            "ranks {:?} never reached the shutdown barrier: {e}",
-            state.fail(world)
-        )),
+        r = barrier => r.map_err(|e| {
+            let missing = state.fail(world);
+            let membership = &agent.inner.net.membership;
+            let failed: Vec<String> = missing
+                .iter()
+                .filter_map(|r| membership.failure(*r))
+                .map(|f| format!("rank {} declared failed: {}", f.rank, f.cause))
+                .collect();
+            if failed.is_empty() {
+                format!(
+                    "ranks {missing:?} never reached the shutdown barrier: {}",
+                    crate::error::error_chain(&e)
+                )
+            } else {
+                format!(
+                    "ranks {missing:?} never reached the shutdown barrier ({})",
+                    failed.join("; ")
+                )
+            }
+        }),
         dead = watch_missing_ranks(agent) => {
             state.fail(world);
             Err(format!(

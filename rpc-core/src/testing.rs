@@ -123,6 +123,13 @@ async fn dial_as(
     Ok(conn)
 }
 
+/// Stops (or resumes) the heartbeats of `agent`'s failure detector, as a frozen process's
+/// would stop: its peers declare it failed once their failure timeout passes. The agent itself
+/// goes on working (and watching its peers).
+pub fn silence(agent: &Agent, silent: bool) {
+    agent.inner.net.set_silent(silent);
+}
+
 /// Dials `addr` without authenticating.
 pub async fn dial_raw(transport: &Transport, addr: &str) -> io::Result<Box<dyn Io>> {
     Ok(transport.connect(addr).await?.0)

@@ -38,10 +38,16 @@ pub(crate) fn rpc_sync<F: RemoteFn>(
     let spin = agent.inner.net.cfg.busy_poll;
     let run = move || {
         let rank = agent.inner.group.resolve(&to)?;
+        if let Some(e) = reply::peer_failed::<F>(agent, rank) {
+            return Err(e);
+        }
         if applies(agent, rank) {
             // The thread writes and reads its own connection (see `net/blocking.rs`).
             let timing = plan::timing::<F>(agent, timeout, current_scope())?;
-            if let Some(conn) = agent.inner.net.sync_conn(rank, timing.deadline)? {
+            let conn = agent.inner.net.sync_conn(rank, timing.deadline);
+            let conn =
+                conn.map_err(|e| reply::peer_failed::<F>(agent, rank).unwrap_or(e.into()))?;
+            if let Some(conn) = conn {
                 return on_thread::<F>(agent, conn, rank, args, timing);
             }
             // Every place for a sync connection is taken: through the runtime.
@@ -114,6 +120,12 @@ fn on_thread<F: RemoteFn>(
     let lent = unsent.sent();
     // DIR-1: `conn` goes back only after a whole round trip; on failure it is dropped.
     let replied = conn.call(req, timing.deadline);
+    if replied
+        .as_ref()
+        .is_err_and(crate::net::CallFailed::broke_connection)
+    {
+        rt.block_on(reply::verdict(agent, to));
+    }
     let ok = reply::settle::<F>(agent, to, replied, timing, lent)?;
     rt.block_on(reply::read_result::<F, F::Output>(
         agent,

@@ -64,6 +64,10 @@ pub(super) fn plan<F: RemoteFn>(
         .resolve(to)
         .and_then(|to| Ok((to, timing::<F>(agent, timeout, current_scope())?)));
     match planned {
+        Ok((to, _)) if agent.inner.net.membership.is_failed(to) => {
+            let e = super::reply::peer_failed::<F>(agent, to);
+            Plan::Remote(Err(e.expect("declared failed")), args)
+        }
         Ok((to, timing)) if to != agent.rank() => {
             Plan::Remote(prepare::<F>(agent, to, &args, timing), args)
         }

@@ -69,6 +69,9 @@ fn wait_reply<F: RemoteFn, O: serde::de::DeserializeOwned + Send + 'static>(
                 Err(_) => Err(CallFailed::Deadline),
             },
         };
+        if reply.as_ref().is_err_and(CallFailed::broke_connection) {
+            verdict(&agent, to).await;
+        }
         let (ok, deadline, caller_meta) = arrived::<F>(&agent, to, gen, reply, sent)?;
         read_result::<F, O>(&agent, to, ok, deadline, caller_meta).await
     }
@@ -93,6 +96,28 @@ fn arrived<F: RemoteFn>(
     } = sent;
     let ok = settle::<F>(agent, to, reply, timing, lent)?;
     Ok((ok, timing.deadline, caller_meta))
+}
+
+/// The longest a call whose connection broke waits for the failure detector's verdict on the
+/// peer before it reports a lost connection.
+const VERDICT_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// A call to `to` found its connection broken: waits (bounded) for the failure detector's
+/// verdict, so that a peer whose process is gone is reported as failed, not as a lost
+/// connection, whichever of the two sockets noticed first.
+pub(super) async fn verdict(agent: &Agent, to: u32) {
+    let wait = VERDICT_WAIT.min(agent.inner.net.cfg.failure_timeout);
+    agent.inner.net.membership.verdict_within(to, wait).await;
+}
+
+/// The error of a call of `F` to `to` if `to` was declared failed.
+pub(super) fn peer_failed<F: RemoteFn>(agent: &Agent, to: u32) -> Option<RpcError> {
+    let f = agent.inner.net.membership.failure(to)?;
+    Some(RpcError::PeerFailed {
+        worker: f.name,
+        fn_name: F::NAME.to_owned(),
+        cause: f.cause,
+    })
 }
 
 /// What came back for a call to `to`, as the caller's result: the callee's answer, or the
@@ -132,6 +157,13 @@ pub(super) fn settle<F: RemoteFn>(
         }
         Err(f) => f,
     };
+    if let Some(e) = peer_failed::<F>(agent, to) {
+        // Whatever broke the call, the peer is gone: say so.
+        if let CallFailed::NotSent { .. } = failed {
+            lent.never_decoded();
+        }
+        return Err(e);
+    }
     match failed {
         CallFailed::NotSent { cause, broken } => {
             lent.never_decoded();
@@ -247,9 +279,11 @@ pub(super) async fn read_result<F: RemoteFn, O: serde::de::DeserializeOwned>(
     } else {
         Box::pin(agent.inner.net.bulk.receive(to, ok.blobs, deadline))
             .await
-            .map_err(|e| RpcError::Transport {
-                worker: worker(),
-                source: e.into(),
+            .map_err(|e| {
+                peer_failed::<F>(agent, to).unwrap_or_else(|| RpcError::Transport {
+                    worker: worker(),
+                    source: e.into(),
+                })
             })?
     };
     let msg = MessageContext::new(agent.clone(), WorkerId(to), MessageKind::Reply);

@@ -134,12 +134,17 @@ async fn queue_later<F: RemoteFn>(
         let (gen, client) = net.control(to).await?;
         Ok::<_, RpcError>((blobs, gen, client))
     };
-    let (blobs, gen, client) = match timing.deadline {
+    let set_up = match timing.deadline {
         None => setup.await,
         Some(d) => tokio::time::timeout_at(d.into(), setup)
             .await
             .unwrap_or_else(|_| Err(reply::deadline_exceeded::<F>(agent, to, timing))),
-    }?;
+    };
+    if let Err(RpcError::Unreachable { .. }) = &set_up {
+        reply::verdict(agent, to).await;
+    }
+    let (blobs, gen, client) =
+        set_up.map_err(|e| reply::peer_failed::<F>(agent, to).unwrap_or(e))?;
     Ok(queue::<F>(agent, out, blobs, gen, client, keep, droppable))
 }
 

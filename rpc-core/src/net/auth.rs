@@ -116,6 +116,8 @@ pub(crate) enum ConnKind {
     Rendezvous = 3,
     /// A calling thread's own connection for blocking calls (`blocking.rs`).
     Sync = 4,
+    /// A failure detector's heartbeats (`liveness.rs`).
+    Heartbeat = 5,
 }
 
 impl ConnKind {
@@ -125,6 +127,7 @@ impl ConnKind {
             2 => Some(Self::Bulk),
             3 => Some(Self::Rendezvous),
             4 => Some(Self::Sync),
+            5 => Some(Self::Heartbeat),
             _ => None,
         }
     }

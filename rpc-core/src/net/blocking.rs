@@ -53,21 +53,33 @@ use super::serve::{callers_deadline, Serve, NO_DEADLINE};
 use super::spin::{self, Spin};
 use crate::lifecycle::Lifecycle;
 use crate::wire::{CallReply, CallRequest};
+use tokio_util::sync::CancellationToken;
 
-/// Open blocking connections of one direction, so shutdown can close them.
+/// Open blocking connections of one direction, with the peer at the other end, so shutdown
+/// and failure verdicts can close them.
 #[derive(Default)]
 struct Open {
     next: AtomicU64,
-    streams: Mutex<HashMap<u64, TcpStream>>,
+    streams: Mutex<HashMap<u64, (u32, TcpStream)>>,
 }
 
 impl Open {
-    /// Registers a clone of `stream`; the returned key unregisters it.
-    fn register(&self, stream: &TcpStream) -> io::Result<u64> {
+    /// Registers a clone of `stream`, a connection with `peer`; the returned key unregisters
+    /// it.
+    fn register(&self, peer: u32, stream: &TcpStream) -> io::Result<u64> {
         let clone = stream.try_clone()?;
         let key = self.next.fetch_add(1, Ordering::Relaxed);
-        self.lock().insert(key, clone);
+        self.lock().insert(key, (peer, clone));
         Ok(key)
+    }
+
+    /// Shuts down every connection with `peer`; blocked reads and writes on them return.
+    fn close_peer(&self, peer: u32) {
+        for (_, (p, s)) in self.lock().iter() {
+            if *p == peer {
+                let _ = s.shutdown(Shutdown::Both);
+            }
+        }
     }
 
     fn unregister(&self, key: u64) {
@@ -76,12 +88,12 @@ impl Open {
 
     /// Shuts every registered connection down; blocked reads and writes on them return.
     fn close_all(&self) {
-        for (_, s) in self.lock().drain() {
+        for (_, (_, s)) in self.lock().drain() {
             let _ = s.shutdown(Shutdown::Both);
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, TcpStream>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, (u32, TcpStream)>> {
         self.streams.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
@@ -182,7 +194,7 @@ impl Blocking {
         let stream = self.dialer.dial_blocking(to, ConnKind::Sync, deadline)?;
         let key = self
             .outgoing
-            .register(&stream)
+            .register(to, &stream)
             .map_err(|e| self.dialer.failed(to, e))?;
         Ok(SyncConn {
             owner: Arc::downgrade(self),
@@ -216,6 +228,13 @@ impl Blocking {
         self.incoming.close_all();
     }
 
+    /// Shuts down every blocking connection with `peer`, both ways (it was declared failed):
+    /// calls waiting on it fail at once, its serving threads end.
+    pub(crate) fn close_peer(&self, peer: u32) {
+        self.outgoing.close_peer(peer);
+        self.incoming.close_peer(peer);
+    }
+
     /// Serves a blocking connection from `caller` on a thread of its own (DIR-3: the
     /// connection counts as open until that thread ends; shutdown's last phase closes it).
     /// Between requests the thread holds only a weak reference to `service`.
@@ -224,8 +243,9 @@ impl Blocking {
         stream: TcpStream,
         caller: u32,
         service: Weak<S>,
+        gone: CancellationToken,
     ) {
-        let key = match self.incoming.register(&stream) {
+        let key = match self.incoming.register(caller, &stream) {
             Ok(k) => k,
             Err(e) => {
                 tracing::warn!(caller, cause = %e, "refused a sync connection");
@@ -237,7 +257,7 @@ impl Blocking {
         let spawned = std::thread::Builder::new()
             .name(format!("rpc-sync-{caller}"))
             .spawn(move || {
-                this.serve_thread(&service, stream, caller);
+                this.serve_thread(&service, stream, caller, &gone);
                 this.incoming.unregister(key);
                 drop(done_tx);
             });
@@ -251,9 +271,16 @@ impl Blocking {
 
     /// The serving thread: one request at a time, each run to completion before the next is
     /// read.
-    fn serve_thread<S: Serve>(&self, service: &Weak<S>, stream: TcpStream, caller: u32) {
+    fn serve_thread<S: Serve>(
+        &self,
+        service: &Weak<S>,
+        stream: TcpStream,
+        caller: u32,
+        caller_gone: &CancellationToken,
+    ) {
         let mut frames = BlockingFrames::new(stream, self.cfg.max_frame_bytes, self.cfg.busy_poll);
-        let gone = || service.strong_count() == 0 || self.life.is_closed();
+        let gone =
+            || service.strong_count() == 0 || self.life.is_closed() || caller_gone.is_cancelled();
         loop {
             let msg: tarpc::ClientMessage<CallRequest> = match frames.recv(None, &gone) {
                 Ok(m) => m,
@@ -276,6 +303,7 @@ impl Blocking {
             // abandoned when the worker aborts what is left.
             let token = self.life.calls.token();
             let stop = self.life.stop.clone();
+            let caller_gone = caller_gone.clone();
             let run = service.serve(
                 caller,
                 callers_deadline(deadline, Instant::now()),
@@ -285,6 +313,7 @@ impl Blocking {
                 tokio::select! {
                     r = tokio::time::timeout_at(deadline.into(), run) => Some(r),
                     () = stop.cancelled() => None,
+                    () = caller_gone.cancelled() => None,
                 }
             });
             let reply = match reply {

@@ -154,6 +154,22 @@ impl Bulk {
         }
     }
 
+    /// `peer` was declared failed: what waits for its blobs fails, the bulk connection to it
+    /// and its arena are dropped.
+    pub(crate) fn peer_failed(&self, peer: u32) {
+        self.inbox()
+            .slots
+            .retain(|(from, _), s| *from != peer || matches!(s, Slot::Arrived(..)));
+        if let Some(o) = self.outboxes.get(peer as usize) {
+            if let Ok(mut o) = o.try_lock() {
+                o.take();
+            }
+        }
+        if let Some(a) = self.arenas.get(peer as usize) {
+            a.lock().unwrap_or_else(|p| p.into_inner()).take();
+        }
+    }
+
     pub(crate) fn close(&self) {
         self.inbox().slots.clear();
         self.pool.clear();

@@ -23,4 +23,8 @@ pub(crate) struct NetConfig {
     pub shm_arena_bytes: usize,
     pub busy_poll: Duration,
     pub max_sync_connections: usize,
+    /// How often the failure detector beats; zero: no detector.
+    pub heartbeat_interval: Duration,
+    /// How long a peer may stay silent before it is declared failed.
+    pub failure_timeout: Duration,
 }

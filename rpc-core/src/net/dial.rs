@@ -16,26 +16,46 @@ use super::transport::Conn;
 use crate::error::RpcError;
 use crate::wire::{WorkerId, WorkerInfo};
 
-/// Every worker of the group, by rank: its identity and the address it listens at.
+/// A worker of the group as its peers reach it.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub(crate) struct Endpoint {
+    pub name: String,
+    /// Where its listener is reachable.
+    pub addr: String,
+    /// Where its failure detector listens for heartbeats (empty: it runs none).
+    pub heartbeat: String,
+}
+
+/// Every worker of the group, by rank: its identity and the addresses it listens at.
 #[derive(Debug)]
 pub(crate) struct Directory {
     workers: Vec<WorkerInfo>,
     addrs: Vec<String>,
+    heartbeats: Vec<String>,
 }
 
 impl Directory {
-    /// The directory of `(name, addr)` by rank.
-    pub(crate) fn new(table: Vec<(String, String)>) -> Self {
-        let (names, addrs): (Vec<_>, Vec<_>) = table.into_iter().unzip();
-        let workers = names
-            .into_iter()
-            .enumerate()
-            .map(|(r, name)| WorkerInfo {
-                name,
+    /// The directory of `endpoints`, by rank.
+    pub(crate) fn new(endpoints: Vec<Endpoint>) -> Self {
+        let mut d = Self {
+            workers: Vec::with_capacity(endpoints.len()),
+            addrs: Vec::with_capacity(endpoints.len()),
+            heartbeats: Vec::with_capacity(endpoints.len()),
+        };
+        for (r, e) in endpoints.into_iter().enumerate() {
+            d.workers.push(WorkerInfo {
+                name: e.name,
                 id: WorkerId(r as u32),
-            })
-            .collect();
-        Self { workers, addrs }
+            });
+            d.addrs.push(e.addr);
+            d.heartbeats.push(e.heartbeat);
+        }
+        d
+    }
+
+    /// Where worker `rank`'s failure detector listens (empty: it runs none).
+    pub(crate) fn heartbeat(&self, rank: u32) -> &str {
+        &self.heartbeats[rank as usize]
     }
 
     /// Worker `rank`. Ranks come from the group's own table; an unknown rank is a bug, not

@@ -15,6 +15,7 @@
 //! shm         shared-memory arenas for bulk blobs between workers on one host
 //! buffers     large and recycled buffers
 //! spin        busy polling before sleeping
+//! liveness    the failure detector (its own thread), membership, verdicts
 //! serve       the seam: `Serve`, the caller's deadline
 //! failure     why a call got no reply (`CallFailed`)
 //! ```
@@ -33,6 +34,7 @@ mod config;
 mod dial;
 mod failure;
 mod frame;
+mod liveness;
 mod mux_client;
 mod mux_server;
 mod peer;
@@ -50,58 +52,85 @@ pub use buffers::large_vec;
 pub use bulk::BulkStats;
 pub(crate) use bulk::{inline_bytes, Bulk};
 pub(crate) use config::NetConfig;
-pub(crate) use dial::{DialError, Directory};
+pub(crate) use dial::{DialError, Directory, Endpoint};
 pub(crate) use failure::CallFailed;
 pub(crate) use frame::fits;
+pub(crate) use liveness::Membership;
+pub use liveness::{FailureWatch, WorkerFailed};
 pub(crate) use mux_client::{MuxClient, Waiter};
 pub(crate) use peer::Peer;
 pub(crate) use serve::{Serve, NO_DEADLINE};
 pub(crate) use spin::{block_on, Spin};
-pub(crate) use transport::{Conn, Listener};
+pub(crate) use transport::{Conn, Detached, Listener};
 pub use transport::{Io, MemoryNetwork, Transport};
 
 use blocking::Blocking;
 use dial::Dialer;
+use liveness::Detector;
 
 use crate::lifecycle::Lifecycle;
 
-/// One worker's network: its configuration, peers, bulk path and blocking connections.
+/// One worker's network: its configuration, peers, bulk path, blocking connections and
+/// failure detector.
 pub(crate) struct Net {
     pub cfg: Arc<NetConfig>,
     dialer: Arc<Dialer>,
     /// Outgoing control connections, by rank.
     pub peers: Vec<Arc<Peer>>,
-    pub bulk: Bulk,
+    pub bulk: Arc<Bulk>,
     pub blocking: Arc<Blocking>,
     pub spin: Arc<Spin>,
     pub life: Arc<Lifecycle>,
+    /// Which peers are alive; the detector's verdicts.
+    pub membership: Arc<Membership>,
+    detector: std::sync::Mutex<Option<Detector>>,
     /// The runtime every connection's task runs on.
     pub runtime: tokio::runtime::Handle,
 }
 
 impl Net {
-    /// The network of a worker whose group is `directory`, on the current runtime.
+    /// The network of a worker whose group is `directory`, on the current runtime. A peer
+    /// declared failed has every connection to it closed and every wait on them failed.
     pub(crate) fn new(cfg: NetConfig, directory: Arc<Directory>, life: Arc<Lifecycle>) -> Self {
         let cfg = Arc::new(cfg);
         let runtime = tokio::runtime::Handle::current();
-        let peers = (0..directory.workers().len() as u32)
+        let peers: Vec<Arc<Peer>> = (0..directory.workers().len() as u32)
             .map(Peer::new)
             .collect();
+        let membership = Arc::new(Membership::new(Arc::clone(&directory)));
         let dialer = Arc::new(Dialer::new(Arc::clone(&cfg), directory));
         let spin = Arc::new(Spin::new(cfg.busy_poll));
+        let bulk = Arc::new(Bulk::new(
+            Arc::clone(&cfg),
+            Arc::clone(&dialer),
+            Arc::clone(&life),
+        ));
+        let blocking = Arc::new(Blocking::new(
+            Arc::clone(&cfg),
+            Arc::clone(&dialer),
+            Arc::clone(&life),
+            Arc::clone(&spin),
+            runtime.clone(),
+        ));
+        {
+            let (peers, bulk, blocking) = (peers.clone(), Arc::clone(&bulk), Arc::clone(&blocking));
+            membership.on_failure(Arc::new(move |f: &WorkerFailed| {
+                if let Some(p) = peers.get(f.rank as usize) {
+                    p.close();
+                }
+                blocking.close_peer(f.rank);
+                bulk.peer_failed(f.rank);
+            }));
+        }
         Self {
-            bulk: Bulk::new(Arc::clone(&cfg), Arc::clone(&dialer), Arc::clone(&life)),
-            blocking: Arc::new(Blocking::new(
-                Arc::clone(&cfg),
-                Arc::clone(&dialer),
-                Arc::clone(&life),
-                Arc::clone(&spin),
-                runtime.clone(),
-            )),
+            bulk,
+            blocking,
             peers,
             spin,
             dialer,
             life,
+            membership,
+            detector: std::sync::Mutex::new(None),
             runtime,
             cfg,
         }
@@ -112,11 +141,15 @@ impl Net {
         self.dialer.directory()
     }
 
-    /// The live control connection to `to`, dialled if there is none.
+    /// The live control connection to `to`, dialled if there is none (never to a peer
+    /// declared failed).
     ///
     /// # Cancel safety
     /// Cancel safe: a dial abandoned half way leaves nothing behind.
     pub(crate) async fn control(&self, to: u32) -> Result<(u64, MuxClient), DialError> {
+        if let Some(f) = self.membership.failure(to) {
+            return Err(self.dialer.failed(to, std::io::Error::other(f.cause)));
+        }
         self.peers[to as usize]
             .client(&self.dialer, self.cfg.max_frame_bytes)
             .await
@@ -132,11 +165,48 @@ impl Net {
     }
 
     /// Starts serving: accepts connections on `listener` until [`Lifecycle::stop_accepting`],
-    /// answering requests with `service`.
-    pub(crate) fn serve<S: Serve>(self: &Arc<Self>, listener: Listener, service: Arc<S>) {
+    /// answering requests with `service`, and starts the failure detector on `heartbeats`
+    /// (the listener advertised at the rendezvous; `None`: no detector).
+    pub(crate) fn serve<S: Serve>(
+        self: &Arc<Self>,
+        listener: Listener,
+        service: Arc<S>,
+        heartbeats: Option<Detached>,
+    ) {
         tokio::spawn(Arc::clone(self).accept_loop(listener, service));
         if !self.cfg.busy_poll.is_zero() {
             tokio::spawn(Arc::clone(&self.spin).run(self.life.stop.clone()));
+        }
+        if let Some(l) = heartbeats {
+            let started = Detector::start(
+                Arc::clone(&self.cfg),
+                Arc::clone(&self.dialer),
+                Arc::clone(&self.membership),
+                l,
+            );
+            match started {
+                Ok(d) => *self.detector.lock().unwrap_or_else(|p| p.into_inner()) = Some(d),
+                Err(e) => tracing::error!(cause = %e, "no failure detector; peers are not watched"),
+            }
+        }
+    }
+
+    /// This worker is leaving: its detector tells every peer so and stops (shutdown phase 3).
+    pub(crate) async fn leave(&self) {
+        let detector = self
+            .detector
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(d) = detector {
+            d.leave().await;
+        }
+    }
+
+    /// Tests: the detector stops (or resumes) sending heartbeats, as a frozen process would.
+    pub(crate) fn set_silent(&self, silent: bool) {
+        if let Some(d) = &*self.detector.lock().unwrap_or_else(|p| p.into_inner()) {
+            d.set_silent(silent);
         }
     }
 
@@ -220,6 +290,7 @@ impl Net {
                     self.cfg.max_frame_bytes,
                     &self.life,
                     &self.spin,
+                    self.membership.gone(rank),
                 )
                 .await;
                 match served {
@@ -234,8 +305,9 @@ impl Net {
             ConnKind::Bulk => self.bulk.serve_incoming(conn, rank).await,
             ConnKind::Sync => match transport::into_std_tcp(conn) {
                 Some(stream) => {
+                    let gone = self.membership.gone(rank).clone();
                     self.blocking
-                        .serve(stream, rank, Arc::downgrade(&service))
+                        .serve(stream, rank, Arc::downgrade(&service), gone)
                         .await
                 }
                 None => {
@@ -245,10 +317,11 @@ impl Net {
                     )
                 }
             },
-            ConnKind::Rendezvous => {
+            ConnKind::Rendezvous | ConnKind::Heartbeat => {
                 tracing::warn!(
                     rank = me,
-                    "refused a rendezvous connection on a worker port"
+                    ?kind,
+                    "refused a connection of this kind on a worker port"
                 )
             }
         }

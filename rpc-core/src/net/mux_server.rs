@@ -23,6 +23,7 @@ use super::spin::Spin;
 use super::transport::Conn;
 use crate::lifecycle::Lifecycle;
 use crate::wire::{CallReply, CallRequest};
+use tokio_util::sync::CancellationToken;
 
 /// Serves a control connection from `caller` until it ends.
 pub(crate) async fn serve<S: Serve>(
@@ -32,6 +33,7 @@ pub(crate) async fn serve<S: Serve>(
     max_frame: usize,
     life: &Lifecycle,
     spin: &Spin,
+    gone: &CancellationToken,
 ) -> io::Result<()> {
     let out = Arc::new(Outbox::new(max_frame));
     let (r, w) = tokio::io::split(conn);
@@ -57,11 +59,13 @@ pub(crate) async fn serve<S: Serve>(
                 Poll::Ready(Ok(reply)) => respond(&out, id, reply),
                 Poll::Ready(Err(_)) => {}
                 Poll::Pending => {
-                    let stop = life.stop.clone();
+                    let (stop, gone) = (life.stop.clone(), gone.clone());
                     let out = Arc::clone(&out);
                     life.calls.spawn(async move {
                         tokio::select! {
                             _ = stop.cancelled() => {}
+                            // The caller was declared failed: nobody waits for the reply.
+                            _ = gone.cancelled() => {}
                             r = call => if let Ok(reply) = r {
                                 respond(&out, id, reply);
                             }
@@ -168,7 +172,8 @@ mod tests {
         let serving = {
             let (life, spin) = (Arc::clone(&life), Arc::clone(&spin));
             tokio::spawn(async move {
-                serve(Arc::new(Nap), Box::new(a), 0, 1 << 20, &life, &spin).await
+                let gone = CancellationToken::new();
+                serve(Arc::new(Nap), Box::new(a), 0, 1 << 20, &life, &spin, &gone).await
             })
         };
         let now = Instant::now();

@@ -198,6 +198,7 @@ fn main() -> anyhow::Result<()> {
                 let describe = |err: &RpcError| {
                     let kind = match err {
                         RpcError::ConnectionLost { worker, .. } => format!("ConnectionLost:{worker}"),
+                        RpcError::PeerFailed { worker, .. } => format!("PeerFailed:{worker}"),
                         e => format!("{e:?}"),
                     };
                     serde_json::json!({ "kind": kind, "message": rpc_core::error_chain(err), "after_ms": start.elapsed().as_millis() as u64 })

@@ -74,7 +74,43 @@ impl Listener {
     }
 }
 
+/// A bound listener not yet attached to a runtime (see [`Transport::bind_detached`]).
+pub(crate) enum Detached {
+    Tcp(std::net::TcpListener),
+    Memory(memory::MemListener),
+}
+
+impl Detached {
+    /// The address peers dial.
+    pub(crate) fn local_addr(&self) -> io::Result<String> {
+        match self {
+            Self::Tcp(l) => Ok(l.local_addr()?.to_string()),
+            Self::Memory(l) => Ok(l.addr().to_owned()),
+        }
+    }
+
+    /// The listener, on the runtime this is called in.
+    pub(crate) fn attach(self) -> io::Result<Listener> {
+        match self {
+            Self::Tcp(l) => {
+                l.set_nonblocking(true)?;
+                Ok(Listener::Tcp(tokio::net::TcpListener::from_std(l)?))
+            }
+            Self::Memory(l) => Ok(Listener::Memory(l)),
+        }
+    }
+}
+
 impl Transport {
+    /// Binds `addr` without a runtime, for a listener that runs on a runtime of its own (the
+    /// failure detector's).
+    pub(crate) fn bind_detached(&self, addr: &str) -> io::Result<Detached> {
+        match self {
+            Self::Tcp => Ok(Detached::Tcp(std::net::TcpListener::bind(addr)?)),
+            Self::Memory(net) => Ok(Detached::Memory(net.bind(addr)?)),
+        }
+    }
+
     /// Binds a listener on `addr` (`host:port`; port 0 picks a free one).
     pub(crate) async fn bind(&self, addr: &str) -> io::Result<Listener> {
         match self {
