@@ -255,6 +255,18 @@ pub async fn hang(_ctx: CallContext, key: u64, secs: u64) -> Result<(), BoxError
     Ok(())
 }
 
+/// Computes (spins on its runtime thread, never yielding) for `ms` milliseconds.
+#[remote]
+pub async fn burn(_ctx: CallContext, ms: u64) -> Result<u64, BoxError> {
+    let until = std::time::Instant::now() + Duration::from_millis(ms);
+    let mut n = 0u64;
+    while std::time::Instant::now() < until {
+        n = n.wrapping_add(1);
+        std::hint::spin_loop();
+    }
+    Ok(n)
+}
+
 /// A type whose serialization always fails: proves that self-calls skip serialization.
 #[derive(Debug, Deserialize)]
 pub struct Unserializable(pub u32);
@@ -293,6 +305,7 @@ pub fn registry_builder() -> rpc_core::RegistryBuilder {
         .and_then(|r| r.register(remaining_ms))
         .and_then(|r| r.register(nested_remaining_ms))
         .and_then(|r| r.register(hang))
+        .and_then(|r| r.register(burn))
         .and_then(|r| r.register(double_local))
         .and_then(|r| r.register(zeros))
         .and_then(|r| r.register(meta_seen))

@@ -281,6 +281,25 @@ impl Net {
             );
             return;
         }
+        if self.membership.is_failed(rank) {
+            tracing::warn!(
+                rank = me,
+                caller = rank,
+                "refused a connection from a worker declared failed"
+            );
+            return;
+        }
+        // Everything served for the peer ends once it is declared failed.
+        let gone = self.membership.gone(rank).clone();
+        tokio::select! {
+            biased;
+            () = gone.cancelled() => {}
+            () = self.serve_kind(kind, conn, rank, service) => {}
+        }
+    }
+
+    async fn serve_kind<S: Serve>(&self, kind: ConnKind, conn: Conn, rank: u32, service: Arc<S>) {
+        let me = self.cfg.rank;
         match kind {
             ConnKind::Control => {
                 let served = mux_server::serve(
