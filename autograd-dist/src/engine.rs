@@ -26,6 +26,9 @@
 //!   `backward` still returns only when all the work is done.
 //! - AD-5: releasing a context removes its state on this worker and forwards the release to
 //!   every peer it exchanged tensors with; a worker without state for it stops the cascade.
+//! - AD-7: a worker declared failed releases nothing any more: every other worker drops the
+//!   state of the contexts it started on its own (`record.rs`), and a backward pass that
+//!   reaches it fails with its `PeerFailed` error.
 
 use candle_core::{Tensor, TensorId};
 use futures::future::BoxFuture;

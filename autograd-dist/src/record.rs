@@ -50,15 +50,50 @@ pub(crate) struct Container {
 
 /// The autograd state of `agent`'s worker (created on first use).
 pub(crate) fn container(agent: &Agent) -> Arc<Container> {
-    agent.extension(|| Container {
-        me: agent.rank(),
-        next_ctx: AtomicU64::new(1),
-        next_msg: AtomicU64::new(1),
-        contexts: Mutex::new(HashMap::new()),
-    })
+    let mut created = false;
+    let c = agent.extension(|| {
+        created = true;
+        Container {
+            me: agent.rank(),
+            next_ctx: AtomicU64::new(1),
+            next_msg: AtomicU64::new(1),
+            contexts: Mutex::new(HashMap::new()),
+        }
+    });
+    if created {
+        // AD-7: the contexts a failed worker started are released here.
+        let weak = Arc::downgrade(&c);
+        agent.on_worker_failed(move |f| {
+            if let Some(c) = weak.upgrade() {
+                c.release_started_by(f.rank);
+            }
+        });
+    }
+    c
 }
 
 impl Container {
+    /// Drops the state of every context worker `rank` started (its id's top 16 bits), once
+    /// `rank` was declared failed: nobody will release them.
+    fn release_started_by(&self, rank: u32) {
+        let dropped: Vec<CtxState> = {
+            let mut m = self.contexts.lock().unwrap_or_else(|p| p.into_inner());
+            let ids: Vec<u64> = m
+                .keys()
+                .copied()
+                .filter(|id| id >> 48 == u64::from(rank))
+                .collect();
+            ids.into_iter().filter_map(|id| m.remove(&id)).collect()
+        };
+        if !dropped.is_empty() {
+            tracing::info!(
+                rank,
+                contexts = dropped.len(),
+                "released the autograd contexts of a failed worker"
+            );
+        }
+    }
+
     /// Runs `f` on context `ctx`'s state (created if new).
     pub(crate) fn with<R>(&self, ctx: u64, f: impl FnOnce(&mut CtxState) -> R) -> R {
         let mut m = self.contexts.lock().unwrap_or_else(|p| p.into_inner());

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use crate::mailbox::{
     effective_timeout, mailbox, send_raw, send_tagged, Abort, Body, Header, P2pError, Tag,
+    TakeError,
 };
 
 /// How values combine.
@@ -106,9 +107,11 @@ pub fn new_group(agent: &Agent, ranks: &[u32]) -> Result<ProcessGroup, Collectiv
             (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
         })
         | 1;
+    let ranks = Arc::new(r);
+    mailbox(agent).register_group(id, Arc::clone(&ranks));
     Ok(ProcessGroup {
         agent: agent.clone(),
-        ranks: Arc::new(r),
+        ranks,
         id,
     })
 }
@@ -219,10 +222,17 @@ impl Op<'_> {
         let got = mailbox(&self.g.agent)
             .take(from, self.tag(step), timeout)
             .await;
-        let (h, t) = got.map_err(|message| CollectiveError::Failed {
-            op: self.name,
-            members: self.g.ranks.to_vec(),
-            message,
+        let (h, t) = got.map_err(|e| match e {
+            TakeError::PeerFailed { .. } => CollectiveError::Exchange {
+                op: self.name,
+                members: self.g.ranks.to_vec(),
+                source: e.into(),
+            },
+            TakeError::Other(message) => CollectiveError::Failed {
+                op: self.name,
+                members: self.g.ranks.to_vec(),
+                message,
+            },
         })?;
         if h != self.header {
             let why = format!(

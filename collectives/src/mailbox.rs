@@ -1,4 +1,9 @@
 //! Messages matched by (source, tag), and per-operation aborts.
+//!
+//! - COL-2: once a worker is declared failed, every receive from it fails at once with its
+//!   verdict, and so does every receive of an operation of a group it belongs to, on every
+//!   member (not only its ring neighbours, whose peers would otherwise wait for messages that
+//!   will not come); later ones fail at once too.
 
 use candle_core::Tensor;
 use rpc_core::ext::AgentExt;
@@ -35,7 +40,34 @@ pub(crate) enum Body {
     Raw(bytes::Bytes),
 }
 
-type Msg = Result<(Header, Body), String>;
+/// Why a receive failed.
+#[derive(Clone, Debug)]
+pub(crate) enum TakeError {
+    /// A worker the receive depends on was declared failed.
+    PeerFailed { worker: String, cause: String },
+    /// Anything else: a timeout, an abort, a closed mailbox.
+    Other(String),
+}
+
+impl std::fmt::Display for TakeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::PeerFailed { worker, cause } => write!(f, "worker `{worker}` failed: {cause}"),
+            Self::Other(why) => f.write_str(why),
+        }
+    }
+}
+
+impl From<TakeError> for P2pError {
+    fn from(e: TakeError) -> Self {
+        match e {
+            TakeError::PeerFailed { worker, cause } => P2pError::PeerFailed { worker, cause },
+            TakeError::Other(why) => P2pError::Recv(why),
+        }
+    }
+}
+
+type Msg = Result<(Header, Body), TakeError>;
 
 #[derive(Default)]
 struct Inner {
@@ -45,6 +77,31 @@ struct Inner {
     aborted: HashMap<(u64, u64), String>,
     /// Next sequence number per group, shared by every handle on the group.
     next_seq: HashMap<u64, u64>,
+    /// Members of every group created here, by group id.
+    groups: HashMap<u64, Arc<Vec<u32>>>,
+    /// Workers declared failed: (name, cause) by rank (COL-2).
+    failed: HashMap<u32, (String, String)>,
+}
+
+impl Inner {
+    /// The verdict that dooms a receive from `from` of an operation of `group`, if any.
+    fn doomed(&self, from: u32, group: u64) -> Option<TakeError> {
+        let failed = |r: &u32| {
+            self.failed
+                .get(r)
+                .map(|(worker, cause)| TakeError::PeerFailed {
+                    worker: worker.clone(),
+                    cause: cause.clone(),
+                })
+        };
+        if let Some(e) = failed(&from) {
+            return Some(e);
+        }
+        if group == P2P {
+            return None;
+        }
+        self.groups.get(&group)?.iter().find_map(failed)
+    }
 }
 
 #[derive(Default)]
@@ -53,12 +110,46 @@ pub(crate) struct Mailbox {
 }
 
 pub(crate) fn mailbox(agent: &Agent) -> Arc<Mailbox> {
-    agent.extension(Mailbox::default)
+    let mut created = false;
+    let m = agent.extension(|| {
+        created = true;
+        Mailbox::default()
+    });
+    if created {
+        let weak = Arc::downgrade(&m);
+        agent.on_worker_failed(move |f| {
+            if let Some(m) = weak.upgrade() {
+                m.peer_failed(f.rank, &f.name, &f.cause);
+            }
+        });
+    }
+    m
 }
 
 impl Mailbox {
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records the members of group `id` (COL-2 needs them).
+    pub(crate) fn register_group(&self, id: u64, ranks: Arc<Vec<u32>>) {
+        self.lock().groups.insert(id, ranks);
+    }
+
+    /// Worker `rank` was declared failed: fails every receive that depends on it (COL-2).
+    pub(crate) fn peer_failed(&self, rank: u32, name: &str, cause: &str) {
+        let mut m = self.lock();
+        m.failed.insert(rank, (name.to_owned(), cause.to_owned()));
+        let doomed: Vec<((u32, Tag), TakeError)> = m
+            .waiting
+            .keys()
+            .filter_map(|&(from, tag)| m.doomed(from, tag.group).map(|e| ((from, tag), e)))
+            .collect();
+        for (k, e) in doomed {
+            for w in m.waiting.remove(&k).unwrap_or_default() {
+                let _ = w.send(Err(e.clone()));
+            }
+        }
     }
 
     /// Takes the group's next sequence number.
@@ -103,7 +194,7 @@ impl Mailbox {
             .collect();
         for k in keys {
             for w in m.waiting.remove(&k).unwrap_or_default() {
-                let _ = w.send(Err(why.clone()));
+                let _ = w.send(Err(TakeError::Other(why.clone())));
             }
         }
     }
@@ -119,7 +210,7 @@ impl Mailbox {
         let rx = {
             let mut m = self.lock();
             if let Some(why) = m.aborted.get(&(tag.group, tag.seq)) {
-                return Err(why.clone());
+                return Err(TakeError::Other(why.clone()));
             }
             let key = (from, tag);
             if let Some(q) = m.queued.get_mut(&key) {
@@ -130,6 +221,10 @@ impl Mailbox {
                     return Ok(item);
                 }
             }
+            // Whatever was delivered before a verdict is still taken; nothing more will come.
+            if let Some(e) = m.doomed(from, tag.group) {
+                return Err(e);
+            }
             let (tx, rx) = oneshot::channel();
             m.waiting.entry(key).or_default().push_back(tx);
             rx
@@ -137,10 +232,10 @@ impl Mailbox {
         let until = Instant::now() + timeout;
         match tokio::time::timeout_at(until.into(), rx).await {
             Ok(Ok(m)) => m,
-            Ok(Err(_)) => Err("the mailbox closed".into()),
-            Err(_) => Err(format!(
+            Ok(Err(_)) => Err(TakeError::Other("the mailbox closed".into())),
+            Err(_) => Err(TakeError::Other(format!(
                 "no message from rank {from} (tag {tag:?}) within {timeout:?}"
-            )),
+            ))),
         }
     }
 }
@@ -231,6 +326,14 @@ pub enum P2pError {
     /// No message arrived in time, or the operation was aborted.
     #[error("receive failed: {0}")]
     Recv(String),
+    /// The sender was declared failed (COL-2).
+    #[error("receive failed: worker `{worker}` failed: {cause}")]
+    PeerFailed {
+        /// The failed worker.
+        worker: String,
+        /// Why it was declared failed.
+        cause: String,
+    },
     /// The background task failed.
     #[error("the operation's task failed: {0}")]
     Task(String),
@@ -291,7 +394,7 @@ pub async fn recv(agent: &Agent, from: impl ToWorker, tag: u64) -> Result<Tensor
         Ok((_, Body::Raw(_))) => Err(P2pError::Recv(
             "got raw elements where a tensor was expected".into(),
         )),
-        Err(e) => Err(P2pError::Recv(e)),
+        Err(e) => Err(e.into()),
     }
 }
 

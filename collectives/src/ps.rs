@@ -10,6 +10,8 @@
 //!   deadline; past it the pull fails instead of breaking the bound).
 //! - PS-2: under BSP a step's gradients are applied together once every trainer has pushed
 //!   that step, so every trainer's step `c` starts from the same parameters.
+//! - PS-3: a trainer declared failed will not push again: a pull that has to wait for clocks
+//!   fails at once, naming it, instead of waiting for its deadline.
 
 use candle_core::Tensor;
 use rpc_core::ext::AgentExt;
@@ -50,6 +52,10 @@ struct Shard {
     lr: f64,
     consistency: Consistency,
     clocks: Vec<u64>,
+    /// The rank each trainer calls from (learned from its calls).
+    trainer_ranks: Vec<Option<u32>>,
+    /// A trainer declared failed: (trainer, worker name, cause) (PS-3).
+    failed: Option<(usize, String, String)>,
     max_staleness: u64,
     changed: watch::Sender<u64>,
 }
@@ -58,7 +64,26 @@ struct Shard {
 struct Shards(Mutex<HashMap<u64, Shard>>);
 
 fn shards(agent: &Agent) -> Arc<Shards> {
-    agent.extension(Shards::default)
+    let mut created = false;
+    let s = agent.extension(|| {
+        created = true;
+        Shards::default()
+    });
+    if created {
+        let weak = Arc::downgrade(&s);
+        agent.on_worker_failed(move |f| {
+            let Some(s) = weak.upgrade() else { return };
+            let mut g = s.0.lock().unwrap_or_else(|p| p.into_inner());
+            for shard in g.values_mut() {
+                let t = shard.trainer_ranks.iter().position(|r| *r == Some(f.rank));
+                if let (Some(t), None) = (t, &shard.failed) {
+                    shard.failed = Some((t, f.name.clone(), f.cause.clone()));
+                    shard.changed.send_modify(|v| *v += 1);
+                }
+            }
+        });
+    }
+    s
 }
 
 /// Starts serving shard `shard` on this worker: `params` with SGD at learning rate `lr`, for
@@ -77,6 +102,8 @@ pub fn serve_shard(
         lr,
         consistency,
         clocks: vec![0; trainers],
+        trainer_ranks: vec![None; trainers],
+        failed: None,
         max_staleness: 0,
         changed: watch::channel(0).0,
     };
@@ -120,11 +147,20 @@ impl RemoteFn for Pull {
                     )
                     .into());
                 }
+                s.trainer_ranks[trainer] = Some(cx.caller().id.0);
                 let min = *s.clocks.iter().min().expect("at least one trainer");
                 let ahead = clock.saturating_sub(min);
                 if ahead <= s.consistency.bound() {
                     s.max_staleness = s.max_staleness.max(ahead);
                     return Ok(s.params.iter().cloned().map(RTensor).collect());
+                }
+                if let Some((t, worker, cause)) = &s.failed {
+                    // PS-3: the slowest clock will not move.
+                    return Err(format!(
+                        "step {clock} waits for trainer {t}, worker `{worker}`, which failed: \
+                         {cause}"
+                    )
+                    .into());
                 }
                 s.changed.subscribe()
             };
@@ -171,6 +207,7 @@ impl RemoteFn for Push {
         if trainer >= s.clocks.len() {
             return Err("unknown trainer".into());
         }
+        s.trainer_ranks[trainer] = Some(cx.caller().id.0);
         let grads: Vec<Tensor> = grads.into_iter().map(|g| g.0).collect();
         let apply = if s.consistency == Consistency::Bsp {
             // Every trainer pulled step `clock` from the same state: apply the step's

@@ -16,6 +16,9 @@
 //!   is still read (rpc-core's `call/cancel.rs`), so its children are registered and released as
 //!   usual. One whose fate is unknown (the connection broke after sending, or a reply arrived
 //!   after its call's deadline) is released after `CHILD_TTL`, with a warning.
+//! - CTX-3: a worker declared failed will never register or accept anything: the children
+//!   sent to it, or whose owner it is, are given up at once, and the values it alone held are
+//!   released by their owner (OWN-5).
 
 use rpc_core::ext::{AgentExt, WeakAgent};
 use rpc_core::Agent;
@@ -33,6 +36,16 @@ pub(crate) const CHILD_TTL: Duration = Duration::from_secs(600);
 /// What a pending child holds: its parent's handle, kept alive (and so not deleted) until the
 /// owner has accepted the child (G2). Held for its drop alone, so of no particular type here.
 pub(crate) type Hold = Arc<dyn std::any::Any + Send + Sync>;
+
+/// A child fork this worker sent and holds its parent for, until the owner accepts it (G2).
+pub(crate) struct Child {
+    /// The parent's handle.
+    _hold: Hold,
+    since: Instant,
+    /// The worker it was sent to, and the value's owner.
+    to: u32,
+    owner: u32,
+}
 
 /// Why [`Ctx::settled`] found no value.
 pub(crate) enum Settled {
@@ -63,7 +76,7 @@ pub(crate) struct Ctx {
     pub me: u32,
     next: AtomicU64,
     pub owner: Mutex<OwnerTable>,
-    pending_children: Mutex<HashMap<ForkId, (Hold, Instant)>>,
+    pending_children: Mutex<HashMap<ForkId, Child>>,
     last_sweep: Mutex<Instant>,
     pub user_refs: AtomicUsize,
     pub unconfirmed: AtomicUsize,
@@ -90,6 +103,12 @@ pub(crate) fn ctx(agent: &Agent) -> Arc<Ctx> {
         }
     });
     if created {
+        let failed_ctx = Arc::downgrade(&c);
+        agent.on_worker_failed(move |f| {
+            if let Some(c) = failed_ctx.upgrade() {
+                c.peer_failed(f.rank);
+            }
+        });
         let hook_ctx = Arc::downgrade(&c);
         agent.on_shutdown(Box::new(move || {
             let c = hook_ctx.clone();
@@ -122,23 +141,57 @@ impl Ctx {
         }
     }
 
-    /// Applies a fork count change to an owned value; drops what it frees outside the lock.
-    pub(crate) fn owner_add(&self, id: RRefId, fork: ForkId, delta: i64) {
-        let removed = lock(&self.owner).add(id, fork, delta);
+    /// Applies a fork count change to an owned value, the fork held by `holder`; drops what
+    /// it frees outside the lock.
+    pub(crate) fn owner_add(&self, id: RRefId, fork: ForkId, delta: i64, holder: u32) {
+        let removed = lock(&self.owner).add(id, fork, delta, holder);
         drop(removed);
     }
 
-    pub(crate) fn hold_child(&self, child: ForkId, parent: Hold) {
+    /// Worker `rank` was declared failed: the values only it held are released (OWN-5), and
+    /// the children this worker lent to it, or whose owner it was, are given up (CTX-3).
+    pub(crate) fn peer_failed(&self, rank: u32) {
+        let freed = lock(&self.owner).drop_holder(rank);
+        let given_up: Vec<_> = {
+            let mut pending = lock(&self.pending_children);
+            let gone: Vec<ForkId> = pending
+                .iter()
+                .filter(|(_, c)| c.to == rank || c.owner == rank)
+                .map(|(k, _)| *k)
+                .collect();
+            gone.into_iter()
+                .filter_map(|k| pending.remove(&k))
+                .collect()
+        };
+        if !freed.is_empty() || !given_up.is_empty() {
+            tracing::info!(
+                rank,
+                values = freed.len(),
+                children = given_up.len(),
+                "released what a failed worker held"
+            );
+        }
+        drop((freed, given_up));
+    }
+
+    /// Holds `parent` until the owner (`owner`) accepts `child`, sent to `to` (G2).
+    pub(crate) fn hold_child(&self, child: ForkId, parent: Hold, to: u32, owner: u32) {
         let now = Instant::now();
         let expired: Vec<_> = {
             let mut sweep = lock(&self.last_sweep);
             let mut pending = lock(&self.pending_children);
-            pending.insert(child, (parent, now));
+            let c = Child {
+                _hold: parent,
+                since: now,
+                to,
+                owner,
+            };
+            pending.insert(child, c);
             if now.duration_since(*sweep) > Duration::from_secs(10) {
                 *sweep = now;
                 let old: Vec<ForkId> = pending
                     .iter()
-                    .filter(|(_, (_, t))| now.duration_since(*t) > CHILD_TTL)
+                    .filter(|(_, c)| now.duration_since(c.since) > CHILD_TTL)
                     .map(|(k, _)| *k)
                     .collect();
                 old.into_iter().filter_map(|k| pending.remove(&k)).collect()

@@ -113,7 +113,7 @@ impl Drop for Handle {
             return;
         }
         if self.owner == c.me {
-            c.owner_add(self.id, self.fork, -1);
+            c.owner_add(self.id, self.fork, -1, c.me);
             return;
         }
         // G1: tell the owner. Never block in drop: the message goes from a background task.

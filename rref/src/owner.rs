@@ -15,6 +15,9 @@
 //!   the caller to drop.
 //! - OWN-4: removed values are returned to the caller, who drops them after releasing the
 //!   table's lock (a value may hold remote references whose drop re-enters the table).
+//! - OWN-5: every fork count is kept with the worker that holds the fork (who registered or
+//!   deleted it); when that worker is declared failed, its forks are dropped, so a value kept
+//!   only by a failed worker is released ([`OwnerTable::drop_holder`]).
 
 use rpc_core::ext::KeptValue;
 use rpc_core::RemoteError;
@@ -35,7 +38,8 @@ pub(crate) enum Slot {
 
 pub(crate) struct Entry {
     pub slot: Slot,
-    forks: HashMap<ForkId, i64>,
+    /// Each fork's signed count and the worker holding it.
+    forks: HashMap<ForkId, (i64, u32)>,
     settled: watch::Sender<bool>,
 }
 
@@ -67,15 +71,33 @@ pub(crate) struct OwnerTable {
 pub(crate) type Removed = Option<Entry>;
 
 impl OwnerTable {
-    /// Applies `delta` to `fork`'s count.
-    pub(crate) fn add(&mut self, id: RRefId, fork: ForkId, delta: i64) -> Removed {
+    /// Applies `delta` to `fork`'s count; `holder` is the worker holding the fork.
+    pub(crate) fn add(&mut self, id: RRefId, fork: ForkId, delta: i64, holder: u32) -> Removed {
         let entry = self.entries.entry(id).or_insert_with(Entry::new);
-        let c = entry.forks.entry(fork).or_insert(0);
-        *c += delta;
-        if *c == 0 {
+        let c = entry.forks.entry(fork).or_insert((0, holder));
+        c.0 += delta;
+        c.1 = holder;
+        if c.0 == 0 {
             entry.forks.remove(&fork);
         }
         self.collect(id)
+    }
+
+    /// OWN-5: drops every fork `holder` holds (it was declared failed); returns what that
+    /// frees, to be dropped outside the lock.
+    pub(crate) fn drop_holder(&mut self, holder: u32) -> Vec<Entry> {
+        let mut touched = Vec::new();
+        for (id, e) in &mut self.entries {
+            let before = e.forks.len();
+            e.forks.retain(|_, (_, h)| *h != holder);
+            if e.forks.len() != before {
+                touched.push(*id);
+            }
+        }
+        touched
+            .into_iter()
+            .filter_map(|id| self.collect(id))
+            .collect()
     }
 
     /// Settles the slot (OWN-3).
@@ -144,7 +166,7 @@ impl OwnerTable {
     fn count(&self, id: RRefId, fork: ForkId) -> i64 {
         self.entries
             .get(&id)
-            .and_then(|e| e.forks.get(&fork).copied())
+            .and_then(|e| e.forks.get(&fork).map(|(c, _)| *c))
             .unwrap_or(0)
     }
 }
@@ -171,16 +193,19 @@ mod tests {
         // OWN-1: creation, then the child's delete before the child's add.
         let mut t = OwnerTable::default();
         let (a, b) = (fid(1, 1), fid(2, 1));
-        assert!(t.add(rid(1), a, 1).is_none());
+        assert!(t.add(rid(1), a, 1, 0).is_none());
         assert!(t.set(rid(1), Ok(KeptValue::new(5u32))).unwrap().is_none());
-        assert!(t.add(rid(1), b, -1).is_none(), "child delete arrives first");
+        assert!(
+            t.add(rid(1), b, -1, 0).is_none(),
+            "child delete arrives first"
+        );
         assert_eq!(t.count(rid(1), b), -1);
         assert!(
-            t.add(rid(1), a, -1).is_none(),
+            t.add(rid(1), a, -1, 0).is_none(),
             "parent gone, child's debt keeps it"
         );
         assert!(
-            t.add(rid(1), b, 1).is_some(),
+            t.add(rid(1), b, 1, 0).is_some(),
             "OWN-2: removed at the balancing add"
         );
         assert_eq!(t.len(), 0);
@@ -190,9 +215,9 @@ mod tests {
     fn forks_settled_before_the_value_wait_for_it() {
         let mut t = OwnerTable::default();
         let f = fid(3, 9);
-        assert!(t.add(rid(2), f, -1).is_none());
+        assert!(t.add(rid(2), f, -1, 0).is_none());
         assert!(
-            t.add(rid(2), f, 1).is_none(),
+            t.add(rid(2), f, 1, 0).is_none(),
             "OWN-1: pending slot keeps the entry"
         );
         assert_eq!(t.len(), 1);
@@ -203,10 +228,42 @@ mod tests {
         );
     }
 
+    /// OWN-5: a failed holder's forks go; a value kept only by them is released, one also
+    /// held by another worker stays.
+    #[test]
+    fn forks_of_a_failed_holder_are_dropped() {
+        let mut t = OwnerTable::default();
+        t.add(rid(4), fid(0, 1), 1, 2);
+        assert!(t.set(rid(4), Ok(KeptValue::new(4u8))).unwrap().is_none());
+        t.add(rid(5), fid(0, 2), 1, 2);
+        t.add(rid(5), fid(1, 3), 1, 1);
+        assert!(t.set(rid(5), Ok(KeptValue::new(5u8))).unwrap().is_none());
+        // A delete that overtook its add, from the same holder: the add will never come.
+        t.add(rid(5), fid(2, 4), -1, 2);
+        let freed = t.drop_holder(2);
+        assert_eq!(
+            freed.len(),
+            1,
+            "only the value held by the failed worker alone"
+        );
+        assert_eq!(t.len(), 1);
+        assert_eq!(
+            t.count(rid(5), fid(1, 3)),
+            1,
+            "the other holder's fork stays"
+        );
+        assert_eq!(
+            t.count(rid(5), fid(2, 4)),
+            0,
+            "its overtaken delete goes too"
+        );
+        assert!(t.drop_holder(2).is_empty());
+    }
+
     #[test]
     fn a_value_is_set_once() {
         let mut t = OwnerTable::default();
-        t.add(rid(3), fid(0, 1), 1);
+        t.add(rid(3), fid(0, 1), 1, 0);
         assert!(t.set(rid(3), Ok(KeptValue::new(1u8))).is_ok());
         let again = t.set(rid(3), Ok(KeptValue::new(2u8)));
         match again {
@@ -264,13 +321,13 @@ mod tests {
             for (step, ev) in seq.iter().enumerate() {
                 let r = match ev {
                     Ev::Create => {
-                        let r1 = t.add(rid(7), parent, 1);
+                        let r1 = t.add(rid(7), parent, 1, 0);
                         assert!(r1.is_none());
                         t.set(rid(7), Ok(KeptValue::new(42u64))).unwrap()
                     }
-                    Ev::AddChild => t.add(rid(7), child, 1),
-                    Ev::DeleteParent => t.add(rid(7), parent, -1),
-                    Ev::DeleteChild => t.add(rid(7), child, -1),
+                    Ev::AddChild => t.add(rid(7), child, 1, 0),
+                    Ev::DeleteParent => t.add(rid(7), parent, -1, 0),
+                    Ev::DeleteChild => t.add(rid(7), child, -1, 0),
                 };
                 if r.is_some() {
                     assert!(removed_at.is_none(), "removed twice in {seq:?}");

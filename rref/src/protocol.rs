@@ -24,7 +24,7 @@ impl RemoteFn for AddFork {
     ) -> Result<(), BoxError> {
         let agent = cx.agent().clone();
         let c = ctx(&agent);
-        c.owner_add(id, child, 1);
+        c.owner_add(id, child, 1, cx.caller().id.0);
         if parent == c.me {
             c.release_child(child);
         } else {
@@ -60,7 +60,7 @@ impl RemoteFn for DeleteFork {
     type Args = (RRefId, ForkId);
     type Output = ();
     async fn call(cx: CallContext, (id, fork): (RRefId, ForkId)) -> Result<(), BoxError> {
-        ctx(cx.agent()).owner_add(id, fork, -1);
+        ctx(cx.agent()).owner_add(id, fork, -1, cx.caller().id.0);
         Ok(())
     }
 }
@@ -136,7 +136,7 @@ pub(crate) fn keep_sink() -> KeepSink {
             let c = ctx(cx.agent());
             let outcome = {
                 let mut t = c.owner.lock().unwrap_or_else(|p| p.into_inner());
-                let added = t.add(id, fork, 1);
+                let added = t.add(id, fork, 1, cx.caller().id.0);
                 let set = t.set(id, result);
                 (added, set)
             };

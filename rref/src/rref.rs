@@ -74,7 +74,7 @@ impl<T> Serialize for RRef<T> {
         // G2: hold our fork until the owner has accepted the child; or, if the request
         // carrying it is refused unread, not at all (nobody will ever register the child).
         let child = c.new_fork_id();
-        c.hold_child(child, self.h.clone());
+        c.hold_child(child, self.h.clone(), msg.peer().0, self.h.owner);
         let lender = c.clone();
         let to_owner = msg.kind() == MessageKind::Request && msg.peer().0 == self.h.owner;
         let released_on_answer = if to_owner {
@@ -102,7 +102,7 @@ impl<'de, T> Deserialize<'de> for RRef<T> {
         let agent = msg.agent().clone();
         let c = ctx(&agent);
         if w.owner == c.me {
-            c.owner_add(w.id, w.child, 1);
+            c.owner_add(w.id, w.child, 1, c.me);
             let h = Handle::new(&c, w.id, w.child, w.owner, HState::Confirmed);
             if w.released_on_answer {
                 return Ok(Self::from_handle(h));
@@ -263,7 +263,7 @@ impl<T: 'static> RRef<T> {
         let c = ctx(agent);
         let id = c.new_rref_id();
         let fork = c.new_fork_id();
-        c.owner_add(id, fork, 1);
+        c.owner_add(id, fork, 1, c.me);
         let extra = c
             .owner
             .lock()

@@ -5,6 +5,7 @@
 
 use std::time::{Duration, Instant};
 
+use integration_tests::autograd_fns::echo_tensor;
 use integration_tests::*;
 use rpc_core::testing::{self, start_group};
 use rpc_core::{Agent, RpcError, Secret, Transport};
@@ -152,5 +153,144 @@ fn a_busy_runtime_is_not_declared_failed() {
         })
         .await
         .expect("within 60 s")
+    });
+}
+
+fn full_registry() -> rpc_core::Registry {
+    let b = integration_tests::rref_fns::register(registry_builder());
+    let b = integration_tests::autograd_fns::register(b);
+    collectives::install(b).expect("distinct names").build()
+}
+
+/// OWN-5, CTX-3, AD-7, COL-2, PS-3: once a worker is declared failed, the values only it held
+/// are released by their owner, the autograd contexts it started are released, receives from
+/// it and collectives of its groups fail on every member, and a parameter-server pull waiting
+/// for its clock fails; each error names it.
+#[test]
+fn the_layers_release_and_fail_what_a_failed_worker_held() {
+    use autograd_dist::RTensor;
+    use candle_core::{Device, Tensor, Var};
+    use integration_tests::rref_fns::{keep, Tracked};
+    run(60, async {
+        let a = start_group(
+            3,
+            Transport::Tcp,
+            Secret::generate(),
+            |_| full_registry(),
+            |_, c| {
+                c.with_heartbeat_interval(Duration::from_millis(100))
+                    .with_failure_timeout(TIMEOUT)
+                    .with_shutdown_timeout(Duration::from_secs(5))
+            },
+        )
+        .await
+        .expect("group starts");
+        // A value owned by worker0, held only by worker1.
+        let v = rref::RRef::new(&a[0], Tracked::new(9_001, 1));
+        a[0].rpc_async(1u32, keep, (1, v.clone())).await.unwrap();
+        drop(v);
+        let by = Instant::now() + Duration::from_secs(5);
+        while rref::debug_info(&a[0]).pending_children > 0 {
+            assert!(Instant::now() < by, "{:?}", rref::debug_info(&a[0]));
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(rref::debug_info(&a[0]).owner_values, 1, "kept by worker1");
+        // An autograd context worker1 started, with state on worker0.
+        let ctx = autograd_dist::context(&a[1]);
+        let w = Var::new(&[1f32, 2.0], &Device::Cpu).unwrap();
+        let x = RTensor((w.as_tensor() * 2.0).unwrap());
+        let a1 = a[1].clone();
+        let back = ctx
+            .run(async move { a1.rpc_async(0u32, echo_tensor, (x,)).await })
+            .await
+            .unwrap();
+        assert_eq!(back.0.to_vec1::<f32>().unwrap(), [2.0, 4.0]);
+        assert!(autograd_dist::live_contexts(&a[0]) >= 1);
+        // Waits that depend on worker1: a receive from it on worker0, an all-reduce on the
+        // world on worker0 and worker2 (worker0's ring neighbour is worker2, alive), and a
+        // BSP pull on worker0's parameter server that needs worker1's push.
+        let recv = {
+            let a0 = a[0].clone();
+            tokio::spawn(async move { collectives::recv(&a0, 1u32, 5).await })
+        };
+        let reduces: Vec<_> = [0usize, 2]
+            .into_iter()
+            .map(|i| {
+                let ai = a[i].clone();
+                tokio::spawn(async move {
+                    let t = Tensor::ones(8, candle_core::DType::F32, &Device::Cpu).unwrap();
+                    collectives::world(&ai)
+                        .all_reduce(&t, collectives::ReduceOp::Sum)
+                        .await
+                })
+            })
+            .collect();
+        let p = vec![Tensor::zeros(2, candle_core::DType::F32, &Device::Cpu).unwrap()];
+        collectives::serve_shard(&a[0], 1, p, 0.1, collectives::Consistency::Bsp, 2);
+        let t1 = collectives::PsClient::new(&a[1], vec![(0, 1)], 0);
+        let t2 = collectives::PsClient::new(&a[2], vec![(0, 1)], 1);
+        t1.pull(0).await.unwrap();
+        let g = vec![vec![
+            Tensor::ones(2, candle_core::DType::F32, &Device::Cpu).unwrap()
+        ]];
+        t2.pull(0).await.unwrap();
+        t2.push(0, g).await.unwrap();
+        let pull = tokio::spawn(async move { t2.pull(1).await });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(!recv.is_finished() && !pull.is_finished());
+        assert!(reduces.iter().all(|r| !r.is_finished()));
+
+        testing::silence(&a[1], true);
+        let within = Duration::from_secs(5);
+        let err = tokio::time::timeout(within, recv)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap_err();
+        assert!(
+            matches!(&err, collectives::P2pError::PeerFailed { worker, .. } if worker == "worker1"),
+            "{err:?}"
+        );
+        for r in reduces {
+            let err = tokio::time::timeout(within, r)
+                .await
+                .unwrap()
+                .unwrap()
+                .unwrap_err();
+            assert!(
+                rpc_core::error_chain(&err).contains("worker1"),
+                "{}",
+                rpc_core::error_chain(&err)
+            );
+        }
+        let err = tokio::time::timeout(within, pull)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap_err();
+        assert!(rpc_core::error_chain(&err).contains("worker1"), "{err}");
+        // A later collective of the group fails at once on the survivors.
+        let start = Instant::now();
+        let t = Tensor::ones(8, candle_core::DType::F32, &Device::Cpu).unwrap();
+        let err = collectives::world(&a[0])
+            .all_reduce(&t, collectives::ReduceOp::Sum)
+            .await
+            .unwrap_err();
+        assert!(rpc_core::error_chain(&err).contains("worker1"), "{err}");
+        assert!(start.elapsed() < Duration::from_secs(1));
+        // The value only worker1 held is released; so is the context it started.
+        let by = Instant::now() + within;
+        while rref::debug_info(&a[0]).owner_values > 0 || autograd_dist::live_contexts(&a[0]) > 0 {
+            assert!(
+                Instant::now() < by,
+                "left on worker0: {:?}, {} contexts",
+                rref::debug_info(&a[0]),
+                autograd_dist::live_contexts(&a[0])
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        drop(ctx);
+        let _ = tokio::join!(a[0].shutdown(), a[2].shutdown());
+        let _ = a[1].shutdown_within(Duration::from_millis(500)).await;
     });
 }
