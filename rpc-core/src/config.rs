@@ -57,6 +57,10 @@ pub struct Config {
     /// Largest frame accepted or sent on a control connection, and largest bulk blob.
     /// Default: 1 GiB.
     pub max_frame_bytes: usize,
+    /// Bytes queued for one connection and not yet written above which new calls on it fail
+    /// at once (a peer that stopped reading fails them instead of growing the queue; replies
+    /// to a caller that stopped reading are dropped). Default: 256 MiB.
+    pub max_queued_bytes: usize,
     /// Root calls (not nested in another call) served at once; more wait. Nested calls are
     /// never held back, so call chains cannot deadlock on this limit. Default: 65,536.
     pub max_concurrent_calls: usize,
@@ -126,6 +130,7 @@ impl Default for Config {
             connect_timeout: Duration::from_secs(10),
             handshake_timeout: Duration::from_secs(10),
             max_frame_bytes: 1 << 30,
+            max_queued_bytes: 256 << 20,
             max_concurrent_calls: 65_536,
             bulk_threshold: 256 << 10,
             bulk_pool_bytes: 128 << 20,
@@ -180,6 +185,8 @@ impl Config {
         with_handshake_timeout(handshake_timeout: Duration) => handshake_timeout;
         /// Sets [`Config::max_frame_bytes`].
         with_max_frame_bytes(max_frame_bytes: usize) => max_frame_bytes;
+        /// Sets [`Config::max_queued_bytes`].
+        with_max_queued_bytes(max_queued_bytes: usize) => max_queued_bytes;
         /// Sets [`Config::max_concurrent_calls`].
         with_max_concurrent_calls(max_concurrent_calls: usize) => max_concurrent_calls;
         /// Sets [`Config::bulk_threshold`].
@@ -338,6 +345,7 @@ impl Config {
                 connect_timeout: self.connect_timeout,
                 handshake_timeout: self.handshake_timeout,
                 max_frame_bytes: self.max_frame_bytes,
+                max_queued_bytes: self.max_queued_bytes,
                 bulk_threshold: self.bulk_threshold,
                 bulk_pool_bytes: self.bulk_pool_bytes,
                 shm_arena_bytes: self.shm_arena_bytes,

@@ -18,6 +18,7 @@ pub(crate) struct NetConfig {
     pub connect_timeout: Duration,
     pub handshake_timeout: Duration,
     pub max_frame_bytes: usize,
+    pub max_queued_bytes: usize,
     pub bulk_threshold: usize,
     pub bulk_pool_bytes: usize,
     pub shm_arena_bytes: usize,

@@ -189,7 +189,7 @@ impl Dialer {
         }
         let mut stream = stream.ok_or_else(|| self.failed(to, last))?;
         let setup = |s: &mut TcpStream| -> io::Result<()> {
-            s.set_nodelay(true)?;
+            super::transport::tcp::configure(&*s)?;
             let t = Some(cfg.handshake_timeout.min(left(deadline)));
             s.set_read_timeout(t)?;
             s.set_write_timeout(t)?;

@@ -6,6 +6,8 @@
 //!
 //! - FRAME-1: a frame above the limit is refused before any byte of it is queued or written
 //!   (sending), and ends its connection (receiving).
+//! - FRAME-2: an outbox holds at most `max_queued_bytes` not yet written (plus the frame that
+//!   crossed the limit): a peer that stops reading fails new calls instead of growing it.
 
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
@@ -163,6 +165,8 @@ pub(crate) async fn next_message<T: DeserializeOwned>(
 pub(crate) enum PushError {
     /// The outbox is closed: its connection has ended.
     Closed,
+    /// The outbox holds its limit of bytes not yet written: the peer is not reading.
+    Full(usize),
     /// The message could not be encoded, or its frame is above the limit.
     Encode(io::Error),
 }
@@ -180,14 +184,17 @@ pub(crate) struct Outbox {
     state: Mutex<OutState>,
     ready: Notify,
     max_frame: usize,
+    /// Bytes waiting to be written above which nothing more is queued (FRAME-2).
+    max_queued: usize,
 }
 
 impl Outbox {
-    pub(crate) fn new(max_frame: usize) -> Self {
+    pub(crate) fn new(max_frame: usize, max_queued: usize) -> Self {
         Self {
             state: Mutex::new(OutState::default()),
             ready: Notify::new(),
             max_frame,
+            max_queued,
         }
     }
 
@@ -202,6 +209,9 @@ impl Outbox {
             return Err(PushError::Closed);
         }
         let start = s.buf.len();
+        if start >= self.max_queued {
+            return Err(PushError::Full(start));
+        }
         encode(&mut s.buf, msg, self.max_frame).map_err(PushError::Encode)?;
         drop(s);
         if start == 0 {
@@ -479,7 +489,7 @@ mod tests {
 
     #[tokio::test]
     async fn queued_frames_leave_length_prefixed_and_in_order() {
-        let out = Outbox::new(1 << 20);
+        let out = Outbox::new(1 << 20, 1 << 20);
         for t in 0..3u8 {
             out.push(&t).expect("queued");
         }
@@ -499,6 +509,28 @@ mod tests {
             .expect("read");
         assert_eq!(got, [0, 0, 0, 1, 0, 0, 0, 0, 1, 1, 0, 0, 0, 1, 2]);
         writer.await.expect("joined");
+    }
+
+    /// FRAME-2: an outbox nobody writes out takes frames up to its limit, then refuses.
+    #[test]
+    fn an_outbox_refuses_frames_past_its_limit() {
+        let out = Outbox::new(1 << 20, 1000);
+        let mut queued = 0;
+        loop {
+            match out.push(&vec![1u8; 300]) {
+                Ok(()) => queued += 1,
+                Err(PushError::Full(n)) => {
+                    assert!(n >= 1000, "{n}");
+                    break;
+                }
+                Err(e) => panic!("{e:?}"),
+            }
+            assert!(queued < 10, "never refused");
+        }
+        assert_eq!(
+            queued, 4,
+            "the frame that crosses the limit is the last one taken"
+        );
     }
 
     /// FRAME-1: small and large frames encode to the same bytes as bincode's own encoding,

@@ -151,7 +151,11 @@ impl Net {
             return Err(self.dialer.failed(to, std::io::Error::other(f.cause)));
         }
         self.peers[to as usize]
-            .client(&self.dialer, self.cfg.max_frame_bytes)
+            .client(
+                &self.dialer,
+                self.cfg.max_frame_bytes,
+                self.cfg.max_queued_bytes,
+            )
             .await
     }
 
@@ -306,7 +310,7 @@ impl Net {
                     service,
                     conn,
                     rank,
-                    self.cfg.max_frame_bytes,
+                    (self.cfg.max_frame_bytes, self.cfg.max_queued_bytes),
                     &self.life,
                     &self.spin,
                     self.membership.gone(rank),

@@ -148,12 +148,13 @@ impl MuxClient {
     pub(crate) fn start(
         conn: Conn,
         max_frame: usize,
+        max_queued: usize,
     ) -> (
         Self,
         impl std::future::Future<Output = io::Result<()>> + Send + 'static,
     ) {
         let shared = Arc::new(ClientShared {
-            out: Outbox::new(max_frame),
+            out: Outbox::new(max_frame, max_queued),
             pending: Mutex::new(Pending::default()),
             next_id: AtomicU64::new(0),
         });
@@ -212,6 +213,13 @@ impl MuxClient {
         match waiter.shared.out.push(&msg) {
             Ok(()) => Ok(waiter),
             Err(PushError::Closed) => Err(CallFailed::closed_connection()),
+            Err(PushError::Full(n)) => Err(CallFailed::NotSent {
+                cause: io::Error::new(
+                    io::ErrorKind::WouldBlock,
+                    format!("{n} bytes are queued for the peer, which is not reading them"),
+                ),
+                broken: false,
+            }),
             Err(PushError::Encode(cause)) => Err(CallFailed::NotSent {
                 cause,
                 broken: false,
@@ -254,7 +262,7 @@ mod tests {
         DuplexStream,
     ) {
         let (a, b) = tokio::io::duplex(1 << 16);
-        let (c, task) = MuxClient::start(Box::new(a), max);
+        let (c, task) = MuxClient::start(Box::new(a), max, 1 << 20);
         (c, tokio::spawn(task), b)
     }
 

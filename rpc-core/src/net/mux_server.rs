@@ -30,12 +30,12 @@ pub(crate) async fn serve<S: Serve>(
     service: Arc<S>,
     conn: Conn,
     caller: u32,
-    max_frame: usize,
+    (max_frame, max_queued): (usize, usize),
     life: &Lifecycle,
     spin: &Spin,
     gone: &CancellationToken,
 ) -> io::Result<()> {
-    let out = Arc::new(Outbox::new(max_frame));
+    let out = Arc::new(Outbox::new(max_frame, max_queued));
     let (r, w) = tokio::io::split(conn);
     let mut requests = frame::reader(r, max_frame);
     let read = async {
@@ -91,7 +91,8 @@ fn respond(out: &Outbox, id: u64, reply: CallReply) {
         message: Ok::<_, tarpc::ServerError>(reply),
     };
     match out.push(&resp) {
-        Ok(()) | Err(PushError::Closed) => {}
+        // A caller that stopped reading loses its replies, not this worker's memory.
+        Ok(()) | Err(PushError::Closed) | Err(PushError::Full(_)) => {}
         Err(PushError::Encode(e)) => {
             // The callee refuses results above the frame limit; an error this large still
             // gets an answer, so its caller does not wait for its deadline.
@@ -173,7 +174,16 @@ mod tests {
             let (life, spin) = (Arc::clone(&life), Arc::clone(&spin));
             tokio::spawn(async move {
                 let gone = CancellationToken::new();
-                serve(Arc::new(Nap), Box::new(a), 0, 1 << 20, &life, &spin, &gone).await
+                serve(
+                    Arc::new(Nap),
+                    Box::new(a),
+                    0,
+                    (1 << 20, 1 << 20),
+                    &life,
+                    &spin,
+                    &gone,
+                )
+                .await
             })
         };
         let now = Instant::now();

@@ -49,6 +49,7 @@ impl Peer {
         self: &Arc<Self>,
         dialer: &Dialer,
         max_frame: usize,
+        max_queued: usize,
     ) -> Result<(u64, MuxClient), DialError> {
         if let Some(c) = self.current() {
             return Ok(c);
@@ -58,7 +59,7 @@ impl Peer {
             return Ok(c);
         }
         let conn = dialer.dial(self.rank, ConnKind::Control).await?;
-        let (client, dispatch) = MuxClient::start(conn, max_frame);
+        let (client, dispatch) = MuxClient::start(conn, max_frame, max_queued);
         *gen += 1;
         let this_gen = *gen;
         let me = Arc::clone(self);

@@ -6,7 +6,7 @@
 //! ports; it is meant for tests and single-process simulations.
 
 mod memory;
-mod tcp;
+pub(crate) mod tcp;
 
 pub use memory::MemoryNetwork;
 
