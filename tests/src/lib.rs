@@ -10,6 +10,7 @@ use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 pub mod autograd_fns;
+pub mod procs;
 pub mod rref_fns;
 
 /// The README's Rust snippets, compiled (and run where they can be) as doc tests, so the
@@ -267,6 +268,17 @@ pub async fn burn(_ctx: CallContext, ms: u64) -> Result<u64, BoxError> {
     Ok(n)
 }
 
+/// The ranks this worker's failure detector declared failed.
+#[remote]
+pub async fn failed_ranks(ctx: CallContext) -> Result<Vec<u32>, BoxError> {
+    Ok(ctx
+        .agent()
+        .failed_workers()
+        .iter()
+        .map(|f| f.rank)
+        .collect())
+}
+
 /// A type whose serialization always fails: proves that self-calls skip serialization.
 #[derive(Debug, Deserialize)]
 pub struct Unserializable(pub u32);
@@ -306,6 +318,7 @@ pub fn registry_builder() -> rpc_core::RegistryBuilder {
         .and_then(|r| r.register(nested_remaining_ms))
         .and_then(|r| r.register(hang))
         .and_then(|r| r.register(burn))
+        .and_then(|r| r.register(failed_ranks))
         .and_then(|r| r.register(double_local))
         .and_then(|r| r.register(zeros))
         .and_then(|r| r.register(meta_seen))

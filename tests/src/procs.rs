@@ -1,0 +1,147 @@
+//! Running groups of worker processes from a test: each child is killed and reaped when the
+//! test ends, however it ends, and what the children print comes back line by line.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use rpc_core::{RendezvousServer, Secret, Transport};
+
+/// Children that are killed and reaped when the test ends, however it ends.
+pub struct Procs {
+    /// The children, by rank.
+    pub children: Vec<Child>,
+    lines: mpsc::Receiver<(u32, String)>,
+    seen: Vec<(u32, String)>,
+}
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Procs {
+    /// Waits for a line from `rank` starting with `prefix`; returns the rest. Lines read
+    /// meanwhile are kept for later calls.
+    pub fn expect(&mut self, rank: u32, prefix: &str, within: Duration) -> String {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(i) = self
+                .seen
+                .iter()
+                .position(|(r, l)| *r == rank && l.starts_with(prefix))
+            {
+                let (_, line) = self.seen.remove(i);
+                return line[prefix.len()..].trim().to_owned();
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok((r, line)) => {
+                    eprintln!("[rank {r}] {line}");
+                    self.seen.push((r, line));
+                }
+                Err(_) => panic!("no `{prefix}` line from rank {rank} within {within:?}"),
+            }
+        }
+    }
+
+    /// Sends signal `sig` (`libc::SIGSTOP`, `SIGCONT`, `SIGKILL`) to the child of `rank`.
+    pub fn signal(&self, rank: usize, sig: i32) {
+        let pid = self.children[rank].id() as i32;
+        // SAFETY: kill(2) on a child this test started and has not reaped yet.
+        let r = unsafe { libc::kill(pid, sig) };
+        assert_eq!(
+            r,
+            0,
+            "kill({pid}, {sig}): {}",
+            std::io::Error::last_os_error()
+        );
+    }
+
+    /// Waits (bounded) for every child to exit; returns their exit codes.
+    pub fn wait_all(&mut self, within: Duration) -> Vec<Option<i32>> {
+        let deadline = Instant::now() + within;
+        let mut codes = vec![None; self.children.len()];
+        while Instant::now() < deadline && codes.iter().any(Option::is_none) {
+            for (i, c) in self.children.iter_mut().enumerate() {
+                if codes[i].is_none() {
+                    if let Ok(Some(s)) = c.try_wait() {
+                        codes[i] = Some(s.code().unwrap_or(-1));
+                    }
+                }
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        codes
+    }
+}
+
+/// Starts one `program` process per scenario (rank = position) against a rendezvous this
+/// process hosts, with the group secret in `RPC_SECRET` and `env` set; lines they print come
+/// back through [`Procs::expect`]. The runtime hosts the rendezvous until everyone joined.
+pub fn start(
+    program: &str,
+    scenarios: &[&str],
+    env: &[(&str, &str)],
+) -> (tokio::runtime::Runtime, Procs) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let secret = Secret::generate();
+    let world = scenarios.len() as u32;
+    let server = rt
+        .block_on(RendezvousServer::start(
+            &Transport::Tcp,
+            "127.0.0.1:0",
+            secret.clone(),
+            world,
+            Duration::from_secs(30),
+        ))
+        .unwrap();
+    let addr = server.local_addr().to_owned();
+    // The server runs on `rt` until every worker joined.
+    std::mem::forget(server);
+    let (tx, lines) = mpsc::channel();
+    let mut children = Vec::new();
+    for (rank, scenario) in scenarios.iter().enumerate() {
+        let mut child = Command::new(program)
+            .args([
+                scenario,
+                "--rank",
+                &rank.to_string(),
+                "--world",
+                &world.to_string(),
+                "--rendezvous",
+                &addr,
+            ])
+            .env("RPC_SECRET", secret.as_str().unwrap())
+            .envs(env.iter().copied())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {program}: {e}"));
+        let out = child.stdout.take().unwrap();
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                let _ = tx.send((rank as u32, line));
+            }
+        });
+        children.push(child);
+    }
+    (
+        rt,
+        Procs {
+            children,
+            lines,
+            seen: Vec::new(),
+        },
+    )
+}
