@@ -303,7 +303,20 @@ fn bad_input_fails_with_a_message_not_a_panic() {
 /// surviving worker exits too.
 #[test]
 fn a_killed_worker_fails_the_run_quickly_naming_it() {
-    let dir = scratch("kill");
+    a_failed_worker_ends_the_run("kill", "-KILL", Duration::from_secs(30));
+}
+
+/// A worker frozen (SIGSTOP) in the middle of training: its process and its connections stay,
+/// and only the failure detector notices; the master names it and exits non-zero within 10 s.
+#[test]
+fn a_frozen_worker_fails_the_run_within_10_s_naming_it() {
+    a_failed_worker_ends_the_run("stop", "-STOP", Duration::from_secs(10));
+}
+
+/// Sends `signal` to worker 1 once training is under way; the master must exit non-zero,
+/// naming it, within `within`, and the other worker must exit too.
+fn a_failed_worker_ends_the_run(name: &str, signal: &str, within: Duration) {
+    let dir = scratch(name);
     let out = dir.join("out");
     let (so, se) = (dir.join("stdout"), dir.join("stderr"));
     let mut child = Command::new(env!("CARGO_BIN_EXE_hybrid-rnn"))
@@ -347,7 +360,7 @@ fn a_killed_worker_fails_the_run_quickly_naming_it() {
     let killed = Instant::now();
     // The first child is rank 1.
     let status = Command::new("kill")
-        .args(["-9", &workers[0].to_string()])
+        .args([signal, &workers[0].to_string()])
         .status()
         .unwrap();
     assert!(status.success());
@@ -355,13 +368,24 @@ fn a_killed_worker_fails_the_run_quickly_naming_it() {
         if let Some(s) = child.try_wait().unwrap() {
             break s.code();
         }
-        if killed.elapsed() > Duration::from_secs(30) {
+        if killed.elapsed() > within {
             let _ = child.kill();
             let _ = child.wait();
-            panic!("the master did not exit within 30 s of a worker's death");
+            let _ = Command::new("kill")
+                .args(["-KILL", &workers[0].to_string()])
+                .status();
+            panic!("the master did not exit within {within:?} of `kill {signal}` on a worker");
         }
         std::thread::sleep(Duration::from_millis(50));
     };
+    eprintln!(
+        "the master exited {:?} after `kill {signal}`",
+        killed.elapsed()
+    );
+    // A frozen worker is still there unless the master ended it.
+    let _ = Command::new("kill")
+        .args(["-KILL", &workers[0].to_string()])
+        .status();
     let stderr = std::fs::read_to_string(&se).unwrap();
     assert_eq!(code, Some(1), "{stderr}");
     assert!(
