@@ -186,8 +186,14 @@ impl<'de> Deserialize<'de> for RTensor {
             .parse()
             .map_err(|e| de::Error::custom(format!("unknown dtype {:?}: {e}", w.dtype)))?;
         let device = w.device.device().map_err(de::Error::custom)?;
-        let expected = w.shape.iter().product::<usize>() * dtype.size_in_bytes();
-        if dtype.size_in_bytes() > 0 && w.data.len() != expected {
+        // Candle stores its packed formats (size 0: F4, F6) a byte per element.
+        let size = dtype.size_in_bytes().max(1);
+        let expected = w
+            .shape
+            .iter()
+            .try_fold(size, |n, &d| n.checked_mul(d))
+            .ok_or_else(|| de::Error::custom(format!("tensor shape {:?} is too large", w.shape)))?;
+        if w.data.len() != expected {
             return Err(de::Error::custom(format!(
                 "tensor data has {} bytes, shape {:?} of {} needs {expected}",
                 w.data.len(),

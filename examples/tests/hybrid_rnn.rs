@@ -280,7 +280,7 @@ fn bad_input_fails_with_a_message_not_a_panic() {
         ("WORLD_SIZE", "3"),
         ("MASTER_ADDR", "127.0.0.1"),
         ("MASTER_PORT", port.as_str()),
-        ("RPC_SECRET", "test-secret"),
+        ("RPC_SECRET", "a test secret of some length"),
     ];
     let r = run(
         &["--init-timeout-secs", "2", "--train-limit", "640"],

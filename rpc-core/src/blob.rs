@@ -386,7 +386,21 @@ pub(crate) fn decode<T: DeserializeOwned>(
     let table = blobs.into_iter().map(Some).collect();
     let prev = DECODE_TABLE.with(|t| t.borrow_mut().replace(table));
     let _guard = Restore(&DECODE_TABLE, prev);
-    bincode::deserialize(payload)
+    // A type's own `Deserialize` may panic on bytes it does not expect: that is a decoding
+    // error of this message, not the end of the task or thread decoding it (FRAME-3).
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        bincode::deserialize(payload)
+    }))
+    .unwrap_or_else(|p| {
+        let why = p
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| p.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic".to_owned());
+        Err(Box::new(bincode::ErrorKind::Custom(format!(
+            "decoding panicked: {why}"
+        ))))
+    })
 }
 
 #[cfg(test)]

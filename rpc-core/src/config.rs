@@ -10,6 +10,9 @@ use std::time::Duration;
 use crate::error::InitError;
 use crate::net::{NetConfig, Secret, Transport, SECRET_ENV, SECRET_FILE_ENV};
 
+/// The shortest group secret init accepts: a shorter one is guessable.
+const MIN_SECRET_BYTES: usize = 16;
+
 /// How a worker joins its group. Build with [`Config::new`] and the `with_*` setters.
 ///
 /// ```
@@ -54,9 +57,13 @@ pub struct Config {
     pub connect_timeout: Duration,
     /// Bound on the authentication handshake of a connection. Default: 10 s.
     pub handshake_timeout: Duration,
-    /// Largest frame accepted or sent on a control connection, and largest bulk blob.
-    /// Default: 1 GiB.
+    /// Largest frame accepted or sent on a control or blocking connection: a call's payload
+    /// and the blobs that ride inside its envelope (small ones, up to half this in all; the
+    /// others take the bulk path). A frame is the envelope of one call, so this bounds what
+    /// one request of an authenticated peer can make a worker allocate. Default: 32 MiB.
     pub max_frame_bytes: usize,
+    /// Largest blob sent or accepted on the bulk path (large tensors). Default: 1 GiB.
+    pub max_blob_bytes: usize,
     /// Bytes queued for one connection and not yet written above which new calls on it fail
     /// at once (a peer that stopped reading fails them instead of growing the queue; replies
     /// to a caller that stopped reading are dropped). Default: 256 MiB.
@@ -129,7 +136,8 @@ impl Default for Config {
             shutdown_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(10),
             handshake_timeout: Duration::from_secs(10),
-            max_frame_bytes: 1 << 30,
+            max_frame_bytes: 32 << 20,
+            max_blob_bytes: 1 << 30,
             max_queued_bytes: 256 << 20,
             max_concurrent_calls: 65_536,
             bulk_threshold: 256 << 10,
@@ -185,6 +193,8 @@ impl Config {
         with_handshake_timeout(handshake_timeout: Duration) => handshake_timeout;
         /// Sets [`Config::max_frame_bytes`].
         with_max_frame_bytes(max_frame_bytes: usize) => max_frame_bytes;
+        /// Sets [`Config::max_blob_bytes`].
+        with_max_blob_bytes(max_blob_bytes: usize) => max_blob_bytes;
         /// Sets [`Config::max_queued_bytes`].
         with_max_queued_bytes(max_queued_bytes: usize) => max_queued_bytes;
         /// Sets [`Config::max_concurrent_calls`].
@@ -278,6 +288,13 @@ impl Config {
                 file_env: SECRET_FILE_ENV,
             })?,
         };
+        if secret.len() < MIN_SECRET_BYTES {
+            return Err(InitError::Config(format!(
+                "the group secret is {} bytes; at least {MIN_SECRET_BYTES} are required \
+                 (Secret::generate makes 64 random hex digits)",
+                secret.len()
+            )));
+        }
         let listen_addr = self.listen_addr.unwrap_or_else(|| {
             let host = rendezvous.rsplit_once(':').map_or("", |(h, _)| h);
             match &self.transport {
@@ -345,6 +362,7 @@ impl Config {
                 connect_timeout: self.connect_timeout,
                 handshake_timeout: self.handshake_timeout,
                 max_frame_bytes: self.max_frame_bytes,
+                max_blob_bytes: self.max_blob_bytes,
                 max_queued_bytes: self.max_queued_bytes,
                 bulk_threshold: self.bulk_threshold,
                 bulk_pool_bytes: self.bulk_pool_bytes,
@@ -398,7 +416,7 @@ mod tests {
     }
 
     fn base() -> Config {
-        Config::new().with_secret(Secret::new("s"))
+        Config::new().with_secret(Secret::new("a secret of many bytes"))
     }
 
     #[test]
@@ -530,7 +548,7 @@ mod tests {
             .unwrap_err();
         assert!(e.to_string().contains("RPC_SECRET"), "{e}");
         let dir = std::env::temp_dir().join(format!("rpc-core-secret-{}", std::process::id()));
-        std::fs::write(&dir, "from-file\n").unwrap();
+        std::fs::write(&dir, "from-file-and-long-enough\n").unwrap();
         let r = Config::new()
             .with_rank(0)
             .with_world_size(1)
@@ -538,6 +556,14 @@ mod tests {
             .resolve_with(&env(&[("RPC_SECRET_FILE", dir.to_str().unwrap())]))
             .unwrap();
         std::fs::remove_file(&dir).unwrap();
-        assert_eq!(r.net.secret.as_str(), Some("from-file"));
+        assert_eq!(r.net.secret.as_str(), Some("from-file-and-long-enough"));
+        let e = Config::new()
+            .with_rank(0)
+            .with_world_size(1)
+            .with_init_method("tcp://a:1")
+            .with_secret(Secret::new("short"))
+            .resolve_with(&env(&[]))
+            .unwrap_err();
+        assert!(e.to_string().contains("at least 16"), "{e}");
     }
 }

@@ -335,7 +335,7 @@ fn handle(
         };
         let scope = Scope {
             deadline,
-            depth: depth + 1,
+            depth: depth.saturating_add(1),
         };
         let entry = checked.entry;
         if let (Some(keep), Some(sink)) = (keep, checked.sink) {
@@ -402,7 +402,7 @@ fn run_typed<'a, F: RemoteFn>(
     };
     let scope = Scope {
         deadline,
-        depth: depth + 1,
+        depth: depth.saturating_add(1),
     };
     let run = META.scope(meta, async move {
         // Boxed and type-erased: a function that calls itself (directly or through a peer)

@@ -74,6 +74,7 @@ pub struct RemoteError {
     /// The top-level message.
     pub message: String,
     /// The `source()` chain below the message, outermost first.
+    #[serde(deserialize_with = "crate::bounded::bounded::<_, _, { MAX_CHAIN + 1 }>")]
     pub chain: Vec<String>,
 }
 

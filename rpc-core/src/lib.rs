@@ -45,7 +45,7 @@
 //! that the agent names its parts and they name the agent back (handlers get it in their
 //! context). See `docs/ARCHITECTURE.md` for one call's path through it.
 //!
-//! - `error`, `wire`, `lifecycle`: the error types, what travels on the wire ([`WorkerInfo`],
+//! - `error`, `bounded`, `wire`, `lifecycle`: the error types, bounded decoding, what travels on the wire ([`WorkerInfo`],
 //!   the envelope, [`ext::CallMeta`]), running/stopping/closed.
 //! - `net`: the network layer. Transports, the handshake ([`Secret`]), the directory and the
 //!   one dialer, tarpc's frames, the multiplexed connection's two ends, blocking connections,
@@ -69,6 +69,7 @@ extern crate self as rpc_core;
 
 mod agent;
 mod blob;
+mod bounded;
 mod call;
 mod config;
 mod context;

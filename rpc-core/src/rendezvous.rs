@@ -141,24 +141,25 @@ async fn serve(listener: &mut Listener, secret: Secret, world_size: u32, deadlin
     let (tx, mut rx) = mpsc::channel::<(Join, Framed_)>(64);
     let mut joined: BTreeMap<u32, (Join, Framed_)> = BTreeMap::new();
     let mut conns = tokio::task::JoinSet::new();
+    let gate = auth::Gate::default();
     while joined.len() < world_size as usize {
         tokio::select! {
             acc = listener.accept() => {
                 let Ok(mut conn) = acc else { continue };
-                let (tx, secret) = (tx.clone(), secret.clone());
+                let (tx, secret, gate) = (tx.clone(), secret.clone(), gate.clone());
                 conns.spawn(async move {
-                    let hs = tokio::time::timeout_at(deadline, auth::server(&mut conn, &secret)).await;
-                    match hs {
-                        Ok(Ok((ConnKind::Rendezvous, _))) => {}
-                        Ok(Ok((kind, _))) => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    match gate.handshake(&mut conn, &secret, left).await {
+                        Ok((ConnKind::Rendezvous, _)) => {}
+                        Ok((kind, _)) => {
                             tracing::warn!(?kind, "rendezvous got a non-rendezvous connection");
                             return;
                         }
-                        Ok(Err(e)) => {
+                        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => return,
+                        Err(e) => {
                             tracing::warn!(cause = %e, "rendezvous refused a connection");
                             return;
                         }
-                        Err(_) => return,
                     }
                     let mut f = framed(conn);
                     if let Ok(Ok(join)) = tokio::time::timeout_at(deadline, recv::<Join>(&mut f)).await {

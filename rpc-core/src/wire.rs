@@ -11,6 +11,8 @@
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
+use crate::bounded::{bounded, MAX_BLOBS, MAX_META};
+
 use crate::error::RemoteError;
 
 /// A worker's id: its rank in the group.
@@ -50,6 +52,7 @@ pub(crate) struct CallRequest {
     pub depth: u32,
     #[serde(with = "serde_bytes")]
     pub payload: Vec<u8>,
+    #[serde(deserialize_with = "bounded::<_, _, MAX_BLOBS>")]
     pub blobs: Vec<WireBlob>,
     /// Keep the result on the callee and hand it to this sink instead of returning it.
     pub keep: Option<KeepTarget>,
@@ -74,7 +77,9 @@ pub(crate) struct KeepTarget {
 /// nested calls and its reply encoding) runs with it, so it follows chains of calls in both
 /// directions.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CallMeta(Vec<(String, Vec<u8>)>);
+pub struct CallMeta(
+    #[serde(deserialize_with = "bounded::<_, _, MAX_META>")] Vec<(String, Vec<u8>)>,
+);
 
 impl CallMeta {
     /// The value of `key`, if set.
@@ -85,11 +90,16 @@ impl CallMeta {
             .map(|(_, v)| v.as_slice())
     }
 
-    /// A copy with `key` set to `value`.
+    /// A copy with `key` set to `value` (unchanged, with a warning, if it already holds the
+    /// most keys a receiver accepts).
     pub(crate) fn with(&self, key: &str, value: Vec<u8>) -> Self {
         let mut m = self.clone();
+        let full = m.0.len() >= MAX_META;
         match m.0.iter_mut().find(|(k, _)| k == key) {
             Some(slot) => slot.1 = value,
+            None if full => {
+                tracing::warn!(key, limit = MAX_META, "call metadata full; key not added");
+            }
             None => m.0.push((key.to_owned(), value)),
         }
         m
@@ -106,6 +116,7 @@ impl CallMeta {
 pub(crate) struct CallOk {
     #[serde(with = "serde_bytes")]
     pub payload: Vec<u8>,
+    #[serde(deserialize_with = "bounded::<_, _, MAX_BLOBS>")]
     pub blobs: Vec<WireBlob>,
 }
 

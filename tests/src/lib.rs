@@ -268,6 +268,12 @@ pub async fn burn(_ctx: CallContext, ms: u64) -> Result<u64, BoxError> {
     Ok(n)
 }
 
+/// A text of `n` bytes: a large result that is not a blob (it rides in the frame itself).
+#[remote]
+pub async fn big_text(_ctx: CallContext, n: usize) -> Result<String, BoxError> {
+    Ok("t".repeat(n))
+}
+
 /// The ranks this worker's failure detector declared failed.
 #[remote]
 pub async fn failed_ranks(ctx: CallContext) -> Result<Vec<u32>, BoxError> {
@@ -319,6 +325,7 @@ pub fn registry_builder() -> rpc_core::RegistryBuilder {
         .and_then(|r| r.register(hang))
         .and_then(|r| r.register(burn))
         .and_then(|r| r.register(failed_ranks))
+        .and_then(|r| r.register(big_text))
         .and_then(|r| r.register(double_local))
         .and_then(|r| r.register(zeros))
         .and_then(|r| r.register(meta_seen))

@@ -1116,7 +1116,7 @@ fn a_worker_with_the_wrong_secret_cannot_join() {
             .with_world_size(2)
             .with_init_method(format!("tcp://{}", server.local_addr()))
             .with_serve_rendezvous(false)
-            .with_secret(Secret::new("not the group's"));
+            .with_secret(Secret::new("not the group's secret"));
         let err = rpc_core::init(cfg, registry()).await.unwrap_err();
         assert!(matches!(err, rpc_core::InitError::Auth { .. }), "{err:?}");
     });
@@ -1151,8 +1151,12 @@ fn oversized_frames_are_refused_and_the_worker_keeps_serving() {
             .rpc_async(1u32, echo, (Blob::from(vec![0u8; 40 << 10]),))
             .await;
         assert_eq!(ok.unwrap().len(), 40 << 10);
-        // A result over the limit is an error naming the callee, not a broken connection.
-        let err = a[0].rpc_async(1u32, zeros, (100 << 10,)).await.unwrap_err();
+        // A result over the limit is an error naming the callee, not a broken connection. (A
+        // large blob result would take the bulk path; a large text rides in the frame.)
+        let err = a[0]
+            .rpc_async(1u32, big_text, (100 << 10,))
+            .await
+            .unwrap_err();
         let r = err.as_remote().expect("remote error");
         assert!(
             r.worker == "worker1" && r.message.contains("frame limit"),
@@ -1247,7 +1251,7 @@ fn oversized_frames_on_sync_connections_are_refused_and_the_worker_keeps_serving
             .rpc_sync(1u32, fail, ("x".repeat(100 << 10),))
             .unwrap_err();
         assert!(matches!(err, RpcError::TooLarge { .. }), "{err:?}");
-        let err = a0.rpc_sync(1u32, zeros, (100 << 10,)).unwrap_err();
+        let err = a0.rpc_sync(1u32, big_text, (100 << 10,)).unwrap_err();
         let r = err.as_remote().expect("remote error");
         assert!(
             r.worker == "worker1" && r.message.contains("frame limit"),

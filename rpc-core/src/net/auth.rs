@@ -9,8 +9,13 @@
 //! 3. server → client: `1` and `HMAC(secret, "server" | nc | ns)` if the tag verifies (checked in
 //!    constant time), else `0` and the connection closes.
 //!
-//! The client checks the server's tag too, so neither side talks to an impostor. The whole
-//! exchange is bounded by the handshake timeout, so a silent peer cannot hold a slot.
+//! The client checks the server's tag too, so neither side talks to an impostor.
+//!
+//! - AUTH-1: the whole exchange is bounded by the handshake timeout, so a silent peer cannot
+//!   hold a slot.
+//! - AUTH-2: a listener runs at most [`MAX_UNAUTHENTICATED`] handshakes at once, each within
+//!   [`ACCEPT_HANDSHAKE_TIMEOUT`]; connections beyond are closed at once, so a party without
+//!   the secret cannot exhaust a worker's file descriptors.
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -58,6 +63,16 @@ impl Secret {
         fill_random(&mut raw);
         let hex: String = raw.iter().map(|b| format!("{b:02x}")).collect();
         Self::new(hex)
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
     }
 
     /// The secret as text, if it is UTF-8 (to hand to child processes via [`SECRET_ENV`]).
@@ -130,6 +145,66 @@ impl ConnKind {
             5 => Some(Self::Heartbeat),
             _ => None,
         }
+    }
+}
+
+/// Connections of one listener that may be in their handshake at once; more are closed at
+/// once (AUTH-2).
+pub(crate) const MAX_UNAUTHENTICATED: usize = 64;
+/// The longest the accepting side waits for a client to prove the secret (AUTH-2).
+pub(crate) const ACCEPT_HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// Admits a listener's connections to the handshake: at most [`MAX_UNAUTHENTICATED`] at
+/// once, each bounded by [`ACCEPT_HANDSHAKE_TIMEOUT`] (AUTH-2: anyone who can reach the port,
+/// without the secret, holds few descriptors for little time).
+#[derive(Clone)]
+pub(crate) struct Gate {
+    permits: Arc<tokio::sync::Semaphore>,
+    refused: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Default for Gate {
+    fn default() -> Self {
+        Self {
+            permits: Arc::new(tokio::sync::Semaphore::new(MAX_UNAUTHENTICATED)),
+            refused: Arc::default(),
+        }
+    }
+}
+
+impl Gate {
+    /// Runs the server's handshake on `conn` if a place is free, within the accepting side's
+    /// timeout (or `timeout`, if shorter); the connection's kind and claimed rank, or why not.
+    pub(crate) async fn handshake(
+        &self,
+        conn: &mut Conn,
+        secret: &Secret,
+        timeout: std::time::Duration,
+    ) -> io::Result<(ConnKind, u32)> {
+        let Ok(_permit) = self.permits.try_acquire() else {
+            let n = self
+                .refused
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if n.is_power_of_two() {
+                tracing::warn!(
+                    refused = n + 1,
+                    limit = MAX_UNAUTHENTICATED,
+                    "too many connections in their handshake; closing new ones"
+                );
+            }
+            return Err(io::Error::new(
+                io::ErrorKind::ConnectionRefused,
+                "too many connections in their handshake",
+            ));
+        };
+        tokio::time::timeout(timeout.min(ACCEPT_HANDSHAKE_TIMEOUT), server(conn, secret))
+            .await
+            .unwrap_or_else(|_| {
+                Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "handshake timed out",
+                ))
+            })
     }
 }
 

@@ -282,14 +282,14 @@ impl Blocking {
         let gone =
             || service.strong_count() == 0 || self.life.is_closed() || caller_gone.is_cancelled();
         loop {
-            let msg: tarpc::ClientMessage<CallRequest> = match frames.recv(None, &gone) {
+            let msg: frame::InMessage<CallRequest> = match frames.recv(None, &gone) {
                 Ok(m) => m,
                 Err(e) => {
                     tracing::debug!(caller, cause = ?e, "sync connection ended");
                     return;
                 }
             };
-            let tarpc::ClientMessage::Request(req) = msg else {
+            let frame::InMessage::Request(req) = msg else {
                 // The calling thread waits for each reply; it never cancels by tarpc message.
                 continue;
             };
@@ -297,7 +297,7 @@ impl Blocking {
                 return;
             };
             self.spin.touch();
-            let deadline = req.context.deadline;
+            let deadline = req.deadline(Instant::now());
             let id = req.id;
             // Counted as a call in flight for shutdown's drain until its reply is written;
             // abandoned when the worker aborts what is left.

@@ -204,17 +204,28 @@ impl Bulk {
         Bytes::from(v)
     }
 
-    /// Whether `blob` rides inside the envelope (below the bulk threshold).
-    fn is_inline(&self, blob: &Bytes) -> bool {
-        blob.len() < self.cfg.bulk_threshold
+    /// Whether `blob` rides inside the envelope: below the bulk threshold, and while the
+    /// envelope's inline blobs so far (`inline`) stay within half the frame limit, so many
+    /// small blobs never make a frame too large to send.
+    fn is_inline(&self, blob: &Bytes, inline: &mut usize) -> bool {
+        let fits = blob.len() < self.cfg.bulk_threshold
+            && *inline + blob.len() <= self.cfg.max_frame_bytes / 2;
+        if fits {
+            *inline += blob.len();
+        }
+        fits
     }
 
     /// `blobs` as they go on the wire when every one rides inside the envelope: sending them
     /// then waits for nothing. `None` when one takes the bulk path ([`Bulk::send`]).
     pub(crate) fn all_inline(&self, blobs: &[Bytes]) -> Option<Vec<WireBlob>> {
+        let mut inline = 0;
         blobs
             .iter()
-            .map(|b| self.is_inline(b).then(|| WireBlob::Inline(b.to_vec())))
+            .map(|b| {
+                self.is_inline(b, &mut inline)
+                    .then(|| WireBlob::Inline(b.to_vec()))
+            })
             .collect()
     }
 
@@ -222,15 +233,16 @@ impl Bulk {
     /// connection to `to`.
     pub(crate) async fn send(&self, to: u32, blobs: Vec<Bytes>) -> Result<Vec<WireBlob>, String> {
         let mut out = Vec::with_capacity(blobs.len());
+        let mut inline = 0;
         for b in blobs {
-            if self.is_inline(&b) {
+            if self.is_inline(&b, &mut inline) {
                 out.push(WireBlob::Inline(b.to_vec()));
                 continue;
             }
-            let max = self.cfg.max_frame_bytes;
+            let max = self.cfg.max_blob_bytes;
             if b.len() > max {
                 return Err(format!(
-                    "a blob of {} bytes exceeds the frame limit of {max}",
+                    "a blob of {} bytes exceeds the blob limit of {max}",
                     b.len(),
                 ));
             }
@@ -298,7 +310,7 @@ pub(crate) fn inline_bytes(blobs: &[WireBlob]) -> usize {
 impl Bulk {
     /// Reads records from `from`'s bulk connection into the inbox (see `bulk_conn.rs`).
     pub(crate) async fn serve_incoming(&self, conn: Conn, from: u32) {
-        let max = self.cfg.max_frame_bytes;
+        let max = self.cfg.max_blob_bytes;
         bulk_conn::serve(conn, from, max, &self.pool, |id, b| {
             self.deposit(from, id, b)
         })

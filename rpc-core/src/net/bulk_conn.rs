@@ -137,7 +137,10 @@ fn place(state: &SharedArena, data: &[u8], arena_bytes: usize, peer: &str) -> Pl
             let a = Arc::clone(a);
             drop(st);
             match a.hold_staged(data).or_else(|| a.put(data)) {
-                Some(off) => Placement::Shared(off),
+                Some(off) => {
+                    a.lent(off);
+                    Placement::Shared(off)
+                }
                 None => Placement::Stream(None),
             }
         }
@@ -191,7 +194,7 @@ async fn read_answers(
                 *st = ArenaState::Off;
             }
             (Some(Answer::Released(off)), ArenaState::Ready(a))
-                if usize::try_from(off).is_ok_and(|off| a.release(off)) => {}
+                if usize::try_from(off).is_ok_and(|off| a.returned(off)) => {}
             (answer, _) => return Err(bad(format!("unexpected bulk answer {answer:?} ({m:?})"))),
         }
     }
@@ -250,13 +253,19 @@ async fn read_records(
                     return;
                 }
                 let a = shm::Announce::decode(&a);
-                let m = match shm::Mapping::open(&a) {
-                    Ok(map) => {
+                // SHM-3: file-system work and mmap, off the runtime's threads.
+                let opened = tokio::task::spawn_blocking(move || shm::Mapping::open(&a)).await;
+                let m = match opened {
+                    Ok(Ok(map)) => {
                         mapping = Some(map);
                         Answer::Mapped
                     }
-                    Err(e) => {
+                    Ok(Err(e)) => {
                         tracing::debug!(from, cause = %e, "cannot map the peer's arena");
+                        Answer::NotMapped
+                    }
+                    Err(e) => {
+                        tracing::debug!(from, cause = %e, "the arena probe failed");
                         Answer::NotMapped
                     }
                 };

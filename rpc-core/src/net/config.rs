@@ -19,6 +19,7 @@ pub(crate) struct NetConfig {
     pub handshake_timeout: Duration,
     pub max_frame_bytes: usize,
     pub max_queued_bytes: usize,
+    pub max_blob_bytes: usize,
     pub bulk_threshold: usize,
     pub bulk_pool_bytes: usize,
     pub shm_arena_bytes: usize,

@@ -6,6 +6,10 @@
 //!
 //! - FRAME-1: a frame above the limit is refused before any byte of it is queued or written
 //!   (sending), and ends its connection (receiving).
+//! - FRAME-3: no field of a frame can make decoding panic (the deadline is checked here, the
+//!   envelope's lists are bounded in `wire.rs`).
+//! - FRAME-4: a frame's buffer grows as its bytes arrive, never to the length its header
+//!   announces before they do.
 //! - FRAME-2: an outbox holds at most `max_queued_bytes` not yet written (plus the frame that
 //!   crossed the limit): a peer that stops reading fails new calls instead of growing it.
 
@@ -21,9 +25,10 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::sync::Notify;
-use tokio_util::codec::{FramedRead, LengthDelimitedCodec};
+use tokio_util::codec::FramedRead;
 
 use super::failure::CallFailed;
+use super::serve::NO_DEADLINE;
 use super::transport::Conn;
 
 /// Room an envelope needs besides its payload and inline blobs (names, ids, the deadline):
@@ -138,15 +143,82 @@ pub(crate) fn request_context(deadline: Instant) -> tarpc::context::Context {
     c
 }
 
+/// A request frame as it arrives: tarpc's `ClientMessage` field for field, except that the
+/// deadline stays the relative duration it is on the wire (FRAME-3: tarpc's own decoding adds
+/// it to `Instant::now()`, which panics on overflow: a frame with a huge deadline would kill
+/// its connection's task or thread).
+#[derive(serde::Deserialize)]
+pub(crate) enum InMessage<T> {
+    Request(InRequest<T>),
+    #[allow(dead_code)]
+    Cancel {
+        trace_context: tarpc::trace::Context,
+        request_id: u64,
+    },
+}
+
+/// A request as it arrives (see [`InMessage`]).
+#[derive(serde::Deserialize)]
+pub(crate) struct InRequest<T> {
+    context: InContext,
+    pub id: u64,
+    pub message: T,
+}
+
+#[derive(serde::Deserialize)]
+struct InContext {
+    deadline: Duration,
+    #[allow(dead_code)]
+    trace_context: tarpc::trace::Context,
+}
+
+impl<T> InRequest<T> {
+    /// When the caller stops waiting, as of `now`: at most [`NO_DEADLINE`] away.
+    pub(crate) fn deadline(&self, now: Instant) -> Instant {
+        now + self.context.deadline.min(NO_DEADLINE)
+    }
+}
+
 /// Reads length-prefixed frames of at most `max` bytes from a connection's read half.
-pub(crate) type FrameReader = FramedRead<tokio::io::ReadHalf<Conn>, LengthDelimitedCodec>;
+pub(crate) type FrameReader = FramedRead<tokio::io::ReadHalf<Conn>, FrameCodec>;
 
 /// A [`FrameReader`] on `r`.
 pub(crate) fn reader(r: tokio::io::ReadHalf<Conn>, max: usize) -> FrameReader {
-    let codec = LengthDelimitedCodec::builder()
-        .max_frame_length(max)
-        .new_codec();
-    FramedRead::new(r, codec)
+    FramedRead::new(r, FrameCodec { max })
+}
+
+/// How much a frame's buffer grows at a time while its bytes arrive (FRAME-4).
+const READ_CHUNK: usize = 64 << 10;
+
+/// Splits length-prefixed frames of at most `max` bytes off a read buffer. Unlike tokio's
+/// length-delimited codec it makes room for a frame as its bytes arrive, not for the length
+/// its header announces (FRAME-4: a header alone cannot make a worker allocate).
+pub(crate) struct FrameCodec {
+    max: usize,
+}
+
+impl tokio_util::codec::Decoder for FrameCodec {
+    type Item = BytesMut;
+    type Error = io::Error;
+
+    fn decode(&mut self, src: &mut BytesMut) -> io::Result<Option<BytesMut>> {
+        let Some(head) = src.get(..4) else {
+            return Ok(None);
+        };
+        let len = u32::from_be_bytes(head.try_into().expect("4 bytes")) as usize;
+        if len > self.max {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("frame of {len} bytes is above the limit of {}", self.max),
+            ));
+        }
+        if src.len() < 4 + len {
+            src.reserve((4 + len - src.len()).min(READ_CHUNK));
+            return Ok(None);
+        }
+        src.advance(4);
+        Ok(Some(src.split_to(len)))
+    }
 }
 
 /// The next message read from `frames`; `None` at the end of the stream.
@@ -411,15 +483,14 @@ impl BlockingFrames {
         if self.rend - self.rpos >= n {
             return Ok(());
         }
-        // Move what is left to the front, and make room for `n`.
+        // Move what is left to the front; room for `n` is made as the bytes arrive (FRAME-4).
         self.rbuf.copy_within(self.rpos..self.rend, 0);
         self.rend -= self.rpos;
         self.rpos = 0;
-        if self.rbuf.len() < n {
-            self.rbuf.resize(n, 0);
-        }
+        self.grow(n);
         self.poll_for(n)?;
         while self.rend < n {
+            self.grow(n);
             let t = Some(Self::slice(deadline)?);
             if self.read_timeout != t {
                 self.stream.set_read_timeout(t).map_err(CallFailed::Lost)?;
@@ -439,6 +510,15 @@ impl BlockingFrames {
         Ok(())
     }
 
+    /// Room for the next bytes of a frame that needs `n` buffered: at most `READ_CHUNK` more
+    /// than has arrived.
+    fn grow(&mut self, n: usize) {
+        let want = n.min(self.rend + READ_CHUNK).max(READ_BUFFER);
+        if self.rbuf.len() < want {
+            self.rbuf.resize(want, 0);
+        }
+    }
+
     /// Reads without blocking until `n` bytes are buffered or `spin` has passed, giving way
     /// to any other thread runnable on this core between tries: a reply that comes within
     /// the window is read by a thread that never slept, so the sender wakes nobody.
@@ -448,6 +528,7 @@ impl BlockingFrames {
         }
         let until = Instant::now() + self.spin;
         while self.rend < n {
+            self.grow(n);
             match rustix::net::recv(
                 &self.stream,
                 &mut self.rbuf[self.rend..],

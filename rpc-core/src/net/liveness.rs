@@ -414,6 +414,7 @@ async fn run(ctx: Arc<Ctx>, listener: Detached) {
 
 /// Accepts the heartbeat connections peers dial, each authenticated before it is read.
 async fn accept(ctx: Arc<Ctx>, mut listener: Listener) {
+    let gate = auth::Gate::default();
     loop {
         let conn = tokio::select! {
             () = ctx.stop.cancelled() => return,
@@ -427,22 +428,20 @@ async fn accept(ctx: Arc<Ctx>, mut listener: Listener) {
                 continue;
             }
         };
-        let ctx = Arc::clone(&ctx);
+        let (ctx, gate) = (Arc::clone(&ctx), gate.clone());
         tokio::spawn(async move {
-            let hs = tokio::time::timeout(
-                ctx.cfg.handshake_timeout,
-                auth::server(&mut conn, &ctx.cfg.secret),
-            )
-            .await;
+            let hs = gate
+                .handshake(&mut conn, &ctx.cfg.secret, ctx.cfg.handshake_timeout)
+                .await;
             match hs {
-                Ok(Ok((ConnKind::Heartbeat, rank))) if rank < ctx.cfg.world_size => {
+                Ok((ConnKind::Heartbeat, rank)) if rank < ctx.cfg.world_size => {
                     read_beats(&ctx, conn, rank).await
                 }
-                Ok(Ok((kind, rank))) => {
+                Ok((kind, rank)) => {
                     tracing::warn!(?kind, rank, "refused a connection on the heartbeat port")
                 }
-                Ok(Err(e)) => tracing::warn!(cause = %e, "refused a heartbeat connection"),
-                Err(_) => tracing::warn!("refused a heartbeat connection: handshake timed out"),
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {}
+                Err(e) => tracing::warn!(cause = %e, "refused a heartbeat connection"),
             }
         });
     }

@@ -230,6 +230,7 @@ impl Net {
 
     async fn accept_loop<S: Serve>(self: Arc<Self>, mut listener: Listener, service: Arc<S>) {
         let stop = self.life.stop_accepting.clone();
+        let gate = auth::Gate::default();
         loop {
             // Biased: once told to stop, a connection waiting in the backlog is not taken.
             let conn = tokio::select! {
@@ -239,13 +240,14 @@ impl Net {
             };
             match conn {
                 Ok(conn) => {
-                    let (net, service) = (Arc::clone(&self), Arc::clone(&service));
+                    let (net, service, gate) =
+                        (Arc::clone(&self), Arc::clone(&service), gate.clone());
                     self.life.conns.spawn(async move {
                         let stop = net.life.stop.clone();
                         tokio::select! {
                             biased;
                             _ = stop.cancelled() => {}
-                            _ = net.serve_conn(conn, service) => {}
+                            _ = net.serve_conn(conn, service, &gate) => {}
                         }
                     });
                 }
@@ -259,21 +261,16 @@ impl Net {
         }
     }
 
-    async fn serve_conn<S: Serve>(&self, mut conn: Conn, service: Arc<S>) {
+    async fn serve_conn<S: Serve>(&self, mut conn: Conn, service: Arc<S>, gate: &auth::Gate) {
         let me = self.cfg.rank;
-        let hs = tokio::time::timeout(
-            self.cfg.handshake_timeout,
-            auth::server(&mut conn, &self.cfg.secret),
-        )
-        .await;
+        let hs = gate
+            .handshake(&mut conn, &self.cfg.secret, self.cfg.handshake_timeout)
+            .await;
         let (kind, rank) = match hs {
-            Ok(Ok(v)) => v,
-            Ok(Err(e)) => {
+            Ok(v) => v,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => return,
+            Err(e) => {
                 tracing::warn!(rank = me, cause = %e, "refused a connection");
-                return;
-            }
-            Err(_) => {
-                tracing::warn!(rank = me, "refused a connection: handshake timed out");
                 return;
             }
         };

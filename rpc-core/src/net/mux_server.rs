@@ -40,15 +40,15 @@ pub(crate) async fn serve<S: Serve>(
     let mut requests = frame::reader(r, max_frame);
     let read = async {
         while let Some(msg) = frame::next_message(&mut requests).await {
-            let msg: tarpc::ClientMessage<CallRequest> = msg?;
+            let msg: frame::InMessage<CallRequest> = msg?;
             // Our callers cancel by message of their own (`call/cancel.rs`) and enforce their
             // deadlines themselves; they never send tarpc's cancel.
-            let tarpc::ClientMessage::Request(req) = msg else {
+            let frame::InMessage::Request(req) = msg else {
                 continue;
             };
             spin.touch();
-            let deadline = req.context.deadline;
             let now = Instant::now();
+            let deadline = req.deadline(now);
             if now >= deadline {
                 continue;
             }

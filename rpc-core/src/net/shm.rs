@@ -25,8 +25,12 @@
 //!   alive for the blobs still in use there; staged blobs keep the sender's).
 //! - SHM-2: the sender never waits for room: a blob that does not fit takes the stream, so a
 //!   receiver that keeps its blobs alive slows nothing down and cannot deadlock a sender.
-//! - SHM-3: the receiver maps only a memfd of ours that carries the announced token, and
-//!   refuses a range outside the arena (closing that bulk connection, like an oversized record).
+//! - SHM-3: the receiver maps only a memfd of ours that carries the announced token and is
+//!   sealed against shrinking and growing (so no process can pull pages from under a lease),
+//!   and refuses a range outside the arena (closing that bulk connection, like an oversized
+//!   record). It probes on a blocking thread, never on the runtime's.
+//! - SHM-4: the sender frees a range on the receiver's release only if a record it sent named
+//!   that range and was not released yet; any other release closes the bulk connection.
 
 use bytes::Bytes;
 use std::collections::{BTreeMap, HashMap};
@@ -184,6 +188,8 @@ pub(crate) struct Arena {
     map: memmap2::MmapRaw,
     token: [u8; 16],
     ranges: std::sync::Mutex<Ranges>,
+    /// Records sent naming each offset and not yet released by the receiver (SHM-4).
+    leases: std::sync::Mutex<HashMap<usize, u32>>,
 }
 
 impl Arena {
@@ -197,6 +203,7 @@ impl Arena {
         }
         let file = std::fs::File::from(memfd()?);
         file.set_len(size as u64)?;
+        seal(&file)?;
         let map = memmap2::MmapOptions::new().len(size).map_raw(&file)?;
         let mut token = [0u8; 16];
         super::auth::fill_random(&mut token);
@@ -208,6 +215,7 @@ impl Arena {
             map,
             token,
             ranges: std::sync::Mutex::new(Ranges::new(size)),
+            leases: std::sync::Mutex::new(HashMap::new()),
         })
     }
 
@@ -276,6 +284,60 @@ impl Arena {
     pub(crate) fn release(&self, off: usize) -> bool {
         self.ranges().give(off)
     }
+
+    /// A record naming the range at `off` went to the receiver: it holds a lease on it.
+    pub(crate) fn lent(&self, off: usize) {
+        *self
+            .leases
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(off)
+            .or_insert(0) += 1;
+    }
+
+    /// The receiver released a lease on the range at `off`; false if it held none there
+    /// (SHM-4: a duplicate or invented release never frees a range still in use).
+    pub(crate) fn returned(&self, off: usize) -> bool {
+        {
+            let mut leases = self.leases.lock().unwrap_or_else(|p| p.into_inner());
+            match leases.get_mut(&off) {
+                Some(n) if *n > 1 => *n -= 1,
+                Some(_) => {
+                    leases.remove(&off);
+                }
+                None => return false,
+            }
+        }
+        self.release(off)
+    }
+}
+
+/// Seals an arena's size: neither its creator nor anyone who opens it through `/proc` can
+/// shrink it under a receiver's mapping (which would kill the receiver with SIGBUS on its
+/// next touch of a leased page) or grow it, and the seals themselves are final (SHM-3).
+#[cfg(target_os = "linux")]
+fn seal(file: &std::fs::File) -> io::Result<()> {
+    use rustix::fs::SealFlags;
+    rustix::fs::fcntl_add_seals(file, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)?;
+    Ok(())
+}
+
+#[cfg(not(target_os = "linux"))]
+fn seal(_file: &std::fs::File) -> io::Result<()> {
+    Ok(())
+}
+
+/// Whether `file` carries the seals [`seal`] sets.
+#[cfg(target_os = "linux")]
+fn sealed(file: &std::fs::File) -> io::Result<bool> {
+    use rustix::fs::SealFlags;
+    let need = SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL;
+    Ok(rustix::fs::fcntl_get_seals(file)?.contains(need))
+}
+
+#[cfg(not(target_os = "linux"))]
+fn sealed(_file: &std::fs::File) -> io::Result<bool> {
+    Ok(false)
 }
 
 /// A blob the sender built in its arena; holds its range until dropped.
@@ -303,7 +365,7 @@ impl Drop for Staged {
 fn memfd() -> io::Result<std::os::fd::OwnedFd> {
     Ok(rustix::fs::memfd_create(
         MEMFD_NAME,
-        rustix::fs::MemfdFlags::CLOEXEC,
+        rustix::fs::MemfdFlags::CLOEXEC | rustix::fs::MemfdFlags::ALLOW_SEALING,
     )?)
 }
 
@@ -335,6 +397,12 @@ impl Mapping {
             ));
         }
         let file = std::fs::File::open(&path)?;
+        if !sealed(&file)? {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("{path} is not sealed: its size could change under our mapping"),
+            ));
+        }
         let size = file.metadata()?.len();
         if size != a.size || size <= HEADER as u64 {
             return Err(io::Error::new(
@@ -498,5 +566,52 @@ mod tests {
             assert_eq!(Answer::decode(a.encode()), Some(a));
         }
         assert_eq!(Answer::decode([9; 9]), None);
+    }
+
+    /// SHM-3: an arena is sealed; nobody, through `/proc` or its own descriptor, can shrink
+    /// it under a receiver's mapping, and a memfd of ours without the seals is not mapped.
+    #[test]
+    fn arenas_are_sealed_and_unsealed_ones_are_refused() {
+        let arena = Arena::create(HEADER + 2 * ALIGN).unwrap();
+        let a = arena.announce();
+        let other = std::fs::OpenOptions::new()
+            .write(true)
+            .open(format!("/proc/{}/fd/{}", a.pid, a.fd))
+            .unwrap();
+        let err = other.set_len(HEADER as u64).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EPERM), "{err}");
+        assert!(
+            arena.file.set_len(u64::MAX >> 2).is_err(),
+            "it cannot grow either"
+        );
+        assert!(Mapping::open(&a).is_ok());
+        // The same kind of memfd, carrying a token, but never sealed.
+        let raw = std::fs::File::from(memfd().unwrap());
+        raw.set_len((HEADER + ALIGN) as u64).unwrap();
+        use std::io::Write;
+        (&raw).write_all(&[7u8; 16]).unwrap();
+        use std::os::fd::AsRawFd;
+        let forged = Announce {
+            pid: std::process::id(),
+            fd: raw.as_raw_fd() as u32,
+            size: (HEADER + ALIGN) as u64,
+            token: [7u8; 16],
+        };
+        let err = Mapping::open(&forged).err().expect("refused");
+        assert!(err.to_string().contains("not sealed"), "{err}");
+    }
+
+    /// SHM-4: a release frees a range only against a record sent for it; a duplicate one is
+    /// refused.
+    #[test]
+    fn releases_are_matched_against_leases() {
+        let arena = Arena::create(HEADER + 2 * ALIGN).unwrap();
+        let off = arena.put(&[1u8; 100]).unwrap();
+        assert!(!arena.returned(off), "no record named it yet");
+        arena.lent(off);
+        assert!(arena.returned(off));
+        assert!(!arena.returned(off), "a duplicate release");
+        // The range was freed once, by the one real release.
+        assert_eq!(arena.put(&[2u8; 2 * ALIGN]), Some(HEADER));
     }
 }
