@@ -134,3 +134,164 @@ pub fn silence(agent: &Agent, silent: bool) {
 pub async fn dial_raw(transport: &Transport, addr: &str) -> io::Result<Box<dyn Io>> {
     Ok(transport.connect(addr).await?.0)
 }
+
+/// A request frame built field by field, for tests that send what no correct caller would
+/// (hostile or broken peers): every field of the envelope and of tarpc's request around it.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct RawRequest {
+    /// The function's registered name.
+    pub fn_name: String,
+    /// Its signature fingerprint.
+    pub sig: u64,
+    /// Nesting depth (0: a root call).
+    pub depth: u32,
+    /// The arguments as encoded (see [`RawRequest::call`]).
+    pub payload: Vec<u8>,
+    /// The side table's entries, each riding inline.
+    pub blobs: Vec<Vec<u8>>,
+    /// Empty entries appended to the side table (written as they are encoded: a test can
+    /// send millions without holding them).
+    pub padding_blobs: usize,
+    /// Empty call-metadata entries (a correct caller sends a few keys), written the same way.
+    pub meta_entries: usize,
+    /// The relative deadline as it goes on the wire.
+    pub deadline: Duration,
+    /// The request's id on its connection.
+    pub id: u64,
+}
+
+impl RawRequest {
+    /// A request for `F` with `args` encoded as the framework encodes arguments: a correct one
+    /// when `args` is an `F::Args` (edit its fields, or give other arguments, to make it
+    /// hostile).
+    pub fn call<F: crate::RemoteFn, A: serde::Serialize + ?Sized>(args: &A) -> Self {
+        let (payload, blobs) = crate::blob::encode(args, None).expect("encodable arguments");
+        Self {
+            fn_name: F::NAME.to_owned(),
+            sig: crate::registry::sig_of::<F>(),
+            depth: 0,
+            payload,
+            blobs: blobs.into_iter().map(|b| b.to_vec()).collect(),
+            padding_blobs: 0,
+            meta_entries: 0,
+            deadline: Duration::from_secs(30),
+            id: 1,
+        }
+    }
+
+    /// The request as one length-prefixed frame, as a control or blocking connection carries.
+    /// Each part is encoded as the framework encodes it (`wire::CallRequest` inside tarpc's
+    /// request), so a frame with nothing edited is served like any call.
+    pub fn frame(&self) -> Vec<u8> {
+        use serde::Serialize;
+        #[derive(Serialize)]
+        enum OutMessage<'a> {
+            Request(OutRequest<'a>),
+        }
+        #[derive(Serialize)]
+        struct OutRequest<'a> {
+            context: OutContext,
+            id: u64,
+            message: OutCall<'a>,
+        }
+        #[derive(Serialize)]
+        struct OutContext {
+            deadline: Duration,
+            trace_context: tarpc::trace::Context,
+        }
+        #[derive(Serialize)]
+        struct OutCall<'a> {
+            fn_name: &'a str,
+            sig: u64,
+            depth: u32,
+            #[serde(with = "serde_bytes")]
+            payload: &'a [u8],
+            blobs: Blobs<'a>,
+            keep: Option<()>,
+            meta: Meta,
+            cancel_id: Option<u64>,
+        }
+        #[derive(Clone, Serialize)]
+        enum OutBlob<'a> {
+            Inline(#[serde(with = "serde_bytes")] &'a [u8]),
+        }
+        struct Blobs<'a>(&'a [Vec<u8>], usize);
+        impl Serialize for Blobs<'_> {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                let real = self.0.iter().map(|b| OutBlob::Inline(b));
+                let padding = std::iter::repeat_n(OutBlob::Inline(&[]), self.1);
+                s.collect_seq(real.chain(padding))
+            }
+        }
+        struct Meta(usize);
+        impl Serialize for Meta {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.collect_seq(std::iter::repeat_n(("", &[] as &[u8]), self.0))
+            }
+        }
+        let msg = OutMessage::Request(OutRequest {
+            context: OutContext {
+                deadline: self.deadline,
+                trace_context: tarpc::context::current().trace_context,
+            },
+            id: self.id,
+            message: OutCall {
+                fn_name: &self.fn_name,
+                sig: self.sig,
+                depth: self.depth,
+                payload: &self.payload,
+                blobs: Blobs(&self.blobs, self.padding_blobs),
+                keep: None,
+                meta: Meta(self.meta_entries),
+                cancel_id: None,
+            },
+        });
+        let mut buf = bytes::BytesMut::new();
+        crate::net::encode_frame(&mut buf, &msg, usize::MAX).expect("encodes");
+        buf.to_vec()
+    }
+}
+
+/// Reads frames from `conn` until the reply to request `id` of `F` (a connection a test wrote
+/// [`RawRequest`] frames on): the decoded result, or the callee's error. Bounded by `within`;
+/// an error if the connection ends first or the reply does not decode as `F`'s result.
+pub async fn read_reply<F: crate::RemoteFn>(
+    conn: &mut Box<dyn Io>,
+    id: u64,
+    within: Duration,
+) -> io::Result<Result<F::Output, crate::RemoteError>> {
+    use tokio::io::AsyncReadExt;
+    let invalid = |e: String| io::Error::new(io::ErrorKind::InvalidData, e);
+    tokio::time::timeout(within, async {
+        loop {
+            let len = conn.read_u32().await? as usize;
+            let mut body = vec![0; len];
+            conn.read_exact(&mut body).await?;
+            let r: tarpc::Response<crate::wire::CallReply> = crate::net::decode_frame(&body)?;
+            if r.request_id != id {
+                continue;
+            }
+            let ok = match r.message {
+                Ok(Ok(ok)) => ok,
+                Ok(Err(e)) => return Ok(Err(e)),
+                Err(e) => return Err(io::Error::new(e.kind, e.detail)),
+            };
+            let blobs = ok
+                .blobs
+                .into_iter()
+                .map(|b| match b {
+                    crate::wire::WireBlob::Inline(v) => Ok(bytes::Bytes::from(v)),
+                    crate::wire::WireBlob::Bulk { .. } => {
+                        Err(invalid("a bulk blob in a raw reply".into()))
+                    }
+                })
+                .collect::<io::Result<_>>()?;
+            return crate::blob::decode(&ok.payload, blobs, None)
+                .map(Ok)
+                .map_err(|e| invalid(e.to_string()));
+        }
+    })
+    .await
+    .unwrap_or_else(|_| Err(io::Error::new(io::ErrorKind::TimedOut, "no reply in time")))
+}

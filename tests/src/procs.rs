@@ -50,9 +50,10 @@ impl Procs {
         }
     }
 
-    /// Sends signal `sig` (`libc::SIGSTOP`, `SIGCONT`, `SIGKILL`) to the child of `rank`.
-    pub fn signal(&self, rank: usize, sig: i32) {
-        let pid = self.children[rank].id() as i32;
+    /// Sends signal `sig` (`libc::SIGSTOP`, `SIGCONT`, `SIGKILL`) to `children[child]` (the
+    /// child of that rank when [`start`] started them).
+    pub fn signal(&self, child: usize, sig: i32) {
+        let pid = self.children[child].id() as i32;
         // SAFETY: kill(2) on a child this test started and has not reaped yet.
         let r = unsafe { libc::kill(pid, sig) };
         assert_eq!(
@@ -108,9 +109,29 @@ pub fn start(
     let addr = server.local_addr().to_owned();
     // The server runs on `rt` until every worker joined.
     std::mem::forget(server);
+    let ranks: Vec<(u32, &str)> = scenarios
+        .iter()
+        .enumerate()
+        .map(|(rank, s)| (rank as u32, *s))
+        .collect();
+    let procs = spawn(program, &ranks, world, &addr, &secret, env);
+    (rt, procs)
+}
+
+/// Starts one `program` process per `(rank, scenario)` of a group of `world` whose rendezvous
+/// is at `rendezvous` (the other ranks are the caller's business, e.g. agents in this
+/// process). `children` are in the order given.
+pub fn spawn(
+    program: &str,
+    ranks: &[(u32, &str)],
+    world: u32,
+    rendezvous: &str,
+    secret: &Secret,
+    env: &[(&str, &str)],
+) -> Procs {
     let (tx, lines) = mpsc::channel();
     let mut children = Vec::new();
-    for (rank, scenario) in scenarios.iter().enumerate() {
+    for &(rank, scenario) in ranks {
         let mut child = Command::new(program)
             .args([
                 scenario,
@@ -119,9 +140,9 @@ pub fn start(
                 "--world",
                 &world.to_string(),
                 "--rendezvous",
-                &addr,
+                rendezvous,
             ])
-            .env("RPC_SECRET", secret.as_str().unwrap())
+            .env("RPC_SECRET", secret.as_str().expect("a textual secret"))
             .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -131,17 +152,14 @@ pub fn start(
         let tx = tx.clone();
         std::thread::spawn(move || {
             for line in BufReader::new(out).lines().map_while(Result::ok) {
-                let _ = tx.send((rank as u32, line));
+                let _ = tx.send((rank, line));
             }
         });
         children.push(child);
     }
-    (
-        rt,
-        Procs {
-            children,
-            lines,
-            seen: Vec::new(),
-        },
-    )
+    Procs {
+        children,
+        lines,
+        seen: Vec::new(),
+    }
 }

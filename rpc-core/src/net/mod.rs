@@ -54,7 +54,7 @@ pub(crate) use bulk::{inline_bytes, Bulk};
 pub(crate) use config::NetConfig;
 pub(crate) use dial::{DialError, Directory, Endpoint};
 pub(crate) use failure::CallFailed;
-pub(crate) use frame::fits;
+pub(crate) use frame::{decode as decode_frame, encode as encode_frame, fits};
 pub(crate) use liveness::Membership;
 pub use liveness::{FailureWatch, WorkerFailed};
 pub(crate) use mux_client::{MuxClient, Waiter};
