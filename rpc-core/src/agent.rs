@@ -161,6 +161,7 @@ pub async fn init(config: Config, registry: Registry) -> Result<Agent, InitError
         &net_cfg.transport,
         &cfg.rendezvous,
         &net_cfg.secret,
+        net_cfg.protection,
         join,
         cfg.init_timeout,
     )

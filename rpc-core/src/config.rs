@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use crate::error::InitError;
-use crate::net::{NetConfig, Secret, Transport, SECRET_ENV, SECRET_FILE_ENV};
+use crate::net::{NetConfig, Secret, Transport, WireProtection, SECRET_ENV, SECRET_FILE_ENV};
 
 /// The shortest group secret init accepts: a shorter one is guessable.
 const MIN_SECRET_BYTES: usize = 16;
@@ -118,6 +118,13 @@ pub struct Config {
     /// `RPC_FAILURE_TIMEOUT_MS` if set, else 1.5 s: a frozen peer is found within 2 s on
     /// loopback, with room for a loaded machine's scheduling delays.
     pub failure_timeout: Option<Duration>,
+    /// What protects connections' bytes after the handshake that authenticates each one: a
+    /// MAC on every record (AES-256-GCM tags, keys of that connection alone), authenticated
+    /// encryption, or nothing. Each side's setting is the least it accepts, and a connection
+    /// uses the stronger of its two sides'. Default: `RPC_WIRE_PROTECTION` (`auto`, `mac`,
+    /// `encrypt`, `off`) if set, else [`WireProtection::Auto`]: a MAC between hosts, nothing
+    /// within one.
+    pub wire_protection: Option<WireProtection>,
 }
 
 impl Default for Config {
@@ -148,6 +155,7 @@ impl Default for Config {
             max_sync_connections: 64,
             heartbeat_interval: None,
             failure_timeout: None,
+            wire_protection: None,
         }
     }
 }
@@ -215,6 +223,8 @@ impl Config {
         with_heartbeat_interval(heartbeat_interval: Duration) => Some(heartbeat_interval);
         /// Sets [`Config::failure_timeout`].
         with_failure_timeout(failure_timeout: Duration) => Some(failure_timeout);
+        /// Sets [`Config::wire_protection`].
+        with_wire_protection(wire_protection: WireProtection) => Some(wire_protection);
     }
 
     pub(crate) fn resolve(self) -> Result<Resolved, InitError> {
@@ -344,6 +354,13 @@ impl Config {
                  interval ({heartbeat_interval:?})"
             )));
         }
+        let protection = match (self.wire_protection, env("RPC_WIRE_PROTECTION")) {
+            (Some(p), _) => p,
+            (None, Some(v)) => v
+                .parse()
+                .map_err(|e| InitError::Config(format!("RPC_WIRE_PROTECTION: {e}")))?,
+            (None, None) => WireProtection::Auto,
+        };
         Ok(Resolved {
             name: self.name.unwrap_or_else(|| format!("worker{rank}")),
             serve_rendezvous: self.serve_rendezvous.unwrap_or(rank == 0),
@@ -357,6 +374,7 @@ impl Config {
             net: NetConfig {
                 transport: self.transport,
                 secret,
+                protection,
                 rank,
                 world_size,
                 connect_timeout: self.connect_timeout,

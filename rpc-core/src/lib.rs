@@ -95,8 +95,8 @@ pub use error::{
 };
 pub use group::{ToWorker, WorkerRef};
 pub use net::{
-    BulkStats, FailureWatch, MemoryNetwork, Secret, Transport, WorkerFailed, SECRET_ENV,
-    SECRET_FILE_ENV,
+    BulkStats, FailureWatch, MemoryNetwork, Secret, Transport, WireProtection, WorkerFailed,
+    SECRET_ENV, SECRET_FILE_ENV,
 };
 pub use registry::{Registry, RegistryBuilder, RegistryError, RemoteFn};
 pub use rendezvous::RendezvousServer;

@@ -20,7 +20,7 @@ use tokio_util::codec::{Framed, LengthDelimitedCodec};
 use crate::error::InitError;
 use crate::net::auth::{self, ConnKind, Secret};
 use crate::net::transport::{Conn, Listener, Transport};
-use crate::net::Endpoint;
+use crate::net::{Endpoint, WireProtection};
 
 /// Largest rendezvous message (a table of many workers still fits).
 const MAX_MSG: usize = 16 << 20;
@@ -149,10 +149,11 @@ async fn serve(listener: &mut Listener, secret: Secret, world_size: u32, deadlin
                 let (tx, secret, gate) = (tx.clone(), secret.clone(), gate.clone());
                 conns.spawn(async move {
                     let left = deadline.saturating_duration_since(Instant::now());
-                    match gate.handshake(&mut conn, &secret, left).await {
-                        Ok((ConnKind::Rendezvous, _)) => {}
-                        Ok((kind, _)) => {
-                            tracing::warn!(?kind, "rendezvous got a non-rendezvous connection");
+                    // The server asks for the least (a joiner may ask for more).
+                    let conn = match gate.handshake(&mut conn, &secret, WireProtection::Auto, left).await {
+                        Ok(a) if a.kind == ConnKind::Rendezvous => a.session.wrap(conn),
+                        Ok(a) => {
+                            tracing::warn!(kind = ?a.kind, "rendezvous got a non-rendezvous connection");
                             return;
                         }
                         Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => return,
@@ -160,7 +161,7 @@ async fn serve(listener: &mut Listener, secret: Secret, world_size: u32, deadlin
                             tracing::warn!(cause = %e, "rendezvous refused a connection");
                             return;
                         }
-                    }
+                    };
                     let mut f = framed(conn);
                     if let Ok(Ok(join)) = tokio::time::timeout_at(deadline, recv::<Join>(&mut f)).await {
                         let _ = tx.send((join, f)).await;
@@ -227,6 +228,7 @@ pub(crate) async fn join(
     transport: &Transport,
     addr: &str,
     secret: &Secret,
+    protection: WireProtection,
     mut me: Join,
     timeout_: Duration,
 ) -> Result<Vec<Endpoint>, InitError> {
@@ -258,11 +260,11 @@ pub(crate) async fn join(
     };
     let hs = tokio::time::timeout_at(
         deadline,
-        auth::client(&mut conn, secret, ConnKind::Rendezvous, me.rank),
+        auth::client(&mut conn, secret, protection, ConnKind::Rendezvous, me.rank),
     )
     .await;
-    match hs {
-        Ok(Ok(())) => {}
+    let session = match hs {
+        Ok(Ok(s)) => s,
         Ok(Err(source)) => {
             return Err(InitError::Auth {
                 addr: addr.to_owned(),
@@ -275,7 +277,8 @@ pub(crate) async fn join(
                 source: io::Error::new(io::ErrorKind::TimedOut, "handshake timed out"),
             })
         }
-    }
+    };
+    let conn = session.wrap(conn);
     // A wildcard listener is advertised under the IP this host uses to reach the rendezvous.
     if let Some(ip) = local_ip {
         for addr in [&mut me.addr, &mut me.heartbeat] {

@@ -12,7 +12,7 @@ use crate::config::Config;
 use crate::error::InitError;
 use crate::net::auth::{self, ConnKind, Secret};
 pub use crate::net::Io;
-use crate::net::{MemoryNetwork, Transport};
+use crate::net::{MemoryNetwork, Transport, WireProtection};
 use crate::registry::Registry;
 use crate::rendezvous::RendezvousServer;
 
@@ -89,15 +89,35 @@ pub async fn start_group(
 }
 
 /// Dials `addr` and completes the handshake as a control connection of `rank` with `secret`;
-/// returns the raw stream, for tests that speak the wire protocol directly (oversized frames,
-/// garbage).
+/// returns the stream (protected as the worker asks), for tests that speak the wire protocol
+/// directly (oversized frames, garbage).
 pub async fn dial_authenticated(
     transport: &Transport,
     addr: &str,
     secret: &Secret,
     rank: u32,
 ) -> io::Result<Box<dyn Io>> {
-    dial_as(transport, addr, secret, rank, ConnKind::Control).await
+    dial_as(
+        transport,
+        addr,
+        secret,
+        rank,
+        ConnKind::Control,
+        WireProtection::Auto,
+    )
+    .await
+}
+
+/// Like [`dial_authenticated`], asking for at least `protection`; the stream seals what is
+/// written to it (flush to send) and opens what is read as agreed.
+pub async fn dial_protected(
+    transport: &Transport,
+    addr: &str,
+    secret: &Secret,
+    rank: u32,
+    protection: WireProtection,
+) -> io::Result<Box<dyn Io>> {
+    dial_as(transport, addr, secret, rank, ConnKind::Control, protection).await
 }
 
 /// Like [`dial_authenticated`], as a calling thread's own connection for blocking calls (see
@@ -108,7 +128,15 @@ pub async fn dial_authenticated_sync(
     secret: &Secret,
     rank: u32,
 ) -> io::Result<Box<dyn Io>> {
-    dial_as(transport, addr, secret, rank, ConnKind::Sync).await
+    dial_as(
+        transport,
+        addr,
+        secret,
+        rank,
+        ConnKind::Sync,
+        WireProtection::Auto,
+    )
+    .await
 }
 
 async fn dial_as(
@@ -117,10 +145,11 @@ async fn dial_as(
     secret: &Secret,
     rank: u32,
     kind: ConnKind,
+    protection: WireProtection,
 ) -> io::Result<Box<dyn Io>> {
     let (mut conn, _) = transport.connect(addr).await?;
-    auth::client(&mut conn, secret, kind, rank).await?;
-    Ok(conn)
+    let session = auth::client(&mut conn, secret, protection, kind, rank).await?;
+    Ok(session.wrap(conn))
 }
 
 /// Stops (or resumes) the heartbeats of `agent`'s failure detector, as a frozen process's

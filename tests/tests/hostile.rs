@@ -145,6 +145,7 @@ impl Target {
             let mut c = self.dial(false).await;
             let req = RawRequest::call::<add, _>(&(20, 22));
             c.write_all(&req.frame()).await.unwrap();
+            c.flush().await.unwrap();
             testing::read_reply::<add>(&mut c, req.id, Duration::from_secs(10)).await
         });
         let sum = reply
@@ -183,6 +184,7 @@ impl Target {
                 self.rt.block_on(async {
                     let mut c = self.dial(sync).await;
                     c.write_all(frame).await.map_err(|e| e.to_string())?;
+                    c.flush().await.map_err(|e| e.to_string())?;
                     match testing::read_reply::<F>(&mut c, id, Duration::from_secs(10)).await {
                         Ok(r) => Ok(r.map_err(|e| e.to_string())),
                         Err(e) => Err(e.to_string()),
@@ -306,6 +308,7 @@ fn announced_frame_lengths_do_not_allocate() {
             let mut c = t.dial(i % 2 == 1).await;
             c.write_all(&limit.to_be_bytes()).await.unwrap();
             c.write_all(&vec![0u8; 64 << 10]).await.unwrap();
+            c.flush().await.unwrap();
             conns.push(c);
         }
         conns
@@ -317,6 +320,7 @@ fn announced_frame_lengths_do_not_allocate() {
         let ended = t.rt.block_on(async {
             let mut c = t.dial(sync).await;
             c.write_all(&u32::MAX.to_be_bytes()).await.unwrap();
+            c.flush().await.unwrap();
             testing::read_reply::<add>(&mut c, 1, Duration::from_secs(5)).await
         });
         let e = ended.expect_err("a frame above the limit was read");
@@ -479,5 +483,102 @@ fn a_panicking_decoder_fails_the_call_not_the_caller() {
         assert_eq!(a.rpc_async(1u32, add, (2, 2)).await.unwrap(), 4);
         assert_eq!(agents[1].rpc_async(0u32, add, (3, 3)).await.unwrap(), 6);
         integration_tests::shutdown_all(&agents).await;
+    });
+}
+
+// A man in the middle: frames injected after the handshake.
+
+static NOTED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// Records `v` (a side effect an injected call would have).
+#[remote]
+async fn note(_ctx: CallContext, v: u32) -> Result<(), BoxError> {
+    NOTED.store(v, std::sync::atomic::Ordering::SeqCst);
+    Ok(())
+}
+
+/// Relays one connection to `upstream`, injecting `inject` into the client's bytes right
+/// after its handshake message (78 bytes), as someone on the path between two hosts could.
+async fn injecting_proxy(upstream: String, inject: Vec<u8>) -> String {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        use tokio::io::AsyncReadExt;
+        let (client, _) = l.accept().await.unwrap();
+        let server = tokio::net::TcpStream::connect(upstream).await.unwrap();
+        let (mut cr, mut cw) = client.into_split();
+        let (mut sr, mut sw) = server.into_split();
+        tokio::spawn(async move {
+            let _ = tokio::io::copy(&mut sr, &mut cw).await;
+        });
+        let mut hello = [0u8; 78];
+        if cr.read_exact(&mut hello).await.is_ok() {
+            sw.write_all(&hello).await.unwrap();
+            sw.write_all(&inject).await.unwrap();
+            let _ = tokio::io::copy(&mut cr, &mut sw).await;
+        }
+    });
+    addr
+}
+
+#[test]
+fn frames_injected_on_the_path_run_only_without_protection() {
+    use rpc_core::WireProtection;
+    use std::sync::atomic::Ordering;
+    integration_tests::run(60, async {
+        for (protection, value) in [
+            (WireProtection::Off, 7),
+            (WireProtection::Mac, 8),
+            (WireProtection::Encrypt, 9),
+        ] {
+            let secret = Secret::generate();
+            let agents = testing::start_group(
+                2,
+                Transport::Tcp,
+                secret.clone(),
+                |_| {
+                    Registry::builder()
+                        .register(note)
+                        .and_then(|b| b.register(add))
+                        .unwrap()
+                        .build()
+                },
+                |_, c| c.with_wire_protection(protection),
+            )
+            .await
+            .unwrap();
+            // A well-formed call of `note`, as someone without the secret can write it.
+            let mut injected = RawRequest::call::<note, _>(&(value,));
+            injected.id = 99;
+            let proxy = injecting_proxy(agents[1].local_addr().to_owned(), injected.frame()).await;
+            let mut c = testing::dial_protected(&Transport::Tcp, &proxy, &secret, 0, protection)
+                .await
+                .unwrap();
+            let req = RawRequest::call::<add, _>(&(1, 2));
+            let _ = c.write_all(&req.frame()).await;
+            let _ = c.flush().await;
+            let got = testing::read_reply::<add>(&mut c, req.id, Duration::from_secs(5)).await;
+            drop(c);
+            let noted = NOTED.load(Ordering::SeqCst);
+            match protection {
+                WireProtection::Off => {
+                    assert_eq!(got.unwrap().unwrap(), 3);
+                    assert_eq!(
+                        noted, value,
+                        "the injected call ran (nothing protects the frames)"
+                    );
+                }
+                _ => {
+                    assert!(
+                        got.is_err(),
+                        "{protection:?}: the connection should have ended"
+                    );
+                    assert_ne!(noted, value, "{protection:?}: an injected call ran");
+                }
+            }
+            // The worker goes on serving its group.
+            assert_eq!(agents[0].rpc_async(1u32, add, (2, 2)).await.unwrap(), 4);
+            integration_tests::shutdown_all(&agents).await;
+        }
     });
 }

@@ -1087,7 +1087,8 @@ fn wrong_secret_is_refused_and_the_worker_keeps_serving() {
         let mut raw = testing::dial_raw(&t, a[1].local_addr()).await.unwrap();
         let mut hello = [0u8; 40];
         raw.read_exact(&mut hello).await.unwrap();
-        raw.write_all(&[0xAB; 77]).await.unwrap();
+        // As long as a client's message (magic, kind, rank, protection, nonce, tag).
+        raw.write_all(&[0xAB; 78]).await.unwrap();
         let mut rest = Vec::new();
         let _ = tokio::time::timeout(Duration::from_secs(5), raw.read_to_end(&mut rest))
             .await
@@ -1214,9 +1215,11 @@ fn sync_connections_are_capped_and_other_threads_go_through_the_runtime() {
 /// Announces a 1 GiB frame on an authenticated connection; the worker must close it.
 async fn assert_oversized_frame_closes(mut conn: Box<dyn testing::Io>) {
     conn.write_all(&(1u32 << 30).to_be_bytes()).await.unwrap();
+    conn.flush().await.unwrap();
     // The worker may already have refused the header and closed the connection, so this
     // write may fail with a broken pipe; either way the read below must see the close.
     let _ = conn.write_all(&[0u8; 1024]).await;
+    let _ = conn.flush().await;
     let mut sink = Vec::new();
     let closed = tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut sink)).await;
     assert!(closed.is_ok(), "the connection is closed, not left hanging");

@@ -1,15 +1,18 @@
 //! The group secret and the connection handshake.
 //!
-//! Every connection (control, bulk, rendezvous) starts with a mutual HMAC-SHA256 challenge
-//! before a single request byte is decoded:
+//! Every connection (control, bulk, rendezvous, heartbeat, blocking) starts with a mutual
+//! HMAC-SHA256 challenge before a single request byte is decoded:
 //!
 //! 1. server → client: `MAGIC`, a 32-byte random nonce `ns`;
-//! 2. client → server: `MAGIC`, kind (1 byte), rank (u32 LE), nonce `nc`,
-//!    `HMAC(secret, "client" | ns | nc | kind | rank)`;
-//! 3. server → client: `1` and `HMAC(secret, "server" | nc | ns)` if the tag verifies (checked in
-//!    constant time), else `0` and the connection closes.
+//! 2. client → server: `MAGIC`, kind (1 byte), rank (u32 LE), the protection it wants (1
+//!    byte, see `seal.rs`), nonce `nc`, `HMAC(secret, "client" | ns | nc | kind | rank | wants)`;
+//! 3. server → client: `1`, the agreed protection (the stronger of both sides' wishes) and
+//!    `HMAC(secret, "server" | nc | ns | agreed)` if the tag verifies (checked in constant
+//!    time), else `0` and the connection closes.
 //!
-//! The client checks the server's tag too, so neither side talks to an impostor.
+//! The client checks the server's tag too, so neither side talks to an impostor, and nobody
+//! on the path can weaken the protection both tags cover. Both sides then derive the
+//! connection's keys from the secret and both nonces (`seal.rs`).
 //!
 //! - AUTH-1: the whole exchange is bounded by the handshake timeout, so a silent peer cannot
 //!   hold a slot.
@@ -24,6 +27,7 @@ use std::io;
 use std::sync::Arc;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use super::seal::{self, Mode, Session, Transcript, WireProtection};
 use super::transport::Conn;
 use crate::error::InitError;
 
@@ -32,7 +36,7 @@ pub const SECRET_ENV: &str = "RPC_SECRET";
 /// Env var naming a file that holds the group secret.
 pub const SECRET_FILE_ENV: &str = "RPC_SECRET_FILE";
 
-const MAGIC: &[u8; 8] = b"RXRPC\x00v1";
+const MAGIC: &[u8; 8] = b"RXRPC\x00v2";
 const NONCE: usize = 32;
 const TAG: usize = 32;
 
@@ -179,8 +183,9 @@ impl Gate {
         &self,
         conn: &mut Conn,
         secret: &Secret,
+        protection: WireProtection,
         timeout: std::time::Duration,
-    ) -> io::Result<(ConnKind, u32)> {
+    ) -> io::Result<Accepted> {
         let Ok(_permit) = self.permits.try_acquire() else {
             let n = self
                 .refused
@@ -197,19 +202,42 @@ impl Gate {
                 "too many connections in their handshake",
             ));
         };
-        tokio::time::timeout(timeout.min(ACCEPT_HANDSHAKE_TIMEOUT), server(conn, secret))
-            .await
-            .unwrap_or_else(|_| {
-                Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    "handshake timed out",
-                ))
-            })
+        tokio::time::timeout(
+            timeout.min(ACCEPT_HANDSHAKE_TIMEOUT),
+            server(conn, secret, protection),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "handshake timed out",
+            ))
+        })
     }
 }
 
 fn denied(msg: &str) -> io::Error {
     io::Error::new(io::ErrorKind::PermissionDenied, msg.to_owned())
+}
+
+/// What the server learns from a handshake that succeeded.
+pub(crate) struct Accepted {
+    /// What the connection is for.
+    pub kind: ConnKind,
+    /// The rank the client claims (proven only as far as the secret goes).
+    pub rank: u32,
+    /// The connection's keys, as agreed.
+    pub session: Session,
+}
+
+impl fmt::Debug for Accepted {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Accepted")
+            .field("kind", &self.kind)
+            .field("rank", &self.rank)
+            .field("mode", &self.session.mode())
+            .finish()
+    }
 }
 
 /// The client's half of the handshake, computed from the server's hello.
@@ -218,45 +246,84 @@ struct ClientAnswer {
     msg: Vec<u8>,
     ns: [u8; NONCE],
     nc: [u8; NONCE],
+    kind: u8,
+    rank: u32,
+    wants: Mode,
 }
+
+/// The client's message: magic, kind, rank, wants, nonce, tag.
+const CLIENT_MSG: usize = 8 + 1 + 4 + 1 + NONCE + TAG;
 
 fn client_answer(
     secret: &Secret,
     hello: &[u8; 8 + NONCE],
     kind: ConnKind,
     rank: u32,
+    wants: Mode,
 ) -> io::Result<ClientAnswer> {
     if &hello[..8] != MAGIC {
-        return Err(denied("peer is not an rpc-core worker (bad magic)"));
+        return Err(denied(
+            "peer is not an rpc-core worker of this protocol version (bad magic)",
+        ));
     }
     let ns: [u8; NONCE] = hello[8..].try_into().expect("NONCE bytes");
     let mut nc = [0u8; NONCE];
     fill_random(&mut nc);
     let kind_b = [kind as u8];
     let rank_b = rank.to_le_bytes();
+    let wants_b = [wants as u8];
     let tag = secret
-        .mac(&[b"client", &ns, &nc, &kind_b, &rank_b])
+        .mac(&[b"client", &ns, &nc, &kind_b, &rank_b, &wants_b])
         .finalize()
         .into_bytes();
-    let mut msg = Vec::with_capacity(8 + 1 + 4 + NONCE + TAG);
+    let mut msg = Vec::with_capacity(CLIENT_MSG);
     msg.extend_from_slice(MAGIC);
     msg.extend_from_slice(&kind_b);
     msg.extend_from_slice(&rank_b);
+    msg.extend_from_slice(&wants_b);
     msg.extend_from_slice(&nc);
     msg.extend_from_slice(&tag);
-    Ok(ClientAnswer { msg, ns, nc })
+    Ok(ClientAnswer {
+        msg,
+        ns,
+        nc,
+        kind: kind as u8,
+        rank,
+        wants,
+    })
 }
 
 impl ClientAnswer {
-    /// Checks the server's verdict and its proof of the secret.
-    fn check(&self, secret: &Secret, status: u8, server_tag: &[u8; TAG]) -> io::Result<()> {
+    /// Checks the server's verdict, the protection it agreed to and its proof of the secret;
+    /// the connection's keys.
+    fn check(
+        &self,
+        secret: &Secret,
+        status: u8,
+        agreed: u8,
+        server_tag: &[u8; TAG],
+    ) -> io::Result<Session> {
         if status != 1 {
             return Err(denied("peer rejected our credentials (wrong secret)"));
         }
         secret
-            .mac(&[b"server", &self.nc, &self.ns])
+            .mac(&[b"server", &self.nc, &self.ns, &[agreed]])
             .verify_slice(server_tag)
-            .map_err(|_| denied("peer failed to prove the group secret"))
+            .map_err(|_| denied("peer failed to prove the group secret"))?;
+        let mode = Mode::from_u8(agreed)
+            .filter(|m| *m >= self.wants)
+            .ok_or_else(|| denied("peer agreed to less protection than we asked for"))?;
+        Ok(Session::derive(
+            &Transcript {
+                secret: &secret.0,
+                ns: &self.ns,
+                nc: &self.nc,
+                kind: self.kind,
+                rank: self.rank,
+            },
+            mode,
+            true,
+        ))
     }
 }
 
@@ -264,52 +331,65 @@ fn closed_during_auth(_: io::Error) -> io::Error {
     denied("peer closed the connection during authentication (wrong secret?)")
 }
 
-/// Client side of the handshake.
+/// Client side of the handshake: the connection's keys (wrap the connection with them).
 pub(crate) async fn client(
     conn: &mut Conn,
     secret: &Secret,
+    protection: WireProtection,
     kind: ConnKind,
     rank: u32,
-) -> io::Result<()> {
+) -> io::Result<Session> {
+    let wants = protection.wants(seal::same_host(conn));
     let mut hello = [0u8; 8 + NONCE];
     conn.read_exact(&mut hello).await?;
-    let answer = client_answer(secret, &hello, kind, rank)?;
+    let answer = client_answer(secret, &hello, kind, rank, wants)?;
     conn.write_all(&answer.msg).await?;
     conn.flush().await?;
     let mut status = [0u8; 1];
     conn.read_exact(&mut status)
         .await
         .map_err(closed_during_auth)?;
-    let mut server_tag = [0u8; TAG];
+    let mut rest = [0u8; 1 + TAG];
     if status[0] == 1 {
-        conn.read_exact(&mut server_tag).await?;
+        conn.read_exact(&mut rest).await?;
     }
-    answer.check(secret, status[0], &server_tag)
+    let tag = rest[1..].try_into().expect("TAG bytes");
+    answer.check(secret, status[0], rest[0], tag)
 }
 
 /// Client side of the handshake on a blocking stream (the stream's own timeouts bound it).
 pub(crate) fn client_blocking(
-    conn: &mut (impl std::io::Read + std::io::Write),
+    conn: &mut std::net::TcpStream,
     secret: &Secret,
+    protection: WireProtection,
     kind: ConnKind,
     rank: u32,
-) -> io::Result<()> {
+) -> io::Result<Session> {
+    use std::io::{Read, Write};
+    let wants = protection.wants(seal::same_host_std(conn));
     let mut hello = [0u8; 8 + NONCE];
     conn.read_exact(&mut hello)?;
-    let answer = client_answer(secret, &hello, kind, rank)?;
+    let answer = client_answer(secret, &hello, kind, rank, wants)?;
     conn.write_all(&answer.msg)?;
     conn.flush()?;
     let mut status = [0u8; 1];
     conn.read_exact(&mut status).map_err(closed_during_auth)?;
-    let mut server_tag = [0u8; TAG];
+    let mut rest = [0u8; 1 + TAG];
     if status[0] == 1 {
-        conn.read_exact(&mut server_tag)?;
+        conn.read_exact(&mut rest)?;
     }
-    answer.check(secret, status[0], &server_tag)
+    let tag = rest[1..].try_into().expect("TAG bytes");
+    answer.check(secret, status[0], rest[0], tag)
 }
 
-/// Server side of the handshake: returns the connection's kind and the peer's claimed rank.
-pub(crate) async fn server(conn: &mut Conn, secret: &Secret) -> io::Result<(ConnKind, u32)> {
+/// Server side of the handshake: the connection's kind, the peer's claimed rank and the
+/// connection's keys.
+pub(crate) async fn server(
+    conn: &mut Conn,
+    secret: &Secret,
+    protection: WireProtection,
+) -> io::Result<Accepted> {
+    let mine = protection.wants(seal::same_host(conn));
     let mut ns = [0u8; NONCE];
     fill_random(&mut ns);
     let mut hello = Vec::with_capacity(8 + NONCE);
@@ -317,28 +397,48 @@ pub(crate) async fn server(conn: &mut Conn, secret: &Secret) -> io::Result<(Conn
     hello.extend_from_slice(&ns);
     conn.write_all(&hello).await?;
     conn.flush().await?;
-    let mut msg = [0u8; 8 + 1 + 4 + NONCE + TAG];
+    let mut msg = [0u8; CLIENT_MSG];
     conn.read_exact(&mut msg).await?;
     let kind_b = msg[8];
     let rank_b = &msg[9..13];
-    let nc = &msg[13..13 + NONCE];
-    let tag = &msg[13 + NONCE..];
+    let wants_b = msg[13];
+    let nc = &msg[14..14 + NONCE];
+    let tag = &msg[14 + NONCE..];
     let ok = &msg[..8] == MAGIC
         && secret
-            .mac(&[b"client", &ns, nc, &[kind_b], rank_b])
+            .mac(&[b"client", &ns, nc, &[kind_b], rank_b, &[wants_b]])
             .verify_slice(tag)
             .is_ok();
-    let kind = ConnKind::from_u8(kind_b);
-    match (ok, kind) {
-        (true, Some(kind)) => {
-            let server_tag = secret.mac(&[b"server", nc, &ns]).finalize().into_bytes();
-            let mut reply = Vec::with_capacity(1 + TAG);
+    match (ok, ConnKind::from_u8(kind_b), Mode::from_u8(wants_b)) {
+        (true, Some(kind), Some(wants)) => {
+            let agreed = wants.max(mine);
+            let server_tag = secret
+                .mac(&[b"server", nc, &ns, &[agreed as u8]])
+                .finalize()
+                .into_bytes();
+            let mut reply = Vec::with_capacity(2 + TAG);
             reply.push(1);
+            reply.push(agreed as u8);
             reply.extend_from_slice(&server_tag);
             conn.write_all(&reply).await?;
             conn.flush().await?;
             let rank = u32::from_le_bytes(rank_b.try_into().expect("4 bytes"));
-            Ok((kind, rank))
+            let session = Session::derive(
+                &Transcript {
+                    secret: &secret.0,
+                    ns: &ns,
+                    nc,
+                    kind: kind_b,
+                    rank,
+                },
+                agreed,
+                false,
+            );
+            Ok(Accepted {
+                kind,
+                rank,
+                session,
+            })
         }
         _ => {
             let _ = conn.write_all(&[0]).await;
@@ -352,26 +452,100 @@ pub(crate) async fn server(conn: &mut Conn, secret: &Secret) -> io::Result<(Conn
 mod tests {
     use super::*;
 
-    async fn pair(cs: &Secret, ss: &Secret) -> (io::Result<()>, io::Result<(ConnKind, u32)>) {
+    async fn pair_with(
+        cs: &Secret,
+        ss: &Secret,
+        cp: WireProtection,
+        sp: WireProtection,
+    ) -> (io::Result<(Session, Conn)>, io::Result<(Accepted, Conn)>) {
         let (a, b) = tokio::io::duplex(4096);
         let mut a: Conn = Box::new(a);
         let mut b: Conn = Box::new(b);
-        tokio::join!(client(&mut a, cs, ConnKind::Bulk, 7), server(&mut b, ss))
+        let (c, s) = tokio::join!(
+            client(&mut a, cs, cp, ConnKind::Bulk, 7),
+            server(&mut b, ss, sp)
+        );
+        (c.map(|c| (c, a)), s.map(|s| (s, b)))
+    }
+
+    async fn pair(
+        cs: &Secret,
+        ss: &Secret,
+    ) -> (io::Result<(Session, Conn)>, io::Result<(Accepted, Conn)>) {
+        pair_with(cs, ss, WireProtection::Auto, WireProtection::Auto).await
     }
 
     #[tokio::test]
     async fn same_secret_authenticates_both_ways() {
         let s = Secret::new("k");
         let (c, srv) = pair(&s, &s).await;
-        c.unwrap();
-        assert_eq!(srv.unwrap(), (ConnKind::Bulk, 7));
+        assert_eq!(c.unwrap().0.mode(), Mode::Plain);
+        let srv = srv.unwrap().0;
+        assert_eq!((srv.kind, srv.rank), (ConnKind::Bulk, 7));
     }
 
     #[tokio::test]
     async fn wrong_secret_is_refused_on_both_sides() {
         let (c, srv) = pair(&Secret::new("a"), &Secret::new("b")).await;
-        assert_eq!(c.unwrap_err().kind(), io::ErrorKind::PermissionDenied);
-        assert_eq!(srv.unwrap_err().kind(), io::ErrorKind::PermissionDenied);
+        assert_eq!(c.err().unwrap().kind(), io::ErrorKind::PermissionDenied);
+        assert_eq!(srv.err().unwrap().kind(), io::ErrorKind::PermissionDenied);
+    }
+
+    /// Either side's wish is honoured (the stronger wins), and the agreed keys carry bytes
+    /// both ways.
+    #[tokio::test]
+    async fn the_stronger_protection_is_agreed_and_keys_match() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let s = Secret::new("k");
+        let (p, a) = (WireProtection::Auto, WireProtection::Encrypt);
+        for (cp, sp, want) in [
+            (a, p, Mode::Encrypt),
+            (p, a, Mode::Encrypt),
+            (WireProtection::Mac, WireProtection::Off, Mode::Mac),
+            (WireProtection::Off, WireProtection::Off, Mode::Plain),
+        ] {
+            let (c, srv) = pair_with(&s, &s, cp, sp).await;
+            let (c, cconn) = c.unwrap();
+            let (srv, sconn) = srv.unwrap();
+            assert_eq!(
+                (c.mode(), srv.session.mode()),
+                (want, want),
+                "{cp:?} {sp:?}"
+            );
+            let mut cconn = c.wrap(cconn);
+            let mut sconn = srv.session.wrap(sconn);
+            cconn.write_all(b"ping").await.unwrap();
+            cconn.flush().await.unwrap();
+            let mut got = [0u8; 4];
+            sconn.read_exact(&mut got).await.unwrap();
+            assert_eq!(&got, b"ping");
+        }
+    }
+
+    /// A client that asked for more than the server's (authenticated) answer grants refuses
+    /// the connection: a server tag over a weaker mode cannot be produced without the secret.
+    #[test]
+    fn a_weaker_agreement_than_asked_is_refused() {
+        let s = Secret::new("k");
+        let hello = {
+            let mut h = [0u8; 8 + NONCE];
+            h[..8].copy_from_slice(MAGIC);
+            h
+        };
+        let answer = client_answer(&s, &hello, ConnKind::Control, 1, Mode::Encrypt).unwrap();
+        let tag: [u8; TAG] = s
+            .mac(&[b"server", &answer.nc, &answer.ns, &[Mode::Mac as u8]])
+            .finalize()
+            .into_bytes()
+            .into();
+        let e = answer.check(&s, 1, Mode::Mac as u8, &tag).err().unwrap();
+        assert!(e.to_string().contains("less protection"), "{e}");
+        // And a forged agreement fails the tag.
+        let e = answer
+            .check(&s, 1, Mode::Encrypt as u8, &tag)
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("prove"), "{e}");
     }
 
     /// The blocking client speaks the same handshake as the async server, both ways.
@@ -390,19 +564,27 @@ mod tests {
                     .unwrap();
                 rt.block_on(async {
                     let mut c: Conn = Box::new(tokio::net::TcpStream::from_std(s).unwrap());
-                    server(&mut c, &ss).await
+                    server(&mut c, &ss, WireProtection::Auto)
+                        .await
+                        .map(|a| (a.kind, a.rank))
                 })
             });
             let mut s = std::net::TcpStream::connect(addr).unwrap();
             s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
                 .unwrap();
-            let c = client_blocking(&mut s, &Secret::new(cs), ConnKind::Control, 3);
+            let c = client_blocking(
+                &mut s,
+                &Secret::new(cs),
+                WireProtection::Auto,
+                ConnKind::Control,
+                3,
+            );
             let srv = server.join().unwrap();
             if ok {
-                c.unwrap();
+                assert_eq!(c.unwrap().mode(), Mode::Plain);
                 assert_eq!(srv.unwrap(), (ConnKind::Control, 3));
             } else {
-                assert_eq!(c.unwrap_err().kind(), io::ErrorKind::PermissionDenied);
+                assert_eq!(c.err().unwrap().kind(), io::ErrorKind::PermissionDenied);
                 assert_eq!(srv.unwrap_err().kind(), io::ErrorKind::PermissionDenied);
             }
         }

@@ -49,6 +49,7 @@ use super::config::NetConfig;
 use super::dial::{DialError, Dialer};
 use super::failure::CallFailed;
 use super::frame::{self, BlockingFrames};
+use super::seal::Keys;
 use super::serve::{callers_deadline, Serve, NO_DEADLINE};
 use super::spin::{self, Spin};
 use crate::lifecycle::Lifecycle;
@@ -191,7 +192,7 @@ impl Blocking {
 
     /// Dials `to` on a place already reserved.
     fn dial(self: &Arc<Self>, to: u32, deadline: Instant) -> Result<SyncConn, DialError> {
-        let stream = self.dialer.dial_blocking(to, ConnKind::Sync, deadline)?;
+        let (stream, keys) = self.dialer.dial_blocking(to, ConnKind::Sync, deadline)?;
         let key = self
             .outgoing
             .register(to, &stream)
@@ -200,7 +201,7 @@ impl Blocking {
             owner: Arc::downgrade(self),
             to,
             key,
-            frames: BlockingFrames::new(stream, self.cfg.max_frame_bytes, self.cfg.busy_poll),
+            frames: BlockingFrames::new(stream, keys, self.cfg.max_frame_bytes, self.cfg.busy_poll),
             next_id: 0,
         })
     }
@@ -241,6 +242,7 @@ impl Blocking {
     pub(crate) async fn serve<S: Serve>(
         self: &Arc<Self>,
         stream: TcpStream,
+        keys: Option<Keys>,
         caller: u32,
         service: Weak<S>,
         gone: CancellationToken,
@@ -257,7 +259,7 @@ impl Blocking {
         let spawned = std::thread::Builder::new()
             .name(format!("rpc-sync-{caller}"))
             .spawn(move || {
-                this.serve_thread(&service, stream, caller, &gone);
+                this.serve_thread(&service, stream, keys, caller, &gone);
                 this.incoming.unregister(key);
                 drop(done_tx);
             });
@@ -275,10 +277,12 @@ impl Blocking {
         &self,
         service: &Weak<S>,
         stream: TcpStream,
+        keys: Option<Keys>,
         caller: u32,
         caller_gone: &CancellationToken,
     ) {
-        let mut frames = BlockingFrames::new(stream, self.cfg.max_frame_bytes, self.cfg.busy_poll);
+        let mut frames =
+            BlockingFrames::new(stream, keys, self.cfg.max_frame_bytes, self.cfg.busy_poll);
         let gone =
             || service.strong_count() == 0 || self.life.is_closed() || caller_gone.is_cancelled();
         loop {

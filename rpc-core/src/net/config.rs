@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use super::auth::Secret;
+use super::seal::WireProtection;
 use super::transport::Transport;
 
 /// The network layer's settings (each documented on the `Config` field it comes from).
@@ -11,6 +12,8 @@ use super::transport::Transport;
 pub(crate) struct NetConfig {
     pub transport: Transport,
     pub secret: Secret,
+    /// What protects connections' bytes after their handshake.
+    pub protection: WireProtection,
     /// This worker's rank, sent in every handshake.
     pub rank: u32,
     /// Ranks at or above this are refused at the handshake.

@@ -12,6 +12,7 @@ use std::time::Instant;
 use super::auth::{self, ConnKind};
 use super::config::NetConfig;
 use super::frame::left;
+use super::seal::Keys;
 use super::transport::Conn;
 use crate::error::RpcError;
 use crate::wire::{WorkerId, WorkerInfo};
@@ -134,7 +135,7 @@ impl Dialer {
         }
     }
 
-    /// An authenticated connection of `kind` to worker `to` (DIAL-1).
+    /// An authenticated connection of `kind` to worker `to`, protected as agreed (DIAL-1).
     ///
     /// # Cancel safety
     /// Cancel safe: a dial abandoned half way leaves nothing behind.
@@ -150,9 +151,9 @@ impl Dialer {
                 )
             })?
             .map_err(|e| self.failed(to, e))?;
-        tokio::time::timeout(
+        let session = tokio::time::timeout(
             cfg.handshake_timeout,
-            auth::client(&mut conn, &cfg.secret, kind, cfg.rank),
+            auth::client(&mut conn, &cfg.secret, cfg.protection, kind, cfg.rank),
         )
         .await
         .map_err(|_| {
@@ -162,18 +163,19 @@ impl Dialer {
             )
         })?
         .map_err(|e| self.failed(to, e))?;
-        Ok(conn)
+        Ok(session.wrap(conn))
     }
 
     /// A blocking, authenticated TCP connection of `kind` to worker `to`, dialled from this
-    /// thread, by `deadline` at the latest (DIAL-1). Its socket timeouts are left set; the
-    /// caller sets its own before waiting.
+    /// thread, by `deadline` at the latest (DIAL-1), with the keys that protect its frames
+    /// if any were agreed. Its socket timeouts are left set; the caller sets its own before
+    /// waiting.
     pub(crate) fn dial_blocking(
         &self,
         to: u32,
         kind: ConnKind,
         deadline: Instant,
-    ) -> Result<TcpStream, DialError> {
+    ) -> Result<(TcpStream, Option<Keys>), DialError> {
         let cfg = &self.cfg;
         let addr = self.directory.addr(to);
         let mut last = io::Error::new(io::ErrorKind::NotFound, "address resolved to nothing");
@@ -188,14 +190,14 @@ impl Dialer {
             }
         }
         let mut stream = stream.ok_or_else(|| self.failed(to, last))?;
-        let setup = |s: &mut TcpStream| -> io::Result<()> {
+        let setup = |s: &mut TcpStream| -> io::Result<_> {
             super::transport::tcp::configure(&*s)?;
             let t = Some(cfg.handshake_timeout.min(left(deadline)));
             s.set_read_timeout(t)?;
             s.set_write_timeout(t)?;
-            auth::client_blocking(s, &cfg.secret, kind, cfg.rank)
+            auth::client_blocking(s, &cfg.secret, cfg.protection, kind, cfg.rank)
         };
-        setup(&mut stream).map_err(|e| self.failed(to, e))?;
-        Ok(stream)
+        let session = setup(&mut stream).map_err(|e| self.failed(to, e))?;
+        Ok((stream, session.into_keys()))
     }
 }

@@ -28,6 +28,7 @@ use tokio::sync::Notify;
 use tokio_util::codec::FramedRead;
 
 use super::failure::CallFailed;
+use super::seal::{Keys, Opener, Sealer};
 use super::serve::NO_DEADLINE;
 use super::transport::Conn;
 
@@ -346,7 +347,8 @@ pub(crate) fn left(deadline: Instant) -> Duration {
 
 /// Frames on a blocking TCP stream. Socket timeouts are `SLICE` (shorter only near a
 /// deadline), so a wait wakes up to check its deadline and `closed` without a system call per
-/// frame to set them.
+/// frame to set them. With keys, the frames travel in records (`seal.rs`): each frame sent is
+/// sealed as a whole, and frames are read from records once they have been checked.
 pub(crate) struct BlockingFrames {
     stream: TcpStream,
     max: usize,
@@ -355,16 +357,28 @@ pub(crate) struct BlockingFrames {
     rpos: usize,
     rend: usize,
     wbuf: BytesMut,
+    sealed: Option<Sealed>,
     read_timeout: Option<Duration>,
     write_timeout: Option<Duration>,
     /// How long a read polls the socket before it blocks ([`crate::Config::busy_poll`]).
     spin: Duration,
 }
 
+/// A protected blocking connection's keys and buffers.
+struct Sealed {
+    sealer: Sealer,
+    opener: Opener,
+    /// The frame being sent, sealed.
+    out: Vec<u8>,
+    /// Checked bytes not yet consumed: `plain[ppos..]`.
+    plain: Vec<u8>,
+    ppos: usize,
+}
+
 impl BlockingFrames {
-    /// Frames of at most `max` bytes on `stream`, whose socket timeouts are unknown (they are
-    /// set before the first wait).
-    pub(crate) fn new(stream: TcpStream, max: usize, spin: Duration) -> Self {
+    /// Frames of at most `max` bytes on `stream` (in records sealed with `keys`, if given),
+    /// whose socket timeouts are unknown (they are set before the first wait).
+    pub(crate) fn new(stream: TcpStream, keys: Option<Keys>, max: usize, spin: Duration) -> Self {
         Self {
             stream,
             max,
@@ -372,6 +386,13 @@ impl BlockingFrames {
             rpos: 0,
             rend: 0,
             wbuf: BytesMut::new(),
+            sealed: keys.map(|(sealer, opener)| Sealed {
+                sealer,
+                opener,
+                out: Vec::new(),
+                plain: Vec::new(),
+                ppos: 0,
+            }),
             read_timeout: Some(Duration::ZERO),
             write_timeout: Some(Duration::ZERO),
             spin,
@@ -399,8 +420,16 @@ impl BlockingFrames {
             cause,
             broken: false,
         })?;
+        let bytes: &[u8] = match &mut self.sealed {
+            None => &self.wbuf,
+            Some(s) => {
+                s.out.clear();
+                s.sealer.seal_into(&self.wbuf, &mut s.out);
+                &s.out
+            }
+        };
         let mut done = 0;
-        while done < self.wbuf.len() {
+        while done < bytes.len() {
             let t = Some(Self::slice(deadline)?);
             if self.write_timeout != t {
                 self.stream
@@ -411,7 +440,7 @@ impl BlockingFrames {
                     })?;
                 self.write_timeout = t;
             }
-            match self.stream.write(&self.wbuf[done..]) {
+            match self.stream.write(&bytes[done..]) {
                 Ok(0) => {
                     let e = io::Error::new(io::ErrorKind::WriteZero, "connection closed");
                     return Err(if done == 0 {
@@ -441,6 +470,11 @@ impl BlockingFrames {
         if self.wbuf.capacity() > KEEP_BUFFER {
             self.wbuf = BytesMut::new();
         }
+        if let Some(s) = &mut self.sealed {
+            if s.out.capacity() > KEEP_BUFFER {
+                s.out = Vec::new();
+            }
+        }
         Ok(())
     }
 
@@ -450,10 +484,8 @@ impl BlockingFrames {
         deadline: Option<Instant>,
         closed: &dyn Fn() -> bool,
     ) -> Result<T, CallFailed> {
-        self.fill(4, deadline, closed)?;
-        let head: [u8; 4] = self.rbuf[self.rpos..self.rpos + 4]
-            .try_into()
-            .expect("4 bytes");
+        self.fill_plain(4, deadline, closed)?;
+        let head: [u8; 4] = self.plain()[..4].try_into().expect("4 bytes");
         let len = u32::from_be_bytes(head) as usize;
         if len > self.max {
             return Err(CallFailed::Lost(io::Error::new(
@@ -461,16 +493,65 @@ impl BlockingFrames {
                 format!("frame of {len} bytes is above the limit of {}", self.max),
             )));
         }
-        self.fill(4 + len, deadline, closed)?;
-        let body = &self.rbuf[self.rpos + 4..self.rpos + 4 + len];
-        let msg = decode(body).map_err(CallFailed::Lost);
-        self.rpos += 4 + len;
+        self.fill_plain(4 + len, deadline, closed)?;
+        let msg = decode(&self.plain()[4..4 + len]).map_err(CallFailed::Lost);
+        match &mut self.sealed {
+            None => self.rpos += 4 + len,
+            Some(s) => {
+                s.ppos += 4 + len;
+                if s.ppos == s.plain.len() {
+                    s.plain.clear();
+                    s.ppos = 0;
+                    if s.plain.capacity() > KEEP_BUFFER {
+                        s.plain = Vec::new();
+                    }
+                }
+            }
+        }
         // A connection that once carried a large frame does not keep its buffer.
         if self.rpos == self.rend && self.rbuf.len() > KEEP_BUFFER {
             self.rbuf = vec![0; READ_BUFFER];
             (self.rpos, self.rend) = (0, 0);
         }
         msg
+    }
+
+    /// The bytes of frames received and not yet consumed (checked ones, with keys).
+    fn plain(&self) -> &[u8] {
+        match &self.sealed {
+            None => &self.rbuf[self.rpos..self.rend],
+            Some(s) => &s.plain[s.ppos..],
+        }
+    }
+
+    /// Ensures `n` bytes of frames are ready in [`plain`](Self::plain): with keys, opens
+    /// records as they arrive until they are (SEAL-1).
+    fn fill_plain(
+        &mut self,
+        n: usize,
+        deadline: Option<Instant>,
+        closed: &dyn Fn() -> bool,
+    ) -> Result<(), CallFailed> {
+        if self.sealed.is_none() {
+            return self.fill(n, deadline, closed);
+        }
+        while self.plain().len() < n {
+            self.fill(4, deadline, closed)?;
+            let total = Opener::record_len(&self.rbuf[self.rpos..self.rend])
+                .map_err(CallFailed::Lost)?
+                .expect("a header is buffered");
+            self.fill(total, deadline, closed)?;
+            let s = self.sealed.as_mut().expect("keys");
+            let rec = &mut self.rbuf[self.rpos..self.rpos + total];
+            let body = s.opener.open(rec).map_err(CallFailed::Lost)?;
+            if s.ppos > 0 {
+                s.plain.drain(..s.ppos);
+                s.ppos = 0;
+            }
+            s.plain.extend_from_slice(&rec[body]);
+            self.rpos += total;
+        }
+        Ok(())
     }
 
     /// Ensures `n` unconsumed bytes are buffered.

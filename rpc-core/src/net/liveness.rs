@@ -431,14 +431,19 @@ async fn accept(ctx: Arc<Ctx>, mut listener: Listener) {
         let (ctx, gate) = (Arc::clone(&ctx), gate.clone());
         tokio::spawn(async move {
             let hs = gate
-                .handshake(&mut conn, &ctx.cfg.secret, ctx.cfg.handshake_timeout)
+                .handshake(
+                    &mut conn,
+                    &ctx.cfg.secret,
+                    ctx.cfg.protection,
+                    ctx.cfg.handshake_timeout,
+                )
                 .await;
             match hs {
-                Ok((ConnKind::Heartbeat, rank)) if rank < ctx.cfg.world_size => {
-                    read_beats(&ctx, conn, rank).await
+                Ok(a) if a.kind == ConnKind::Heartbeat && a.rank < ctx.cfg.world_size => {
+                    read_beats(&ctx, a.session.wrap(conn), a.rank).await
                 }
-                Ok((kind, rank)) => {
-                    tracing::warn!(?kind, rank, "refused a connection on the heartbeat port")
+                Ok(a) => {
+                    tracing::warn!(kind = ?a.kind, rank = a.rank, "refused a connection on the heartbeat port")
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {}
                 Err(e) => tracing::warn!(cause = %e, "refused a heartbeat connection"),
@@ -580,10 +585,16 @@ async fn dial(ctx: &Ctx, rank: u32) -> Option<Conn> {
         cfg.transport.connect(addr).await
     });
     let (mut conn, _) = connect.await.ok()?.ok()?;
-    let hs = auth::client(&mut conn, &cfg.secret, ConnKind::Heartbeat, cfg.rank);
-    tokio::time::timeout(cfg.handshake_timeout.min(cfg.failure_timeout), hs)
+    let hs = auth::client(
+        &mut conn,
+        &cfg.secret,
+        cfg.protection,
+        ConnKind::Heartbeat,
+        cfg.rank,
+    );
+    let session = tokio::time::timeout(cfg.handshake_timeout.min(cfg.failure_timeout), hs)
         .await
         .ok()?
         .ok()?;
-    Some(conn)
+    Some(session.wrap(conn))
 }

@@ -4,6 +4,7 @@
 //! ```text
 //! transport   TCP and the in-memory network behind one byte stream (`Conn`)
 //! auth        the group secret and the HMAC handshake every connection starts with
+//! seal        after it: a MAC or encryption on every record (between hosts by default)
 //! dial        the directory of peers and the one dialer (control, bulk, blocking)
 //! frame       tarpc's frames: the outbox and reader (multiplexed), blocking frames
 //! mux_client  the calling end of a multiplexed connection: ids, slots, waiters
@@ -21,9 +22,9 @@
 //! ```
 //!
 //! [`Net`] owns the pieces of one worker and its accept loop, which authenticates every
-//! incoming connection (bounded by the handshake timeout) before anything is decoded, then
-//! serves it by kind: control connections by `mux_server`, bulk connections by `bulk`, blocking
-//! connections by `blocking`.
+//! incoming connection (bounded by the handshake timeout) before anything is decoded, protects
+//! it as agreed in the handshake (`seal`), then serves it by kind: control connections by
+//! `mux_server`, bulk connections by `bulk`, blocking connections by `blocking`.
 
 pub(crate) mod auth;
 mod blocking;
@@ -38,6 +39,7 @@ mod liveness;
 mod mux_client;
 mod mux_server;
 mod peer;
+mod seal;
 mod serve;
 pub(crate) mod shm;
 mod spin;
@@ -59,6 +61,7 @@ pub(crate) use liveness::Membership;
 pub use liveness::{FailureWatch, WorkerFailed};
 pub(crate) use mux_client::{MuxClient, Waiter};
 pub(crate) use peer::Peer;
+pub use seal::WireProtection;
 pub(crate) use serve::{Serve, NO_DEADLINE};
 pub(crate) use spin::{block_on, Spin};
 pub(crate) use transport::{Conn, Detached, Listener};
@@ -264,9 +267,18 @@ impl Net {
     async fn serve_conn<S: Serve>(&self, mut conn: Conn, service: Arc<S>, gate: &auth::Gate) {
         let me = self.cfg.rank;
         let hs = gate
-            .handshake(&mut conn, &self.cfg.secret, self.cfg.handshake_timeout)
+            .handshake(
+                &mut conn,
+                &self.cfg.secret,
+                self.cfg.protection,
+                self.cfg.handshake_timeout,
+            )
             .await;
-        let (kind, rank) = match hs {
+        let auth::Accepted {
+            kind,
+            rank,
+            session,
+        } = match hs {
             Ok(v) => v,
             Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => return,
             Err(e) => {
@@ -295,17 +307,24 @@ impl Net {
         tokio::select! {
             biased;
             () = gone.cancelled() => {}
-            () = self.serve_kind(kind, conn, rank, service) => {}
+            () = self.serve_kind(kind, conn, session, rank, service) => {}
         }
     }
 
-    async fn serve_kind<S: Serve>(&self, kind: ConnKind, conn: Conn, rank: u32, service: Arc<S>) {
+    async fn serve_kind<S: Serve>(
+        &self,
+        kind: ConnKind,
+        conn: Conn,
+        session: seal::Session,
+        rank: u32,
+        service: Arc<S>,
+    ) {
         let me = self.cfg.rank;
         match kind {
             ConnKind::Control => {
                 let served = mux_server::serve(
                     service,
-                    conn,
+                    session.wrap(conn),
                     rank,
                     (self.cfg.max_frame_bytes, self.cfg.max_queued_bytes),
                     &self.life,
@@ -322,12 +341,18 @@ impl Net {
                     }
                 }
             }
-            ConnKind::Bulk => self.bulk.serve_incoming(conn, rank).await,
+            ConnKind::Bulk => self.bulk.serve_incoming(session.wrap(conn), rank).await,
             ConnKind::Sync => match transport::into_std_tcp(conn) {
                 Some(stream) => {
                     let gone = self.membership.gone(rank).clone();
                     self.blocking
-                        .serve(stream, rank, Arc::downgrade(&service), gone)
+                        .serve(
+                            stream,
+                            session.into_keys(),
+                            rank,
+                            Arc::downgrade(&service),
+                            gone,
+                        )
                         .await
                 }
                 None => {

@@ -18,9 +18,14 @@ use tokio::io::{AsyncRead, AsyncWrite};
 pub trait Io: AsyncRead + AsyncWrite + Send + Unpin + 'static {
     /// The concrete stream, to take a TCP connection over for blocking use.
     fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send>;
+    /// The concrete stream, to ask a TCP connection for its addresses.
+    fn as_any(&self) -> &dyn std::any::Any;
 }
 impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> Io for T {
     fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
+        self
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
         self
     }
 }
