@@ -1,5 +1,5 @@
-//! `rpc-bench [all|latency|throughput|tensor|rref|allreduce] [--threads N] [--busy-poll-us N]
-//! [--no-shm]`
+//! `rpc-bench [all|latency|throughput|tensor|rref|allreduce|overhead] [--threads N]
+//! [--busy-poll-us N] [--no-shm] [--wire-protection auto|mac|encrypt|off] [--heartbeat-ms N]`
 //!
 //! Starts a peer process (this binary, `peer` subcommand) on 127.0.0.1, forms a two-worker
 //! group with it, and prints one JSON object per line: `metric`, `median` and, where they
@@ -9,6 +9,12 @@
 //! all-reduce benchmark (`allreduce`, also the end of `all`) starts groups of 2 and 4
 //! processes and reports `busbw_GBps` beside one-stream TCP measured in the same run.
 //! `--no-shm` makes every process stream bulk blobs over TCP instead of shared memory.
+//!
+//! `overhead` measures what the safety machinery costs, each variant in a fresh pair of
+//! processes, variants alternated over rounds: the wire protection (`off`, `mac`, `encrypt`,
+//! forced on loopback, bulk blobs over TCP) and the failure detector (off, on at its default
+//! interval; latency, throughput, and the CPU both processes spend while idle). It ends with
+//! one `*_cost` line per variant: its medians as ratios to the baseline's.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -19,17 +25,22 @@ use anyhow::{bail, Context, Result};
 use futures::StreamExt;
 use rpc_core::{
     remote, Agent, Blob, BoxError, CallContext, Config, Registry, RendezvousServer, Secret,
-    Transport,
+    Transport, WireProtection,
 };
 use serde_json::json;
 
-const USAGE: &str = "usage: rpc-bench [all|latency|throughput|tensor|rref|allreduce] \
-[--threads N] [--busy-poll-us N] [--no-shm]
+const USAGE: &str = "usage: rpc-bench [all|latency|throughput|tensor|rref|allreduce|overhead] \
+[--threads N] [--busy-poll-us N] [--no-shm] [--wire-protection P] [--heartbeat-ms N]
   --threads N        runtime worker threads of every process (default 1: two processes
                      on a 2-core machine; 0: current-thread runtime)
   --busy-poll-us N   Config::busy_poll of every process, in microseconds (default: the
                      library's, 100; 0: off)
   --no-shm           bulk blobs stream over TCP instead of shared memory
+  --wire-protection P  Config::wire_protection of every process: auto (default), mac,
+                     encrypt, off (on loopback auto is off)
+  --heartbeat-ms N   Config::heartbeat_interval of every process (0: no failure detector;
+                     default: the library's, 250)
+  overhead           the cost of the wire protection and of the failure detector
 Prints one JSON object per line.";
 
 /// Does nothing.
@@ -48,6 +59,23 @@ async fn echo(_ctx: CallContext, data: Blob) -> Result<Blob, BoxError> {
 #[remote]
 async fn peak_rss(_ctx: CallContext) -> Result<f64, BoxError> {
     Ok(peak_rss_mb())
+}
+
+/// CPU time (user and system) this process has used, in seconds.
+#[remote]
+async fn cpu_seconds(_ctx: CallContext) -> Result<f64, BoxError> {
+    Ok(cpu_seconds_here())
+}
+
+fn cpu_seconds_here() -> f64 {
+    // SAFETY: getrusage(2) fills the struct it is given; zeroed is a valid initial value.
+    let u = unsafe {
+        let mut u: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_SELF, &mut u);
+        u
+    };
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    secs(u.ru_utime) + secs(u.ru_stime)
 }
 
 /// How many raw echo connections the peer serves.
@@ -184,6 +212,7 @@ fn registry() -> Registry {
         .register(noop)
         .and_then(|r| r.register(echo))
         .and_then(|r| r.register(peak_rss))
+        .and_then(|r| r.register(cpu_seconds))
         .and_then(|r| r.register(raw_servers))
         .and_then(|r| r.register(new_counter))
         .and_then(|r| r.register(incr))
@@ -221,11 +250,45 @@ fn runtime(threads: usize) -> Result<tokio::runtime::Runtime> {
 
 /// `--busy-poll-us`: `Config::busy_poll` of both processes (0: off).
 static BUSY_POLL_US: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-/// `--no-shm`: every process streams bulk blobs over TCP (`Config::shm_arena_bytes` 0).
-static NO_SHM: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
+/// What every process of a group is configured with besides the defaults (the driver
+/// changes it between the groups of `overhead`; the processes it starts get it as flags).
+#[derive(Clone, Copy, Debug)]
+struct Variant {
+    /// `--no-shm`: bulk blobs stream over TCP (`Config::shm_arena_bytes` 0).
+    no_shm: bool,
+    /// `--wire-protection`.
+    protection: Option<WireProtection>,
+    /// `--heartbeat-ms`.
+    heartbeat_ms: Option<u64>,
+}
+
+static VARIANT: std::sync::Mutex<Variant> = std::sync::Mutex::new(Variant {
+    no_shm: false,
+    protection: None,
+    heartbeat_ms: None,
+});
+
+fn variant() -> Variant {
+    *VARIANT.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn set_variant(v: Variant) {
+    *VARIANT.lock().unwrap_or_else(|p| p.into_inner()) = v;
+}
 
 fn no_shm() -> bool {
-    NO_SHM.get().copied().unwrap_or(false)
+    variant().no_shm
+}
+
+fn protection_name(p: Option<WireProtection>) -> &'static str {
+    match p {
+        None | Some(WireProtection::Auto) => "auto",
+        Some(WireProtection::Mac) => "mac",
+        Some(WireProtection::Encrypt) => "encrypt",
+        Some(WireProtection::Off) => "off",
+        Some(_) => "other",
+    }
 }
 
 /// The flags every process of a run shares, to pass on to the processes it starts.
@@ -236,8 +299,18 @@ fn shared_flags(threads: usize) -> Vec<String> {
         "--busy-poll-us".to_owned(),
         BUSY_POLL_US.get().copied().unwrap_or(0).to_string(),
     ];
-    if no_shm() {
+    let var = variant();
+    if var.no_shm {
         v.push("--no-shm".to_owned());
+    }
+    if let Some(p) = var.protection {
+        v.extend([
+            "--wire-protection".to_owned(),
+            protection_name(Some(p)).to_owned(),
+        ]);
+    }
+    if let Some(ms) = var.heartbeat_ms {
+        v.extend(["--heartbeat-ms".to_owned(), ms.to_string()]);
     }
     v
 }
@@ -252,8 +325,15 @@ fn bulk_path() -> &'static str {
 }
 
 fn config(rank: u32, rendezvous: &str, secret: Secret) -> Config {
-    Config::new()
-        .with_rank(rank)
+    let var = variant();
+    let mut cfg = Config::new();
+    if let Some(p) = var.protection {
+        cfg = cfg.with_wire_protection(p);
+    }
+    if let Some(ms) = var.heartbeat_ms {
+        cfg = cfg.with_heartbeat_interval(Duration::from_millis(ms));
+    }
+    cfg.with_rank(rank)
         .with_world_size(2)
         .with_name(if rank == 0 { "bench" } else { "peer" })
         .with_init_method(format!("tcp://{rendezvous}"))
@@ -327,7 +407,22 @@ fn main() -> Result<()> {
         None => Config::new().busy_poll.as_micros() as u64,
     };
     let _ = BUSY_POLL_US.set(busy);
-    let _ = NO_SHM.set(args.iter().any(|a| a == "--no-shm"));
+    let value = |flag: &str| -> Result<Option<&String>> {
+        match args.iter().position(|a| a == flag) {
+            Some(i) => Ok(Some(
+                args.get(i + 1)
+                    .with_context(|| format!("{flag} needs a value"))?,
+            )),
+            None => Ok(None),
+        }
+    };
+    set_variant(Variant {
+        no_shm: args.iter().any(|a| a == "--no-shm"),
+        protection: value("--wire-protection")?
+            .map(|p| p.parse::<WireProtection>().map_err(anyhow::Error::msg))
+            .transpose()?,
+        heartbeat_ms: value("--heartbeat-ms")?.map(|v| v.parse()).transpose()?,
+    });
     match mode {
         "peer" => {
             let rendezvous = args.get(1).context("peer needs the rendezvous address")?;
@@ -375,12 +470,14 @@ fn main() -> Result<()> {
             Ok(())
         }
         "latency" | "throughput" | "tensor" | "rref" => drive(mode, threads),
+        "overhead" => overhead(threads),
         other => bail!("unknown mode {other:?}\n{USAGE}"),
     }
 }
 
-fn drive(mode: &str, threads: usize) -> Result<()> {
-    let rt = runtime(threads)?;
+/// Forms a group of this process (rank 0, on `rt`) and a peer process it starts, both
+/// configured with the current [`Variant`].
+fn pair(rt: &tokio::runtime::Runtime, threads: usize) -> Result<(Agent, PeerGuard)> {
     let secret = Secret::generate();
     let server = rt.block_on(RendezvousServer::start(
         &Transport::Tcp,
@@ -400,9 +497,15 @@ fn drive(mode: &str, threads: usize) -> Result<()> {
         .stdin(Stdio::null())
         .spawn()
         .context("starting the peer process")?;
-    let _guard = PeerGuard(peer);
+    let guard = PeerGuard(peer);
     let agent = rt.block_on(rpc_core::init(config(0, &addr, secret), registry()))?;
     rt.block_on(server.finish(Duration::from_secs(5)));
+    Ok((agent, guard))
+}
+
+fn drive(mode: &str, threads: usize) -> Result<()> {
+    let rt = runtime(threads)?;
+    let (agent, _guard) = pair(&rt, threads)?;
     let runtime_name = if threads == 0 {
         "current_thread".to_owned()
     } else {
@@ -950,5 +1053,153 @@ fn allreduce_bench(n: u32, threads: usize) -> Result<()> {
         json!({ "metric": "peak_rss_mb", "phase": "allreduce", "processes": n, "process": "rank0", "median": peak_rss_mb() }),
     );
     rt.block_on(agent.shutdown());
+    Ok(())
+}
+
+/// What one group of `overhead` measured: the medians of its lines, by metric.
+type Medians = std::collections::BTreeMap<String, f64>;
+
+/// The CPU time both processes spend in `secs` seconds of idleness, in milliseconds per
+/// second (heartbeats, timers, nothing else running).
+fn idle_cpu(rt: &tokio::runtime::Runtime, agent: &Agent, secs: u64) -> Result<(f64, f64)> {
+    let here = cpu_seconds_here();
+    let peer = rt.block_on(agent.rpc_async(1u32, cpu_seconds, ()))?;
+    std::thread::sleep(Duration::from_secs(secs));
+    let here = cpu_seconds_here() - here;
+    let peer = rt.block_on(agent.rpc_async(1u32, cpu_seconds, ()))? - peer;
+    Ok((here * 1e3 / secs as f64, peer * 1e3 / secs as f64))
+}
+
+/// Measures one group of the current variant; emits its lines tagged with `tags`.
+fn overhead_group(
+    threads: usize,
+    tags: &serde_json::Value,
+    bulk: bool,
+    idle: bool,
+) -> Result<Medians> {
+    let rt = runtime(threads)?;
+    let (agent, _guard) = pair(&rt, threads)?;
+    let (echo_port, _) = rt.block_on(agent.rpc_async(1u32, raw_servers, ()))?;
+    let mut lines = latency(&rt, &agent, echo_port, threads > 0)?;
+    let a = agent.clone();
+    lines.push(rt.block_on(rt.spawn(async move { throughput(&a).await }))??);
+    if bulk {
+        for (name, bytes, iters) in [
+            ("echo_1MiB_rtt_us", 1usize << 20, 200),
+            ("echo_64MiB_rtt_us", 64 << 20, 12),
+        ] {
+            let a = agent.clone();
+            lines.push(
+                rt.block_on(rt.spawn(async move { echo_bench(&a, name, bytes, iters).await }))??,
+            );
+        }
+    }
+    if idle {
+        let (here, peer) = idle_cpu(&rt, &agent, 3)?;
+        lines.push(json!({ "metric": "idle_cpu_ms_per_s", "process": "bench", "median": here }));
+        lines.push(json!({ "metric": "idle_cpu_ms_per_s", "process": "peer", "median": peer }));
+    }
+    let mut medians = Medians::new();
+    for mut v in lines {
+        let key = match v["process"].as_str() {
+            Some(p) => format!("{}:{p}", v["metric"].as_str().unwrap_or("?")),
+            None => v["metric"].as_str().unwrap_or("?").to_owned(),
+        };
+        if let Some(m) = v["median"].as_f64() {
+            medians.insert(key, m);
+        }
+        if let (Some(o), Some(t)) = (v.as_object_mut(), tags.as_object()) {
+            for (k, x) in t {
+                o.insert(k.clone(), x.clone());
+            }
+        }
+        emit(v);
+    }
+    let report = rt.block_on(agent.shutdown());
+    if !report.is_clean() {
+        bail!("shutdown not clean: {report:?}");
+    }
+    Ok(medians)
+}
+
+/// `overhead`: the wire protection's and the failure detector's cost, variants alternated
+/// over `ROUNDS` rounds, each in a fresh group; then each variant's medians (over its rounds)
+/// as ratios to its baseline's.
+fn overhead(threads: usize) -> Result<()> {
+    const ROUNDS: usize = 3;
+    let base = variant();
+    let protections = [
+        WireProtection::Off,
+        WireProtection::Mac,
+        WireProtection::Encrypt,
+    ];
+    let detectors: [(&str, u64); 2] = [
+        ("off", 0),
+        (
+            "on",
+            Config::new()
+                .heartbeat_interval
+                .map_or(250, |d| d.as_millis() as u64),
+        ),
+    ];
+    let mut by_protection: Vec<Vec<Medians>> = vec![Vec::new(); protections.len()];
+    let mut by_detector: Vec<Vec<Medians>> = vec![Vec::new(); detectors.len()];
+    for round in 0..ROUNDS {
+        for (i, p) in protections.iter().enumerate() {
+            set_variant(Variant {
+                no_shm: true,
+                protection: Some(*p),
+                heartbeat_ms: base.heartbeat_ms,
+            });
+            let tags = json!({ "wire_protection": protection_name(Some(*p)), "bulk": "tcp", "round": round });
+            by_protection[i].push(overhead_group(threads, &tags, true, false)?);
+        }
+        for (i, (name, ms)) in detectors.iter().enumerate() {
+            set_variant(Variant {
+                heartbeat_ms: Some(*ms),
+                ..base
+            });
+            let tags = json!({ "detector": name, "heartbeat_ms": ms, "round": round });
+            by_detector[i].push(overhead_group(threads, &tags, false, true)?);
+        }
+    }
+    set_variant(base);
+    let merged = |runs: &[Medians]| -> Medians {
+        let mut out = Medians::new();
+        for key in runs
+            .iter()
+            .flat_map(|m| m.keys())
+            .collect::<std::collections::BTreeSet<_>>()
+        {
+            let xs: Vec<f64> = runs.iter().filter_map(|m| m.get(key).copied()).collect();
+            out.insert(key.clone(), stats(xs).median);
+        }
+        out
+    };
+    let ratios = |tags: serde_json::Value, m: &Medians, base: &Medians| {
+        let mut v = tags;
+        for (k, x) in m {
+            if let Some(b) = base.get(k) {
+                v[format!("{k}_ratio")] = json!(x / b);
+                v[k.clone()] = json!(x);
+            }
+        }
+        emit(v);
+    };
+    let off = merged(&by_protection[0]);
+    for (i, p) in protections.iter().enumerate().skip(1) {
+        ratios(
+            json!({ "metric": "wire_protection_cost", "wire_protection": protection_name(Some(*p)), "baseline": "off", "rounds": ROUNDS }),
+            &merged(&by_protection[i]),
+            &off,
+        );
+    }
+    let no_detector = merged(&by_detector[0]);
+    let with = merged(&by_detector[1]);
+    ratios(
+        json!({ "metric": "failure_detector_cost", "detector": "on", "heartbeat_ms": detectors[1].1, "baseline": "off", "rounds": ROUNDS }),
+        &with,
+        &no_detector,
+    );
     Ok(())
 }

@@ -537,7 +537,10 @@ impl BlockingFrames {
         }
         while self.plain().len() < n {
             self.fill(4, deadline, closed)?;
-            let total = Opener::record_len(&self.rbuf[self.rpos..self.rend])
+            let s = self.sealed.as_ref().expect("keys");
+            let total = s
+                .opener
+                .record_len(&self.rbuf[self.rpos..self.rend])
                 .map_err(CallFailed::Lost)?
                 .expect("a header is buffered");
             self.fill(total, deadline, closed)?;

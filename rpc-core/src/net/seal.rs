@@ -1,5 +1,6 @@
-//! What protects a connection's bytes after its handshake: nothing, a MAC on every record, or
-//! authenticated encryption of every record (AES-256-GCM, keys of this connection alone).
+//! What protects a connection's bytes after its handshake: nothing, a MAC on every record
+//! (keyed BLAKE3), or authenticated encryption of every record (AES-256-GCM); keys of that
+//! connection alone.
 //!
 //! The handshake (`auth.rs`) proves both sides hold the group secret and agrees on a
 //! [`Mode`]; each side asks for the least it accepts ([`WireProtection::wants`]) and the
@@ -8,10 +9,13 @@
 //! HKDF-SHA256 from the secret and both handshake nonces.
 //!
 //! A protected connection carries records: a 4-byte big-endian body length (at most
-//! [`RECORD`]), the body (plaintext under [`Mode::Mac`], ciphertext under [`Mode::Encrypt`]),
-//! and a 16-byte GCM tag over the header and body. The nonce is the record's sequence number
-//! in its direction, never sent: a record injected, altered, dropped, replayed or reordered
-//! fails its check and ends the connection.
+//! [`RECORD`]), the body, and a tag over the record's sequence number in its direction (never
+//! sent), header and body: under [`Mode::Mac`] the plaintext and a 32-byte keyed BLAKE3 tag,
+//! under [`Mode::Encrypt`] the ciphertext and a 16-byte AES-GCM tag (the sequence number is
+//! the nonce). A record injected, altered, dropped, replayed or reordered fails its check and
+//! ends the connection. (A MAC alone is BLAKE3 rather than GCM over additional data: on the
+//! machine measured, GHASH alone ran at 1.9 GB/s, AES-GCM's fused encryption at 6.3 GB/s and
+//! BLAKE3 at 5.3 GB/s.)
 //!
 //! - SEAL-1: nothing a record carries is handed on before its tag has been checked.
 //! - SEAL-2: a record's announced length is checked before room is made for it (at most
@@ -38,10 +42,17 @@ use super::transport::Conn;
 pub(crate) const RECORD: usize = 64 << 10;
 /// A record's header (its body length).
 const HEADER: usize = 4;
-/// A record's tag.
-const TAG: usize = 16;
+/// A record's tag under [`Mode::Encrypt`] (AES-GCM).
+const GCM_TAG: usize = 16;
+/// A record's tag under [`Mode::Mac`] (BLAKE3).
+const MAC_TAG: usize = 32;
+/// The longest tag.
+const MAX_TAG: usize = MAC_TAG;
 /// Sealed bytes a writer holds before it waits for the connection (SEAL-3).
 const HIGH_WATER: usize = 256 << 10;
+/// A reader's buffer: room for several records, so a read takes in several at once and the
+/// partial record at its end is rarely moved.
+const READ_ROOM: usize = 4 * (HEADER + RECORD + MAX_TAG);
 
 /// What a worker asks of the connections it makes and accepts, beyond the handshake that
 /// authenticates every one of them. Each side's setting is the least it accepts: a connection
@@ -183,7 +194,7 @@ impl Session {
         salt.extend_from_slice(t.nc);
         let prk = hkdf::Salt::new(hkdf::HKDF_SHA256, &salt).extract(t.secret);
         let rank = t.rank.to_le_bytes();
-        let key = |dir: &[u8]| -> LessSafeKey {
+        let key = |dir: &[u8]| -> Cipher {
             let info = [
                 b"rxrpc session v2 ".as_slice(),
                 dir,
@@ -191,25 +202,29 @@ impl Session {
                 &rank,
             ];
             let okm = prk
-                .expand(&info, &AES_256_GCM)
+                .expand(&info, KeyLen)
                 .expect("a key's length is within HKDF's limit");
-            LessSafeKey::new(UnboundKey::from(okm))
+            let mut key = [0u8; 32];
+            okm.fill(&mut key).expect("32 bytes");
+            match mode {
+                Mode::Encrypt => Cipher::Gcm(Box::new(LessSafeKey::new(
+                    UnboundKey::new(&AES_256_GCM, &key).expect("a 256-bit key"),
+                ))),
+                _ => Cipher::Mac(key),
+            }
         };
         let (c2s, s2c) = (key(b"c2s"), key(b"s2c"));
         let (send, recv) = if client { (c2s, s2c) } else { (s2c, c2s) };
-        let encrypt = mode == Mode::Encrypt;
         Self {
             mode,
             keys: Some((
                 Sealer {
-                    key: send,
+                    cipher: send,
                     seq: 0,
-                    encrypt,
                 },
                 Opener {
-                    key: recv,
+                    cipher: recv,
                     seq: 0,
-                    encrypt,
                 },
             )),
         }
@@ -234,23 +249,59 @@ impl Session {
     }
 }
 
+/// The 32 bytes HKDF gives each key.
+struct KeyLen;
+
+impl hkdf::KeyType for KeyLen {
+    fn len(&self) -> usize {
+        32
+    }
+}
+
+/// One direction's key and what it does.
+enum Cipher {
+    /// Keyed BLAKE3 over the sequence number, header and body.
+    Mac([u8; 32]),
+    /// AES-256-GCM: the body encrypted, the header authenticated (its expanded key schedule
+    /// is large; one per connection direction).
+    Gcm(Box<LessSafeKey>),
+}
+
+impl Cipher {
+    fn tag_len(&self) -> usize {
+        match self {
+            Self::Mac(_) => MAC_TAG,
+            Self::Gcm(_) => GCM_TAG,
+        }
+    }
+}
+
 fn nonce(seq: u64) -> Nonce {
     let mut n = [0u8; 12];
     n[4..].copy_from_slice(&seq.to_be_bytes());
     Nonce::assume_unique_for_key(n)
 }
 
+/// The tag of `record` (header and body) as the `seq`-th of its direction. The sequence
+/// number goes last: a prefix would misalign the record with BLAKE3's chunks (25 % slower).
+fn mac(key: &[u8; 32], seq: u64, record: &[u8]) -> blake3::Hash {
+    let mut h = blake3::Hasher::new_keyed(key);
+    h.update(record);
+    h.update(&seq.to_le_bytes());
+    h.finalize()
+}
+
 /// Seals the records one direction of a connection sends.
 pub(crate) struct Sealer {
-    key: LessSafeKey,
+    cipher: Cipher,
     seq: u64,
-    encrypt: bool,
 }
 
 impl Sealer {
     /// Appends `plain` to `out` as records.
     pub(crate) fn seal_into(&mut self, plain: &[u8], out: &mut Vec<u8>) {
-        out.reserve(plain.len() + plain.len().div_ceil(RECORD).max(1) * (HEADER + TAG));
+        let tag = self.cipher.tag_len();
+        out.reserve(plain.len() + plain.len().div_ceil(RECORD).max(1) * (HEADER + tag));
         for chunk in plain.chunks(RECORD) {
             let at = out.len();
             out.extend_from_slice(&[0; HEADER]);
@@ -265,33 +316,35 @@ impl Sealer {
         let len = out.len() - at - HEADER;
         debug_assert!(len <= RECORD);
         out[at..at + HEADER].copy_from_slice(&(len as u32).to_be_bytes());
-        let n = nonce(self.seq);
+        let seq = self.seq;
         self.seq += 1;
-        let tag = if self.encrypt {
-            let (head, body) = out[at..].split_at_mut(HEADER);
-            self.key
-                .seal_in_place_separate_tag(n, Aad::from(&*head), body)
-        } else {
-            self.key
-                .seal_in_place_separate_tag(n, Aad::from(&out[at..]), &mut [])
+        match &self.cipher {
+            Cipher::Mac(key) => {
+                let tag = mac(key, seq, &out[at..]);
+                out.extend_from_slice(tag.as_bytes());
+            }
+            Cipher::Gcm(key) => {
+                let (head, body) = out[at..].split_at_mut(HEADER);
+                let tag = key
+                    .seal_in_place_separate_tag(nonce(seq), Aad::from(&*head), body)
+                    .expect("a record is within AES-GCM's length limit");
+                out.extend_from_slice(tag.as_ref());
+            }
         }
-        .expect("a record is within AES-GCM's length limit");
-        out.extend_from_slice(tag.as_ref());
     }
 }
 
 /// Opens the records one direction of a connection receives.
 pub(crate) struct Opener {
-    key: LessSafeKey,
+    cipher: Cipher,
     seq: u64,
-    encrypt: bool,
 }
 
 impl Opener {
     /// The whole length (header, body, tag) of the record whose header starts `buf`, or
     /// `None` if fewer than a header's bytes are there; an error if the header announces more
     /// than [`RECORD`] (SEAL-2).
-    pub(crate) fn record_len(buf: &[u8]) -> io::Result<Option<usize>> {
+    pub(crate) fn record_len(&self, buf: &[u8]) -> io::Result<Option<usize>> {
         let Some(head) = buf.get(..HEADER) else {
             return Ok(None);
         };
@@ -302,22 +355,24 @@ impl Opener {
                 format!("a record of {len} bytes is above the limit of {RECORD}"),
             ));
         }
-        Ok(Some(HEADER + len + TAG))
+        Ok(Some(HEADER + len + self.cipher.tag_len()))
     }
 
     /// Checks (and decrypts, if so agreed) the whole record `rec` in place; where its
     /// plaintext lies in `rec` (SEAL-1).
     pub(crate) fn open(&mut self, rec: &mut [u8]) -> io::Result<Range<usize>> {
-        let body = HEADER..rec.len() - TAG;
-        let n = nonce(self.seq);
-        let ok = if self.encrypt {
-            let (head, rest) = rec.split_at_mut(HEADER);
-            self.key.open_in_place(n, Aad::from(&*head), rest).is_ok()
-        } else {
-            let mut tag: [u8; TAG] = rec[body.end..].try_into().expect("TAG bytes");
-            self.key
-                .open_in_place(n, Aad::from(&rec[..body.end]), &mut tag)
-                .is_ok()
+        let body = HEADER..rec.len() - self.cipher.tag_len();
+        let ok = match &self.cipher {
+            Cipher::Mac(key) => {
+                let tag: [u8; MAC_TAG] = rec[body.end..].try_into().expect("MAC_TAG bytes");
+                // `Hash`'s equality is constant-time.
+                mac(key, self.seq, &rec[..body.end]) == blake3::Hash::from_bytes(tag)
+            }
+            Cipher::Gcm(key) => {
+                let (head, rest) = rec.split_at_mut(HEADER);
+                key.open_in_place(nonce(self.seq), Aad::from(&*head), rest)
+                    .is_ok()
+            }
         };
         if !ok {
             return Err(io::Error::new(
@@ -466,7 +521,7 @@ impl AsyncRead for SealedIo {
                 return Poll::Ready(Ok(()));
             }
             let have = &mut this.rbuf[this.rpos..this.rend];
-            if let Some(len) = Opener::record_len(have)? {
+            if let Some(len) = this.opener.record_len(have)? {
                 if have.len() >= len {
                     let body = this.opener.open(&mut have[..len])?;
                     this.plain = this.rpos + body.start..this.rpos + body.end;
@@ -480,11 +535,11 @@ impl AsyncRead for SealedIo {
             // More bytes are needed: make room for a whole record after `rpos` (SEAL-2: at
             // most the largest record's worth).
             if this.rbuf.is_empty() {
-                this.rbuf = vec![0; HEADER + RECORD + TAG];
+                this.rbuf = vec![0; READ_ROOM];
             }
             if this.rpos == this.rend {
                 (this.rpos, this.rend) = (0, 0);
-            } else if this.rbuf.len() - this.rpos < HEADER + RECORD + TAG {
+            } else if this.rbuf.len() - this.rpos < HEADER + RECORD + MAX_TAG {
                 this.rbuf.copy_within(this.rpos..this.rend, 0);
                 this.rend -= this.rpos;
                 this.rpos = 0;
@@ -617,7 +672,8 @@ mod tests {
                 r[i] ^= 1;
                 // A header bit gives another length: refused as too large, or the record
                 // is mis-framed and its check fails where its end is taken to be.
-                match Opener::record_len(&r) {
+                let (_, probe) = seal(&[]);
+                match probe.record_len(&r) {
                     Err(_) => {}
                     Ok(Some(n)) if n <= r.len() => {
                         assert!(opener.open(&mut r[..n]).is_err(), "{mode:?} bit {i}")
