@@ -50,6 +50,18 @@ impl Procs {
         }
     }
 
+    /// Whether `rank` has printed a line starting with `prefix` (among those printed so far,
+    /// without waiting).
+    pub fn has_line(&mut self, rank: u32, prefix: &str) -> bool {
+        while let Ok((r, line)) = self.lines.try_recv() {
+            eprintln!("[rank {r}] {line}");
+            self.seen.push((r, line));
+        }
+        self.seen
+            .iter()
+            .any(|(r, l)| *r == rank && l.starts_with(prefix))
+    }
+
     /// Sends signal `sig` (`libc::SIGSTOP`, `SIGCONT`, `SIGKILL`) to `children[child]` (the
     /// child of that rank when [`start`] started them).
     pub fn signal(&self, child: usize, sig: i32) {
@@ -129,25 +141,45 @@ pub fn spawn(
     secret: &Secret,
     env: &[(&str, &str)],
 ) -> Procs {
+    spawn_commands(
+        ranks
+            .iter()
+            .map(|&(rank, scenario)| {
+                let mut cmd = Command::new(program);
+                cmd.args(worker_args(scenario, rank, world, rendezvous))
+                    .env("RPC_SECRET", secret.as_str().expect("a textual secret"))
+                    .envs(env.iter().copied());
+                (rank, cmd)
+            })
+            .collect(),
+    )
+}
+
+/// The arguments of a worker binary of this crate: `<scenario> --rank R --world N
+/// --rendezvous ADDR`.
+pub fn worker_args(scenario: &str, rank: u32, world: u32, rendezvous: &str) -> Vec<String> {
+    vec![
+        scenario.to_owned(),
+        "--rank".to_owned(),
+        rank.to_string(),
+        "--world".to_owned(),
+        world.to_string(),
+        "--rendezvous".to_owned(),
+        rendezvous.to_owned(),
+    ]
+}
+
+/// Starts each command (tagged with its rank), its standard output read line by line (see
+/// [`Procs::expect`]); `children` are in the order given.
+pub fn spawn_commands(commands: Vec<(u32, Command)>) -> Procs {
     let (tx, lines) = mpsc::channel();
     let mut children = Vec::new();
-    for &(rank, scenario) in ranks {
-        let mut child = Command::new(program)
-            .args([
-                scenario,
-                "--rank",
-                &rank.to_string(),
-                "--world",
-                &world.to_string(),
-                "--rendezvous",
-                rendezvous,
-            ])
-            .env("RPC_SECRET", secret.as_str().expect("a textual secret"))
-            .envs(env.iter().copied())
+    for (rank, mut cmd) in commands {
+        let mut child = cmd
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
-            .unwrap_or_else(|e| panic!("spawn {program}: {e}"));
+            .unwrap_or_else(|e| panic!("spawn {cmd:?}: {e}"));
         let out = child.stdout.take().unwrap();
         let tx = tx.clone();
         std::thread::spawn(move || {

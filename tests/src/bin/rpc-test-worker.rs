@@ -1,9 +1,14 @@
 //! A worker process for the multi-process tests.
 //!
-//! `rpc-test-worker <scenario> --rank R --world N --rendezvous HOST:PORT` with the group secret
-//! in `RPC_SECRET`. Prints `READY <name> <addr>` once the group is formed, then:
+//! `rpc-test-worker <scenario> --rank R --world N --rendezvous HOST:PORT [--serve-rendezvous]`
+//! with the group secret in `RPC_SECRET` (`--serve-rendezvous`: rank 0 hosts the rendezvous at
+//! that address). Prints `READY <name> <addr>` once the group is formed, then:
 //! - `serve`: serves until every worker has called shutdown;
 //! - `hold`: serves for two minutes without calling shutdown (to be killed);
+//! - `watch`: (rank 0) echoes a 1 MiB blob to every peer and prints `BULK <shared blobs>`;
+//!   then every rank prints `FAILED <rank> <unix ms>` for each peer declared failed and, after
+//!   each, `REACH <rank> ok|<error>` for every peer not declared failed; serves for two
+//!   minutes without calling shutdown (to be killed);
 //! - `drive`: (rank 0) exercises calls across the processes, prints `RESULT <json>`;
 //! - `drive-rref`: (rank 0) shares remote references across the processes in every direction,
 //!   drops them, waits for every worker to be quiescent, prints `RESULT <json>`;
@@ -44,6 +49,7 @@ fn main() -> anyhow::Result<()> {
     let rank: u32 = flag("--rank")?.parse()?;
     let world: u32 = flag("--world")?.parse()?;
     let rendezvous = flag("--rendezvous")?;
+    let serve_rendezvous = args.iter().any(|a| a == "--serve-rendezvous");
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -53,7 +59,7 @@ fn main() -> anyhow::Result<()> {
             .with_rank(rank)
             .with_world_size(world)
             .with_init_method(format!("tcp://{rendezvous}"))
-            .with_serve_rendezvous(false)
+                        .with_serve_rendezvous(rank == 0 && serve_rendezvous)
             .with_init_timeout(Duration::from_secs(30))
             // Servers wait long at the barrier (until the driver is done); drivers use a short
             // timeout so a killed peer is given up on quickly, except `drive-kill`, whose rank
@@ -67,6 +73,34 @@ fn main() -> anyhow::Result<()> {
         say(format!("READY {} {}", agent.name(), agent.local_addr()));
         match scenario.as_str() {
             "serve" => {}
+                        "watch" => {
+                if rank == 0 {
+                    let blob = Blob::from(vec![5u8; 1 << 20]);
+                    for peer in 1..world {
+                        let back = agent.rpc_async(peer, echo, (blob.clone(),)).await?;
+                        anyhow::ensure!(back == blob, "echo from {peer} differs");
+                    }
+                    say(format!("BULK {}", agent.bulk_stats().shared_blobs));
+                }
+                let mut watch = agent.watch_failures();
+                let until = tokio::time::Instant::now() + Duration::from_secs(120);
+                while let Ok(Some(f)) = tokio::time::timeout_at(until, watch.next()).await {
+                    let ms = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)?
+                        .as_millis();
+                    say(format!("FAILED {} {ms}", f.rank));
+                    let failed: Vec<u32> = agent.failed_workers().iter().map(|f| f.rank).collect();
+                    for peer in (0..world).filter(|p| *p != rank && !failed.contains(p)) {
+                        let r = agent.rpc_async(peer, add, (1, 2)).await;
+                        say(format!("REACH {peer} {}", match r {
+                            Ok(3) => "ok".to_owned(),
+                            Ok(v) => format!("wrong:{v}"),
+                            Err(e) => rpc_core::error_chain(&e),
+                        }));
+                    }
+                }
+                return Ok(());
+            }
             "hold" => {
                 // Serve without ever reaching the shutdown barrier (the test kills us).
                 tokio::time::sleep(Duration::from_secs(120)).await;
