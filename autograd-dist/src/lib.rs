@@ -83,6 +83,9 @@ mod devmap;
 mod dist_optim;
 mod engine;
 mod error;
+#[cfg(any(test, feature = "fuzzing"))]
+#[doc(hidden)]
+pub mod fuzz;
 mod optim;
 mod record;
 mod tensor;

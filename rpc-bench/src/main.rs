@@ -1,5 +1,6 @@
-//! `rpc-bench [all|latency|throughput|tensor|rref|allreduce|overhead] [--threads N]
-//! [--busy-poll-us N] [--no-shm] [--wire-protection auto|mac|encrypt|off] [--heartbeat-ms N]`
+//! `rpc-bench [all|latency|throughput|tensor|rref|allreduce|overhead|soak] [--threads N]
+//! [--busy-poll-us N] [--no-shm] [--wire-protection auto|mac|encrypt|off] [--heartbeat-ms N]
+//! [--calls N]`
 //!
 //! Starts a peer process (this binary, `peer` subcommand) on 127.0.0.1, forms a two-worker
 //! group with it, and prints one JSON object per line: `metric`, `median` and, where they
@@ -15,6 +16,9 @@
 //! forced on loopback, bulk blobs over TCP) and the failure detector (off, on at its default
 //! interval; latency, throughput, and the CPU both processes spend while idle). It ends with
 //! one `*_cost` line per variant: its medians as ratios to the baseline's.
+//!
+//! `soak` runs a million mixed calls (`--calls`) among three processes and watches their
+//! memory and their remote references (see `soak.rs`).
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -29,8 +33,11 @@ use rpc_core::{
 };
 use serde_json::json;
 
-const USAGE: &str = "usage: rpc-bench [all|latency|throughput|tensor|rref|allreduce|overhead] \
-[--threads N] [--busy-poll-us N] [--no-shm] [--wire-protection P] [--heartbeat-ms N]
+mod soak;
+
+const USAGE: &str =
+    "usage: rpc-bench [all|latency|throughput|tensor|rref|allreduce|overhead|soak] \
+[--threads N] [--busy-poll-us N] [--no-shm] [--wire-protection P] [--heartbeat-ms N] [--calls N]
   --threads N        runtime worker threads of every process (default 1: two processes
                      on a 2-core machine; 0: current-thread runtime)
   --busy-poll-us N   Config::busy_poll of every process, in microseconds (default: the
@@ -40,7 +47,9 @@ const USAGE: &str = "usage: rpc-bench [all|latency|throughput|tensor|rref|allred
                      encrypt, off (on loopback auto is off)
   --heartbeat-ms N   Config::heartbeat_interval of every process (0: no failure detector;
                      default: the library's, 250)
+  --calls N          calls the soak makes (default 1000000)
   overhead           the cost of the wire protection and of the failure detector
+  soak               mixed calls among three processes: memory slope and references
 Prints one JSON object per line.";
 
 /// Does nothing.
@@ -216,6 +225,7 @@ fn registry() -> Registry {
         .and_then(|r| r.register(raw_servers))
         .and_then(|r| r.register(new_counter))
         .and_then(|r| r.register(incr))
+        .and_then(soak::register)
         .and_then(rref::install)
         .and_then(collectives::install)
         .expect("distinct names")
@@ -471,6 +481,28 @@ fn main() -> Result<()> {
         }
         "latency" | "throughput" | "tensor" | "rref" => drive(mode, threads),
         "overhead" => overhead(threads),
+        "soak" => {
+            let calls = value("--calls")?.map(|v| v.parse()).transpose()?;
+            soak_group(threads, calls.unwrap_or(1_000_000))
+        }
+        "soak-rank" => {
+            // A member of the soak's group (started by `soak`): serves until rank 0 ends it.
+            let rank: u32 = args.get(1).context("rank")?.parse()?;
+            let rendezvous = args.get(2).context("rendezvous address")?;
+            let rt = runtime(threads)?;
+            rt.block_on(async {
+                let cfg = config(rank, rendezvous, Secret::from_env()?.context("no secret")?)
+                    .with_world_size(3)
+                    .with_name(format!("soak{rank}"));
+                let agent = rpc_core::init(cfg, registry()).await?;
+                soak::serve(&agent).await;
+                let report = agent.shutdown().await;
+                if !report.is_clean() {
+                    bail!("soak{rank} shutdown not clean: {report:?}");
+                }
+                Ok(())
+            })
+        }
         other => bail!("unknown mode {other:?}\n{USAGE}"),
     }
 }
@@ -996,8 +1028,16 @@ async fn allreduce_loop(agent: &Agent) -> Result<Vec<(&'static str, usize, Vec<f
     Ok(out)
 }
 
-fn allreduce_bench(n: u32, threads: usize) -> Result<()> {
-    let rt = runtime(threads)?;
+/// Forms a group of `n`: this process (rank 0, named `name`, on `rt`) and `n - 1` processes
+/// of this binary it starts, rank `r` with the arguments `args(r, rendezvous address)`; all
+/// configured with the current [`Variant`].
+fn group(
+    rt: &tokio::runtime::Runtime,
+    threads: usize,
+    n: u32,
+    name: &str,
+    args: impl Fn(u32, &str) -> Vec<String>,
+) -> Result<(Agent, Vec<PeerGuard>)> {
     let secret = Secret::generate();
     let server = rt.block_on(RendezvousServer::start(
         &Transport::Tcp,
@@ -1010,7 +1050,7 @@ fn allreduce_bench(n: u32, threads: usize) -> Result<()> {
     let mut peers = Vec::new();
     for rank in 1..n {
         let child = Command::new(std::env::current_exe()?)
-            .args(["allreduce-rank", &n.to_string(), &rank.to_string(), &addr])
+            .args(args(rank, &addr))
             .args(shared_flags(threads))
             .env(
                 rpc_core::SECRET_ENV,
@@ -1021,12 +1061,45 @@ fn allreduce_bench(n: u32, threads: usize) -> Result<()> {
         peers.push(PeerGuard(child));
     }
     let agent = rt.block_on(rpc_core::init(
-        config(0, &addr, secret)
-            .with_world_size(n)
-            .with_name("rank0"),
+        config(0, &addr, secret).with_world_size(n).with_name(name),
         registry(),
     ))?;
     rt.block_on(server.finish(Duration::from_secs(5)));
+    Ok((agent, peers))
+}
+
+/// `soak`: rank 0 of a group of three processes drives the soak.
+fn soak_group(threads: usize, calls: u64) -> Result<()> {
+    let rt = runtime(threads)?;
+    let (agent, peers) = group(&rt, threads, 3, "bench", |rank, addr| {
+        vec!["soak-rank".into(), rank.to_string(), addr.into()]
+    })?;
+    let a = agent.clone();
+    let run = rt.block_on(rt.spawn(soak::drive(a, calls)));
+    let report = rt.block_on(agent.shutdown());
+    run??;
+    if !report.is_clean() {
+        bail!("shutdown not clean: {report:?}");
+    }
+    for mut p in peers {
+        let status = p.0.wait()?;
+        if !status.success() {
+            bail!("a soak peer exited with {status}");
+        }
+    }
+    Ok(())
+}
+
+fn allreduce_bench(n: u32, threads: usize) -> Result<()> {
+    let rt = runtime(threads)?;
+    let (agent, _peers) = group(&rt, threads, n, "rank0", |rank, addr| {
+        vec![
+            "allreduce-rank".into(),
+            n.to_string(),
+            rank.to_string(),
+            addr.into(),
+        ]
+    })?;
     // One-stream loopback TCP measured in the same run: the yardstick the bus bandwidth is
     // compared with (this machine's bandwidth drifts several-fold within minutes).
     let (_, sink_port) = rt.block_on(agent.rpc_async(1u32, raw_servers, ()))?;

@@ -76,6 +76,9 @@ mod context;
 mod dispatch;
 mod error;
 pub mod ext;
+#[cfg(any(test, feature = "fuzzing"))]
+#[doc(hidden)]
+pub mod fuzz;
 mod group;
 mod lifecycle;
 mod net;

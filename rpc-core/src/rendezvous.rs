@@ -40,7 +40,7 @@ pub(crate) struct Join {
 }
 
 #[derive(Debug, Serialize, Deserialize)]
-enum Verdict {
+pub(crate) enum Verdict {
     /// Every member, by rank.
     Table(Vec<Endpoint>),
     Missing(Vec<u32>),
@@ -169,17 +169,7 @@ async fn serve(listener: &mut Listener, secret: Secret, world_size: u32, deadlin
                 });
             }
             Some((join, mut f)) = rx.recv() => {
-                let refusal = if join.world_size != world_size {
-                    Some(format!("worker `{}` says world size {}, the rendezvous expects {world_size}", join.name, join.world_size))
-                } else if join.rank >= world_size {
-                    Some(format!("rank {} of `{}` is outside world size {world_size}", join.rank, join.name))
-                } else if let Some((other, _)) = joined.get(&join.rank) {
-                    Some(format!("rank {} already joined as `{}`", join.rank, other.name))
-                } else if let Some((other, _)) = joined.values().find(|(j, _)| j.name == join.name) {
-                    Some(format!("name `{}` already taken by rank {}", join.name, other.rank))
-                } else {
-                    None
-                };
+                let refusal = refusal(&join, world_size, joined.values().map(|(j, _)| j));
                 match refusal {
                     Some(why) => {
                         tracing::warn!(%why, "rendezvous refused a worker");
@@ -221,6 +211,63 @@ async fn serve(listener: &mut Listener, secret: Secret, world_size: u32, deadlin
         }
     });
     futures::future::join_all(sends).await;
+}
+
+/// Why the rendezvous refuses `join`, given those who joined before it; `None` admits it.
+fn refusal<'a>(
+    join: &Join,
+    world_size: u32,
+    mut joined: impl Iterator<Item = &'a Join> + Clone,
+) -> Option<String> {
+    if join.world_size != world_size {
+        Some(format!(
+            "worker `{}` says world size {}, the rendezvous expects {world_size}",
+            join.name, join.world_size
+        ))
+    } else if join.rank >= world_size {
+        Some(format!(
+            "rank {} of `{}` is outside world size {world_size}",
+            join.rank, join.name
+        ))
+    } else if let Some(other) = joined.clone().find(|j| j.rank == join.rank) {
+        Some(format!(
+            "rank {} already joined as `{}`",
+            join.rank, other.name
+        ))
+    } else {
+        joined
+            .find(|j| j.name == join.name)
+            .map(|other| format!("name `{}` already taken by rank {}", join.name, other.rank))
+    }
+}
+
+/// The table of a verdict, if it is one this worker can use: one endpoint per rank of the
+/// group it joined, its own under its own name, no name twice (an authenticated rendezvous of
+/// another version or a faulty one must not leave a worker with a table it indexes out of).
+fn check_table(table: Vec<Endpoint>, me: &Join) -> io::Result<Vec<Endpoint>> {
+    if table.len() != me.world_size as usize {
+        return Err(proto(format!(
+            "the rendezvous sent a table of {} workers for a group of {}",
+            table.len(),
+            me.world_size
+        )));
+    }
+    let named = table.get(me.rank as usize).map(|e| e.name.as_str());
+    if named != Some(me.name.as_str()) {
+        return Err(proto(format!(
+            "the rendezvous sent a table naming rank {} {named:?}, not `{}`",
+            me.rank, me.name
+        )));
+    }
+    let mut names: Vec<&str> = table.iter().map(|e| e.name.as_str()).collect();
+    names.sort_unstable();
+    if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
+        return Err(proto(format!(
+            "the rendezvous sent a table naming `{}` twice",
+            w[0]
+        )));
+    }
+    Ok(table)
 }
 
 /// Joins the group at `addr`; returns every member, by rank.
@@ -305,11 +352,148 @@ pub(crate) async fn join(
         })?
         .map_err(err)?;
     match verdict {
-        Verdict::Table(t) => Ok(t),
+        Verdict::Table(t) => check_table(t, &me).map_err(err),
         Verdict::Missing(missing) => Err(InitError::RendezvousTimeout {
             missing,
             timeout: timeout_,
         }),
         Verdict::Refused(why) => Err(InitError::Refused(why)),
+    }
+}
+
+/// Rendezvous messages as both ends read them (for fuzzing): length-delimited frames, the
+/// first decoded as a join the server judges against three that joined before, the rest as
+/// verdicts the joining worker checks.
+#[cfg(any(test, feature = "fuzzing"))]
+pub(crate) fn fuzz_messages(data: &[u8]) {
+    use tokio_util::codec::Decoder;
+    let mut codec = LengthDelimitedCodec::builder()
+        .max_frame_length(MAX_MSG)
+        .new_codec();
+    let mut buf = bytes::BytesMut::from(data);
+    let me = Join {
+        name: "w1".into(),
+        rank: 1,
+        world_size: 3,
+        addr: "127.0.0.1:1".into(),
+        heartbeat: String::new(),
+    };
+    let before = [
+        me.clone(),
+        Join {
+            name: "w2".into(),
+            rank: 2,
+            ..me.clone()
+        },
+    ];
+    let mut first = true;
+    while let Ok(Some(frame)) = codec.decode(&mut buf) {
+        if std::mem::take(&mut first) {
+            if let Ok(join) = bincode::deserialize::<Join>(&frame) {
+                let why = refusal(&join, 3, before.iter());
+                let fits = join.world_size == 3 && join.rank < 3;
+                let clash = before
+                    .iter()
+                    .any(|j| j.rank == join.rank || j.name == join.name);
+                assert_eq!(why.is_none(), fits && !clash, "{join:?}: {why:?}");
+            }
+        } else if let Ok(Verdict::Table(t)) = bincode::deserialize::<Verdict>(&frame) {
+            if let Ok(t) = check_table(t, &me) {
+                assert_eq!(t.len(), 3);
+                assert_eq!(t[1].name, "w1");
+            }
+        }
+    }
+}
+
+/// Well-formed rendezvous messages for [`fuzz_messages`]: a join, then a verdict.
+#[cfg(any(test, feature = "fuzzing"))]
+pub(crate) fn fuzz_seeds() -> Vec<Vec<u8>> {
+    let framed = |parts: &[Vec<u8>]| {
+        let mut out = Vec::new();
+        for p in parts {
+            out.extend_from_slice(&(p.len() as u32).to_be_bytes());
+            out.extend_from_slice(p);
+        }
+        out
+    };
+    let join = Join {
+        name: "w0".into(),
+        rank: 0,
+        world_size: 3,
+        addr: "127.0.0.1:5000".into(),
+        heartbeat: "127.0.0.1:5001".into(),
+    };
+    let table = Verdict::Table(
+        ["w0", "w1", "w2"]
+            .iter()
+            .map(|n| Endpoint {
+                name: (*n).into(),
+                addr: "127.0.0.1:1".into(),
+                heartbeat: String::new(),
+            })
+            .collect(),
+    );
+    fn enc<T: Serialize>(v: &T) -> Vec<u8> {
+        bincode::serialize(v).expect("encodes")
+    }
+    vec![
+        framed(&[enc(&join), enc(&table)]),
+        framed(&[
+            enc(&join),
+            enc(&Verdict::Missing(vec![1, 2])),
+            enc(&Verdict::Refused("no".into())),
+        ]),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn join(name: &str, rank: u32) -> Join {
+        Join {
+            name: name.into(),
+            rank,
+            world_size: 3,
+            addr: String::new(),
+            heartbeat: String::new(),
+        }
+    }
+
+    fn table(names: &[&str]) -> Vec<Endpoint> {
+        names
+            .iter()
+            .map(|n| Endpoint {
+                name: (*n).into(),
+                addr: String::new(),
+                heartbeat: String::new(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn joins_are_refused_for_the_wrong_world_rank_or_a_name_taken() {
+        let before = [join("a", 0)];
+        assert_eq!(refusal(&join("b", 1), 3, before.iter()), None);
+        let why = |j: &Join| refusal(j, 3, before.iter()).expect("refused");
+        assert!(why(&Join {
+            world_size: 4,
+            ..join("b", 1)
+        })
+        .contains("world size 4"));
+        assert!(why(&join("b", 3)).contains("outside world size 3"));
+        assert!(why(&join("b", 0)).contains("already joined as `a`"));
+        assert!(why(&join("a", 2)).contains("already taken by rank 0"));
+    }
+
+    #[test]
+    fn a_table_is_used_only_if_it_is_the_group_joined() {
+        let me = join("b", 1);
+        assert!(check_table(table(&["a", "b", "c"]), &me).is_ok());
+        let why = |t: &[&str]| check_table(table(t), &me).unwrap_err().to_string();
+        assert!(why(&["a", "b"]).contains("table of 2 workers for a group of 3"));
+        assert!(why(&["a", "c", "b"]).contains("naming rank 1 Some(\"c\"), not `b`"));
+        assert!(why(&["b", "b", "c"]).contains("`b` twice"));
     }
 }

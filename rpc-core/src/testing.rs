@@ -324,3 +324,84 @@ pub async fn read_reply<F: crate::RemoteFn>(
     .await
     .unwrap_or_else(|_| Err(io::Error::new(io::ErrorKind::TimedOut, "no reply in time")))
 }
+
+/// Runs a fuzz target (a function that panics on a finding) over `seeds`, then over `mutations`
+/// inputs derived from them as a fuzzer would (bits flipped, bytes set to edge values, ranges
+/// inserted, removed, repeated, or spliced from another seed, lengths overwritten), drawn from
+/// a generator seeded by `name` so a failure repeats. On a finding it prints the input (hex)
+/// and panics with the target's message. Returns how many inputs ran.
+pub fn replay_fuzz_target(
+    name: &str,
+    seeds: &[Vec<u8>],
+    mutations: usize,
+    target: impl Fn(&[u8]),
+) -> usize {
+    let mut state = name.bytes().fold(0x9e37_79b9_7f4a_7c15u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    });
+    let mut rand = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let run = |input: &[u8]| {
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| target(input)));
+        if let Err(p) = r {
+            let hex: String = input.iter().map(|b| format!("{b:02x}")).collect();
+            eprintln!(
+                "fuzz target {name} failed on input ({} bytes): {hex}",
+                input.len()
+            );
+            std::panic::resume_unwind(p);
+        }
+    };
+    for s in seeds {
+        run(s);
+    }
+    if seeds.is_empty() {
+        return 0;
+    }
+    let edges: [u64; 8] = [0, 1, 0x7f, 0x80, 0xff, 0xffff, u32::MAX as u64, u64::MAX];
+    for _ in 0..mutations {
+        let mut input = seeds[rand() as usize % seeds.len()].clone();
+        for _ in 0..1 + rand() % 4 {
+            let at = |r: u64, len: usize| (r as usize) % (len + 1);
+            let pos = at(rand(), input.len());
+            match rand() % 7 {
+                0 if pos < input.len() => input[pos] ^= 1 << (rand() % 8),
+                1 if pos < input.len() => input[pos] = edges[rand() as usize % 5] as u8,
+                2 => {
+                    let n = 1 + rand() as usize % 16;
+                    let bytes: Vec<u8> = (0..n).map(|_| rand() as u8).collect();
+                    input.splice(pos..pos, bytes);
+                }
+                3 => {
+                    let end = (pos + 1 + rand() as usize % 32).min(input.len());
+                    input.drain(pos..end);
+                }
+                4 => {
+                    let end = (pos + 1 + rand() as usize % 64).min(input.len());
+                    let copy = input[pos..end].to_vec();
+                    let to = at(rand(), input.len());
+                    input.splice(to..to, copy);
+                }
+                5 => {
+                    let other = &seeds[rand() as usize % seeds.len()];
+                    let from = at(rand(), other.len());
+                    input.truncate(pos);
+                    input.extend_from_slice(&other[from..]);
+                }
+                _ => {
+                    let v = edges[rand() as usize % edges.len()].to_le_bytes();
+                    let w = [4usize, 8][rand() as usize % 2];
+                    let end = (pos + w).min(input.len());
+                    let n = end - pos;
+                    input[pos..end].copy_from_slice(&v[..n]);
+                }
+            }
+        }
+        run(&input);
+    }
+    seeds.len() + mutations
+}

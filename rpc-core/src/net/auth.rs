@@ -112,6 +112,12 @@ impl Secret {
         Ok(None)
     }
 
+    /// The secret's bytes (to derive keys from).
+    #[cfg(any(test, feature = "fuzzing"))]
+    pub(crate) fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+
     fn mac(&self, parts: &[&[u8]]) -> Hmac<Sha256> {
         let mut m =
             <Hmac<Sha256> as Mac>::new_from_slice(&self.0).expect("hmac takes any key length");

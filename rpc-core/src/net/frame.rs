@@ -185,7 +185,7 @@ pub(crate) type FrameReader = FramedRead<tokio::io::ReadHalf<Conn>, FrameCodec>;
 
 /// A [`FrameReader`] on `r`.
 pub(crate) fn reader(r: tokio::io::ReadHalf<Conn>, max: usize) -> FrameReader {
-    FramedRead::new(r, FrameCodec { max })
+    FramedRead::new(r, FrameCodec::new(max))
 }
 
 /// How much a frame's buffer grows at a time while its bytes arrive (FRAME-4).
@@ -196,6 +196,13 @@ const READ_CHUNK: usize = 64 << 10;
 /// its header announces (FRAME-4: a header alone cannot make a worker allocate).
 pub(crate) struct FrameCodec {
     max: usize,
+}
+
+impl FrameCodec {
+    /// A codec for frames of at most `max` bytes.
+    pub(crate) fn new(max: usize) -> Self {
+        Self { max }
+    }
 }
 
 impl tokio_util::codec::Decoder for FrameCodec {

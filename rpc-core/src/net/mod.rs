@@ -35,6 +35,8 @@ mod config;
 mod dial;
 mod failure;
 mod frame;
+#[cfg(any(test, feature = "fuzzing"))]
+pub(crate) mod fuzz;
 mod liveness;
 mod mux_client;
 mod mux_server;
