@@ -62,7 +62,9 @@
 //! - `call`: the caller, plan, send, reply, blocking, cancel.
 //! - `shutdown`: the barrier and the phases of [`Agent::shutdown`].
 //! - `agent`: [`Agent`], [`init`]: identity, group and lifecycle tied together.
-//! - [`ext`]: the layer-author API. [`testing`]: whole groups in one process.
+//! - [`ext`]: the layer-author API. [`testing`]: whole groups in one process, crafted
+//!   frames, fuzz-target replay. `fuzz` (tests and the `fuzzing` feature only): the entry
+//!   points of the fuzz targets in `fuzz/`.
 #![deny(missing_docs)]
 
 extern crate self as rpc_core;

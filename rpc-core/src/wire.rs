@@ -5,7 +5,7 @@
 //! depth, the serde payload, and a side table of [`Blob`](crate::Blob)s. Blobs above the bulk
 //! threshold do not ride in the envelope at all: the envelope names them by id and their bytes
 //! travel on the bulk connection (see `net/bulk.rs`). On the wire both are the message of a tarpc
-//! frame (`net/frame.rs`); the deadline travels as a relative duration in tarpc's request
+//! frame (`net/frame/`); the deadline travels as a relative duration in tarpc's request
 //! context. [`CallMeta`], the metadata layers above attach to calls, travels in the envelope.
 
 use serde::{Deserialize, Serialize};

@@ -5,14 +5,14 @@
 //!
 //! 1. server → client: `MAGIC`, a 32-byte random nonce `ns`;
 //! 2. client → server: `MAGIC`, kind (1 byte), rank (u32 LE), the protection it wants (1
-//!    byte, see `seal.rs`), nonce `nc`, `HMAC(secret, "client" | ns | nc | kind | rank | wants)`;
+//!    byte, see `seal/`), nonce `nc`, `HMAC(secret, "client" | ns | nc | kind | rank | wants)`;
 //! 3. server → client: `1`, the agreed protection (the stronger of both sides' wishes) and
 //!    `HMAC(secret, "server" | nc | ns | agreed)` if the tag verifies (checked in constant
 //!    time), else `0` and the connection closes.
 //!
 //! The client checks the server's tag too, so neither side talks to an impostor, and nobody
 //! on the path can weaken the protection both tags cover. Both sides then derive the
-//! connection's keys from the secret and both nonces (`seal.rs`).
+//! connection's keys from the secret and both nonces (`seal/`).
 //!
 //! - AUTH-1: the whole exchange is bounded by the handshake timeout, so a silent peer cannot
 //!   hold a slot.

@@ -19,7 +19,7 @@
 //!   seam in the runtime's context (`spin::block_on`: nested calls and timers work as anywhere
 //!   else) and writes the reply.
 //!
-//! Frames are the multiplexed connection's (`frame.rs`).
+//! Frames are the multiplexed connection's (`frame/`).
 //!
 //! Invariants:
 //! - DIR-1: a connection carries one call at a time and goes back to the table only after

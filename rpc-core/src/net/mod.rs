@@ -19,6 +19,7 @@
 //! liveness    the failure detector (its own thread), membership, verdicts
 //! serve       the seam: `Serve`, the caller's deadline
 //! failure     why a call got no reply (`CallFailed`)
+//! fuzz        (tests, feature `fuzzing`) what a peer sends, as fuzz targets read it
 //! ```
 //!
 //! [`Net`] owns the pieces of one worker and its accept loop, which authenticates every
