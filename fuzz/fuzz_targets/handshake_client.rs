@@ -1,3 +1,6 @@
 #![no_main]
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| rpc_core::fuzz::handshake_client(data));
+libfuzzer_sys::fuzz_target!(
+    init: rpc_fuzz::seed_corpus("handshake_client"),
+    |data: &[u8]| rpc_core::fuzz::handshake_client(data)
+);

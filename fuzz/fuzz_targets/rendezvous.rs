@@ -1,3 +1,6 @@
 #![no_main]
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| rpc_core::fuzz::rendezvous(data));
+libfuzzer_sys::fuzz_target!(
+    init: rpc_fuzz::seed_corpus("rendezvous"),
+    |data: &[u8]| rpc_core::fuzz::rendezvous(data)
+);

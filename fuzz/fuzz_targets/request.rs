@@ -1,3 +1,6 @@
 #![no_main]
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| rpc_core::fuzz::request_frames(data));
+libfuzzer_sys::fuzz_target!(
+    init: rpc_fuzz::seed_corpus("request"),
+    |data: &[u8]| rpc_core::fuzz::request_frames(data)
+);
