@@ -42,8 +42,8 @@ fn floats(v: &[f64]) -> Result<Tensor> {
 }
 
 impl Checkpoint {
-    /// Writes `dir/epoch-<epoch>.safetensors` (through a temporary file, so a crash never
-    /// leaves a truncated checkpoint) and returns its path.
+    /// Writes `dir/epoch-<epoch>.safetensors` (see [`replace_durably`]: a crash of the process
+    /// or of the machine never leaves a truncated checkpoint) and returns its path.
     pub fn save(&self, dir: &Path) -> Result<PathBuf> {
         std::fs::create_dir_all(dir)
             .with_context(|| format!("cannot create the checkpoint directory {}", dir.display()))?;
@@ -76,11 +76,10 @@ impl Checkpoint {
         }
         self.history.save(&mut m)?;
         let path = dir.join(format!("epoch-{}.safetensors", self.epoch));
-        let tmp = dir.join(format!(".epoch-{}.safetensors.tmp", self.epoch));
-        candle_core::safetensors::save(&m, &tmp)
-            .with_context(|| format!("cannot write {}", tmp.display()))?;
-        std::fs::rename(&tmp, &path)
-            .with_context(|| format!("cannot move the checkpoint to {}", path.display()))?;
+        replace_durably(&path, |tmp| {
+            candle_core::safetensors::save(&m, tmp)
+                .with_context(|| format!("cannot write {}", tmp.display()))
+        })?;
         Ok(path)
     }
 
@@ -158,5 +157,83 @@ impl Checkpoint {
             }
         }
         Ok(best.map(|(_, p)| p))
+    }
+}
+
+/// Writes `path` so that after a crash, of the process or of the machine, it holds either its
+/// previous content or all of the new: `write` fills a temporary file beside it, which is
+/// flushed to the disk, renamed over `path`, and then the directory is flushed, so the rename
+/// itself is on the disk when this returns. (A rename alone can reach the disk before the
+/// file's data does, leaving an empty or partial file after a power loss.) On an error the
+/// temporary file is removed and `path` is untouched.
+pub fn replace_durably(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let name = path
+        .file_name()
+        .with_context(|| format!("{} names no file", path.display()))?;
+    let tmp = dir.join(format!(".{}.tmp", name.to_string_lossy()));
+    let written = write(&tmp).and_then(|()| {
+        std::fs::File::open(&tmp)
+            .and_then(|f| f.sync_all())
+            .with_context(|| format!("cannot flush {} to the disk", tmp.display()))?;
+        std::fs::rename(&tmp, path)
+            .with_context(|| format!("cannot move {} to {}", tmp.display(), path.display()))
+    });
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .with_context(|| format!("cannot flush the directory {}", dir.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scratch(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("hybrid-rnn-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    fn entries(d: &Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn a_replaced_file_holds_the_new_bytes_and_nothing_else_is_left() {
+        let d = scratch("replace");
+        let p = d.join("a.bin");
+        std::fs::write(&p, b"old").unwrap();
+        replace_durably(&p, |tmp| Ok(std::fs::write(tmp, b"new bytes")?)).unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"new bytes");
+        assert_eq!(entries(&d), ["a.bin"]);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_failed_write_leaves_the_old_file_and_no_temporary() {
+        let d = scratch("fail");
+        let p = d.join("a.bin");
+        std::fs::write(&p, b"old").unwrap();
+        let r = replace_durably(&p, |tmp| {
+            std::fs::write(tmp, b"half")?;
+            bail!("the disk is full")
+        });
+        assert!(r.unwrap_err().to_string().contains("the disk is full"));
+        assert_eq!(std::fs::read(&p).unwrap(), b"old");
+        assert_eq!(entries(&d), ["a.bin"]);
+        std::fs::remove_dir_all(&d).unwrap();
     }
 }
