@@ -198,6 +198,9 @@ fn resume_matches_an_uninterrupted_run() {
         resumed.json()["test_accuracy"]
     );
     assert_eq!(full.json()["steps"], resumed.json()["steps"]);
+    let hash = full.json()["params_sha256"].clone();
+    assert_eq!(hash.as_str().map(str::len), Some(64), "{hash}");
+    assert_eq!(hash, resumed.json()["params_sha256"]);
 
     let dev = candle_core::Device::Cpu;
     let ta = candle_core::safetensors::load(a.join("epoch-2.safetensors"), &dev).unwrap();

@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use autograd_dist::{OptimizerState, RTensor};
 use candle_core::{DType, Device, Tensor};
 
@@ -160,6 +160,31 @@ impl Checkpoint {
     }
 }
 
+/// SHA-256 of `params` in the order given, as hex: each parameter's name, shape and `f32`
+/// bytes (little-endian, row-major), so two runs can be compared without their checkpoints
+/// (equal exactly when every parameter is bit-identical, under the same names and order).
+pub fn params_sha256(params: &[(String, Tensor)]) -> Result<String> {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for (name, t) in params {
+        ensure!(
+            t.dtype() == DType::F32,
+            "parameter `{name}` is {:?}, not f32",
+            t.dtype()
+        );
+        h.update((name.len() as u64).to_le_bytes());
+        h.update(name.as_bytes());
+        h.update((t.rank() as u64).to_le_bytes());
+        for &d in t.dims() {
+            h.update((d as u64).to_le_bytes());
+        }
+        for x in t.flatten_all()?.to_vec1::<f32>()? {
+            h.update(x.to_le_bytes());
+        }
+    }
+    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
+
 /// Writes `path` so that after a crash, of the process or of the machine, it holds either its
 /// previous content or all of the new: `write` fills a temporary file beside it, which is
 /// flushed to the disk, renamed over `path`, and then the directory is flushed, so the rename
@@ -209,6 +234,30 @@ mod tests {
             .collect();
         v.sort();
         v
+    }
+
+    #[test]
+    fn the_parameter_hash_changes_with_any_bit_name_or_order() {
+        let t = |v: &[f32]| Tensor::new(v, &Device::Cpu).unwrap();
+        let p = |a: &[f32], b: &[f32]| vec![("a".to_string(), t(a)), ("b".to_string(), t(b))];
+        let base = params_sha256(&p(&[1.0, 2.0], &[3.0])).unwrap();
+        assert_eq!(base.len(), 64);
+        assert_eq!(base, params_sha256(&p(&[1.0, 2.0], &[3.0])).unwrap());
+        let flipped = f32::from_bits(2.0f32.to_bits() ^ 1);
+        assert_ne!(base, params_sha256(&p(&[1.0, flipped], &[3.0])).unwrap());
+        // The same bytes split differently between parameters.
+        assert_ne!(base, params_sha256(&p(&[1.0], &[2.0, 3.0])).unwrap());
+        let mut swapped = p(&[1.0, 2.0], &[3.0]);
+        swapped.reverse();
+        assert_ne!(base, params_sha256(&swapped).unwrap());
+        let mut renamed = p(&[1.0, 2.0], &[3.0]);
+        renamed[1].0 = "c".into();
+        assert_ne!(base, params_sha256(&renamed).unwrap());
+        let reshaped = vec![
+            ("a".to_string(), t(&[1.0, 2.0]).reshape((2, 1)).unwrap()),
+            ("b".to_string(), t(&[3.0])),
+        ];
+        assert_ne!(base, params_sha256(&reshaped).unwrap());
     }
 
     #[test]

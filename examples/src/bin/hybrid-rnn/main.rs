@@ -488,6 +488,20 @@ impl Hybrid {
         ck.save(&args.out_dir)
     }
 
+    /// [`checkpoint::params_sha256`] of every parameter: the encoder's, then the head's
+    /// (one replica; `replica_diff` checks they are equal), in checkpoint order.
+    async fn params_sha256(&self, dims: &Dims) -> Result<String> {
+        let head = self.shards[0].rpc_async(shard::shard_values, ()).await?;
+        let mut all = self.encoder_named(dims);
+        all.extend(
+            HEAD_PARAMS
+                .iter()
+                .map(|n| n.to_string())
+                .zip(head.into_iter().map(|t| t.0)),
+        );
+        checkpoint::params_sha256(&all)
+    }
+
     /// The largest difference between the two head replicas' parameters (0 when the
     /// all-reduce keeps them identical).
     async fn replica_diff(&self) -> Result<f64> {
@@ -755,6 +769,7 @@ async fn master(
     println!("plot: {}", plot.display());
 
     let replica_diff = model.replica_diff().await?;
+    let params_sha256 = model.params_sha256(&dims).await?;
     let rss = futures::try_join!(
         agent.rpc_async(shard::SHARD_RANKS[0], shard::peak_rss_mb, ()),
         agent.rpc_async(shard::SHARD_RANKS[1], shard::peak_rss_mb, ())
@@ -772,6 +787,7 @@ async fn master(
         "distributed_over_local": dist.zip(local).map(|(d, l)| round(d / l, 3)),
         "max_loss_diff": max_diff,
         "replica_max_diff": replica_diff,
+        "params_sha256": params_sha256,
         "languages": LANGS.len(),
         "encoder": if dims.bidirectional { "bilstm" } else { "lstm" },
         "master_peak_rss_mb": round(examples::peak_rss_mb(), 1),
