@@ -3,7 +3,8 @@
 //!
 //! A launched worker finds `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` and the group
 //! secret in its environment, which is also how the same binary joins a group spread over
-//! several machines.
+//! several machines (the rank and world size may also come from Slurm or MPI, see
+//! [`rpc_core::RANK_ENV`]).
 
 pub mod wordlang;
 
@@ -61,9 +62,11 @@ pub fn runtime() -> Result<tokio::runtime::Runtime> {
         .build()?)
 }
 
-/// Whether this process was started as a worker of a group (its environment names a rank).
+/// Whether this process was started as a worker of a group: its environment names a rank in
+/// one of the variables of [`rpc_core::RANK_ENV`] (ours, torchrun's, Slurm's, MPI's). A rank
+/// that is not a number counts too, so that joining reports it.
 pub fn is_worker() -> bool {
-    std::env::var_os("RANK").is_some()
+    !matches!(rpc_core::launched_rank(), Ok(None))
 }
 
 /// Worker side: joins the group described by the environment, serves `registry` until every

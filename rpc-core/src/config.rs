@@ -2,13 +2,49 @@
 //!
 //! Rank and world size come from the config, else from the torchrun convention (`RANK`,
 //! `WORLD_SIZE`), else Slurm (`SLURM_PROCID`, `SLURM_NTASKS`), else Open MPI
-//! (`OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`). The rendezvous address comes from
+//! (`OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`), else MPICH and Intel MPI (`PMI_RANK`,
+//! `PMI_SIZE`): [`RANK_ENV`], [`WORLD_SIZE_ENV`]. The rendezvous address comes from
 //! `init_method` (`tcp://host:port`), else `MASTER_ADDR` and `MASTER_PORT`.
 
 use std::time::Duration;
 
 use crate::error::InitError;
 use crate::net::{NetConfig, Secret, Transport, WireProtection, SECRET_ENV, SECRET_FILE_ENV};
+
+/// The variables a launcher names a worker's rank in, the first one set winning: torchrun's
+/// (and this project's launchers'), Slurm's, Open MPI's, then MPICH's and Intel MPI's.
+pub const RANK_ENV: [&str; 4] = ["RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"];
+/// The variables a launcher names the world size in, in the order of [`RANK_ENV`].
+pub const WORLD_SIZE_ENV: [&str; 4] = [
+    "WORLD_SIZE",
+    "SLURM_NTASKS",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_SIZE",
+];
+
+/// The first of `keys` set in `env`, as a number; an error naming the variable if it is not one.
+fn env_number(
+    env: &dyn Fn(&str) -> Option<String>,
+    keys: &[&str],
+    what: &str,
+) -> Result<Option<u32>, InitError> {
+    for k in keys {
+        if let Some(v) = env(k) {
+            return v
+                .trim()
+                .parse()
+                .map(Some)
+                .map_err(|_| InitError::Config(format!("{k}={v:?} is not a valid {what}")));
+        }
+    }
+    Ok(None)
+}
+
+/// The rank a launcher started this process as (see [`RANK_ENV`]), as [`Config`] will read
+/// it; `None` when no launcher did (a program then usually launches its workers itself).
+pub fn launched_rank() -> Result<Option<u32>, InitError> {
+    env_number(&|k| std::env::var(k).ok(), &RANK_ENV, "rank")
+}
 
 /// The shortest group secret init accepts: a shorter one is guessable.
 const MIN_SECRET_BYTES: usize = 16;
@@ -235,33 +271,19 @@ impl Config {
         self,
         env: &dyn Fn(&str) -> Option<String>,
     ) -> Result<Resolved, InitError> {
-        let num = |keys: &[&str], what: &str| -> Result<Option<u32>, InitError> {
-            for k in keys {
-                if let Some(v) = env(k) {
-                    return v.trim().parse().map(Some).map_err(|_| {
-                        InitError::Config(format!("{k}={v:?} is not a valid {what}"))
-                    });
-                }
-            }
-            Ok(None)
-        };
+        let num = |keys: &[&str], what: &str| env_number(env, keys, what);
         let rank = match self.rank {
             Some(r) => r,
-            None => num(&["RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"], "rank")?.ok_or_else(
-                || {
-                    InitError::Config(
-                        "no rank: set Config::rank or RANK (or SLURM_PROCID, OMPI_COMM_WORLD_RANK)"
-                            .into(),
-                    )
-                },
-            )?,
+            None => num(&RANK_ENV, "rank")?.ok_or_else(|| {
+                InitError::Config(format!("no rank: set Config::rank or one of {RANK_ENV:?}"))
+            })?,
         };
         let world_size = match self.world_size {
             Some(w) => w,
-            None => num(&["WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"], "world size")?.ok_or_else(|| {
-                InitError::Config(
-                    "no world size: set Config::world_size or WORLD_SIZE (or SLURM_NTASKS, OMPI_COMM_WORLD_SIZE)".into(),
-                )
+            None => num(&WORLD_SIZE_ENV, "world size")?.ok_or_else(|| {
+                InitError::Config(format!(
+                    "no world size: set Config::world_size or one of {WORLD_SIZE_ENV:?}"
+                ))
             })?,
         };
         if world_size == 0 || rank >= world_size {
@@ -479,6 +501,27 @@ mod tests {
             ]))
             .unwrap();
         assert_eq!((r.net.rank, r.net.world_size), (3, 5));
+        let r = base()
+            .resolve_with(&env(&[m[0], m[1], ("PMI_RANK", "2"), ("PMI_SIZE", "4")]))
+            .unwrap();
+        assert_eq!((r.net.rank, r.net.world_size), (2, 4));
+        // torchrun's variables win over a scheduler's.
+        let r = base()
+            .resolve_with(&env(&[
+                m[0],
+                m[1],
+                ("RANK", "1"),
+                ("WORLD_SIZE", "2"),
+                ("SLURM_PROCID", "5"),
+                ("SLURM_NTASKS", "8"),
+            ]))
+            .unwrap();
+        assert_eq!((r.net.rank, r.net.world_size), (1, 2));
+        let e = base()
+            .resolve_with(&env(&[m[0], m[1]]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("PMI_RANK"), "{e}");
     }
 
     #[test]

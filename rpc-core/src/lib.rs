@@ -93,7 +93,7 @@ mod wire;
 pub use agent::{init, Agent};
 pub use blob::Blob;
 pub use call::wait_all;
-pub use config::Config;
+pub use config::{launched_rank, Config, RANK_ENV, WORLD_SIZE_ENV};
 pub use context::CallContext;
 pub use error::{
     error_chain, BoxError, CodecError, InitError, RemoteError, RemoteErrorKind, RpcError,

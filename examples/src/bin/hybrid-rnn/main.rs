@@ -249,13 +249,7 @@ fn registry() -> Result<Registry> {
 }
 
 fn run() -> Result<i32> {
-    let rank: Option<u32> = match std::env::var("RANK") {
-        Ok(r) => Some(
-            r.parse()
-                .with_context(|| format!("RANK={r:?} is not a rank"))?,
-        ),
-        Err(_) => None,
-    };
+    let rank = rpc_core::launched_rank()?;
     if let Some(r) = rank.filter(|&r| r != 0) {
         // A worker: serve until the master shuts the group down.
         let timeout = std::env::var("HYBRID_RNN_WORKER_TIMEOUT")
