@@ -232,16 +232,23 @@ fn registry() -> Registry {
         .build()
 }
 
+/// The sizes `fields` of `/proc/self/status` names (`VmRSS`, `VmHWM`, ...), in MB; NaN for a
+/// field it lacks.
+fn status_mb<const N: usize>(fields: [&str; N]) -> [f64; N] {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    fields.map(|name| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+            .and_then(|rest| rest.split_whitespace().next()?.parse::<f64>().ok())
+            .map_or(f64::NAN, |kb| kb / 1024.0)
+    })
+}
+
+/// Peak resident set size of this process, in MB.
 fn peak_rss_mb() -> f64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<f64>().ok())
-        })
-        .map_or(f64::NAN, |kb| kb / 1024.0)
+    let [hwm] = status_mb(["VmHWM"]);
+    hwm
 }
 
 fn runtime(threads: usize) -> Result<tokio::runtime::Runtime> {

@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use rpc_core::{remote, Agent, Blob, BoxError, CallContext, RegistryBuilder};
+use rpc_core::{remote, Agent, Blob, BoxError, CallContext, RegistryBuilder, RemoteFn};
 use serde_json::json;
 
 use crate::{emit, new_counter, Counter};
@@ -113,16 +113,19 @@ pub(crate) fn register(b: RegistryBuilder) -> Result<RegistryBuilder, rpc_core::
 }
 
 fn rss_here() -> (f64, f64) {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let field = |name: &str| {
-        status
-            .lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|kb| kb.parse::<f64>().ok())
-            .map_or(f64::NAN, |kb| kb / 1024.0)
-    };
-    (field("VmRSS:"), field("VmHWM:"))
+    let [now, peak] = crate::status_mb(["VmRSS", "VmHWM"]);
+    (now, peak)
+}
+
+/// `f` called on both peers (ranks 1 and 2) at once.
+async fn on_peers<F: RemoteFn<Args = ()> + Copy>(
+    agent: &Agent,
+    f: F,
+) -> Result<(F::Output, F::Output)> {
+    Ok(futures::try_join!(
+        agent.rpc_async(1u32, f, ()),
+        agent.rpc_async(2u32, f, ())
+    )?)
 }
 
 /// One operation, `i`-th of the run; how many calls it made.
@@ -170,10 +173,7 @@ async fn op(agent: &Agent, i: u64, small: &Blob, large: &Blob) -> Result<u64> {
 type Sample = (u64, [(f64, f64); 3]);
 
 async fn sample(agent: &Agent, calls: u64) -> Result<Sample> {
-    let (a, b) = futures::try_join!(
-        agent.rpc_async(1u32, rss, ()),
-        agent.rpc_async(2u32, rss, ())
-    )?;
+    let (a, b) = on_peers(agent, rss).await?;
     Ok((calls, [rss_here(), a, b]))
 }
 
@@ -266,10 +266,7 @@ pub(crate) async fn drive(agent: Agent, calls: u64) -> Result<()> {
     // The references are released by messages that may still be on their way.
     let until = Instant::now() + SETTLE;
     let infos = loop {
-        let (a, b) = futures::try_join!(
-            agent.rpc_async(1u32, rref_info, ()),
-            agent.rpc_async(2u32, rref_info, ())
-        )?;
+        let (a, b) = on_peers(&agent, rref_info).await?;
         let infos = [info(&agent), a, b];
         if infos.iter().all(|i| i.iter().all(|&n| n == 0)) || Instant::now() >= until {
             break infos;
@@ -287,10 +284,7 @@ pub(crate) async fn drive(agent: Agent, calls: u64) -> Result<()> {
         "seconds": secs, "calls_per_s": total as f64 / secs,
         "worst_peak_rss_slope_mb_per_100k": worst, "slope_below_target": worst < 1.0,
     }));
-    futures::try_join!(
-        agent.rpc_async(1u32, finish, ()),
-        agent.rpc_async(2u32, finish, ())
-    )?;
+    on_peers(&agent, finish).await?;
     if !settled {
         bail!("references still held {SETTLE:?} after the soak: {infos:?}");
     }

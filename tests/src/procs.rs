@@ -169,6 +169,73 @@ pub fn worker_args(scenario: &str, rank: u32, world: u32, rendezvous: &str) -> V
     ]
 }
 
+/// What a worker binary of this crate was started with ([`worker_args`], read back).
+pub struct WorkerArgs {
+    /// What the worker does.
+    pub scenario: String,
+    /// Its rank.
+    pub rank: u32,
+    /// The group's size.
+    pub world: u32,
+    /// The rendezvous address (`host:port`).
+    pub rendezvous: String,
+    all: Vec<String>,
+}
+
+impl WorkerArgs {
+    /// This process's arguments.
+    pub fn from_env() -> anyhow::Result<Self> {
+        use anyhow::Context;
+        let all: Vec<String> = std::env::args().collect();
+        let scenario = all
+            .get(1)
+            .context("usage: <worker> <scenario> --rank R --world N --rendezvous ADDR")?
+            .clone();
+        let flag = |name: &str| -> anyhow::Result<String> {
+            let i = all
+                .iter()
+                .position(|a| a == name)
+                .with_context(|| format!("missing {name}"))?;
+            all.get(i + 1)
+                .cloned()
+                .with_context(|| format!("{name} needs a value"))
+        };
+        Ok(Self {
+            rank: flag("--rank")?.parse()?,
+            world: flag("--world")?.parse()?,
+            rendezvous: flag("--rendezvous")?,
+            scenario,
+            all,
+        })
+    }
+
+    /// Whether `flag` was given.
+    pub fn has(&self, flag: &str) -> bool {
+        self.all.iter().any(|a| a == flag)
+    }
+
+    /// The configuration every worker binary starts from: its rank in the group at the
+    /// rendezvous (served elsewhere), 30 s to join, `shutdown` to wait at the barrier.
+    pub fn config(&self, shutdown: Duration) -> rpc_core::Config {
+        rpc_core::Config::new()
+            .with_rank(self.rank)
+            .with_world_size(self.world)
+            .with_init_method(format!("tcp://{}", self.rendezvous))
+            .with_serve_rendezvous(false)
+            .with_init_timeout(Duration::from_secs(30))
+            .with_shutdown_timeout(shutdown)
+    }
+}
+
+/// Prints `line` for the test that started this worker and flushes it at once (the test
+/// reads it with [`Procs::expect`]).
+pub fn say(line: String) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
 /// Starts each command (tagged with its rank), its standard output read line by line (see
 /// [`Procs::expect`]); `children` are in the order given.
 pub fn spawn_commands(commands: Vec<(u32, Command)>) -> Procs {

@@ -17,22 +17,15 @@
 //!   `BURNED <json>` with the workers this rank and rank 1 declared failed meanwhile.
 //! - `serve`: serves until every worker has called shutdown.
 
-use std::io::Write;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use anyhow::Context;
 use autograd_dist::RTensor;
 use candle_core::{DType, Device, Tensor};
 use integration_tests::autograd_fns::{init_param, linear};
+use integration_tests::procs::say;
 use integration_tests::rref_fns::make_slow;
 use integration_tests::*;
-use rpc_core::{Agent, Config};
-
-fn say(line: String) {
-    let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "{line}");
-    let _ = out.flush();
-}
+use rpc_core::Agent;
 
 fn now_ms() -> u64 {
     SystemTime::now()
@@ -81,34 +74,15 @@ async fn train_loop(agent: Agent, trainer: usize) -> anyhow::Result<()> {
 }
 
 fn main() -> anyhow::Result<()> {
-    let args: Vec<String> = std::env::args().collect();
-    let role = args
-        .get(1)
-        .context("usage: fault-worker <role> --rank R ...")?
-        .clone();
-    let flag = |name: &str| -> anyhow::Result<String> {
-        let i = args
-            .iter()
-            .position(|a| a == name)
-            .context(name.to_owned())?;
-        args.get(i + 1).cloned().context(name.to_owned())
-    };
-    let rank: u32 = flag("--rank")?.parse()?;
-    let world: u32 = flag("--world")?.parse()?;
-    let rendezvous = flag("--rendezvous")?;
+    let args = integration_tests::procs::WorkerArgs::from_env()?;
+    let (role, rank) = (args.scenario.clone(), args.rank);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
     rt.block_on(async move {
-        let cfg = Config::new()
-            .with_rank(rank)
-            .with_world_size(world)
-            .with_init_method(format!("tcp://{rendezvous}"))
-            .with_serve_rendezvous(false)
-            .with_init_timeout(Duration::from_secs(30))
-            // Servers wait at the barrier until the driving rank is done.
-            .with_shutdown_timeout(Duration::from_secs(if role == "serve" { 90 } else { 10 }));
+        // Servers wait at the barrier until the driving rank is done.
+        let cfg = args.config(Duration::from_secs(if role == "serve" { 90 } else { 10 }));
         let b = integration_tests::rref_fns::register(registry_builder());
         let b = integration_tests::autograd_fns::register(b);
         let registry = collectives::install(b)?.build();

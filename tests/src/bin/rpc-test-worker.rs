@@ -19,56 +19,35 @@
 //!   plain thread, prints `CALLING`, and once the test has killed rank 1 prints `ERROR <json>`
 //!   and `SYNC_ERROR <json>` describing how each call failed.
 
-use std::io::Write;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use integration_tests::procs::say;
 use integration_tests::*;
-use rpc_core::{Blob, Config, RpcError};
-
-fn say(line: String) {
-    let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "{line}");
-    let _ = out.flush();
-}
+use rpc_core::{Blob, RpcError};
 
 fn main() -> anyhow::Result<()> {
-    let args: Vec<String> = std::env::args().collect();
-    let scenario = args
-        .get(1)
-        .context("usage: rpc-test-worker <scenario> --rank R --world N --rendezvous ADDR")?;
-    let flag = |name: &str| -> anyhow::Result<String> {
-        let i = args
-            .iter()
-            .position(|a| a == name)
-            .with_context(|| format!("missing {name}"))?;
-        args.get(i + 1)
-            .cloned()
-            .with_context(|| format!("{name} needs a value"))
-    };
-    let rank: u32 = flag("--rank")?.parse()?;
-    let world: u32 = flag("--world")?.parse()?;
-    let rendezvous = flag("--rendezvous")?;
-    let serve_rendezvous = args.iter().any(|a| a == "--serve-rendezvous");
+    let args = integration_tests::procs::WorkerArgs::from_env()?;
+    let (scenario, rank, world) = (args.scenario.clone(), args.rank, args.world);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
     rt.block_on(async move {
-        let cfg = Config::new()
-            .with_rank(rank)
-            .with_world_size(world)
-            .with_init_method(format!("tcp://{rendezvous}"))
-                        .with_serve_rendezvous(rank == 0 && serve_rendezvous)
-            .with_init_timeout(Duration::from_secs(30))
-            // Servers wait long at the barrier (until the driver is done); drivers use a short
-            // timeout so a killed peer is given up on quickly, except `drive-kill`, whose rank
-            // 0 must notice the dead peer by itself (AG-5) well within its long timeout.
-            .with_shutdown_timeout(Duration::from_secs(match scenario.as_str() {
-                "serve" | "drive-kill" => 60,
-                _ => 3,
-            }));
-        let registry = integration_tests::autograd_fns::register(integration_tests::rref_fns::register(registry_builder())).build();
+        // Servers wait long at the barrier (until the driver is done); drivers use a short
+        // timeout so a killed peer is given up on quickly, except `drive-kill`, whose rank 0
+        // must notice the dead peer by itself (AG-5) well within its long timeout.
+        let shutdown = match scenario.as_str() {
+            "serve" | "drive-kill" => 60,
+            _ => 3,
+        };
+        let cfg = args
+            .config(Duration::from_secs(shutdown))
+            .with_serve_rendezvous(rank == 0 && args.has("--serve-rendezvous"));
+        let registry = integration_tests::autograd_fns::register(
+            integration_tests::rref_fns::register(registry_builder()),
+        )
+        .build();
         let agent = rpc_core::init(cfg, registry).await?;
         say(format!("READY {} {}", agent.name(), agent.local_addr()));
         match scenario.as_str() {
