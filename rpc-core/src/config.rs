@@ -46,6 +46,22 @@ pub fn launched_rank() -> Result<Option<u32>, InitError> {
     env_number(&|k| std::env::var(k).ok(), &RANK_ENV, "rank")
 }
 
+/// The variables a launcher counts its restarts in (how many times this process's group, or
+/// this process, was started again after a failure): this project's `rpcrun`, then torchrun's.
+pub const RESTART_COUNT_ENV: [&str; 2] = ["RPC_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"];
+
+/// How many times a launcher has restarted this process after a failure (see
+/// [`RESTART_COUNT_ENV`]); 0 on the first start or without a launcher. A program resumes from
+/// its latest checkpoint when this is positive.
+pub fn launched_restart_count() -> Result<u32, InitError> {
+    Ok(env_number(
+        &|k| std::env::var(k).ok(),
+        &RESTART_COUNT_ENV,
+        "restart count",
+    )?
+    .unwrap_or(0))
+}
+
 /// The shortest group secret init accepts: a shorter one is guessable.
 const MIN_SECRET_BYTES: usize = 16;
 

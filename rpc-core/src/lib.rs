@@ -93,7 +93,9 @@ mod wire;
 pub use agent::{init, Agent};
 pub use blob::Blob;
 pub use call::wait_all;
-pub use config::{launched_rank, Config, RANK_ENV, WORLD_SIZE_ENV};
+pub use config::{
+    launched_rank, launched_restart_count, Config, RANK_ENV, RESTART_COUNT_ENV, WORLD_SIZE_ENV,
+};
 pub use context::CallContext;
 pub use error::{
     error_chain, BoxError, CodecError, InitError, RemoteError, RemoteErrorKind, RpcError,

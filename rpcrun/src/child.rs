@@ -1,0 +1,213 @@
+//! One child process: started in a process group of its own, its output passed on (prefixed
+//! with its rank, or not), stopped by signalling its whole group.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::process::{Command, ExitStatus, Stdio};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::{Launch, LaunchError};
+
+/// A started child.
+pub(crate) struct Child {
+    pub rank: u32,
+    proc: std::process::Child,
+    forwarders: Vec<JoinHandle<()>>,
+    status: Option<ExitStatus>,
+}
+
+impl Child {
+    /// Starts `launch`'s program as `rank` with `env`.
+    pub(crate) fn spawn(
+        launch: &Launch,
+        rank: u32,
+        env: &[(String, String)],
+    ) -> Result<Self, LaunchError> {
+        let mut cmd = Command::new(&launch.program);
+        cmd.args(&launch.args)
+            .envs(env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::null())
+            .process_group(0);
+        for k in crate::env::REMOVED {
+            cmd.env_remove(k);
+        }
+        if launch.prefix {
+            cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+        }
+        let parent = std::process::id() as libc::pid_t;
+        // SAFETY: prctl, getppid and _exit are async-signal-safe; nothing here allocates.
+        unsafe {
+            cmd.pre_exec(move || {
+                // The child dies with the launcher, whatever kills the launcher.
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                if libc::getppid() != parent {
+                    libc::_exit(1); // the launcher died before the prctl took effect
+                }
+                Ok(())
+            });
+        }
+        let mut proc = cmd.spawn().map_err(|source| LaunchError::Spawn {
+            rank,
+            program: launch.program.display().to_string(),
+            source,
+        })?;
+        let mut forwarders = Vec::new();
+        if launch.prefix {
+            let prefix = format!("[rank{rank}]: ");
+            if let Some(out) = proc.stdout.take() {
+                let p = prefix.clone();
+                forwarders.push(std::thread::spawn(move || {
+                    forward(out, &p, &mut std::io::stdout())
+                }));
+            }
+            if let Some(err) = proc.stderr.take() {
+                forwarders.push(std::thread::spawn(move || {
+                    forward(err, &prefix, &mut std::io::stderr())
+                }));
+            }
+        }
+        Ok(Self {
+            rank,
+            proc,
+            forwarders,
+            status: None,
+        })
+    }
+
+    /// Its process id.
+    pub(crate) fn pid(&self) -> u32 {
+        self.proc.id()
+    }
+
+    /// Its status, once it has exited (reaped once; later calls repeat it).
+    pub(crate) fn try_wait(&mut self) -> Option<ExitStatus> {
+        if self.status.is_none() {
+            self.status = self.proc.try_wait().ok().flatten();
+        }
+        self.status
+    }
+
+    /// Sends `sig` to its whole process group (ignored once the group is gone).
+    pub(crate) fn signal(&self, sig: i32) {
+        // SAFETY: kill has no memory-safety preconditions.
+        unsafe {
+            libc::kill(-(self.proc.id() as libc::pid_t), sig);
+        }
+    }
+
+    /// Waits (at most 2 s) for its output to be passed on in full.
+    fn drain(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        for f in std::mem::take(&mut self.forwarders) {
+            while !f.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            if f.is_finished() {
+                let _ = f.join();
+            }
+        }
+    }
+}
+
+/// Copies `from` to `to` line by line, each prefixed (a last line without its newline gets
+/// one), so lines of different children never interleave mid-line.
+fn forward(from: impl Read, prefix: &str, to: &mut impl Write) {
+    let mut r = BufReader::new(from);
+    let mut line = Vec::new();
+    loop {
+        line.clear();
+        match r.read_until(b'\n', &mut line) {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {
+                if !line.ends_with(b"\n") {
+                    line.push(b'\n');
+                }
+                let mut out = Vec::with_capacity(prefix.len() + line.len());
+                out.extend_from_slice(prefix.as_bytes());
+                out.extend_from_slice(&line);
+                let _ = to.write_all(&out).and_then(|()| to.flush());
+            }
+        }
+    }
+}
+
+/// Stops every child still running: `sig` (and SIGCONT, so a frozen one acts on it) to each
+/// group, up to `grace` for them to exit, then SIGKILL; every group is killed at the end (no
+/// grandchild outlives its attempt) and every child reaped.
+pub(crate) fn stop_all(children: &mut [Child], sig: i32, grace: Duration) {
+    for c in children.iter_mut() {
+        if c.try_wait().is_none() {
+            c.signal(sig);
+            c.signal(libc::SIGCONT);
+        }
+    }
+    let deadline = Instant::now() + grace;
+    while Instant::now() < deadline && children.iter_mut().any(|c| c.try_wait().is_none()) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for c in children.iter_mut() {
+        c.signal(libc::SIGKILL);
+        if c.status.is_none() {
+            c.status = c.proc.wait().ok();
+        }
+        c.drain();
+    }
+}
+
+/// A status as an exit code (128 + the signal for a killed process) and in words.
+pub(crate) fn describe(status: ExitStatus) -> (i32, String) {
+    match (status.code(), status.signal()) {
+        (Some(c), _) => (c, format!("exited with status {c}")),
+        (None, Some(s)) => (128 + s, format!("was killed by {}", signal_name(s))),
+        (None, None) => (1, format!("ended with {status}")),
+    }
+}
+
+/// `signal 9 (SIGKILL)`.
+pub(crate) fn signal_name(s: i32) -> String {
+    let name = match s {
+        libc::SIGHUP => "SIGHUP",
+        libc::SIGINT => "SIGINT",
+        libc::SIGQUIT => "SIGQUIT",
+        libc::SIGILL => "SIGILL",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGFPE => "SIGFPE",
+        libc::SIGKILL => "SIGKILL",
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGPIPE => "SIGPIPE",
+        libc::SIGTERM => "SIGTERM",
+        _ => return format!("signal {s}"),
+    };
+    format!("signal {s} ({name})")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_line_is_prefixed_and_the_last_one_ended() {
+        let mut out = Vec::new();
+        forward(&b"one\ntwo\n\nthree"[..], "[rank3]: ", &mut out);
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "[rank3]: one\n[rank3]: two\n[rank3]: \n[rank3]: three\n"
+        );
+    }
+
+    #[test]
+    fn statuses_read_as_codes_and_words() {
+        assert_eq!(
+            describe(ExitStatus::from_raw(3 << 8)),
+            (3, "exited with status 3".into())
+        );
+        assert_eq!(
+            describe(ExitStatus::from_raw(libc::SIGKILL)),
+            (137, "was killed by signal 9 (SIGKILL)".into())
+        );
+    }
+}

@@ -1,0 +1,246 @@
+//! A launcher for groups of worker processes, in the spirit of torchrun.
+//!
+//! [`Launch`] starts `nproc` copies of a program on this machine (one node of `nnodes`), each
+//! with the variables the framework's `rpc_core::init` reads: `RANK`, `LOCAL_RANK`,
+//! `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `GROUP_RANK` (the node's rank), `MASTER_ADDR`,
+//! `MASTER_PORT`, `RPC_RESTART_COUNT`, and the group secret as a file (`RPC_SECRET_FILE`,
+//! readable by this user only; never on a command line). It then supervises them:
+//!
+//! - each child's output is passed on line by line, prefixed with `[rank<R>]: ` (unless
+//!   [`Launch::prefix_output`] turns that off);
+//! - SIGINT, SIGTERM and SIGHUP sent to the launcher are forwarded to every child (each runs
+//!   in a process group of its own, so a terminal's Ctrl-C reaches them once, through here),
+//!   which get [`Launch::stop_grace`] to exit before they are killed; the launcher then exits
+//!   with 128 + the signal's number;
+//! - when a child fails (exits non-zero or is killed by a signal), the others are stopped and,
+//!   while restarts are left ([`Launch::max_restarts`]), all are started again with
+//!   `RPC_RESTART_COUNT` one higher (torchrun's `--max-restarts`: the whole group restarts, and
+//!   the program resumes from its checkpoint). Out of restarts, the launcher ends with the
+//!   first failure's status (128 + its signal for a child killed by one);
+//! - a child never outlives the launcher: it is killed if the launcher dies (Linux's parent
+//!   death signal) and its whole process group is killed when its attempt ends.
+//!
+//! A child that freezes without exiting is not this launcher's to judge: the group's failure
+//! detector notices it (the frozen peer stops answering heartbeats), its peers fail with an
+//! error naming it, and their exit starts the restart.
+//!
+//! ```no_run
+//! let exit = rpcrun::Launch::new("target/release/hybrid-rnn")
+//!     .nproc(3)
+//!     .max_restarts(3)
+//!     .run()?;
+//! std::process::exit(exit.code);
+//! # Ok::<(), rpcrun::LaunchError>(())
+//! ```
+
+mod child;
+mod env;
+mod secret;
+mod supervise;
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Why a launch could not be carried out (a child's failure is not one: see [`Exit`]).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LaunchError {
+    /// The launch's settings contradict each other or are out of range.
+    #[error("invalid launch: {0}")]
+    Invalid(String),
+    /// A child process could not be started.
+    #[error("cannot start rank {rank} ({program}): {source}")]
+    Spawn {
+        /// The rank it was to run as.
+        rank: u32,
+        /// The program.
+        program: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The group secret could not be written or read.
+    #[error("group secret {path}: {source}")]
+    Secret {
+        /// The file.
+        path: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// Another system call the launcher needs failed (signal handlers, a free port).
+    #[error("{what}: {source}")]
+    System {
+        /// What the launcher was doing.
+        what: &'static str,
+        /// The cause.
+        source: std::io::Error,
+    },
+}
+
+/// How a launch ended.
+#[derive(Clone, Debug)]
+pub struct Exit {
+    /// The status to exit with: 0 when every child of the last attempt succeeded, else the
+    /// first failure's code (128 + its signal for a child killed by one, or 128 + the signal
+    /// the launcher itself received).
+    pub code: i32,
+    /// How many times the group was restarted.
+    pub restarts: u32,
+    /// Every failure seen, in order.
+    pub failures: Vec<Failure>,
+}
+
+/// One child's failure.
+#[derive(Clone, Debug)]
+pub struct Failure {
+    /// The attempt it happened in (0 for the first start).
+    pub attempt: u32,
+    /// The child's global rank.
+    pub rank: u32,
+    /// Its exit code, or 128 + the signal that killed it.
+    pub code: i32,
+    /// A description: `exited with status 1`, `killed by signal 9 (SIGKILL)`.
+    pub what: String,
+}
+
+/// A group of processes to start and supervise. Build it with [`Launch::new`] and the
+/// setters, then [`Launch::run`] it.
+#[derive(Clone, Debug)]
+pub struct Launch {
+    program: PathBuf,
+    args: Vec<OsString>,
+    nproc: u32,
+    nnodes: u32,
+    node_rank: u32,
+    rdzv: Option<String>,
+    max_restarts: u32,
+    secret_file: Option<PathBuf>,
+    prefix: bool,
+    stop_grace: Duration,
+    env: Vec<(String, String)>,
+}
+
+impl Launch {
+    /// `program` on one node, one process, no restarts, a fresh secret, prefixed output,
+    /// 5 s of grace when stopping.
+    pub fn new(program: impl Into<PathBuf>) -> Self {
+        Self {
+            program: program.into(),
+            args: Vec::new(),
+            nproc: 1,
+            nnodes: 1,
+            node_rank: 0,
+            rdzv: None,
+            max_restarts: 0,
+            secret_file: None,
+            prefix: true,
+            stop_grace: Duration::from_secs(5),
+            env: Vec::new(),
+        }
+    }
+
+    /// The program's arguments.
+    pub fn args<I, S>(mut self, args: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<OsString>,
+    {
+        self.args = args.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// Processes on this node.
+    pub fn nproc(mut self, n: u32) -> Self {
+        self.nproc = n;
+        self
+    }
+
+    /// This node is `node_rank` of `nnodes`; its processes are ranks
+    /// `node_rank * nproc ..` of a group of `nnodes * nproc`. With more than one node, give
+    /// [`Launch::rendezvous`] and [`Launch::secret_file`] (the same on every node).
+    pub fn nodes(mut self, nnodes: u32, node_rank: u32) -> Self {
+        self.nnodes = nnodes;
+        self.node_rank = node_rank;
+        self
+    }
+
+    /// The group's rendezvous, `HOST:PORT` (rank 0 serves it there). Default, on one node:
+    /// 127.0.0.1 and a port free at each start.
+    pub fn rendezvous(mut self, host_port: impl Into<String>) -> Self {
+        self.rdzv = Some(host_port.into());
+        self
+    }
+
+    /// How many times the whole group may be restarted after a failure.
+    pub fn max_restarts(mut self, k: u32) -> Self {
+        self.max_restarts = k;
+        self
+    }
+
+    /// Read the group secret from this file (every node must use the same one). Default: the
+    /// launcher's `RPC_SECRET` / `RPC_SECRET_FILE` if set, else (one node only) a fresh random
+    /// secret in a private file removed at the end.
+    pub fn secret_file(mut self, path: impl Into<PathBuf>) -> Self {
+        self.secret_file = Some(path.into());
+        self
+    }
+
+    /// Whether each line of a child's output is prefixed with `[rank<R>]: ` (default); without,
+    /// children write to the launcher's own stdout and stderr directly.
+    pub fn prefix_output(mut self, yes: bool) -> Self {
+        self.prefix = yes;
+        self
+    }
+
+    /// How long children get to exit after SIGTERM (or a forwarded signal) before SIGKILL.
+    pub fn stop_grace(mut self, grace: Duration) -> Self {
+        self.stop_grace = grace;
+        self
+    }
+
+    /// An extra variable for every child.
+    pub fn env(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.env.push((key.into(), value.into()));
+        self
+    }
+
+    /// The world size: `nnodes * nproc`.
+    pub fn world_size(&self) -> u32 {
+        self.nnodes.saturating_mul(self.nproc)
+    }
+
+    fn validate(&self) -> Result<(), LaunchError> {
+        let bad = |m: String| Err(LaunchError::Invalid(m));
+        if self.nproc == 0 || self.nnodes == 0 {
+            return bad("--nproc and --nnodes must be positive".into());
+        }
+        if self.nnodes.checked_mul(self.nproc).is_none() {
+            return bad("--nnodes x --nproc overflows".into());
+        }
+        if self.node_rank >= self.nnodes {
+            return bad(format!(
+                "--node-rank {} is outside --nnodes {}",
+                self.node_rank, self.nnodes
+            ));
+        }
+        if self.nnodes > 1 && self.rdzv.is_none() {
+            return bad(format!(
+                "--nnodes {} needs --rdzv HOST:PORT, the address of node 0 (rank 0 serves the rendezvous there)",
+                self.nnodes
+            ));
+        }
+        if let Some(r) = &self.rdzv {
+            match r.rsplit_once(':') {
+                Some((h, p)) if !h.is_empty() && p.parse::<u16>().is_ok() => {}
+                _ => return bad(format!("--rdzv {r:?} is not HOST:PORT")),
+            }
+        }
+        Ok(())
+    }
+
+    /// Starts the group and supervises it until it ends (see the crate docs); blocks.
+    pub fn run(&self) -> Result<Exit, LaunchError> {
+        self.validate()?;
+        supervise::run(self)
+    }
+}

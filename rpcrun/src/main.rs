@@ -1,0 +1,82 @@
+//! `rpcrun`: starts a group of worker processes and restarts it after a failure (see the
+//! `rpcrun` library's docs).
+//!
+//! ```text
+//! rpcrun --nproc 3 --max-restarts 3 -- target/release/hybrid-rnn --epochs 6
+//! rpcrun --nproc 1 --nnodes 3 --node-rank 1 --rdzv node0:29500 --secret-file /shared/s -- prog
+//! ```
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+
+/// Starts NPROC copies of PROGRAM as ranks of one group; restarts them all after a failure.
+#[derive(Parser, Debug)]
+#[command(name = "rpcrun", version, about)]
+struct Args {
+    /// Processes on this node.
+    #[arg(long, default_value_t = 1)]
+    nproc: u32,
+    /// Nodes in the group (each runs its own rpcrun with its --node-rank).
+    #[arg(long, default_value_t = 1)]
+    nnodes: u32,
+    /// This node's rank in 0..NNODES.
+    #[arg(long, default_value_t = 0)]
+    node_rank: u32,
+    /// The rendezvous, HOST:PORT on node 0 (default on one node: 127.0.0.1, a free port).
+    #[arg(long)]
+    rdzv: Option<String>,
+    /// Restarts of the whole group after a failure before giving up.
+    #[arg(long, default_value_t = 0)]
+    max_restarts: u32,
+    /// File holding the group secret (needed with --nnodes > 1; default: a fresh one).
+    #[arg(long)]
+    secret_file: Option<PathBuf>,
+    /// Pass the children's output on as is, without `[rank<R>]: ` prefixes.
+    #[arg(long)]
+    no_prefix: bool,
+    /// Seconds children get to exit after SIGTERM before SIGKILL.
+    #[arg(long, default_value_t = 5.0)]
+    stop_grace_secs: f64,
+    /// The program and its arguments.
+    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+    command: Vec<std::ffi::OsString>,
+}
+
+fn main() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("rpcrun=info,warn")),
+        )
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .try_init();
+    let args = Args::parse();
+    if !(args.stop_grace_secs.is_finite() && args.stop_grace_secs >= 0.0) {
+        eprintln!("rpcrun: error: --stop-grace-secs must be a non-negative number");
+        std::process::exit(2);
+    }
+    let (program, rest) = args.command.split_first().expect("clap requires one");
+    let mut launch = rpcrun::Launch::new(program)
+        .args(rest.iter().cloned())
+        .nproc(args.nproc)
+        .nodes(args.nnodes, args.node_rank)
+        .max_restarts(args.max_restarts)
+        .prefix_output(!args.no_prefix)
+        .stop_grace(Duration::from_secs_f64(args.stop_grace_secs));
+    if let Some(r) = args.rdzv {
+        launch = launch.rendezvous(r);
+    }
+    if let Some(f) = args.secret_file {
+        launch = launch.secret_file(f);
+    }
+    match launch.run() {
+        Ok(exit) => std::process::exit(exit.code),
+        Err(e) => {
+            eprintln!("rpcrun: error: {e}");
+            std::process::exit(1);
+        }
+    }
+}

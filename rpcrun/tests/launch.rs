@@ -1,0 +1,319 @@
+//! `rpcrun` as a user runs it, with `sh` scripts as the children: the variables each gets,
+//! prefixed output, restarts, out-of-restarts status, signals forwarded, a frozen child, and no
+//! child outliving a killed launcher.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// An `rpcrun` process, killed on drop (its children die with it).
+struct Run {
+    child: Child,
+    out: PathBuf,
+    err: PathBuf,
+}
+
+impl Drop for Run {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("rpcrun-test-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn start(dir: &Path, flags: &[&str], script: &str) -> Run {
+    let (out, err) = (dir.join("stdout"), dir.join("stderr"));
+    let child = Command::new(env!("CARGO_BIN_EXE_rpcrun"))
+        .args(flags)
+        .args(["--", "sh", "-c", script])
+        .env_remove("RPC_SECRET")
+        .env_remove("RPC_SECRET_FILE")
+        .current_dir(dir)
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::fs::File::create(&err).unwrap())
+        .spawn()
+        .unwrap();
+    Run { child, out, err }
+}
+
+impl Run {
+    /// Its exit code, waiting at most `limit`.
+    fn wait(&mut self, limit: Duration) -> Option<i32> {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return s.code();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "rpcrun did not end within {limit:?}; stderr:\n{}",
+                self.stderr()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn stdout(&self) -> String {
+        std::fs::read_to_string(&self.out).unwrap()
+    }
+
+    fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.err).unwrap()
+    }
+
+    /// Waits (at most 20 s) until stdout has `n` lines containing `what`.
+    fn await_lines(&self, what: &str, n: usize) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while self.stdout().lines().filter(|l| l.contains(what)).count() < n {
+            assert!(
+                Instant::now() < deadline,
+                "no {n} lines with {what:?}: {}\n{}",
+                self.stdout(),
+                self.stderr()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+fn alive(pid: u32) -> bool {
+    // A zombie has exited; only a running or stopped process counts.
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| {
+            let state = s.rsplit(") ").next().and_then(|r| r.chars().next());
+            !matches!(state, Some('Z') | Some('X') | None)
+        })
+        .unwrap_or(false)
+}
+
+#[test]
+fn every_rank_gets_its_variables_a_private_secret_and_prefixed_lines() {
+    let dir = scratch("env");
+    let mut r = start(
+        &dir,
+        &["--nproc", "3"],
+        r#"echo "rank=$RANK local=$LOCAL_RANK world=$WORLD_SIZE lw=$LOCAL_WORLD_SIZE restart=$RPC_RESTART_COUNT master=$MASTER_ADDR:$MASTER_PORT secret=$(wc -c < "$RPC_SECRET_FILE") file=$RPC_SECRET_FILE"; echo "err $RANK" >&2"#,
+    );
+    assert_eq!(r.wait(Duration::from_secs(20)), Some(0), "{}", r.stderr());
+    let out = r.stdout();
+    let mut files = Vec::new();
+    let mut ports = Vec::new();
+    for rank in 0..3 {
+        let line = out
+            .lines()
+            .find(|l| l.starts_with(&format!("[rank{rank}]: rank={rank} ")))
+            .unwrap_or_else(|| panic!("no line of rank {rank}: {out}"));
+        assert!(
+            line.contains(&format!(
+                "local={rank} world=3 lw=3 restart=0 master=127.0.0.1:"
+            )),
+            "{line}"
+        );
+        assert!(
+            line.contains("secret=64 "),
+            "a 32-byte secret in hex: {line}"
+        );
+        files.push(line.rsplit("file=").next().unwrap().to_owned());
+        ports.push(
+            line.split("master=")
+                .nth(1)
+                .unwrap()
+                .split(' ')
+                .next()
+                .unwrap()
+                .to_owned(),
+        );
+        assert!(
+            r.stderr().contains(&format!("[rank{rank}]: err {rank}")),
+            "{}",
+            r.stderr()
+        );
+    }
+    assert!(files.iter().all(|f| *f == files[0]) && ports.iter().all(|p| *p == ports[0]));
+    assert!(
+        !Path::new(&files[0]).exists(),
+        "the secret file is removed at the end"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn a_failed_rank_restarts_the_whole_group_with_the_count_raised() {
+    let dir = scratch("restart");
+    let mut r = start(
+        &dir,
+        &["--nproc", "2", "--max-restarts", "3"],
+        r#"echo "start $RANK $RPC_RESTART_COUNT"
+           if [ "$RANK" = 1 ] && [ "$RPC_RESTART_COUNT" -lt 2 ]; then exit 3; fi
+           if [ "$RPC_RESTART_COUNT" -lt 2 ]; then sleep 30; fi
+           echo "done $RANK $RPC_RESTART_COUNT""#,
+    );
+    assert_eq!(r.wait(Duration::from_secs(30)), Some(0), "{}", r.stderr());
+    let out = r.stdout();
+    for rank in 0..2 {
+        for restart in 0..3 {
+            assert!(
+                out.contains(&format!("[rank{rank}]: start {rank} {restart}")),
+                "{out}"
+            );
+        }
+        assert!(
+            out.contains(&format!("[rank{rank}]: done {rank} 2")),
+            "{out}"
+        );
+        // Rank 0 was stopped in the first two attempts, never finishing them.
+        assert!(!out.contains(&format!("done {rank} 0")), "{out}");
+    }
+    let err = r.stderr();
+    assert!(err.contains("rank 1 (pid"), "{err}");
+    assert!(err.contains("exited with status 3"), "{err}");
+    assert!(err.contains("restart 2 of 3"), "{err}");
+    assert!(!err.contains("restart 3 of 3"), "{err}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn out_of_restarts_it_exits_with_the_failure_status() {
+    let dir = scratch("out");
+    let mut r = start(
+        &dir,
+        &["--nproc", "2", "--max-restarts", "1"],
+        r#"echo "start $RANK $RPC_RESTART_COUNT"; if [ "$RANK" = 1 ]; then exit 7; fi; sleep 30"#,
+    );
+    assert_eq!(r.wait(Duration::from_secs(30)), Some(7), "{}", r.stderr());
+    assert!(r.stdout().contains("[rank0]: start 0 1"), "{}", r.stdout());
+    assert!(r.stderr().contains("out of restarts"), "{}", r.stderr());
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn a_rank_killed_by_a_signal_is_named_and_gives_128_plus_it() {
+    let dir = scratch("killed");
+    let mut r = start(
+        &dir,
+        &["--nproc", "2"],
+        r#"if [ "$RANK" = 0 ]; then kill -9 $$; fi; sleep 30"#,
+    );
+    assert_eq!(r.wait(Duration::from_secs(30)), Some(137), "{}", r.stderr());
+    assert!(
+        r.stderr().contains("rank 0 (pid") && r.stderr().contains("killed by signal 9 (SIGKILL)"),
+        "{}",
+        r.stderr()
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn sigterm_is_forwarded_to_every_rank() {
+    let dir = scratch("term");
+    let mut r = start(
+        &dir,
+        &["--nproc", "2"],
+        r#"trap 'echo "rank $RANK got TERM"; exit 0' TERM; echo ready; while :; do sleep 0.05; done"#,
+    );
+    r.await_lines("ready", 2);
+    let t0 = Instant::now();
+    // SAFETY: kill has no memory-safety preconditions.
+    unsafe { libc::kill(r.child.id() as i32, libc::SIGTERM) };
+    assert_eq!(
+        r.wait(Duration::from_secs(20)),
+        Some(128 + 15),
+        "{}",
+        r.stderr()
+    );
+    assert!(
+        t0.elapsed() < Duration::from_secs(4),
+        "the children exited on the forwarded signal, not after the grace"
+    );
+    for rank in 0..2 {
+        assert!(
+            r.stdout()
+                .contains(&format!("[rank{rank}]: rank {rank} got TERM")),
+            "{}",
+            r.stdout()
+        );
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn a_frozen_rank_is_stopped_when_another_fails() {
+    let dir = scratch("frozen");
+    let mut r = start(
+        &dir,
+        &["--nproc", "2", "--stop-grace-secs", "1"],
+        r#"if [ "$RANK" = 0 ]; then echo $$ > pid0; kill -STOP $$; sleep 60; fi; sleep 0.5; exit 1"#,
+    );
+    assert_eq!(r.wait(Duration::from_secs(20)), Some(1), "{}", r.stderr());
+    let pid: u32 = std::fs::read_to_string(dir.join("pid0"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(!alive(pid), "the frozen rank was ended");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn no_child_outlives_a_killed_launcher() {
+    let dir = scratch("orphans");
+    let r = start(
+        &dir,
+        &["--nproc", "2"],
+        r#"echo $$ > "pid$RANK"; echo ready; exec sleep 60"#,
+    );
+    r.await_lines("ready", 2);
+    let pids: Vec<u32> = (0..2)
+        .map(|k| {
+            std::fs::read_to_string(dir.join(format!("pid{k}")))
+                .unwrap()
+                .trim()
+                .parse()
+                .unwrap()
+        })
+        .collect();
+    assert!(pids.iter().all(|&p| alive(p)));
+    // SAFETY: kill has no memory-safety preconditions.
+    unsafe { libc::kill(r.child.id() as i32, libc::SIGKILL) };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pids.iter().any(|&p| alive(p)) {
+        assert!(
+            Instant::now() < deadline,
+            "children outlived the launcher: {pids:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(r);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn bad_launches_are_refused_with_a_reason() {
+    let dir = scratch("bad");
+    let mut r = start(&dir, &["--nproc", "2", "--nnodes", "2"], "true");
+    assert_eq!(r.wait(Duration::from_secs(20)), Some(1));
+    assert!(r.stderr().contains("needs --rdzv"), "{}", r.stderr());
+    let mut r = start(&dir, &["--nnodes", "2", "--rdzv", "127.0.0.1:1"], "true");
+    assert_eq!(r.wait(Duration::from_secs(20)), Some(1));
+    assert!(
+        r.stderr().contains("needs a secret every node shares"),
+        "{}",
+        r.stderr()
+    );
+    let mut r = start(&dir, &["--secret-file", "/nonexistent/s"], "true");
+    assert_eq!(r.wait(Duration::from_secs(20)), Some(1));
+    assert!(
+        r.stderr().contains("group secret /nonexistent/s"),
+        "{}",
+        r.stderr()
+    );
+    drop(r);
+    std::fs::remove_dir_all(dir).unwrap();
+}
