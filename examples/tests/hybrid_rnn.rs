@@ -125,9 +125,12 @@ fn trains_end_to_end_and_reports() {
     assert!(r.stdout.contains("epoch 2/2"), "{}", r.stdout);
     let png = std::fs::read(out.join("training.png")).unwrap();
     assert_eq!(&png[1..4], b"PNG");
-    for e in 1..=2 {
-        assert!(out.join(format!("epoch-{e}.safetensors")).exists());
+    // One checkpoint per epoch (10 steps each; --checkpoint-every is 1000).
+    for step in [10, 20] {
+        assert!(out.join(format!("ckpt-{step:09}.safetensors")).exists());
     }
+    assert_eq!(j["recoveries"], 0, "{j}");
+    assert_eq!(j["time_lost_s"], serde_json::json!([]), "{j}");
     std::fs::remove_dir_all(dir).unwrap();
 }
 
@@ -203,8 +206,9 @@ fn resume_matches_an_uninterrupted_run() {
     assert_eq!(hash, resumed.json()["params_sha256"]);
 
     let dev = candle_core::Device::Cpu;
-    let ta = candle_core::safetensors::load(a.join("epoch-2.safetensors"), &dev).unwrap();
-    let tb = candle_core::safetensors::load(b.join("epoch-2.safetensors"), &dev).unwrap();
+    let last = "ckpt-000000020.safetensors";
+    let ta = candle_core::safetensors::load(a.join(last), &dev).unwrap();
+    let tb = candle_core::safetensors::load(b.join(last), &dev).unwrap();
     let mut names: Vec<&String> = ta.keys().collect();
     names.sort();
     assert_eq!(names.len(), tb.len());
@@ -301,111 +305,280 @@ fn bad_input_fails_with_a_message_not_a_panic() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
-/// A worker killed in the middle of training: the master names it and exits non-zero within
-/// seconds, well inside its 120 s timeouts (shutdown stops waiting for the dead peer), and the
-/// surviving worker exits too.
+/// A worker killed in the middle of training, with no restarts allowed: the launcher (the
+/// example's local mode) names its rank and exits with 128 + SIGKILL within seconds, well
+/// inside the 120 s timeouts, and no process of the group is left.
 #[test]
 fn a_killed_worker_fails_the_run_quickly_naming_it() {
-    a_failed_worker_ends_the_run("kill", "-KILL", Duration::from_secs(30));
+    a_failed_worker_ends_the_run("kill", libc::SIGKILL, Duration::from_secs(30));
 }
 
 /// A worker frozen (SIGSTOP) in the middle of training: its process and its connections stay,
-/// and only the failure detector notices; the master names it and exits non-zero within 10 s.
+/// and only the failure detector notices; the master names it and the run exits non-zero
+/// within 10 s.
 #[test]
 fn a_frozen_worker_fails_the_run_within_10_s_naming_it() {
-    a_failed_worker_ends_the_run("stop", "-STOP", Duration::from_secs(10));
+    a_failed_worker_ends_the_run("stop", libc::SIGSTOP, Duration::from_secs(10));
 }
 
-/// Sends `signal` to worker 1 once training is under way; the master must exit non-zero,
-/// naming it, within `within`, and the other worker must exit too.
-fn a_failed_worker_ends_the_run(name: &str, signal: &str, within: Duration) {
+/// The example's processes: the children of its launcher (local mode), by rank.
+fn ranks_of(launcher: u32) -> Vec<(u32, u32)> {
+    let kids = std::fs::read_to_string(format!("/proc/{launcher}/task/{launcher}/children"))
+        .unwrap_or_default();
+    let mut out: Vec<(u32, u32)> = kids
+        .split_whitespace()
+        .filter_map(|p| p.parse::<u32>().ok())
+        .filter_map(|pid| {
+            let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+            let rank = env
+                .split(|&b| b == 0)
+                .find_map(|kv| kv.strip_prefix(b"RANK="))
+                .and_then(|r| std::str::from_utf8(r).ok()?.parse().ok())?;
+            Some((rank, pid))
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// Whether `pid` is running or stopped (not gone, not a zombie).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| {
+            !matches!(
+                s.rsplit(") ").next().and_then(|r| r.chars().next()),
+                Some('Z') | None
+            )
+        })
+        .unwrap_or(false)
+}
+
+fn signal(pid: u32, sig: i32) {
+    // SAFETY: kill has no memory-safety preconditions.
+    unsafe { libc::kill(pid as i32, sig) };
+}
+
+/// The example's run in local mode, killed (with its children) when dropped.
+struct Launched {
+    child: std::process::Child,
+    stderr: PathBuf,
+}
+
+impl Drop for Launched {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Launched {
+    fn start(args: &[String], dir: &Path) -> Self {
+        let (so, se) = (dir.join("stdout"), dir.join("stderr"));
+        let child = Command::new(env!("CARGO_BIN_EXE_hybrid-rnn"))
+            .args(args)
+            .env_remove("RANK")
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(&so).unwrap())
+            .stderr(std::fs::File::create(&se).unwrap())
+            .spawn()
+            .unwrap();
+        Self { child, stderr: se }
+    }
+
+    fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    /// Its exit code, waiting at most `limit`.
+    fn wait(&mut self, limit: Duration) -> Option<i32> {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return s.code();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no exit within {limit:?}:\n{}",
+                self.stderr()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Waits (at most `limit`) until the master's progress record shows `step` steps done.
+    fn await_step(&mut self, out: &Path, step: u64, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        loop {
+            let done = std::fs::read_to_string(out.join("progress"))
+                .ok()
+                .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok());
+            if done.is_some_and(|d| d >= step) {
+                return;
+            }
+            assert!(
+                self.child.try_wait().unwrap().is_none(),
+                "the run ended before step {step}:\n{}",
+                self.stderr()
+            );
+            assert!(
+                Instant::now() < deadline,
+                "no step {step} within {limit:?}:\n{}",
+                self.stderr()
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+/// Sends `sig` to worker 1 once training is under way; the run must end non-zero, naming it,
+/// within `within`, and leave no process behind.
+fn a_failed_worker_ends_the_run(name: &str, sig: i32, within: Duration) {
     let dir = scratch(name);
     let out = dir.join("out");
-    let (so, se) = (dir.join("stdout"), dir.join("stderr"));
-    let mut child = Command::new(env!("CARGO_BIN_EXE_hybrid-rnn"))
-        .args(SMALL_MODEL)
-        .args(["--local-steps", "0"])
-        .args([
+    let args: Vec<String> = SMALL_MODEL
+        .iter()
+        .chain(&[
+            "--local-steps",
+            "0",
             "--train-limit",
             "1280",
             "--test-limit",
             "200",
-            "--epochs",
-            "1000",
         ])
-        .args(["--quiet", "--out-dir", out.to_str().unwrap()])
-        .env_remove("RANK")
-        .stdin(Stdio::null())
-        .stdout(std::fs::File::create(&so).unwrap())
-        .stderr(std::fs::File::create(&se).unwrap())
-        .spawn()
-        .unwrap();
-    let children_of = |pid: u32| -> Vec<u32> {
-        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-            .unwrap_or_default()
-            .split_whitespace()
-            .filter_map(|p| p.parse().ok())
-            .collect()
-    };
-    // Training is under way once the first checkpoint exists.
-    let deadline = Instant::now() + Duration::from_secs(240);
-    while !out.join("epoch-1.safetensors").exists() {
-        assert!(
-            child.try_wait().unwrap().is_none(),
-            "the run ended early: {}",
-            std::fs::read_to_string(&se).unwrap()
-        );
-        assert!(Instant::now() < deadline, "no checkpoint within 240 s");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let workers = children_of(child.id());
-    assert_eq!(workers.len(), 2, "two worker processes: {workers:?}");
-    let killed = Instant::now();
-    // The first child is rank 1.
-    let status = Command::new("kill")
-        .args([signal, &workers[0].to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let code = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s.code();
-        }
-        if killed.elapsed() > within {
-            let _ = child.kill();
-            let _ = child.wait();
-            let _ = Command::new("kill")
-                .args(["-KILL", &workers[0].to_string()])
-                .status();
-            panic!("the master did not exit within {within:?} of `kill {signal}` on a worker");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    eprintln!(
-        "the master exited {:?} after `kill {signal}`",
-        killed.elapsed()
+        .chain(&["--epochs", "1000", "--max-restarts", "0", "--quiet"])
+        .map(|s| s.to_string())
+        .chain(["--out-dir".into(), out.display().to_string()])
+        .collect();
+    let mut run = Launched::start(&args, &dir);
+    run.await_step(&out, 30, Duration::from_secs(240));
+    let ranks = ranks_of(run.child.id());
+    assert_eq!(
+        ranks.iter().map(|r| r.0).collect::<Vec<_>>(),
+        [0, 1, 2],
+        "{ranks:?}"
     );
-    // A frozen worker is still there unless the master ended it.
-    let _ = Command::new("kill")
-        .args(["-KILL", &workers[0].to_string()])
-        .status();
-    let stderr = std::fs::read_to_string(&se).unwrap();
-    assert_eq!(code, Some(1), "{stderr}");
+    let killed = Instant::now();
+    signal(ranks[1].1, sig);
+    let code = run.wait(within + Duration::from_secs(30));
+    let took = killed.elapsed();
+    eprintln!("the run exited {took:?} after signal {sig} to worker 1");
+    let stderr = run.stderr();
+    assert!(took <= within, "the run took {took:?} to end: {stderr}");
+    let (want_code, named) = if sig == libc::SIGKILL {
+        (128 + libc::SIGKILL, "rank 1 (pid")
+    } else {
+        (1, "worker1")
+    };
+    assert_eq!(code, Some(want_code), "{stderr}");
     assert!(
-        stderr.contains("worker1"),
-        "the dead worker is named: {stderr}"
+        stderr.contains(named),
+        "the failed worker is named: {stderr}"
     );
     assert!(!stderr.contains("panicked"), "{stderr}");
-    // The surviving worker exits as well (it is the master's child; the master reaped it).
-    let survivor = workers[1];
-    let gone = Instant::now() + Duration::from_secs(30);
-    while std::path::Path::new(&format!("/proc/{survivor}/stat")).exists()
-        && !std::fs::read_to_string(format!("/proc/{survivor}/stat"))
-            .unwrap_or_default()
-            .contains(") Z")
-    {
-        assert!(Instant::now() < gone, "worker2 still running");
-        std::thread::sleep(Duration::from_millis(50));
+    for (rank, pid) in ranks {
+        assert!(!alive(pid), "rank {rank} (pid {pid}) outlived the run");
     }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// One short epoch under the launcher (the example's local mode) with two failures at random
+/// steps, each a SIGKILL or a SIGSTOP of a random process (master or worker): the run goes on by
+/// itself, exits 0, reports both recoveries, and its parameters are bit-identical to an
+/// uninterrupted run's. The seed of the random choices is printed (`HYBRID_RNN_KILL_SEED`
+/// repeats a run).
+#[test]
+fn recovers_from_two_random_failures_bit_identically() {
+    let dir = scratch("recover");
+    let (a, b) = (dir.join("a"), dir.join("b"));
+    let base = |out: &Path| -> Vec<String> {
+        let mut v = with(&["--checkpoint-every", "25", "--max-restarts", "3"]);
+        // One epoch of 200 steps.
+        let limit = v.iter().position(|x| x == "--train-limit").unwrap();
+        v[limit + 1] = "12800".into();
+        v.extend([
+            "--epochs".into(),
+            "1".into(),
+            "--out-dir".into(),
+            out.display().to_string(),
+        ]);
+        v
+    };
+    let full = run(&strs(&base(&a)), &[], &dir, Duration::from_secs(300));
+    assert_eq!(full.code, Some(0), "stderr:\n{}", full.stderr);
+
+    let seed = std::env::var("HYBRID_RNN_KILL_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+        });
+    eprintln!("HYBRID_RNN_KILL_SEED={seed}");
+    let mut rng = seed;
+    let mut next = |n: u64| {
+        // splitmix64
+        rng = rng.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = rng;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        (z ^ (z >> 31)) % n
+    };
+    let mut run = Launched::start(&base(&b), &dir);
+    let mut failures = Vec::new();
+    for (lo, span) in [(10, 60), (110, 60)] {
+        let at = lo + next(span);
+        run.await_step(&b, at, Duration::from_secs(240));
+        let ranks = ranks_of(run.child.id());
+        assert_eq!(ranks.len(), 3, "{ranks:?}");
+        let victim = ranks[next(3) as usize];
+        let sig = if next(2) == 0 {
+            libc::SIGKILL
+        } else {
+            libc::SIGSTOP
+        };
+        eprintln!(
+            "step {at}: signal {sig} to rank {} (pid {})",
+            victim.0, victim.1
+        );
+        signal(victim.1, sig);
+        failures.push((victim, sig));
+        // The failed attempt's processes are gone before the next failure is chosen.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while ranks.iter().any(|r| alive(r.1)) {
+            assert!(
+                Instant::now() < deadline,
+                "the failed attempt was not ended:\n{}",
+                run.stderr()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    let code = run.wait(Duration::from_secs(300));
+    let stderr = run.stderr();
+    assert_eq!(code, Some(0), "{failures:?}\n{stderr}");
+    let stdout = std::fs::read_to_string(dir.join("stdout")).unwrap();
+    let got = Run {
+        code,
+        stdout,
+        stderr,
+    };
+    let j = got.json();
+    assert_eq!(j["recoveries"], 2, "{j}");
+    let lost = j["time_lost_s"].as_array().unwrap();
+    assert_eq!(lost.len(), 2, "{j}");
+    assert!(
+        got.stdout.matches("resumed from").count() == 2,
+        "{}",
+        got.stdout
+    );
+    assert_eq!(j["steps"], full.json()["steps"]);
+    assert_eq!(
+        j["params_sha256"],
+        full.json()["params_sha256"],
+        "the recovered run's parameters differ: {failures:?}"
+    );
+    assert_eq!(j["test_accuracy"], full.json()["test_accuracy"]);
     std::fs::remove_dir_all(dir).unwrap();
 }

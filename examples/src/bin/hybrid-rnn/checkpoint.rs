@@ -1,10 +1,15 @@
 //! Checkpoints: every parameter, every optimizer state and the training history in one
-//! safetensors file per epoch (`epoch-N.safetensors`), readable by any safetensors loader.
+//! safetensors file per checkpoint (`ckpt-<step>.safetensors`, written every
+//! `--checkpoint-every` steps and at the end of every epoch; the newest `--keep-checkpoints`
+//! are kept), readable by any safetensors loader.
 //!
 //! Names: `encoder.<param>`, `head.<param>` (the replicas are identical; one copy is kept),
 //! `optimizer.<rank>.{steps,params}` and `optimizer.<rank>.{m,v}.<i>` per parameter owner,
-//! `train.{epoch,step}`, `history.*`, and `config` (the flags that shape the run, checked on
-//! resume).
+//! `train.{epoch,step}` (completed epochs and steps), `train.progress` (the running sums of
+//! the epoch in progress), `history.*`, and `config` (the flags that shape the run, checked
+//! on resume). The data order and the dropout masks are functions of the seed (in `config`),
+//! the epoch and the step (`data::epoch_batches`, `data::dropout_mask`): they hold no state
+//! of their own, so these numbers restore them exactly.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -31,6 +36,51 @@ pub struct Checkpoint {
     pub optim: Vec<(u32, OptimizerState)>,
     /// Curves so far.
     pub history: History,
+    /// The running sums of the epoch in progress (zero at an epoch's end).
+    pub progress: EpochProgress,
+}
+
+/// The running sums of an epoch in progress, for its report (kept bit-exact across a resume).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct EpochProgress {
+    /// Sum of this epoch's step losses.
+    pub loss_sum: f64,
+    /// Sum of the losses of the current window of 50 steps.
+    pub window: f64,
+    /// Steps in that window.
+    pub window_n: u64,
+    /// Training words classified correctly this epoch.
+    pub hits: u64,
+    /// Training words seen this epoch.
+    pub seen: u64,
+}
+
+impl EpochProgress {
+    fn to_vec(self) -> Vec<f64> {
+        vec![
+            self.loss_sum,
+            self.window,
+            self.window_n as f64,
+            self.hits as f64,
+            self.seen as f64,
+        ]
+    }
+
+    fn from_vec(v: &[f64]) -> Result<Self> {
+        let [loss_sum, window, window_n, hits, seen] = v else {
+            bail!(
+                "checkpoint tensor `train.progress` has {} values, not 5",
+                v.len()
+            );
+        };
+        Ok(Self {
+            loss_sum: *loss_sum,
+            window: *window,
+            window_n: *window_n as u64,
+            hits: *hits as u64,
+            seen: *seen as u64,
+        })
+    }
 }
 
 fn scalar(x: u64) -> Result<Tensor> {
@@ -51,6 +101,7 @@ impl Checkpoint {
         m.insert("train.epoch".into(), scalar(self.epoch)?);
         m.insert("train.step".into(), scalar(self.step)?);
         m.insert("config".into(), floats(&self.config)?);
+        m.insert("train.progress".into(), floats(&self.progress.to_vec())?);
         for (n, t) in &self.encoder {
             m.insert(format!("encoder.{n}"), t.clone());
         }
@@ -75,7 +126,7 @@ impl Checkpoint {
             }
         }
         self.history.save(&mut m)?;
-        let path = dir.join(format!("epoch-{}.safetensors", self.epoch));
+        let path = dir.join(format!("{PREFIX}{:09}{SUFFIX}", self.step));
         replace_durably(&path, |tmp| {
             candle_core::safetensors::save(&m, tmp)
                 .with_context(|| format!("cannot write {}", tmp.display()))
@@ -131,34 +182,67 @@ impl Checkpoint {
             head: named("head", head)?,
             optim,
             history: History::load(&m)?,
+            progress: EpochProgress::from_vec(
+                &get("train.progress")?.to_dtype(DType::F64)?.to_vec1()?,
+            )?,
         })
     }
 
-    /// The checkpoint of the highest epoch in `dir`, if any.
+    /// The checkpoint of the highest step in `dir`, if any.
     pub fn latest(dir: &Path) -> Result<Option<PathBuf>> {
+        Ok(Self::all(dir)?.pop())
+    }
+
+    /// Every checkpoint in `dir`, oldest first.
+    fn all(dir: &Path) -> Result<Vec<PathBuf>> {
         let entries = match std::fs::read_dir(dir) {
             Ok(e) => e,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
             Err(e) => return Err(e).with_context(|| format!("cannot list {}", dir.display())),
         };
-        let mut best: Option<(u64, PathBuf)> = None;
+        let mut found: Vec<(u64, PathBuf)> = Vec::new();
         for e in entries {
             let path = e?.path();
-            let epoch = path.file_name().and_then(|n| n.to_str()).and_then(|n| {
-                n.strip_prefix("epoch-")?
-                    .strip_suffix(".safetensors")?
-                    .parse()
-                    .ok()
-            });
-            if let Some(epoch) = epoch {
-                if best.as_ref().is_none_or(|(b, _)| epoch > *b) {
-                    best = Some((epoch, path));
-                }
+            let step = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .and_then(|n| n.strip_prefix(PREFIX)?.strip_suffix(SUFFIX)?.parse().ok());
+            if let Some(step) = step {
+                found.push((step, path));
             }
         }
-        Ok(best.map(|(_, p)| p))
+        found.sort();
+        Ok(found.into_iter().map(|(_, p)| p).collect())
+    }
+
+    /// Removes all but the newest `keep` checkpoints of `dir`, and temporaries a killed writer
+    /// left.
+    pub fn prune(dir: &Path, keep: usize) -> Result<()> {
+        if !dir.exists() {
+            return Ok(());
+        }
+        let all = Self::all(dir)?;
+        let old = all.len().saturating_sub(keep);
+        for p in &all[..old] {
+            std::fs::remove_file(p).with_context(|| format!("cannot remove {}", p.display()))?;
+        }
+        for e in std::fs::read_dir(dir).with_context(|| format!("cannot list {}", dir.display()))? {
+            let path = e?.path();
+            let stale = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with(&format!(".{PREFIX}")) && n.ends_with(".tmp"));
+            if stale {
+                let _ = std::fs::remove_file(&path);
+            }
+        }
+        Ok(())
     }
 }
+
+/// Checkpoint file names: `ckpt-<step, 9 digits>.safetensors`.
+const PREFIX: &str = "ckpt-";
+const SUFFIX: &str = ".safetensors";
 
 /// SHA-256 of `params` in the order given, as hex: each parameter's name, shape and `f32`
 /// bytes (little-endian, row-major), so two runs can be compared without their checkpoints
@@ -258,6 +342,34 @@ mod tests {
             ("b".to_string(), t(&[3.0])),
         ];
         assert_ne!(base, params_sha256(&reshaped).unwrap());
+    }
+
+    #[test]
+    fn the_latest_is_the_highest_step_and_pruning_keeps_the_newest() {
+        let d = scratch("prune");
+        for step in [5u64, 120, 40, 1000] {
+            std::fs::write(d.join(format!("ckpt-{step:09}.safetensors")), b"x").unwrap();
+        }
+        std::fs::write(d.join(".ckpt-000002000.safetensors.tmp"), b"half").unwrap();
+        std::fs::write(d.join("training.png"), b"p").unwrap();
+        assert_eq!(
+            Checkpoint::latest(&d).unwrap().unwrap(),
+            d.join("ckpt-000001000.safetensors")
+        );
+        Checkpoint::prune(&d, 2).unwrap();
+        assert_eq!(
+            entries(&d),
+            [
+                "ckpt-000000120.safetensors",
+                "ckpt-000001000.safetensors",
+                "training.png"
+            ]
+        );
+        Checkpoint::prune(&d, 0).unwrap();
+        assert_eq!(entries(&d), ["training.png"]);
+        assert_eq!(Checkpoint::latest(&d).unwrap(), None);
+        std::fs::remove_dir_all(&d).unwrap();
+        Checkpoint::prune(&d, 0).expect("a missing directory holds nothing to prune");
     }
 
     #[test]

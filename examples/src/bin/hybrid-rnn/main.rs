@@ -1,7 +1,9 @@
 //! Hybrid-parallel character-LSTM language identifier: a master and two workers.
 //!
 //! `cargo run --release -p examples --bin hybrid-rnn` trains end to end with all three
-//! processes on 127.0.0.1: the master (rank 0) holds the embedding and the bidirectional LSTM
+//! processes on 127.0.0.1, started by the `rpcrun` launcher's code (this process supervises
+//! them and restarts the group after a failure, up to `--max-restarts` times; the restarted
+//! master resumes from the latest checkpoint by itself): the master (rank 0) holds the embedding and the bidirectional LSTM
 //! encoder and drives training; worker 1 holds `NetShard1`, the classifier head on one device;
 //! worker 2 holds `NetShard2`, the same head split across two devices. Each step the master
 //! splits the batch in two and sends each half's encodings to one worker (model parallelism),
@@ -9,7 +11,12 @@
 //! parameter; the workers sum their replicas' gradients with a ring all-reduce before their
 //! update (data parallelism). With `RANK`, `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT` set,
 //! each process joins that group instead (rank 0 is the master), so the same binary runs on
-//! three machines.
+//! three machines, under `rpcrun`, torchrun, `srun` or `mpirun`.
+//!
+//! Checkpoints are written every `--checkpoint-every` steps and at every epoch's end. A master
+//! started with a positive restart count (`RPC_RESTART_COUNT`, or torchrun's) resumes from the
+//! latest one, replays the steps since, and its parameters end bit-identical to an
+//! uninterrupted run's.
 //!
 //! The master first trains a copy of the same model in one process for `--local-steps` steps
 //! on the same batches, and its losses are compared with the distributed run's
@@ -23,6 +30,7 @@ mod data;
 mod local;
 mod lstm;
 mod model;
+mod recovery;
 mod report;
 mod shard;
 
@@ -38,7 +46,7 @@ use rpc_core::{Agent, Config, Registry};
 use rref::RRef;
 use serde_json::json;
 
-use checkpoint::Checkpoint;
+use checkpoint::{Checkpoint, EpochProgress};
 use data::{Batch, Split, Vocab};
 use local::LocalModel;
 use model::{Dims, Encoder, EncoderInput, HEAD_PARAMS};
@@ -90,9 +98,20 @@ struct Args {
     out_dir: PathBuf,
     /// Continue from the latest checkpoint in `--out-dir`. Give the interrupted run's flags:
     /// the model and data flags are checked against the checkpoint, and the learning-rate
-    /// schedule follows `--epochs`.
+    /// schedule follows `--epochs`. (A master restarted by a launcher resumes by itself.)
     #[arg(long)]
     resume: bool,
+    /// Write a checkpoint every K steps (and at every epoch's end): at most K steps are
+    /// replayed after a failure (1000 steps: under a minute on a 2-core machine).
+    #[arg(long, default_value_t = 1000)]
+    checkpoint_every: u64,
+    /// Checkpoints kept in `--out-dir` (older ones are removed).
+    #[arg(long, default_value_t = 3)]
+    keep_checkpoints: usize,
+    /// Local mode: restarts of the three processes after a failure (a killed or frozen
+    /// process) before giving up.
+    #[arg(long, default_value_t = 3)]
+    max_restarts: u32,
     /// Only compare 20 distributed steps with the same steps in one process, and fail if a
     /// loss differs by more than 1e-4.
     #[arg(long)]
@@ -147,6 +166,14 @@ impl Args {
             "layer widths must be positive"
         );
         ensure!(self.timeout_secs > 0, "--timeout-secs must be positive");
+        ensure!(
+            self.checkpoint_every > 0,
+            "--checkpoint-every must be positive"
+        );
+        ensure!(
+            self.keep_checkpoints > 0,
+            "--keep-checkpoints must be positive"
+        );
         ensure!(
             self.init_timeout_secs > 0,
             "--init-timeout-secs must be positive"
@@ -266,40 +293,29 @@ fn run() -> Result<i32> {
     }
     let args = Args::parse();
     args.validate()?;
+    if rank.is_none() {
+        return launch_local(&args);
+    }
     let data = Data::load(&args)?;
-    let resume_from = if args.resume {
-        let path = Checkpoint::latest(&args.out_dir)?
-            .with_context(|| format!("--resume: no checkpoint in {}", args.out_dir.display()))?;
-        Some(path)
+    let restart = rpc_core::launched_restart_count()?;
+    let resume_from = if (args.resume || restart > 0) && !args.check_equivalence {
+        let latest = Checkpoint::latest(&args.out_dir)?;
+        ensure!(
+            latest.is_some() || restart > 0,
+            "--resume: no checkpoint in {}",
+            args.out_dir.display()
+        );
+        latest
     } else {
         None
     };
     let timeout = Duration::from_secs(args.timeout_secs);
-    // Spawned workers wait for the master as long as the training may take. (Set while this
-    // process has a single thread: before the runtime starts.)
-    std::env::set_var(
-        "HYBRID_RNN_WORKER_TIMEOUT",
-        (args.timeout_secs.max(3600)).to_string(),
-    );
-    let rt = examples::runtime()?;
-    let (cfg, workers) = match rank {
-        Some(_) => (
-            Config::new()
-                .with_name("master")
-                .with_rpc_timeout(timeout)
-                .with_shutdown_timeout(timeout)
-                .with_init_timeout(Duration::from_secs(args.init_timeout_secs)),
-            None,
-        ),
-        None => {
-            let w = examples::Workers::spawn(3)?;
-            let cfg = w
-                .rank0_config("master", timeout)
-                .with_init_timeout(Duration::from_secs(args.init_timeout_secs));
-            (cfg, Some(w))
-        }
-    };
-    let outcome = rt.block_on(async {
+    let cfg = Config::new()
+        .with_name("master")
+        .with_rpc_timeout(timeout)
+        .with_shutdown_timeout(timeout)
+        .with_init_timeout(Duration::from_secs(args.init_timeout_secs));
+    examples::runtime()?.block_on(async {
         let agent = rpc_core::init(cfg, registry()?)
             .await
             .context("forming the group (master, worker1, worker2)")?;
@@ -308,21 +324,52 @@ fn run() -> Result<i32> {
             "the group has {} workers; this example needs 3 (a master and two workers)",
             agent.world_size()
         );
-        let result = master(&agent, &args, &data, resume_from.as_deref()).await;
+        let result = master(&agent, &args, &data, resume_from.as_deref(), restart).await;
         // After a failure a worker may be gone; shutdown notices dead peers by itself (the
         // barrier and RRef traffic stop waiting for them), so this also returns in seconds.
         let report = agent.shutdown().await;
         let code = result?;
         ensure!(report.is_clean(), "shutdown was not clean: {report:?}");
         Ok(code)
-    });
-    if let Some(w) = workers {
-        match &outcome {
-            Ok(_) => w.wait_success(timeout)?,
-            Err(_) => drop(w), // kills and reaps them
-        }
+    })
+}
+
+/// Local mode: checks what can be checked here, then runs the master and both workers as
+/// children of this process with the launcher's code (`rpcrun`), which restarts all three
+/// after a failure, up to `--max-restarts` times. The children's output is this process's.
+fn launch_local(args: &Args) -> Result<i32> {
+    Data::load(args)?;
+    if args.resume {
+        ensure!(
+            Checkpoint::latest(&args.out_dir)?.is_some(),
+            "--resume: no checkpoint in {}",
+            args.out_dir.display()
+        );
     }
-    outcome
+    // Workers wait for the master as long as the training may take. (Set while this process
+    // has a single thread.)
+    std::env::set_var(
+        "HYBRID_RNN_WORKER_TIMEOUT",
+        (args.timeout_secs.max(3600)).to_string(),
+    );
+    let exit = rpcrun::Launch::new(std::env::current_exe()?)
+        .args(std::env::args_os().skip(1))
+        .nproc(3)
+        .max_restarts(args.max_restarts)
+        .prefix_output(false)
+        .run()?;
+    if exit.restarts > 0 || !exit.failures.is_empty() {
+        eprintln!(
+            "hybrid-rnn: {} restart(s); failures: {}",
+            exit.restarts,
+            exit.failures
+                .iter()
+                .map(|f| format!("rank {} {}", f.rank, f.what))
+                .collect::<Vec<_>>()
+                .join("; ")
+        );
+    }
+    Ok(exit.code)
 }
 
 /// The dataset, encoded.
@@ -463,6 +510,7 @@ impl Hybrid {
         epoch: u64,
         step: u64,
         history: &History,
+        progress: EpochProgress,
     ) -> Result<PathBuf> {
         let head = self.shards[0].rpc_async(shard::shard_values, ()).await?;
         let states = self.opt.state().await?;
@@ -478,6 +526,7 @@ impl Hybrid {
                 .collect(),
             optim: self.opt.owners().into_iter().zip(states).collect(),
             history: history.clone(),
+            progress,
         };
         ck.save(&args.out_dir)
     }
@@ -640,20 +689,25 @@ async fn master(
     args: &Args,
     data: &Data,
     resume_from: Option<&std::path::Path>,
+    restart: u32,
 ) -> Result<i32> {
     let dims = args.dims(data.vocab);
     let start = Instant::now();
     let baseline_steps = if args.check_equivalence {
         EQUIVALENCE_STEPS
+    } else if resume_from.is_some() {
+        0 // the loss comparison is of the first steps, which a resumed run does not take
     } else {
         args.local_steps
     };
     let (mut local, mut local_times, local_losses) =
         local_baseline(args, &dims, data, baseline_steps)?;
     let model = Hybrid::new(agent, args, &dims).await?;
+    let per_epoch = (data.train.len() / args.batch) as u64;
 
     let mut history = History::default();
     let (mut epoch0, mut step) = (0u64, 0u64);
+    let mut progress = EpochProgress::default();
     if let Some(path) = resume_from {
         let ck = Checkpoint::load(
             path,
@@ -668,19 +722,36 @@ async fn master(
             ck.config,
             args.shape(&dims)
         );
-        (epoch0, step) = (ck.epoch, ck.step);
+        (epoch0, step, progress) = (ck.epoch, ck.step, ck.progress);
+        ensure!(
+            (epoch0 * per_epoch..(epoch0 + 1) * per_epoch).contains(&step),
+            "{}: step {step} is not in epoch {} of {per_epoch} steps",
+            path.display(),
+            epoch0 + 1
+        );
         history = ck.history.clone();
         model.restore(ck).await?;
         println!(
-            "resumed from {} (epoch {epoch0}, step {step})",
+            "resumed from {} (epoch {epoch0}, step {step}, restart {restart})",
             path.display()
         );
+    } else if restart == 0 && !args.check_equivalence {
+        // A fresh run: checkpoints of an earlier run in the same directory must not be
+        // resumed by this one's restarts.
+        Checkpoint::prune(&args.out_dir, 0)?;
     }
 
     if args.check_equivalence {
         return check_equivalence(&model, args, &dims, data, &local_losses).await;
     }
 
+    // A restarted run resumes, if only from step 0 (a failure before the first checkpoint).
+    let resumed = resume_from.is_some() || restart > 0;
+    if resumed && resume_from.is_none() {
+        println!("resumed from the start, no checkpoint yet (restart {restart})");
+    }
+    let mut tracker = recovery::Tracker::open(&args.out_dir, restart, resumed.then_some(step))?;
+    tracker.completed(step)?;
     let mut step_times = Vec::new();
     let mut dist_losses = Vec::new();
     let mut last_preds = None;
@@ -689,10 +760,11 @@ async fn master(
         let batches = data::epoch_batches(data.train.len(), args.batch, args.seed, epoch);
         model.opt.set_lr(args.lr_at(epoch)).await?;
         let bar = progress_bar(args, batches.len() as u64, epoch);
-        let (mut loss_sum, mut window, mut window_n, mut hits, mut seen) =
-            (0.0, 0.0, 0, 0usize, 0usize);
+        // Where a resumed epoch picks up.
+        let k0 = (step - epoch * per_epoch) as usize;
+        bar.set_position(k0 as u64);
         let epoch_start = Instant::now();
-        for (k, idx) in batches.iter().enumerate() {
+        for (k, idx) in batches.iter().enumerate().skip(k0) {
             let t0 = Instant::now();
             let (batch, mask) = training_batch(args, &dims, data, idx, step)?;
             let (loss, logits) = model
@@ -704,23 +776,33 @@ async fn master(
                 loss.is_finite(),
                 "the loss diverged at step {step} ({loss})"
             );
-            if epoch == 0 && k < local_losses.len() {
+            if resume_from.is_none() && epoch == 0 && k < local_losses.len() {
                 dist_losses.push(f64::from(loss));
             }
             step += 1;
-            loss_sum += f64::from(loss);
-            (window, window_n) = (window + f64::from(loss), window_n + 1);
-            if window_n == 50 {
-                history.loss.push((step as f64, window / 50.0));
-                (window, window_n) = (0.0, 0);
+            {
+                let p = &mut progress;
+                p.loss_sum += f64::from(loss);
+                (p.window, p.window_n) = (p.window + f64::from(loss), p.window_n + 1);
+                if p.window_n == 50 {
+                    history.loss.push((step as f64, p.window / 50.0));
+                    (p.window, p.window_n) = (0.0, 0);
+                }
+                p.hits += correct(&logits, &batch.labels)? as u64;
+                p.seen += batch.b as u64;
             }
-            hits += correct(&logits, &batch.labels)?;
-            seen += batch.b;
+            tracker.completed(step)?;
+            if step % args.checkpoint_every == 0 && k + 1 < batches.len() {
+                model
+                    .checkpoint(&dims, args, epoch, step, &history, progress)
+                    .await?;
+                Checkpoint::prune(&args.out_dir, args.keep_checkpoints)?;
+            }
             bar.set_message(format!(
                 "loss {:.3}  acc {:.3}  {:.1} steps/s",
-                loss_sum / (k + 1) as f64,
-                hits as f64 / seen as f64,
-                (k + 1) as f64 / epoch_start.elapsed().as_secs_f64()
+                progress.loss_sum / (k + 1) as f64,
+                progress.hits as f64 / progress.seen as f64,
+                (k + 1 - k0) as f64 / epoch_start.elapsed().as_secs_f64()
             ));
             bar.inc(1);
         }
@@ -731,17 +813,20 @@ async fn master(
         local_times.extend(times);
         let preds = model.predict(&data.test).await?;
         let test_acc = accuracy(&preds, data.test.labels());
-        history.train_acc.push(hits as f64 / seen.max(1) as f64);
+        let done = std::mem::take(&mut progress);
+        let train_acc = done.hits as f64 / done.seen.max(1) as f64;
+        history.train_acc.push(train_acc);
         history.test_acc.push(test_acc);
         let path = model
-            .checkpoint(&dims, args, epoch + 1, step, &history)
+            .checkpoint(&dims, args, epoch + 1, step, &history, progress)
             .await?;
+        Checkpoint::prune(&args.out_dir, args.keep_checkpoints)?;
         println!(
             "epoch {}/{}: train loss {:.4}, train accuracy {:.4}, test accuracy {:.4}, {:.1} s, checkpoint {}",
             epoch + 1,
             args.epochs,
-            loss_sum / batches.len().max(1) as f64,
-            hits as f64 / seen.max(1) as f64,
+            done.loss_sum / batches.len().max(1) as f64,
+            train_acc,
             test_acc,
             epoch_start.elapsed().as_secs_f64(),
             path.display()
@@ -770,8 +855,7 @@ async fn master(
     )?;
     let dist = median_ms(step_times);
     let local = median_ms(local_times);
-    let max_diff =
-        (!dist_losses.is_empty() && epoch0 == 0).then(|| max_abs_diff(&dist_losses, &local_losses));
+    let max_diff = (!dist_losses.is_empty()).then(|| max_abs_diff(&dist_losses, &local_losses));
     let line = json!({
         "test_accuracy": round(test_acc, 4),
         "epochs": args.epochs,
@@ -780,6 +864,9 @@ async fn master(
         "local_ms_per_step_median": local.map(|x| round(x, 2)),
         "distributed_over_local": dist.zip(local).map(|(d, l)| round(d / l, 3)),
         "max_loss_diff": max_diff,
+        "recoveries": restart,
+        "time_lost_s": tracker.recoveries()?.iter().map(|r| round(r.time_lost_s, 2)).collect::<Vec<_>>(),
+        "replayed_steps": tracker.recoveries()?.iter().map(|r| r.failed_after_step - r.resumed_from_step).collect::<Vec<_>>(),
         "replica_max_diff": replica_diff,
         "params_sha256": params_sha256,
         "languages": LANGS.len(),

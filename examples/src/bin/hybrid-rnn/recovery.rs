@@ -1,0 +1,186 @@
+//! What a failure cost: the master records the last step it completed and when (`progress`,
+//! overwritten in place after every step), and a restarted master, once it has replayed up to
+//! that step, appends how long the way back took to `recoveries.json`: detection, restart,
+//! restore and replay together.
+//!
+//! A failure during the replay of an earlier one keeps the earlier record (the progress file
+//! is not overwritten until the replay has passed it), so both count as one recovery whose
+//! time covers both.
+
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
+
+use crate::checkpoint::replace_durably;
+
+const PROGRESS: &str = "progress";
+const RECOVERIES: &str = "recoveries.json";
+/// The progress record's fixed width (a shorter one is padded with spaces).
+const RECORD: usize = 48;
+
+/// One recovery, as `recoveries.json` and the final JSON line report it.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Recovery {
+    /// The launcher's restart count of the run that caught up.
+    pub restart: u32,
+    /// The last step the failed run completed.
+    pub failed_after_step: u64,
+    /// The checkpoint's step the restarted run began from.
+    pub resumed_from_step: u64,
+    /// Seconds from the failed run's last completed step to the restarted run's completing
+    /// that step again.
+    pub time_lost_s: f64,
+}
+
+/// The master's record of its progress in `dir`.
+pub struct Tracker {
+    dir: PathBuf,
+    file: std::fs::File,
+    restart: u32,
+    resumed_from: u64,
+    /// The failed run's last step and its time (ms since the epoch), until caught up.
+    pending: Option<(u64, u64)>,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+impl Tracker {
+    /// A tracker for a run starting fresh (`resumed_from` is `None`: earlier records are
+    /// removed) or resuming from a checkpoint at step `resumed_from`.
+    pub fn open(dir: &Path, restart: u32, resumed_from: Option<u64>) -> Result<Self> {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+        let path = dir.join(PROGRESS);
+        let pending = match resumed_from {
+            Some(_) => read_progress(&path),
+            None => {
+                for f in [PROGRESS, RECOVERIES] {
+                    match std::fs::remove_file(dir.join(f)) {
+                        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                            return Err(e).with_context(|| format!("cannot remove {f}"))
+                        }
+                        _ => {}
+                    }
+                }
+                None
+            }
+        };
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .with_context(|| format!("cannot open {}", path.display()))?;
+        Ok(Self {
+            dir: dir.to_owned(),
+            file,
+            restart,
+            resumed_from: resumed_from.unwrap_or(0),
+            pending,
+        })
+    }
+
+    /// Notes that `step` steps are complete (also called once after a restore, with the
+    /// checkpoint's step).
+    pub fn completed(&mut self, step: u64) -> Result<()> {
+        if let Some((last, at)) = self.pending {
+            if step < last {
+                return Ok(());
+            }
+            self.pending = None;
+            let mut all = self.recoveries()?;
+            all.push(Recovery {
+                restart: self.restart,
+                failed_after_step: last,
+                resumed_from_step: self.resumed_from,
+                time_lost_s: now_ms().saturating_sub(at) as f64 / 1e3,
+            });
+            let path = self.dir.join(RECOVERIES);
+            replace_durably(&path, |tmp| {
+                let mut f = std::fs::File::create(tmp)?;
+                f.write_all(&serde_json::to_vec_pretty(&all)?)?;
+                Ok(())
+            })?;
+        }
+        let mut rec = format!("{step} {}", now_ms()).into_bytes();
+        rec.resize(RECORD - 1, b' ');
+        rec.push(b'\n');
+        // Overwritten in place: no fsync (a process crash keeps the page cache; this only
+        // measures time).
+        self.file
+            .write_all_at(&rec, 0)
+            .context("cannot write the progress record")
+    }
+
+    /// Every recovery of this run so far.
+    pub fn recoveries(&self) -> Result<Vec<Recovery>> {
+        let path = self.dir.join(RECOVERIES);
+        match std::fs::read(&path) {
+            Ok(b) => serde_json::from_slice(&b)
+                .with_context(|| format!("{} is not a list of recoveries", path.display())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+            Err(e) => Err(e).with_context(|| format!("cannot read {}", path.display())),
+        }
+    }
+}
+
+/// The step and time of a progress record, if there is a readable one.
+fn read_progress(path: &Path) -> Option<(u64, u64)> {
+    let s = std::fs::read_to_string(path).ok()?;
+    let mut it = s.split_whitespace();
+    Some((it.next()?.parse().ok()?, it.next()?.parse().ok()?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scratch(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("hybrid-rnn-rec-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        d
+    }
+
+    #[test]
+    fn a_recovery_is_recorded_once_the_replay_passes_the_failed_step() {
+        let d = scratch("rec");
+        let mut t = Tracker::open(&d, 0, None).unwrap();
+        for s in 1..=7 {
+            t.completed(s).unwrap();
+        }
+        drop(t); // the failure
+        let mut t = Tracker::open(&d, 1, Some(5)).unwrap();
+        t.completed(5).unwrap();
+        t.completed(6).unwrap();
+        assert!(t.recoveries().unwrap().is_empty(), "not caught up yet");
+        drop(t); // a second failure during the replay: the first record stays
+        let mut t = Tracker::open(&d, 2, Some(5)).unwrap();
+        for s in 5..=8 {
+            t.completed(s).unwrap();
+        }
+        let r = t.recoveries().unwrap();
+        assert_eq!(r.len(), 1, "{r:?}");
+        assert_eq!(
+            (r[0].restart, r[0].failed_after_step, r[0].resumed_from_step),
+            (2, 7, 5)
+        );
+        assert!(r[0].time_lost_s >= 0.0 && r[0].time_lost_s < 60.0);
+        drop(t);
+        // The next failure is measured from step 8.
+        let mut t = Tracker::open(&d, 3, Some(8)).unwrap();
+        t.completed(8).unwrap();
+        assert_eq!(t.recoveries().unwrap().len(), 2);
+        assert_eq!(t.recoveries().unwrap()[1].failed_after_step, 8);
+        // A fresh run forgets them.
+        let t = Tracker::open(&d, 0, None).unwrap();
+        assert!(t.recoveries().unwrap().is_empty());
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+}
