@@ -71,7 +71,10 @@ pub fn is_worker() -> bool {
 }
 
 /// Worker side: joins the group described by the environment, serves `registry` until every
-/// worker has called shutdown, and checks that the shutdown was clean.
+/// worker has called shutdown, and checks that the shutdown was clean and that the group lost
+/// no worker on the way (the survivors of a failure may still shut down cleanly together, but
+/// the job did not succeed: a non-zero exit lets a launcher restart this process too, also
+/// when it is the only one on its node).
 pub async fn serve_until_shutdown(registry: Registry, timeout: Duration) -> Result<()> {
     let cfg = Config::new()
         .with_shutdown_timeout(timeout)
@@ -83,6 +86,15 @@ pub async fn serve_until_shutdown(registry: Registry, timeout: Duration) -> Resu
         "{} shut down uncleanly: {report:?}",
         agent.name()
     );
+    if let Some(f) = agent.failed_workers().first() {
+        anyhow::bail!(
+            "{}: the group lost `{}` (rank {}): {}",
+            agent.name(),
+            f.name,
+            f.rank,
+            f.cause
+        );
+    }
     Ok(())
 }
 

@@ -866,6 +866,7 @@ async fn master(
         "max_loss_diff": max_diff,
         "recoveries": restart,
         "time_lost_s": tracker.recoveries()?.iter().map(|r| round(r.time_lost_s, 2)).collect::<Vec<_>>(),
+        "restart_s": tracker.recoveries()?.iter().map(|r| round(r.restart_s, 2)).collect::<Vec<_>>(),
         "replayed_steps": tracker.recoveries()?.iter().map(|r| r.failed_after_step - r.resumed_from_step).collect::<Vec<_>>(),
         "replica_max_diff": replica_diff,
         "params_sha256": params_sha256,

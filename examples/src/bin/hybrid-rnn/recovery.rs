@@ -34,6 +34,9 @@ pub struct Recovery {
     /// Seconds from the failed run's last completed step to the restarted run's completing
     /// that step again.
     pub time_lost_s: f64,
+    /// Of those, the seconds until the restarted run had restored its checkpoint (detection,
+    /// restart, group formation, restore); the rest is the replay.
+    pub restart_s: f64,
 }
 
 /// The master's record of its progress in `dir`.
@@ -44,6 +47,8 @@ pub struct Tracker {
     resumed_from: u64,
     /// The failed run's last step and its time (ms since the epoch), until caught up.
     pending: Option<(u64, u64)>,
+    /// When the first step was ready to run (ms since the epoch).
+    ready_at: Option<u64>,
 }
 
 fn now_ms() -> u64 {
@@ -84,12 +89,14 @@ impl Tracker {
             restart,
             resumed_from: resumed_from.unwrap_or(0),
             pending,
+            ready_at: None,
         })
     }
 
-    /// Notes that `step` steps are complete (also called once after a restore, with the
-    /// checkpoint's step).
+    /// Notes that `step` steps are complete (called first once the run is ready to train, after
+    /// a restore with the checkpoint's step).
     pub fn completed(&mut self, step: u64) -> Result<()> {
+        let ready_at = *self.ready_at.get_or_insert_with(now_ms);
         if let Some((last, at)) = self.pending {
             if step < last {
                 return Ok(());
@@ -101,6 +108,7 @@ impl Tracker {
                 failed_after_step: last,
                 resumed_from_step: self.resumed_from,
                 time_lost_s: now_ms().saturating_sub(at) as f64 / 1e3,
+                restart_s: ready_at.saturating_sub(at) as f64 / 1e3,
             });
             let path = self.dir.join(RECOVERIES);
             replace_durably(&path, |tmp| {
@@ -172,6 +180,7 @@ mod tests {
             (2, 7, 5)
         );
         assert!(r[0].time_lost_s >= 0.0 && r[0].time_lost_s < 60.0);
+        assert!(r[0].restart_s <= r[0].time_lost_s);
         drop(t);
         // The next failure is measured from step 8.
         let mut t = Tracker::open(&d, 3, Some(8)).unwrap();

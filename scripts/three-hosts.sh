@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# The hybrid example on three emulated hosts: three network namespaces (each process also in a
+# PID namespace of its own, so no shared-memory shortcut finds its peers), joined by veth
+# pairs to a bridge in a fourth, with `tc netem` 2 ms delay and 0.1 % loss on every link
+# where the kernel has netem. One `rpcrun --nnodes 3` per "host" starts one process there.
+# Mid-run, host 2's link is cut both ways for CUT_SECS seconds and then restored: the group
+# must notice, restart, resume from the checkpoint and finish with the same parameters as a
+# run on loopback.
+#
+#   scripts/three-hosts.sh [HYBRID_RNN_FLAGS...]
+#
+# Environment: BIN_DIR (where hybrid-rnn and rpcrun are; default: builds target/release),
+# CUT_AT_STEP (default 150), CUT_SECS (default 4), OUT (default target/three-hosts).
+# Needs root, iproute2 and util-linux's unshare; otherwise it says why and exits 0 without
+# running (exit 77 with SKIP_STATUS=77). The namespaces are deleted and every process killed
+# on exit, however it exits.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+skip() { echo "three-hosts: skipped: $*"; exit "${SKIP_STATUS:-0}"; }
+[ "$(id -u)" = 0 ] || skip "not root"
+for t in ip tc unshare python3; do command -v "$t" >/dev/null || skip "\`$t\` is not installed"; done
+
+flags=("$@")
+[ ${#flags[@]} -gt 0 ] || flags=(--epochs 1 --checkpoint-every 100)
+cut_at=${CUT_AT_STEP:-150}
+cut_secs=${CUT_SECS:-4}
+out=${OUT:-target/three-hosts}
+if [ -z "${BIN_DIR:-}" ]; then
+    cargo build --release -q -p examples --bin hybrid-rnn -p rpcrun --bin rpcrun
+    BIN_DIR=target/release
+fi
+bin=$(cd "$BIN_DIR" && pwd)
+rm -rf "$out" && mkdir -p "$out"
+out=$(cd "$out" && pwd)
+
+tag="rpc3h$$"
+hub="${tag}hub"
+hosts=("${tag}0" "${tag}1" "${tag}2")
+pids=()
+cleanup() {
+    for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+    for n in "${hosts[@]}" "$hub"; do ip netns del "$n" 2>/dev/null || true; done
+}
+trap cleanup EXIT
+trap 'exit 143' TERM INT
+
+ip netns add "$hub" || skip "cannot make network namespaces"
+ip -n "$hub" link add br0 type bridge
+ip -n "$hub" link set br0 up
+netem=yes
+for i in 0 1 2; do
+    ns=${hosts[$i]}
+    ip netns add "$ns"
+    ip link add "v$i" netns "$ns" type veth peer name "h$i" netns "$hub"
+    ip -n "$hub" link set "h$i" master br0
+    ip -n "$hub" link set "h$i" up
+    ip -n "$ns" addr add "10.232.0.$((i + 1))/24" dev "v$i"
+    ip -n "$ns" link set "v$i" up
+    ip -n "$ns" link set lo up
+    # 2 ms each way on the host's side of its link, 0.1 % loss.
+    if ! ip netns exec "$ns" tc qdisc add dev "v$i" root netem delay 2ms loss 0.1% 2>/dev/null; then
+        netem=no
+    fi
+done
+[ "$netem" = yes ] || echo "three-hosts: this kernel has no sch_netem: links without the 2 ms delay and 0.1 % loss"
+
+# The uninterrupted reference, on loopback.
+echo "reference run on loopback: ${flags[*]}"
+"$bin/hybrid-rnn" "${flags[@]}" --quiet --out-dir "$out/ref" >"$out/ref.out" 2>"$out/ref.err"
+tail -1 "$out/ref.out"
+
+head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$out/secret"
+chmod 600 "$out/secret"
+for i in 0 1 2; do
+    ip netns exec "${hosts[$i]}" unshare --pid --fork --kill-child --mount-proc \
+        "$bin/rpcrun" --nnodes 3 --nproc 1 --node-rank "$i" --rdzv 10.232.0.1:29500 \
+        --secret-file "$out/secret" --max-restarts 3 -- \
+        "$bin/hybrid-rnn" "${flags[@]}" --quiet --out-dir "$out/run" \
+        >"$out/host$i.out" 2>"$out/host$i.err" &
+    pids+=($!)
+done
+
+done_steps() { awk '{print $1}' "$out/run/progress" 2>/dev/null || echo 0; }
+deadline=$((SECONDS + 600))
+while [ "$(done_steps)" -lt "$cut_at" ]; do
+    [ $SECONDS -lt $deadline ] || { echo "no step $cut_at within 600 s"; tail "$out"/host*.err; exit 1; }
+    kill -0 "${pids[0]}" 2>/dev/null || { echo "host 0 ended early"; tail "$out"/host*.err; exit 1; }
+    sleep 0.01
+done
+echo "step $(done_steps): cutting host 2's link for $cut_secs s"
+cut_start=$SECONDS
+for side in "${hosts[2]} v2" "$hub h2"; do
+    set -- $side
+    ip netns exec "$1" tc qdisc replace dev "$2" root pfifo limit 0
+done
+sleep "$cut_secs"
+ip netns exec "$hub" tc qdisc del dev h2 root
+if [ "$netem" = yes ]; then
+    ip netns exec "${hosts[2]}" tc qdisc replace dev v2 root netem delay 2ms loss 0.1%
+else
+    ip netns exec "${hosts[2]}" tc qdisc del dev v2 root
+fi
+echo "link restored after $((SECONDS - cut_start)) s"
+
+status=0
+for i in 0 1 2; do
+    if wait "${pids[$i]}"; then echo "host $i: rpcrun exited 0"; else
+        s=$?; echo "host $i: rpcrun exited $s"; status=1; fi
+done
+pids=()
+grep -h "rpcrun" "$out"/host*.err | grep -E "restarting|killed|exited" | sed 's/^/  /' || true
+tail -1 "$out/host0.out"
+python3 - "$out/ref.out" "$out/host0.out" "$status" <<'PY'
+import json, sys
+# The last line, without rpcrun's `[rank0]: ` prefix.
+last = lambda p: json.loads(open(p).read().strip().splitlines()[-1].split("]: ", 1)[-1])
+a, b = last(sys.argv[1]), last(sys.argv[2])
+same = a["params_sha256"] == b["params_sha256"]
+print(json.dumps({"three_hosts": True, "bit_identical": same, "recoveries": b["recoveries"],
+                  "time_lost_s": b["time_lost_s"],
+                  "accuracy": {"loopback": a["test_accuracy"], "three_hosts": b["test_accuracy"]},
+                  "ms_per_step": {"loopback": a["ms_per_step_median"],
+                                  "three_hosts": b["ms_per_step_median"]}}))
+sys.exit(0 if same and sys.argv[3] == "0" and b["recoveries"] >= 1 else 1)
+PY
