@@ -10,8 +10,10 @@
 //!   deadline; past it the pull fails instead of breaking the bound).
 //! - PS-2: under BSP a step's gradients are applied together once every trainer has pushed
 //!   that step, so every trainer's step `c` starts from the same parameters.
-//! - PS-3: a trainer declared failed will not push again: a pull that has to wait for clocks
-//!   fails at once, naming it, instead of waiting for its deadline.
+//! - PS-3: a trainer declared failed leaves the shard: its clock no longer holds the others
+//!   back (the bound is over the live trainers' clocks, and a BSP step is applied once every
+//!   live trainer has pushed it, with the gradients the departed one pushed before), and its
+//!   later calls (a falsely suspected process that is still running) are refused, naming it.
 
 use candle_core::Tensor;
 use rpc_core::ext::AgentExt;
@@ -47,17 +49,76 @@ impl Consistency {
 
 struct Shard {
     params: Vec<Tensor>,
-    /// BSP: gradients of a step, summed, until every trainer has pushed it.
-    pending: HashMap<u64, (usize, Vec<Tensor>)>,
+    /// BSP: per step, which trainers pushed it and their gradients' sum, until every live
+    /// trainer has.
+    pending: HashMap<u64, (Vec<bool>, Vec<Tensor>)>,
     lr: f64,
     consistency: Consistency,
     clocks: Vec<u64>,
     /// The rank each trainer calls from (learned from its calls).
     trainer_ranks: Vec<Option<u32>>,
-    /// A trainer declared failed: (trainer, worker name, cause) (PS-3).
-    failed: Option<(usize, String, String)>,
+    /// Per trainer: `(worker name, cause)` once declared failed (PS-3).
+    departed: Vec<Option<(String, String)>>,
     max_staleness: u64,
     changed: watch::Sender<u64>,
+}
+
+impl Shard {
+    /// The slowest live trainer's clock (`None`: no trainer is left).
+    fn min_live_clock(&self) -> Option<u64> {
+        self.clocks
+            .iter()
+            .zip(&self.departed)
+            .filter(|(_, d)| d.is_none())
+            .map(|(c, _)| *c)
+            .min()
+    }
+
+    /// An error if `trainer` is not one of the shard's or has left it (PS-3).
+    fn check_trainer(&self, trainer: usize) -> Result<(), BoxError> {
+        match self.departed.get(trainer) {
+            None => Err(format!(
+                "trainer {trainer} is not one of the shard's {} trainers",
+                self.clocks.len()
+            )
+            .into()),
+            Some(Some((worker, cause))) => Err(format!(
+                "trainer {trainer} (worker `{worker}`) was declared failed and left the shard: \
+                 {cause}"
+            )
+            .into()),
+            Some(None) => Ok(()),
+        }
+    }
+
+    fn apply(&mut self, grads: Vec<Tensor>) -> candle_core::Result<()> {
+        for (p, g) in self.params.iter_mut().zip(grads) {
+            *p = (&*p - (g * self.lr)?)?;
+        }
+        Ok(())
+    }
+
+    /// BSP: applies, in step order, every pending step each live trainer has pushed.
+    fn settle(&mut self) -> candle_core::Result<()> {
+        let mut steps: Vec<u64> = self.pending.keys().copied().collect();
+        steps.sort_unstable();
+        for c in steps {
+            let complete = self.pending[&c]
+                .0
+                .iter()
+                .zip(&self.departed)
+                .all(|(pushed, d)| *pushed || d.is_some());
+            if !complete {
+                break;
+            }
+            if let Some((_, g)) = self.pending.remove(&c) {
+                if !g.is_empty() {
+                    self.apply(g)?;
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 #[derive(Default)]
@@ -74,11 +135,17 @@ fn shards(agent: &Agent) -> Arc<Shards> {
         agent.on_worker_failed(move |f| {
             let Some(s) = weak.upgrade() else { return };
             let mut g = s.0.lock().unwrap_or_else(|p| p.into_inner());
-            for shard in g.values_mut() {
+            for (id, shard) in g.iter_mut() {
                 let t = shard.trainer_ranks.iter().position(|r| *r == Some(f.rank));
-                if let (Some(t), None) = (t, &shard.failed) {
-                    shard.failed = Some((t, f.name.clone(), f.cause.clone()));
-                    shard.changed.send_modify(|v| *v += 1);
+                if let Some(t) = t {
+                    if shard.departed[t].is_none() {
+                        tracing::warn!(shard = id, trainer = t, worker = %f.name, "a trainer left the parameter shard");
+                        shard.departed[t] = Some((f.name.clone(), f.cause.clone()));
+                        if let Err(e) = shard.settle() {
+                            tracing::warn!(shard = id, cause = %e, "applying a step's gradients failed");
+                        }
+                        shard.changed.send_modify(|v| *v += 1);
+                    }
                 }
             }
         });
@@ -103,7 +170,7 @@ pub fn serve_shard(
         consistency,
         clocks: vec![0; trainers],
         trainer_ranks: vec![None; trainers],
-        failed: None,
+        departed: vec![None; trainers],
         max_staleness: 0,
         changed: watch::channel(0).0,
     };
@@ -140,27 +207,14 @@ impl RemoteFn for Pull {
                 let s = g
                     .get_mut(&shard)
                     .ok_or_else(|| format!("no parameter shard {shard} here"))?;
-                if trainer >= s.clocks.len() {
-                    return Err(format!(
-                        "trainer {trainer} is not one of the shard's {} trainers",
-                        s.clocks.len()
-                    )
-                    .into());
-                }
+                s.check_trainer(trainer)?;
                 s.trainer_ranks[trainer] = Some(cx.caller().id.0);
-                let min = *s.clocks.iter().min().expect("at least one trainer");
+                // PS-3: only live trainers' clocks count (the caller is one).
+                let min = s.min_live_clock().unwrap_or(clock);
                 let ahead = clock.saturating_sub(min);
                 if ahead <= s.consistency.bound() {
                     s.max_staleness = s.max_staleness.max(ahead);
                     return Ok(s.params.iter().cloned().map(RTensor).collect());
-                }
-                if let Some((t, worker, cause)) = &s.failed {
-                    // PS-3: the slowest clock will not move.
-                    return Err(format!(
-                        "step {clock} waits for trainer {t}, worker `{worker}`, which failed: \
-                         {cause}"
-                    )
-                    .into());
                 }
                 s.changed.subscribe()
             };
@@ -204,17 +258,21 @@ impl RemoteFn for Push {
                 .into());
             }
         }
-        if trainer >= s.clocks.len() {
-            return Err("unknown trainer".into());
-        }
+        s.check_trainer(trainer)?;
         s.trainer_ranks[trainer] = Some(cx.caller().id.0);
         let grads: Vec<Tensor> = grads.into_iter().map(|g| g.0).collect();
-        let apply = if s.consistency == Consistency::Bsp {
+        if s.consistency == Consistency::Bsp {
             // Every trainer pulled step `clock` from the same state: apply the step's
-            // gradients together, once all have arrived.
+            // gradients together, once every live trainer's have arrived.
             let trainers = s.clocks.len();
-            let entry = s.pending.entry(clock).or_insert_with(|| (0, Vec::new()));
-            entry.0 += 1;
+            let entry = s
+                .pending
+                .entry(clock)
+                .or_insert_with(|| (vec![false; trainers], Vec::new()));
+            if entry.0[trainer] {
+                return Err(format!("trainer {trainer} pushed step {clock} twice").into());
+            }
+            entry.0[trainer] = true;
             entry.1 = if entry.1.is_empty() {
                 grads
             } else {
@@ -225,18 +283,9 @@ impl RemoteFn for Push {
                     .map(|(a, b)| a + b)
                     .collect::<candle_core::Result<_>>()?
             };
-            if entry.0 == trainers {
-                s.pending.remove(&clock).map(|(_, g)| g)
-            } else {
-                None
-            }
+            s.settle()?;
         } else {
-            Some(grads)
-        };
-        if let Some(grads) = apply {
-            for (p, g) in s.params.iter_mut().zip(grads) {
-                *p = (&*p - (g * s.lr)?)?;
-            }
+            s.apply(grads)?;
         }
         let c = s.clocks.get_mut(trainer).ok_or("unknown trainer")?;
         *c = (*c).max(clock + 1);

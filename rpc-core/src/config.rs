@@ -46,6 +46,10 @@ pub fn launched_rank() -> Result<Option<u32>, InitError> {
     env_number(&|k| std::env::var(k).ok(), &RANK_ENV, "rank")
 }
 
+/// Set (to `True`) by torchrun in its workers' environment when its agent's own store listens
+/// at `MASTER_ADDR:MASTER_PORT`; the rendezvous then uses `MASTER_PORT + 1` on that host.
+pub const TORCHRUN_AGENT_STORE_ENV: &str = "TORCHELASTIC_USE_AGENT_STORE";
+
 /// The variables a launcher counts its restarts in (how many times this process's group, or
 /// this process, was started again after a failure): this project's `rpcrun`, then torchrun's.
 pub const RESTART_COUNT_ENV: [&str; 2] = ["RPC_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"];
@@ -313,6 +317,19 @@ impl Config {
                 .ok_or_else(|| InitError::Config(format!("init method {m:?} must look like tcp://host:port")))?
                 .to_owned(),
             None => match (env("MASTER_ADDR"), env("MASTER_PORT")) {
+                // Under torchrun the launcher's own store listens at MASTER_PORT on node 0:
+                // the rendezvous takes the next port there.
+                (Some(a), Some(p)) if env(TORCHRUN_AGENT_STORE_ENV).as_deref() == Some("True") => {
+                    let port: u16 = p.trim().parse().map_err(|_| {
+                        InitError::Config(format!("MASTER_PORT={p:?} is not a port"))
+                    })?;
+                    let next = port.checked_add(1).ok_or_else(|| {
+                        InitError::Config(format!(
+                            "MASTER_PORT={port} under torchrun leaves no next port for the rendezvous"
+                        ))
+                    })?;
+                    format!("{a}:{next}")
+                }
                 (Some(a), Some(p)) => format!("{a}:{p}"),
                 _ => {
                     return Err(InitError::Config(
@@ -492,6 +509,25 @@ mod tests {
         assert_eq!(r.name, "worker2");
         assert!(!r.serve_rendezvous);
         assert_eq!(r.listen_addr, "127.0.0.1:0");
+    }
+
+    #[test]
+    fn under_torchrun_the_rendezvous_takes_the_port_after_its_store() {
+        let vars = [
+            ("MASTER_ADDR", "node1"),
+            ("MASTER_PORT", "29500"),
+            ("RANK", "1"),
+            ("WORLD_SIZE", "3"),
+        ];
+        let r = base().resolve_with(&env(&vars)).unwrap();
+        assert_eq!(r.rendezvous, "node1:29500");
+        let mut torch = vars.to_vec();
+        torch.push(("TORCHELASTIC_USE_AGENT_STORE", "True"));
+        let r = base().resolve_with(&env(&torch)).unwrap();
+        assert_eq!(r.rendezvous, "node1:29501");
+        torch[1] = ("MASTER_PORT", "65535");
+        let e = base().resolve_with(&env(&torch)).unwrap_err();
+        assert!(e.to_string().contains("no next port"), "{e}");
     }
 
     #[test]

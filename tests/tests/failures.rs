@@ -164,8 +164,9 @@ fn full_registry() -> rpc_core::Registry {
 
 /// OWN-5, CTX-3, AD-7, COL-2, PS-3: once a worker is declared failed, the values only it held
 /// are released by their owner, the autograd contexts it started are released, receives from
-/// it and collectives of its groups fail on every member, and a parameter-server pull waiting
-/// for its clock fails; each error names it.
+/// it and collectives of its groups fail on every member (each error names it), and a
+/// parameter-server pull waiting for its clock goes on without it: the BSP step is applied
+/// with the live trainer's gradients, and the departed trainer's later calls are refused.
 #[test]
 fn the_layers_release_and_fail_what_a_failed_worker_held() {
     use autograd_dist::RTensor;
@@ -263,12 +264,27 @@ fn the_layers_release_and_fail_what_a_failed_worker_held() {
                 rpc_core::error_chain(&err)
             );
         }
-        let err = tokio::time::timeout(within, pull)
+        let params = tokio::time::timeout(within, pull)
             .await
             .unwrap()
             .unwrap()
-            .unwrap_err();
-        assert!(rpc_core::error_chain(&err).contains("worker1"), "{err}");
+            .unwrap();
+        // Step 0 applied with trainer 1's gradient alone: 0 - 0.1 * 1.
+        assert_eq!(params[0][0].to_vec1::<f32>().unwrap(), [-0.1, -0.1]);
+        let (_, clocks) = collectives::shard_stats(&a[0], 1).unwrap();
+        assert_eq!(
+            clocks,
+            [0, 1],
+            "trainer 0 never pushed; trainer 1 did step 0"
+        );
+        // Calls as trainer 0 are refused now (here from worker2: worker1 itself is silenced).
+        let stale = collectives::PsClient::new(&a[2], vec![(0, 1)], 0);
+        let err = stale.pull(1).await.unwrap_err();
+        assert!(
+            rpc_core::error_chain(&err).contains("declared failed and left the shard"),
+            "{}",
+            rpc_core::error_chain(&err)
+        );
         // A later collective of the group fails at once on the survivors.
         let start = Instant::now();
         let t = Tensor::ones(8, candle_core::DType::F32, &Device::Cpu).unwrap();

@@ -62,12 +62,20 @@ async fn reduce_loop(agent: Agent) -> anyhow::Result<()> {
     }
 }
 
-/// Pulls and pushes as `trainer` of the shard on rank 0 until a call fails.
+/// Pulls and pushes as `trainer` of the shard on rank 0 until a call fails or, once a worker
+/// has been declared failed, for 3 more steps (the shard goes on without a departed trainer).
 async fn train_loop(agent: Agent, trainer: usize) -> anyhow::Result<()> {
     let client = collectives::PsClient::new(&agent, vec![(0, 1)], trainer);
+    let mut after_failure = 0;
     for clock in 0.. {
         client.pull(clock).await?;
         client.push(clock, vec![vec![tensor(2)]]).await?;
+        if !agent.failed_workers().is_empty() {
+            after_failure += 1;
+            if after_failure > 3 {
+                return Ok(());
+            }
+        }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     Ok(())

@@ -93,7 +93,8 @@ struct Args {
     /// Seed of the initial parameters, the batch order and the dropout masks.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Where checkpoints (`epoch-N.safetensors`) and the plot (`training.png`) go.
+    /// Where checkpoints (`ckpt-<step>.safetensors`), the progress record and the plot
+    /// (`training.png`) go.
     #[arg(long, default_value = "target/hybrid-rnn")]
     out_dir: PathBuf,
     /// Continue from the latest checkpoint in `--out-dir`. Give the interrupted run's flags:
