@@ -162,12 +162,25 @@ impl Workers {
             .with_shutdown_timeout(timeout)
     }
 
-    /// Waits (at most `timeout` in all) for every worker to exit; fails if one did not exit
-    /// successfully or in time (those still running are then killed, by `Drop`).
-    pub fn wait_success(mut self, timeout: Duration) -> Result<()> {
+    /// Kills worker `rank` (SIGKILL) and reaps it: a failure injected on purpose.
+    pub fn kill(&mut self, rank: u32) -> Result<()> {
+        let c = rank
+            .checked_sub(1)
+            .and_then(|i| self.children.get_mut(i as usize))
+            .with_context(|| format!("no worker process of rank {rank}"))?;
+        c.kill().context("killing a worker")?;
+        c.wait().context("reaping a killed worker")?;
+        Ok(())
+    }
+
+    /// Waits (at most `timeout` in all) for every worker to exit; the exit status of each, by
+    /// rank from 1 (an error if one did not exit in time; those still running are then
+    /// killed, by `Drop`).
+    pub fn wait_all(mut self, timeout: Duration) -> Result<Vec<std::process::ExitStatus>> {
         let deadline = std::time::Instant::now() + timeout;
+        let mut out = Vec::new();
         for (i, c) in self.children.iter_mut().enumerate() {
-            let status = loop {
+            out.push(loop {
                 if let Some(status) = c.try_wait()? {
                     break status;
                 }
@@ -177,7 +190,15 @@ impl Workers {
                     i + 1
                 );
                 std::thread::sleep(Duration::from_millis(20));
-            };
+            });
+        }
+        Ok(out)
+    }
+
+    /// Waits (at most `timeout` in all) for every worker to exit; fails if one did not exit
+    /// successfully or in time.
+    pub fn wait_success(self, timeout: Duration) -> Result<()> {
+        for (i, status) in self.wait_all(timeout)?.into_iter().enumerate() {
             anyhow::ensure!(status.success(), "worker {} exited with {status}", i + 1);
         }
         Ok(())

@@ -9,6 +9,13 @@
 //! `ops`, `values_created`, `values_deleted`, `owner_values_left`, `user_refs_left`,
 //! `pending_left`, `use_after_delete`, `wrong_values`. Correct: every created value deleted,
 //! nothing left, both error counts zero. The exit status is non-zero otherwise.
+//!
+//! `--kill-rank R --kill-at K` kills worker R (SIGKILL) before operation K: once the driver's
+//! failure detector has declared it failed, the handles it held and the handles of values it
+//! owned are forgotten (the latter dropped by their holders), and the program goes on among
+//! the survivors. The counters are then the survivors': every value they own must still be
+//! deleted once nothing live refers to it (the references the killed worker held are released
+//! by their owners), and `lost_handles` says how many handles went with it.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -261,6 +268,8 @@ struct Args {
     ops: u64,
     seed: u64,
     jitter_us: u64,
+    /// `(rank, before operation)`.
+    kill: Option<(u32, u64)>,
 }
 
 fn parse_args() -> Result<Args> {
@@ -269,7 +278,9 @@ fn parse_args() -> Result<Args> {
         ops: 20_000,
         seed: 1,
         jitter_us: 0,
+        kill: None,
     };
+    let (mut kill_rank, mut kill_at) = (None, None);
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut value = |name: &str| -> Result<u64> {
@@ -282,8 +293,12 @@ fn parse_args() -> Result<Args> {
             "--ops" => a.ops = value("--ops")?,
             "--seed" => a.seed = value("--seed")?,
             "--jitter-us" => a.jitter_us = value("--jitter-us")?,
+            "--kill-rank" => kill_rank = Some(value("--kill-rank")? as u32),
+            "--kill-at" => kill_at = Some(value("--kill-at")?),
             "-h" | "--help" => {
-                println!("rref-stress [--workers N] [--ops N] [--seed S] [--jitter-us N]");
+                println!(
+                    "rref-stress [--workers N] [--ops N] [--seed S] [--jitter-us N] [--kill-rank R --kill-at K]"
+                );
                 std::process::exit(0);
             }
             other => bail!("unknown flag {other:?} (try --help)"),
@@ -291,6 +306,15 @@ fn parse_args() -> Result<Args> {
     }
     if a.workers < 2 {
         bail!("--workers must be at least 2");
+    }
+    a.kill = match (kill_rank, kill_at) {
+        (None, None) => None,
+        (Some(r), Some(k)) if (1..a.workers).contains(&r) => Some((r, k)),
+        (Some(r), Some(_)) => bail!("--kill-rank {r} must name a worker, 1..{}", a.workers),
+        _ => bail!("--kill-rank and --kill-at go together"),
+    };
+    if a.kill.is_some() && a.workers < 3 {
+        bail!("--kill-rank needs --workers 3 or more (two survivors besides the driver's rank)");
     }
     Ok(a)
 }
@@ -305,18 +329,23 @@ fn main() -> Result<()> {
         ));
     }
     let args = parse_args()?;
-    let workers = examples::Workers::spawn(args.workers)?;
+    let mut workers = examples::Workers::spawn(args.workers)?;
     let summary = rt.block_on(async {
         let cfg = workers.rank0_config("driver", Duration::from_secs(120));
         let agent = rpc_core::init(cfg, registry()?).await?;
-        let summary = drive(&agent, &args).await;
+        let summary = drive(&agent, &args, &mut workers).await;
         let report = agent.shutdown().await;
         rref::clear_owned(&agent);
         let summary = summary?;
         anyhow::ensure!(report.is_clean(), "driver shutdown: {report:?}");
         Ok::<_, anyhow::Error>(summary)
     })?;
-    workers.wait_success(Duration::from_secs(60))?;
+    if args.kill.is_some() {
+        // The survivors report the lost worker in their exit status; only their exit counts.
+        workers.wait_all(Duration::from_secs(60))?;
+    } else {
+        workers.wait_success(Duration::from_secs(60))?;
+    }
     println!("{summary}");
     let ok = summary["values_created"] == summary["values_deleted"]
         && summary["owner_values_left"] == 0
@@ -330,11 +359,55 @@ fn main() -> Result<()> {
     Ok(())
 }
 
-async fn drive(agent: &Agent, args: &Args) -> Result<serde_json::Value> {
+/// Kills worker `victim`, waits for the driver to declare it failed, and forgets (dropping
+/// where they live) the handles that went with it; returns how many.
+async fn kill_worker(
+    agent: &Agent,
+    workers: &mut examples::Workers,
+    victim: u32,
+    held: &mut Vec<(u64, u32, u64)>,
+    owner_of: &HashMap<u64, u32>,
+) -> Result<usize> {
+    workers.kill(victim)?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !agent.failed_workers().iter().any(|f| f.rank == victim) {
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "worker {victim} was killed but not declared failed within 30 s"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let before = held.len();
+    let mut kept = Vec::with_capacity(held.len());
+    for h in held.drain(..) {
+        let (hid, by, val) = h;
+        if by == victim {
+            continue; // gone with its holder
+        }
+        if owner_of.get(&val) == Some(&victim) {
+            // The value is gone; its holder drops the reference (nothing to tell the owner).
+            agent.rpc_async(by, op_drop, (hid,)).await?;
+            continue;
+        }
+        kept.push(h);
+    }
+    *held = kept;
+    Ok(before - held.len())
+}
+
+async fn drive(
+    agent: &Agent,
+    args: &Args,
+    workers: &mut examples::Workers,
+) -> Result<serde_json::Value> {
     let n = args.workers;
     for w in 0..n {
         agent.rpc_async(w, set_jitter, (args.jitter_us,)).await?;
     }
+    // The workers still running (all but a killed one).
+    let mut live: Vec<u32> = (0..n).collect();
+    let mut owner_of: HashMap<u64, u32> = HashMap::new();
+    let mut lost_handles = 0;
     let mut seed = args.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     let mut rnd = move |k: u64| {
         seed ^= seed << 13;
@@ -348,7 +421,12 @@ async fn drive(agent: &Agent, args: &Args) -> Result<serde_json::Value> {
     let (mut wrong, mut missing) = (0u64, 0u64);
     let mut counts: HashMap<&str, u64> = HashMap::new();
     let start = Instant::now();
-    for _ in 0..args.ops {
+    for op in 0..args.ops {
+        if let Some((victim, _)) = args.kill.filter(|k| k.1 == op) {
+            lost_handles = kill_worker(agent, workers, victim, &mut held, &owner_of).await?;
+            live.retain(|&w| w != victim);
+        }
+        let m = live.len() as u64;
         let choice = if held.is_empty() { 0 } else { rnd(100) };
         let kind = match choice {
             0..=19 => "create",
@@ -361,10 +439,11 @@ async fn drive(agent: &Agent, args: &Args) -> Result<serde_json::Value> {
         *counts.entry(kind).or_default() += 1;
         match kind {
             "create" => {
-                let (by, owner) = (rnd(n as u64) as u32, rnd(n as u64) as u32);
+                let (by, owner) = (live[rnd(m) as usize], live[rnd(m) as usize]);
                 agent
                     .rpc_async(by, op_create, (next_hid, owner, next_val))
                     .await?;
+                owner_of.insert(next_val, owner);
                 held.push((next_hid, by, next_val));
                 next_hid += 1;
                 next_val += 1;
@@ -377,7 +456,7 @@ async fn drive(agent: &Agent, args: &Args) -> Result<serde_json::Value> {
                 let picked: Vec<_> = (0..k)
                     .map(|_| mine[rnd(mine.len() as u64) as usize])
                     .collect();
-                let to = rnd(n as u64) as u32;
+                let to = live[rnd(m) as usize];
                 let new: Vec<u64> = (0..k as u64).map(|i| next_hid + i).collect();
                 next_hid += k as u64;
                 agent
@@ -393,7 +472,7 @@ async fn drive(agent: &Agent, args: &Args) -> Result<serde_json::Value> {
             }
             "fetch" => {
                 let (hid, from, val) = held[rnd(held.len() as u64) as usize];
-                let by = rnd(n as u64) as u32;
+                let by = live[rnd(m) as usize];
                 agent.rpc_async(by, op_fetch, (from, hid, next_hid)).await?;
                 held.push((next_hid, by, val));
                 next_hid += 1;
@@ -419,14 +498,14 @@ async fn drive(agent: &Agent, args: &Args) -> Result<serde_json::Value> {
         }
     }
     let program_s = start.elapsed().as_secs_f64();
-    for w in 0..n {
+    for &w in &live {
         agent.rpc_async(w, op_drop_all, ()).await?;
     }
     // Quiescence: every worker idle and every created value deleted (bounded wait).
     let deadline = Instant::now() + Duration::from_secs(120);
     let totals = loop {
         let mut t = (0u64, 0u64, 0usize, 0usize, 0usize);
-        for w in 0..n {
+        for &w in &live {
             let s = agent.rpc_async(w, stats, ()).await?;
             t = (t.0 + s.0, t.1 + s.1, t.2 + s.2, t.3 + s.3, t.4 + s.4);
         }
@@ -449,5 +528,7 @@ async fn drive(agent: &Agent, args: &Args) -> Result<serde_json::Value> {
         "pending_left": totals.4,
         "use_after_delete": missing,
         "wrong_values": wrong,
+        "killed": args.kill.map(|k| k.0),
+        "lost_handles": lost_handles,
     }))
 }
