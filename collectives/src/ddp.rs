@@ -65,6 +65,19 @@ impl DistributedDataParallel {
         })
     }
 
+    /// The group the replicas live on.
+    pub fn group(&self) -> &ProcessGroup {
+        &self.group
+    }
+
+    pub(crate) fn bucket_bytes(&self) -> usize {
+        self.bucket_bytes
+    }
+
+    pub(crate) fn reduce_op(&self) -> ReduceOp {
+        self.op
+    }
+
     /// Combines gradients with `op` instead of the mean: `ReduceOp::Sum` where every replica's
     /// gradient is already scaled for the global batch (as when one loss over the whole batch
     /// is backpropagated through every replica).

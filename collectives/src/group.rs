@@ -278,6 +278,11 @@ impl ProcessGroup {
         &self.ranks
     }
 
+    /// The worker this handle belongs to.
+    pub(crate) fn agent(&self) -> &Agent {
+        &self.agent
+    }
+
     /// The number of members.
     pub fn size(&self) -> usize {
         self.ranks.len()

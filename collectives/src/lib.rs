@@ -53,16 +53,20 @@
 //! - `mailbox`: per-worker matching of messages by (source, tag), aborts.
 //! - `group`: [`ProcessGroup`], the ring algorithms, [`ReduceOp`].
 //! - `ddp`: [`DistributedDataParallel`] (bucketed gradient averaging), [`DistributedSampler`].
+//! - `elastic`: [`ElasticDdp`]: commits, and survivors that re-form their ring after a
+//!   member's failure (EL-1, EL-2).
 //! - `ps`: a parameter server with BSP, SSP and ASP consistency ([`PsClient`], PS-1).
 #![deny(missing_docs)]
 
 mod ddp;
+mod elastic;
 mod group;
 mod mailbox;
 mod ps;
 
 pub use autograd_dist::RTensor;
 pub use ddp::{DistributedDataParallel, DistributedSampler};
+pub use elastic::ElasticDdp;
 pub use group::{new_group, world, CollectiveError, Element, ProcessGroup, ReduceOp, Work};
 pub use mailbox::{irecv, isend, recv, send, Handle, P2pError};
 pub use ps::{serve_shard, shard_stats, Consistency, PsClient};
