@@ -4,8 +4,10 @@
 //! kills it if the deadline passes; the binary kills and reaps its workers on every exit path.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+
+mod common;
+use common::Spawned;
 
 /// A small model: every run takes seconds even in a debug build.
 const SMALL_MODEL: &[&str] = &["--embedding", "8", "--hidden", "16", "--head-hidden", "16"];
@@ -49,36 +51,12 @@ fn scratch(name: &str) -> PathBuf {
 /// Runs the example with `args` and `env` (where `RANK` is unset unless `env` sets it), killed
 /// after `limit`.
 fn run(args: &[&str], env: &[(&str, &str)], out: &Path, limit: Duration) -> Run {
-    let (so, se) = (out.join("stdout"), out.join("stderr"));
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_hybrid-rnn"));
-    cmd.args(args)
-        .env_remove("RANK")
-        .stdin(Stdio::null())
-        .stdout(std::fs::File::create(&so).unwrap())
-        .stderr(std::fs::File::create(&se).unwrap());
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    let mut child = cmd.spawn().unwrap();
-    let deadline = Instant::now() + limit;
-    let code = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status.code();
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!(
-                "hybrid-rnn {args:?} did not finish within {limit:?}\nstderr:\n{}",
-                std::fs::read_to_string(&se).unwrap_or_default()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let mut p = Spawned::start(env!("CARGO_BIN_EXE_hybrid-rnn"), args, env, out);
+    let code = p.wait(limit);
     Run {
         code,
-        stdout: std::fs::read_to_string(so).unwrap(),
-        stderr: std::fs::read_to_string(se).unwrap(),
+        stdout: p.stdout(),
+        stderr: p.stderr(),
     }
 }
 
@@ -358,76 +336,34 @@ fn signal(pid: u32, sig: i32) {
     unsafe { libc::kill(pid as i32, sig) };
 }
 
-/// The example's run in local mode, killed (with its children) when dropped.
-struct Launched {
-    child: std::process::Child,
-    stderr: PathBuf,
+/// Waits (at most `limit`) until the master's progress record in `out` shows `step` steps
+/// done.
+fn await_step(run: &mut Spawned, out: &Path, step: u64, limit: Duration) {
+    let deadline = Instant::now() + limit;
+    loop {
+        let done = std::fs::read_to_string(out.join("progress"))
+            .ok()
+            .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok());
+        if done.is_some_and(|d| d >= step) {
+            return;
+        }
+        assert!(
+            run.child.try_wait().unwrap().is_none(),
+            "the run ended before step {step}:\n{}",
+            run.stderr()
+        );
+        assert!(
+            Instant::now() < deadline,
+            "no step {step} within {limit:?}:\n{}",
+            run.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }
 
-impl Drop for Launched {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Launched {
-    fn start(args: &[String], dir: &Path) -> Self {
-        let (so, se) = (dir.join("stdout"), dir.join("stderr"));
-        let child = Command::new(env!("CARGO_BIN_EXE_hybrid-rnn"))
-            .args(args)
-            .env_remove("RANK")
-            .stdin(Stdio::null())
-            .stdout(std::fs::File::create(&so).unwrap())
-            .stderr(std::fs::File::create(&se).unwrap())
-            .spawn()
-            .unwrap();
-        Self { child, stderr: se }
-    }
-
-    fn stderr(&self) -> String {
-        std::fs::read_to_string(&self.stderr).unwrap_or_default()
-    }
-
-    /// Its exit code, waiting at most `limit`.
-    fn wait(&mut self, limit: Duration) -> Option<i32> {
-        let deadline = Instant::now() + limit;
-        loop {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                return s.code();
-            }
-            assert!(
-                Instant::now() < deadline,
-                "no exit within {limit:?}:\n{}",
-                self.stderr()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    /// Waits (at most `limit`) until the master's progress record shows `step` steps done.
-    fn await_step(&mut self, out: &Path, step: u64, limit: Duration) {
-        let deadline = Instant::now() + limit;
-        loop {
-            let done = std::fs::read_to_string(out.join("progress"))
-                .ok()
-                .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok());
-            if done.is_some_and(|d| d >= step) {
-                return;
-            }
-            assert!(
-                self.child.try_wait().unwrap().is_none(),
-                "the run ended before step {step}:\n{}",
-                self.stderr()
-            );
-            assert!(
-                Instant::now() < deadline,
-                "no step {step} within {limit:?}:\n{}",
-                self.stderr()
-            );
-            std::thread::sleep(Duration::from_millis(1));
-        }
-    }
+/// The example in local mode with `args`, its output in `dir`.
+fn launch(args: &[String], dir: &Path) -> Spawned {
+    Spawned::start(env!("CARGO_BIN_EXE_hybrid-rnn"), args, &[], dir)
 }
 
 /// Sends `sig` to worker 1 once training is under way; the run must end non-zero, naming it,
@@ -449,8 +385,8 @@ fn a_failed_worker_ends_the_run(name: &str, sig: i32, within: Duration) {
         .map(|s| s.to_string())
         .chain(["--out-dir".into(), out.display().to_string()])
         .collect();
-    let mut run = Launched::start(&args, &dir);
-    run.await_step(&out, 30, Duration::from_secs(240));
+    let mut run = launch(&args, &dir);
+    await_step(&mut run, &out, 30, Duration::from_secs(240));
     let ranks = ranks_of(run.child.id());
     assert_eq!(
         ranks.iter().map(|r| r.0).collect::<Vec<_>>(),
@@ -525,11 +461,11 @@ fn recovers_from_two_random_failures_bit_identically() {
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
         (z ^ (z >> 31)) % n
     };
-    let mut run = Launched::start(&base(&b), &dir);
+    let mut run = launch(&base(&b), &dir);
     let mut failures = Vec::new();
     for (lo, span) in [(10, 60), (110, 60)] {
         let at = lo + next(span);
-        run.await_step(&b, at, Duration::from_secs(240));
+        await_step(&mut run, &b, at, Duration::from_secs(240));
         let ranks = ranks_of(run.child.id());
         assert_eq!(ranks.len(), 3, "{ranks:?}");
         let victim = ranks[next(3) as usize];
@@ -558,10 +494,9 @@ fn recovers_from_two_random_failures_bit_identically() {
     let code = run.wait(Duration::from_secs(300));
     let stderr = run.stderr();
     assert_eq!(code, Some(0), "{failures:?}\n{stderr}");
-    let stdout = std::fs::read_to_string(dir.join("stdout")).unwrap();
     let got = Run {
         code,
-        stdout,
+        stdout: run.stdout(),
         stderr,
     };
     let j = got.json();

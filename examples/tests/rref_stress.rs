@@ -2,10 +2,13 @@
 //! same with a worker killed mid-run. Either way every value the live workers own is deleted
 //! once nothing live refers to it, and nothing is left.
 
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-/// Runs `rref-stress` with `args` (killed after 240 s); its exit code and last stdout line.
+mod common;
+use common::Spawned;
+
+/// Runs `rref-stress` with `args` (killed after 240 s); its exit code, last stdout line and
+/// stderr.
 fn run(args: &[&str]) -> (Option<i32>, serde_json::Value, String) {
     let dir = std::env::temp_dir().join(format!(
         "rref-stress-test-{}-{}",
@@ -13,29 +16,9 @@ fn run(args: &[&str]) -> (Option<i32>, serde_json::Value, String) {
         args.join("_").replace('-', "")
     ));
     std::fs::create_dir_all(&dir).unwrap();
-    let (so, se) = (dir.join("out"), dir.join("err"));
-    let mut child = Command::new(env!("CARGO_BIN_EXE_rref-stress"))
-        .args(args)
-        .env_remove("RANK")
-        .stdin(Stdio::null())
-        .stdout(std::fs::File::create(&so).unwrap())
-        .stderr(std::fs::File::create(&se).unwrap())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(240);
-    let code = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s.code();
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("rref-stress {args:?} did not finish within 240 s");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let out = std::fs::read_to_string(&so).unwrap();
-    let err = std::fs::read_to_string(&se).unwrap();
+    let mut p = Spawned::start(env!("CARGO_BIN_EXE_rref-stress"), args, &[], &dir);
+    let code = p.wait(Duration::from_secs(240));
+    let (out, err) = (p.stdout(), p.stderr());
     let last = out.lines().last().unwrap_or_default();
     let j = serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {out}\n{err}"));
     let _ = std::fs::remove_dir_all(&dir);

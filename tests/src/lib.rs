@@ -334,3 +334,14 @@ pub fn registry_builder() -> rpc_core::RegistryBuilder {
         .and_then(|r| r.register(add_blocking_on))
         .expect("test functions have distinct names")
 }
+
+/// The largest absolute difference between two `f64` tensors of one shape (for comparing a
+/// distributed run with one process).
+pub fn max_abs_diff(a: &candle_core::Tensor, b: &candle_core::Tensor) -> f64 {
+    (a - b)
+        .and_then(|d| d.abs())
+        .and_then(|d| d.flatten_all())
+        .and_then(|d| d.max(0))
+        .and_then(|d| d.to_scalar::<f64>())
+        .expect("two f64 tensors of one shape")
+}

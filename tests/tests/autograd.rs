@@ -6,7 +6,7 @@ use std::time::Duration;
 use autograd_dist::RTensor;
 use candle_core::{DType, Device, IndexOp, Tensor, Var};
 use integration_tests::autograd_fns::*;
-use integration_tests::{each_transport, run, shutdown_all};
+use integration_tests::{each_transport, max_abs_diff, run, shutdown_all};
 use rpc_core::testing::start_group;
 use rpc_core::{Agent, Registry, Secret, Transport};
 
@@ -24,19 +24,6 @@ async fn group(n: u32, t: Transport) -> Vec<Agent> {
     )
     .await
     .expect("group starts")
-}
-
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f64>()
-        .unwrap()
 }
 
 async fn remote_grad(a: &Agent, worker: u32, ctx: u64, w: &str) -> Tensor {

@@ -384,30 +384,15 @@ fn data_parallel_training_tracks_single_process_training() {
             .await;
             for (rank, params) in finals.iter().enumerate() {
                 for (p, q) in params.iter().zip(&reference) {
-                    let d = (p - q.as_tensor())
-                        .unwrap()
-                        .abs()
-                        .unwrap()
-                        .flatten_all()
-                        .unwrap()
-                        .max(0)
-                        .unwrap()
-                        .to_scalar::<f64>()
-                        .unwrap();
+                    let d = integration_tests::max_abs_diff(p, q.as_tensor());
                     assert!(d <= 1e-5, "n={n} rank {rank}: parameter differs by {d}");
                 }
             }
             // The model moved, so matching means something.
-            let moved = (reference[2].as_tensor() - init_params(0.0)[2].as_tensor())
-                .unwrap()
-                .abs()
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .max(0)
-                .unwrap()
-                .to_scalar::<f64>()
-                .unwrap();
+            let moved = integration_tests::max_abs_diff(
+                reference[2].as_tensor(),
+                init_params(0.0)[2].as_tensor(),
+            );
             assert!(
                 moved > 1e-3,
                 "training moved the parameters by only {moved}"

@@ -9,7 +9,7 @@ use std::time::Duration;
 use candle_core::{Device, Tensor, Var};
 use candle_nn::Optimizer;
 use collectives::{DistributedSampler, ElasticDdp};
-use integration_tests::run;
+use integration_tests::{max_abs_diff, run};
 use rpc_core::testing::{self, start_group};
 use rpc_core::{Secret, Transport};
 
@@ -66,19 +66,6 @@ fn batch(step: u64, i: usize, r: usize) -> Vec<usize> {
     let (epoch, k) = (step / per_epoch, (step % per_epoch) as usize);
     let b = B / r;
     DistributedSampler::new(N, r, i, SEED).indices(epoch)[k * b..(k + 1) * b].to_vec()
-}
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar()
-        .unwrap()
 }
 
 #[test]
@@ -160,19 +147,19 @@ fn survivors_reform_the_ring_and_track_one_process() {
         for (rank, params) in finals.iter().take(3).enumerate() {
             let params = params.as_ref().unwrap();
             for (p, q) in params.iter().zip(&reference) {
-                let d = max_diff(p, q.as_tensor());
+                let d = max_abs_diff(p, q.as_tensor());
                 assert!(d <= 1e-9, "rank {rank} differs from one process by {d}");
             }
             for (p, q) in params.iter().zip(finals[0].as_ref().unwrap()) {
                 assert_eq!(
-                    max_diff(p, q),
+                    max_abs_diff(p, q),
                     0.0,
                     "rank {rank}'s replica differs from rank 0's"
                 );
             }
         }
         assert!(
-            max_diff(reference[1].as_tensor(), init(0.0)[1].as_tensor()) > 1e-3,
+            max_abs_diff(reference[1].as_tensor(), init(0.0)[1].as_tensor()) > 1e-3,
             "trained"
         );
         let _ = tokio::join!(a[0].shutdown(), a[1].shutdown(), a[2].shutdown());

@@ -857,6 +857,7 @@ async fn master(
     let dist = median_ms(step_times);
     let local = median_ms(local_times);
     let max_diff = (!dist_losses.is_empty()).then(|| max_abs_diff(&dist_losses, &local_losses));
+    let recoveries = tracker.recoveries()?;
     let line = json!({
         "test_accuracy": round(test_acc, 4),
         "epochs": args.epochs,
@@ -866,9 +867,9 @@ async fn master(
         "distributed_over_local": dist.zip(local).map(|(d, l)| round(d / l, 3)),
         "max_loss_diff": max_diff,
         "recoveries": restart,
-        "time_lost_s": tracker.recoveries()?.iter().map(|r| round(r.time_lost_s, 2)).collect::<Vec<_>>(),
-        "restart_s": tracker.recoveries()?.iter().map(|r| round(r.restart_s, 2)).collect::<Vec<_>>(),
-        "replayed_steps": tracker.recoveries()?.iter().map(|r| r.failed_after_step - r.resumed_from_step).collect::<Vec<_>>(),
+        "time_lost_s": recoveries.iter().map(|r| round(r.time_lost_s, 2)).collect::<Vec<_>>(),
+        "restart_s": recoveries.iter().map(|r| round(r.restart_s, 2)).collect::<Vec<_>>(),
+        "replayed_steps": recoveries.iter().map(|r| r.failed_after_step - r.resumed_from_step).collect::<Vec<_>>(),
         "replica_max_diff": replica_diff,
         "params_sha256": params_sha256,
         "languages": LANGS.len(),
