@@ -18,15 +18,18 @@ use std::time::Duration;
 use crate::call::{self, Caller};
 use crate::config::Config;
 use crate::dispatch::Callee;
-use crate::error::{InitError, RpcError};
+use crate::error::{InitError, LeaveError, RpcError};
 use crate::ext::Layers;
 use crate::group::{Group, ToWorker};
 use crate::lifecycle::Lifecycle;
-use crate::net::{BulkStats, Directory, FailureWatch, Net, WorkerFailed};
+use crate::net::{
+    BulkStats, Directory, FailureWatch, MembershipWatch, Net, PeerState, WorkerFailed,
+};
 use crate::registry::{Registry, RemoteFn};
-use crate::rendezvous::{self, Join, RendezvousServer};
+use crate::rendezvous::{self, Join, RendezvousServer, Report};
 use crate::shutdown::{self, ShutdownReport};
 use crate::wire::WorkerInfo;
+use tokio::sync::mpsc;
 
 /// What one worker is made of.
 pub(crate) struct Inner {
@@ -44,6 +47,11 @@ pub(crate) struct Inner {
     pub layers: Layers,
     /// The shutdown barrier and the report of the first shutdown.
     pub shutdown: shutdown::State,
+    /// This worker's reports to the rendezvous (its membership link; see `rendezvous::follow`).
+    pub reports: mpsc::Sender<Report>,
+    /// The rendezvous this worker hosts, if it does: it serves the group's membership as long
+    /// as this worker lives.
+    pub rendezvous: std::sync::Mutex<Option<RendezvousServer>>,
 }
 
 /// A worker's handle on its group. Cheap to clone; all clones share one worker.
@@ -156,8 +164,9 @@ pub async fn init(config: Config, registry: Registry) -> Result<Agent, InitError
         world_size: net_cfg.world_size,
         addr: my_addr,
         heartbeat: heartbeat_addr,
+        replace: cfg.replace,
     };
-    let table = rendezvous::join(
+    let (view, link) = rendezvous::join(
         &net_cfg.transport,
         &cfg.rendezvous,
         &net_cfg.secret,
@@ -166,20 +175,34 @@ pub async fn init(config: Config, registry: Registry) -> Result<Agent, InitError
         cfg.init_timeout,
     )
     .await?;
-    if let Some(s) = server {
-        s.finish(Duration::from_secs(10)).await;
-    }
-    let directory = Arc::new(Directory::new(table));
-    let life = Arc::new(Lifecycle::new());
     let me = net_cfg.rank;
+    let mut net_cfg = cfg.net;
+    net_cfg.incarnation = view.members[me as usize].endpoint.incarnation;
+    let standing: Vec<_> = view.members.iter().map(|m| m.standing.clone()).collect();
+    let directory = Arc::new(Directory::new(
+        view.members.into_iter().map(|m| m.endpoint).collect(),
+    ));
+    let life = Arc::new(Lifecycle::new());
+    // Bounded: reports are a worker's few verdicts and one leave; one that finds the queue
+    // full is dropped (the rendezvous hears of it from another member).
+    let (reports, reports_rx) = mpsc::channel(256);
+    let incarnation = net_cfg.incarnation;
     let inner = Arc::new(Inner {
         group: Group::new(me, Arc::clone(&directory)),
         callee: Callee::new(registry, cfg.max_concurrent_calls),
         caller: Caller::new(cfg.rpc_timeout, cfg.sync_connections),
         layers: Layers::default(),
         shutdown: shutdown::State::new(cfg.shutdown_timeout),
-        net: Arc::new(Net::new(cfg.net, directory, Arc::clone(&life))),
+        net: Arc::new(Net::new(
+            net_cfg,
+            directory,
+            Arc::clone(&life),
+            view.generation,
+            &standing,
+        )),
         life,
+        reports,
+        rendezvous: std::sync::Mutex::new(server),
     });
     {
         // AG-6: the shutdown barrier does not wait for a worker declared failed.
@@ -191,12 +214,40 @@ pub async fn init(config: Config, registry: Registry) -> Result<Agent, InitError
             .on_failure(Arc::new(move |f: &WorkerFailed| {
                 if let Some(inner) = weak.upgrade() {
                     inner.shutdown.excuse(f.rank, world);
+                    // The group hears of this worker's verdicts (RDV-3).
+                    if f.rank != me {
+                        let _ = inner.reports.try_send(Report::Failed {
+                            rank: f.rank,
+                            incarnation: f.incarnation,
+                            cause: f.cause.clone(),
+                        });
+                    }
                 }
             }));
+        // A rank that left does not come to the barrier; a new incarnation of one does.
+        let weak = Arc::downgrade(&inner);
+        inner.net.membership.on_left(Arc::new(move |rank| {
+            if let Some(inner) = weak.upgrade() {
+                inner.shutdown.depart(rank, world);
+            }
+        }));
+        let weak = Arc::downgrade(&inner);
+        inner.net.membership.on_rejoin(Arc::new(move |rank| {
+            if let Some(inner) = weak.upgrade() {
+                inner.shutdown.readmit(rank);
+            }
+        }));
     }
+    tokio::spawn(rendezvous::follow(
+        link,
+        Arc::clone(&inner.net.membership),
+        reports_rx,
+        Arc::clone(&inner.life),
+        me,
+    ));
     inner.net.serve(listener, Arc::clone(&inner), heartbeats);
     let agent = Agent { inner };
-    tracing::info!(worker = %agent.name(), rank = agent.rank(), world = agent.world_size(), "joined group");
+    tracing::info!(worker = %agent.name(), rank = agent.rank(), incarnation, world = agent.world_size(), "joined group");
     Ok(agent)
 }
 
@@ -240,7 +291,7 @@ impl Agent {
 
     /// The address this worker's listener is reachable at, as advertised to its peers.
     pub fn local_addr(&self) -> &str {
-        self.inner.group.addr(self.rank())
+        self.inner.group.my_addr()
     }
 
     /// The runtime the agent runs on (for work started from synchronous code such as `Drop`).
@@ -366,6 +417,99 @@ impl Agent {
     /// ```
     pub fn watch_failures(&self) -> FailureWatch {
         FailureWatch::new(Arc::clone(&self.inner.net.membership))
+    }
+
+    /// Which incarnation of its rank this process is: 0 for the process that formed the
+    /// group, one more for each restarted process that replaced a failed one.
+    pub fn incarnation(&self) -> u64 {
+        self.inner.net.cfg.incarnation
+    }
+
+    /// The incarnation of worker `to` this worker knows (calls go to it).
+    pub fn incarnation_of(&self, to: impl ToWorker) -> Result<u64, RpcError> {
+        let rank = self.inner.group.resolve(&to)?;
+        Ok(self.inner.net.directory().incarnation(rank))
+    }
+
+    /// The generation of this worker's view of the group: the number of changes (failures,
+    /// leaves, replacements) it has seen.
+    pub fn generation(&self) -> u64 {
+        self.inner.net.membership.generation()
+    }
+
+    /// Whether worker `to` is, as far as this worker knows, a member that can be called: not
+    /// declared failed, not left (a replaced worker is live again once its new incarnation
+    /// joined).
+    pub fn is_live(&self, to: impl ToWorker) -> Result<bool, RpcError> {
+        let rank = self.inner.group.resolve(&to)?;
+        let m = &self.inner.net.membership;
+        Ok(!m.is_failed(rank) && !m.has_left(rank))
+    }
+
+    /// The changes of the group as they come, every change since this worker joined first:
+    /// a worker failed, left, or a new incarnation (a restarted process) joined in the place
+    /// of a failed one, each with its generation.
+    ///
+    /// ```no_run
+    /// # async fn demo(agent: rpc_core::Agent) {
+    /// use rpc_core::MembershipChange;
+    /// let mut changes = agent.watch_membership();
+    /// while let Some(e) = changes.next().await {
+    ///     if let MembershipChange::Joined { .. } = e.change {
+    ///         eprintln!("`{}` is back (incarnation {}), generation {}", e.name, e.incarnation, e.generation);
+    ///     }
+    /// }
+    /// # }
+    /// ```
+    pub fn watch_membership(&self) -> MembershipWatch {
+        MembershipWatch::new(Arc::clone(&self.inner.net.membership))
+    }
+
+    /// Leaves the running group gracefully while the others go on: the layers above finish
+    /// their protocol traffic (shutdown hooks), the rendezvous tells every member (their
+    /// calls to this worker are refused from then on with
+    /// [`RpcError::PeerLeft`], and their shutdown does not wait for it), calls in flight
+    /// drain, then connections close. Later calls of [`Agent::shutdown`] return this report.
+    /// Each step is bounded by the shutdown timeout.
+    ///
+    /// Rank 0 cannot leave (it hosts the shutdown barrier).
+    pub async fn leave(&self) -> Result<ShutdownReport, LeaveError> {
+        let worker = self.name().to_owned();
+        if self.rank() == 0 {
+            return Err(LeaveError::RankZero { worker });
+        }
+        if self.is_shutting_down() {
+            return Err(LeaveError::ShuttingDown { worker });
+        }
+        let timeout = self.inner.shutdown.timeout;
+        let hooks = self.inner.layers.shutdown_hooks();
+        if tokio::time::timeout(timeout, futures::future::join_all(hooks))
+            .await
+            .is_err()
+        {
+            tracing::warn!(worker = %worker, "shutdown hooks did not finish in time");
+        }
+        if self.inner.reports.send(Report::Leaving).await.is_err() {
+            return Err(LeaveError::NoRendezvous { worker });
+        }
+        // The rendezvous's echo of the leave is its acknowledgement.
+        let membership = &self.inner.net.membership;
+        let me = self.rank();
+        let confirmed = tokio::time::timeout(timeout, async {
+            let mut changes = self.watch_membership();
+            while membership.state(me) != PeerState::Left {
+                if changes.next().await.is_none() {
+                    return false;
+                }
+            }
+            true
+        })
+        .await;
+        match confirmed {
+            Ok(true) => Ok(shutdown::leave(self, timeout).await),
+            Ok(false) => Err(LeaveError::NoRendezvous { worker }),
+            Err(_) => Err(LeaveError::Unconfirmed { worker, timeout }),
+        }
     }
 
     /// Whether shutdown has begun.

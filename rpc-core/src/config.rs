@@ -54,6 +54,10 @@ pub const TORCHRUN_AGENT_STORE_ENV: &str = "TORCHELASTIC_USE_AGENT_STORE";
 /// this process, was started again after a failure): this project's `rpcrun`, then torchrun's.
 pub const RESTART_COUNT_ENV: [&str; 2] = ["RPC_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"];
 
+/// The variable that says whether rank 0 hosts the rendezvous (`0` or `1`; see
+/// [`Config::serve_rendezvous`]): a launcher that hosts a standalone one sets `0`.
+pub const SERVE_RENDEZVOUS_ENV: &str = "RPC_SERVE_RENDEZVOUS";
+
 /// How many times a launcher has restarted this process after a failure (see
 /// [`RESTART_COUNT_ENV`]); 0 on the first start or without a launcher. A program resumes from
 /// its latest checkpoint when this is positive.
@@ -92,8 +96,15 @@ pub struct Config {
     pub world_size: Option<u32>,
     /// `tcp://host:port` of the rendezvous. Default: `MASTER_ADDR`:`MASTER_PORT`.
     pub init_method: Option<String>,
-    /// Whether this worker hosts the rendezvous. Default: `rank == 0`.
+    /// Whether this worker hosts the rendezvous. Default: [`SERVE_RENDEZVOUS_ENV`] (`0` or
+    /// `1`) if set (a launcher that hosts it sets `0`), else `rank == 0`.
     pub serve_rendezvous: Option<bool>,
+    /// Whether this process replaces the holder of its rank in a group that is already
+    /// running (it was restarted after a failure): the rendezvous then admits it as the rank's
+    /// next incarnation, and the group's connections from the previous one are refused from
+    /// then on (fencing). While a group forms this changes nothing. Default: whether the
+    /// launcher's restart count ([`launched_restart_count`]) is positive.
+    pub replace: Option<bool>,
     /// Address this worker's listener binds. Default: `127.0.0.1:0` when the rendezvous host
     /// is loopback, else `0.0.0.0:0` (the advertised address is then the local IP of the
     /// connection to the rendezvous).
@@ -191,6 +202,7 @@ impl Default for Config {
             world_size: None,
             init_method: None,
             serve_rendezvous: None,
+            replace: None,
             listen_addr: None,
             transport: Transport::Tcp,
             secret: None,
@@ -239,6 +251,8 @@ impl Config {
         with_init_method(init_method: impl Into<String>) => Some(init_method.into());
         /// Sets [`Config::serve_rendezvous`].
         with_serve_rendezvous(serve_rendezvous: bool) => Some(serve_rendezvous);
+        /// Sets [`Config::replace`].
+        with_replace(replace: bool) => Some(replace);
         /// Sets [`Config::listen_addr`].
         with_listen_addr(listen_addr: impl Into<String>) => Some(listen_addr.into());
         /// Sets [`Config::transport`].
@@ -409,6 +423,23 @@ impl Config {
                  interval ({heartbeat_interval:?})"
             )));
         }
+        let serve_rendezvous = match (self.serve_rendezvous, env(SERVE_RENDEZVOUS_ENV)) {
+            (Some(s), _) => s,
+            (None, Some(v)) => match v.trim() {
+                "1" | "true" => true,
+                "0" | "false" => false,
+                other => {
+                    return Err(InitError::Config(format!(
+                        "{SERVE_RENDEZVOUS_ENV}={other:?}: expected 0 or 1"
+                    )))
+                }
+            },
+            (None, None) => rank == 0,
+        };
+        let replace = match self.replace {
+            Some(r) => r,
+            None => num(&RESTART_COUNT_ENV, "restart count")?.unwrap_or(0) > 0,
+        };
         let protection = match (self.wire_protection, env("RPC_WIRE_PROTECTION")) {
             (Some(p), _) => p,
             (None, Some(v)) => v
@@ -418,7 +449,8 @@ impl Config {
         };
         Ok(Resolved {
             name: self.name.unwrap_or_else(|| format!("worker{rank}")),
-            serve_rendezvous: self.serve_rendezvous.unwrap_or(rank == 0),
+            serve_rendezvous,
+            replace,
             rendezvous,
             listen_addr,
             init_timeout: self.init_timeout,
@@ -431,6 +463,7 @@ impl Config {
                 secret,
                 protection,
                 rank,
+                incarnation: 0,
                 world_size,
                 connect_timeout: self.connect_timeout,
                 handshake_timeout: self.handshake_timeout,
@@ -466,6 +499,8 @@ pub(crate) struct Resolved {
     /// `host:port` of the rendezvous.
     pub rendezvous: String,
     pub serve_rendezvous: bool,
+    /// It replaces the holder of its rank (see [`Config::replace`]).
+    pub replace: bool,
     pub listen_addr: String,
     pub init_timeout: Duration,
     pub rpc_timeout: Duration,

@@ -199,6 +199,15 @@ pub enum RpcError {
         /// Why it was declared failed.
         cause: String,
     },
+    /// The peer left the running group gracefully ([`Agent::leave`](crate::Agent::leave)):
+    /// calls to it are refused.
+    #[error("worker `{worker}` left the group, so `{fn_name}` cannot be called on it")]
+    PeerLeft {
+        /// The worker that left.
+        worker: String,
+        /// The function called.
+        fn_name: String,
+    },
     /// The connection to the peer closed while the call was in flight.
     #[error("connection to worker `{worker}` closed during call to `{fn_name}`")]
     ConnectionLost {
@@ -369,4 +378,42 @@ pub fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
         cur = e.source();
     }
     s
+}
+
+/// Why [`Agent::leave`](crate::Agent::leave) could not leave the running group.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LeaveError {
+    /// Rank 0 hosts the group's shutdown barrier: it leaves with the whole group.
+    #[error(
+        "rank 0 (`{worker}`) cannot leave the running group: it hosts the group's shutdown \
+         barrier; shut the group down instead"
+    )]
+    RankZero {
+        /// This worker's name.
+        worker: String,
+    },
+    /// The rendezvous, which tells the group, cannot be reached.
+    #[error(
+        "worker `{worker}` cannot leave gracefully: it lost its connection to the rendezvous, \
+         which tells the group"
+    )]
+    NoRendezvous {
+        /// This worker's name.
+        worker: String,
+    },
+    /// The rendezvous did not confirm the leave in time.
+    #[error("the rendezvous did not confirm within {timeout:?} that `{worker}` left")]
+    Unconfirmed {
+        /// This worker's name.
+        worker: String,
+        /// How long was waited.
+        timeout: Duration,
+    },
+    /// Shutdown (or a leave) already began.
+    #[error("worker `{worker}` is already shutting down")]
+    ShuttingDown {
+        /// This worker's name.
+        worker: String,
+    },
 }

@@ -64,6 +64,7 @@ pub(crate) struct Group {
     me: u32,
     directory: Arc<Directory>,
     by_name: HashMap<String, u32>,
+    my_addr: String,
 }
 
 impl Group {
@@ -74,10 +75,12 @@ impl Group {
             .iter()
             .map(|w| (w.name.clone(), w.id.0))
             .collect();
+        let my_addr = directory.addr(me).to_string();
         Self {
             me,
             directory,
             by_name,
+            my_addr,
         }
     }
 
@@ -97,9 +100,9 @@ impl Group {
         self.directory.info(rank)
     }
 
-    /// The address worker `rank` listens at.
-    pub(crate) fn addr(&self, rank: u32) -> &str {
-        self.directory.addr(rank)
+    /// The address this worker listens at.
+    pub(crate) fn my_addr(&self) -> &str {
+        &self.my_addr
     }
 
     /// The rank `to` names, if it names a worker of the group.

@@ -52,7 +52,8 @@
 //!   the bulk path and shared memory, busy polling. It never names the agent: it hands each
 //!   request it reads to the `Serve` seam.
 //! - `config`: [`Config`] and its resolution from the environment.
-//! - `rendezvous`: group formation, [`RendezvousServer`].
+//! - `rendezvous`: group formation, then the group's membership service (failures decided
+//!   once for all, graceful leaves, replacements by a new incarnation), [`RendezvousServer`].
 //! - `context`: [`CallContext`], inherited deadlines and depth, call metadata.
 //! - `blob`: [`Blob`], bytes in a side table beside the serde payload; the message context.
 //! - `registry`: [`RemoteFn`], [`Registry`].
@@ -95,16 +96,17 @@ pub use blob::Blob;
 pub use call::wait_all;
 pub use config::{
     launched_rank, launched_restart_count, Config, RANK_ENV, RESTART_COUNT_ENV,
-    TORCHRUN_AGENT_STORE_ENV, WORLD_SIZE_ENV,
+    SERVE_RENDEZVOUS_ENV, TORCHRUN_AGENT_STORE_ENV, WORLD_SIZE_ENV,
 };
 pub use context::CallContext;
 pub use error::{
-    error_chain, BoxError, CodecError, InitError, RemoteError, RemoteErrorKind, RpcError,
+    error_chain, BoxError, CodecError, InitError, LeaveError, RemoteError, RemoteErrorKind,
+    RpcError,
 };
 pub use group::{ToWorker, WorkerRef};
 pub use net::{
-    BulkStats, FailureWatch, MemoryNetwork, Secret, Transport, WireProtection, WorkerFailed,
-    SECRET_ENV, SECRET_FILE_ENV,
+    BulkStats, FailureWatch, MembershipChange, MembershipEvent, MembershipWatch, MemoryNetwork,
+    Secret, Transport, WireProtection, WorkerFailed, SECRET_ENV, SECRET_FILE_ENV,
 };
 pub use registry::{Registry, RegistryBuilder, RegistryError, RemoteFn};
 pub use rendezvous::RendezvousServer;

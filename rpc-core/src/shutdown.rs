@@ -67,6 +67,8 @@ struct Barrier {
     arrived: BTreeSet<u32>,
     /// Ranks declared failed before they did (they will not come; shutdown skips them).
     excused: BTreeSet<u32>,
+    /// Ranks that left the running group (they will not come, and that is no failure).
+    departed: BTreeSet<u32>,
     waiters: Vec<oneshot::Sender<Result<(), Vec<u32>>>>,
     /// Set when rank 0 gave up waiting: the ranks that never arrived.
     failed: Option<Vec<u32>>,
@@ -75,7 +77,12 @@ struct Barrier {
 impl Barrier {
     /// Every rank arrived or was excused: the waiters learn which were excused, if any.
     fn release_if_complete(&mut self, world: usize) {
-        if self.arrived.union(&self.excused).count() < world {
+        let done = (0..world as u32)
+            .filter(|r| {
+                self.arrived.contains(r) || self.excused.contains(r) || self.departed.contains(r)
+            })
+            .count();
+        if done < world {
             return;
         }
         let excused: Vec<u32> = self.excused.iter().copied().collect();
@@ -107,7 +114,7 @@ impl State {
     fn missing(&self, world: u32) -> Vec<u32> {
         let b = self.barrier();
         (0..world)
-            .filter(|r| !b.arrived.contains(r) && !b.excused.contains(r))
+            .filter(|r| !b.arrived.contains(r) && !b.excused.contains(r) && !b.departed.contains(r))
             .collect()
     }
 
@@ -138,10 +145,33 @@ impl State {
         }
     }
 
+    /// `rank` left the running group: the barrier does not wait for it, and that is no
+    /// failure.
+    pub(crate) fn depart(&self, rank: u32, world: usize) {
+        let mut b = self.barrier();
+        if !b.arrived.contains(&rank) {
+            b.excused.remove(&rank);
+            b.departed.insert(rank);
+            b.release_if_complete(world);
+        }
+    }
+
+    /// A new incarnation holds `rank`: the barrier waits for it again (unless it already
+    /// released).
+    pub(crate) fn readmit(&self, rank: u32) {
+        let mut b = self.barrier();
+        b.excused.remove(&rank);
+        b.departed.remove(&rank);
+        // A previous incarnation that arrived and then failed does not stand in for it.
+        b.arrived.remove(&rank);
+    }
+
     /// Rank 0 gives up on the barrier: every waiter learns which ranks never arrived.
     fn fail(&self, world: u32) -> Vec<u32> {
         let mut b = self.barrier();
-        let missing: Vec<u32> = (0..world).filter(|r| !b.arrived.contains(r)).collect();
+        let missing: Vec<u32> = (0..world)
+            .filter(|r| !b.arrived.contains(r) && !b.departed.contains(r))
+            .collect();
         b.failed = Some(missing.clone());
         for tx in b.waiters.drain(..) {
             let _ = tx.send(Err(missing.clone()));
@@ -180,27 +210,44 @@ pub(crate) async fn shutdown(agent: &Agent, t: Duration) -> ShutdownReport {
         .inner
         .shutdown
         .report
-        .get_or_init(|| run(agent.clone(), t))
+        .get_or_init(|| run(agent.clone(), t, true))
         .await
         .clone()
 }
 
-async fn run(agent: Agent, t: Duration) -> ShutdownReport {
+/// Stops `agent`, which left the running group (its hooks ran and the group was told): the
+/// phases after the barrier, with `t` per phase, once (AG-4).
+pub(crate) async fn leave(agent: &Agent, t: Duration) -> ShutdownReport {
+    agent
+        .inner
+        .shutdown
+        .report
+        .get_or_init(|| run(agent.clone(), t, false))
+        .await
+        .clone()
+}
+
+async fn run(agent: Agent, t: Duration, with_group: bool) -> ShutdownReport {
     let inner = &agent.inner;
     let start = Instant::now();
-    // Phase 0: layers above finish their protocol traffic while every peer still serves.
-    let hooks = inner.layers.shutdown_hooks();
-    if tokio::time::timeout(t, futures::future::join_all(hooks))
-        .await
-        .is_err()
-    {
-        tracing::warn!(worker = %agent.name(), "shutdown hooks did not finish in time");
-    }
-    // Phase 1: the barrier.
-    let barrier = barrier(&agent, t).await;
-    if let Err(why) = &barrier {
-        tracing::warn!(worker = %agent.name(), %why, "shutdown barrier incomplete");
-    }
+    let barrier = if with_group {
+        // Phase 0: layers above finish their protocol traffic while every peer still serves.
+        let hooks = inner.layers.shutdown_hooks();
+        if tokio::time::timeout(t, futures::future::join_all(hooks))
+            .await
+            .is_err()
+        {
+            tracing::warn!(worker = %agent.name(), "shutdown hooks did not finish in time");
+        }
+        // Phase 1: the barrier.
+        let barrier = barrier(&agent, t).await;
+        if let Err(why) = &barrier {
+            tracing::warn!(worker = %agent.name(), %why, "shutdown barrier incomplete");
+        }
+        barrier
+    } else {
+        Ok(())
+    };
     // Phase 2: refuse new root calls; let the calls in flight finish.
     let life = &inner.life;
     life.set_stopping();
@@ -224,6 +271,13 @@ async fn run(agent: Agent, t: Duration) -> ShutdownReport {
     inner.net.close_incoming();
     let _ = tokio::time::timeout(Duration::from_secs(5), life.conns.wait()).await;
     let _ = tokio::time::timeout(Duration::from_secs(5), life.calls.wait()).await;
+    // The rendezvous this worker hosts goes last: peers still leaving keep their link.
+    let hosted = inner
+        .rendezvous
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .take();
+    drop(hosted);
     let report = ShutdownReport {
         barrier,
         in_flight,

@@ -101,7 +101,10 @@ pub async fn dial_authenticated(
         transport,
         addr,
         secret,
-        rank,
+        auth::Ident {
+            rank,
+            incarnation: 0,
+        },
         ConnKind::Control,
         WireProtection::Auto,
     )
@@ -117,7 +120,33 @@ pub async fn dial_protected(
     rank: u32,
     protection: WireProtection,
 ) -> io::Result<Box<dyn Io>> {
-    dial_as(transport, addr, secret, rank, ConnKind::Control, protection).await
+    let me = auth::Ident {
+        rank,
+        incarnation: 0,
+    };
+    dial_as(transport, addr, secret, me, ConnKind::Control, protection).await
+}
+
+/// Like [`dial_authenticated`], claiming to be incarnation `incarnation` of `rank` (a process
+/// that was replaced, or a replacement the worker has not heard of): the worker refuses the
+/// connection unless that is the incarnation it knows (fencing).
+pub async fn dial_as_incarnation(
+    transport: &Transport,
+    addr: &str,
+    secret: &Secret,
+    rank: u32,
+    incarnation: u64,
+) -> io::Result<Box<dyn Io>> {
+    let me = auth::Ident { rank, incarnation };
+    dial_as(
+        transport,
+        addr,
+        secret,
+        me,
+        ConnKind::Control,
+        WireProtection::Auto,
+    )
+    .await
 }
 
 /// Like [`dial_authenticated`], as a calling thread's own connection for blocking calls (see
@@ -132,7 +161,10 @@ pub async fn dial_authenticated_sync(
         transport,
         addr,
         secret,
-        rank,
+        auth::Ident {
+            rank,
+            incarnation: 0,
+        },
         ConnKind::Sync,
         WireProtection::Auto,
     )
@@ -143,12 +175,12 @@ async fn dial_as(
     transport: &Transport,
     addr: &str,
     secret: &Secret,
-    rank: u32,
+    ident: auth::Ident,
     kind: ConnKind,
     protection: WireProtection,
 ) -> io::Result<Box<dyn Io>> {
     let (mut conn, _) = transport.connect(addr).await?;
-    let session = auth::client(&mut conn, secret, protection, kind, rank).await?;
+    let session = auth::client(&mut conn, secret, protection, kind, ident).await?;
     Ok(session.wrap(conn))
 }
 

@@ -20,9 +20,19 @@
 //! - a child never outlives the launcher: it is killed if the launcher dies (Linux's parent
 //!   death signal) and its whole process group is killed when its attempt ends.
 //!
-//! A child that freezes without exiting is not this launcher's to judge: the group's failure
-//! detector notices it (the frozen peer stops answering heartbeats), its peers fail with an
-//! error naming it, and their exit starts the restart.
+//! With [`Restart::Group`] (the default) a child that freezes without exiting is not this
+//! launcher's to judge: the group's failure detector notices it (the frozen peer stops
+//! answering heartbeats), its peers fail with an error naming it, and their exit starts the
+//! restart.
+//!
+//! With [`Restart::Worker`], only the failed process is restarted, and it rejoins the running
+//! group in its own place (its name and rank, the next incarnation; the group refuses the
+//! previous one from then on). The launcher of node 0 hosts the group's rendezvous itself
+//! (children are told not to, with `RPC_SERVE_RENDEZVOUS=0`), so any rank can be replaced,
+//! rank 0 included; it hears there of every failure the group's detectors decide, and kills
+//! a local child declared failed that has not exited (frozen, cut off) so it is restarted
+//! too. Survivors keep their processes and their state; what the program does about a
+//! replaced peer is the program's (`Agent::watch_membership`).
 //!
 //! ```no_run
 //! let exit = rpcrun::Launch::new("target/release/hybrid-rnn")
@@ -105,6 +115,30 @@ pub struct Failure {
 
 /// A group of processes to start and supervise. Build it with [`Launch::new`] and the
 /// setters, then [`Launch::run`] it.
+/// What is restarted after a failure.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Restart {
+    /// Every process of the node (torchrun's behaviour; the program resumes from its
+    /// checkpoint).
+    #[default]
+    Group,
+    /// Only the process that failed; it rejoins the running group as the next incarnation of
+    /// its rank.
+    Worker,
+}
+
+impl std::str::FromStr for Restart {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "group" => Ok(Self::Group),
+            "worker" => Ok(Self::Worker),
+            other => Err(format!("{other:?}: expected `worker` or `group`")),
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct Launch {
     program: PathBuf,
@@ -114,6 +148,7 @@ pub struct Launch {
     node_rank: u32,
     rdzv: Option<String>,
     max_restarts: u32,
+    restart: Restart,
     secret_file: Option<PathBuf>,
     prefix: bool,
     stop_grace: Duration,
@@ -132,6 +167,7 @@ impl Launch {
             node_rank: 0,
             rdzv: None,
             max_restarts: 0,
+            restart: Restart::Group,
             secret_file: None,
             prefix: true,
             stop_grace: Duration::from_secs(5),
@@ -171,9 +207,16 @@ impl Launch {
         self
     }
 
-    /// How many times the whole group may be restarted after a failure.
+    /// How many restarts are allowed after failures: of the whole group with
+    /// [`Restart::Group`], of single processes (all ranks together) with [`Restart::Worker`].
     pub fn max_restarts(mut self, k: u32) -> Self {
         self.max_restarts = k;
+        self
+    }
+
+    /// What is restarted after a failure (default: [`Restart::Group`]).
+    pub fn restart(mut self, r: Restart) -> Self {
+        self.restart = r;
         self
     }
 

@@ -3,6 +3,7 @@
 //!
 //! ```text
 //! rpcrun --nproc 3 --max-restarts 3 -- target/release/hybrid-rnn --epochs 6
+//! rpcrun --nproc 4 --max-restarts 5 --restart worker -- target/release/my-server
 //! rpcrun --nproc 1 --nnodes 3 --node-rank 1 --rdzv node0:29500 --secret-file /shared/s -- prog
 //! ```
 
@@ -27,9 +28,13 @@ struct Args {
     /// The rendezvous, HOST:PORT on node 0 (default on one node: 127.0.0.1, a free port).
     #[arg(long)]
     rdzv: Option<String>,
-    /// Restarts of the whole group after a failure before giving up.
+    /// Restarts after failures before giving up (of the group, or of single processes).
     #[arg(long, default_value_t = 0)]
     max_restarts: u32,
+    /// What a failure restarts: `group` (every process) or `worker` (only the failed one,
+    /// which rejoins the running group).
+    #[arg(long, default_value = "group")]
+    restart: rpcrun::Restart,
     /// File holding the group secret (needed with --nnodes > 1; default: a fresh one).
     #[arg(long)]
     secret_file: Option<PathBuf>,
@@ -65,6 +70,7 @@ fn main() {
         .nproc(args.nproc)
         .nodes(args.nnodes, args.node_rank)
         .max_restarts(args.max_restarts)
+        .restart(args.restart)
         .prefix_output(!args.no_prefix)
         .stop_grace(Duration::from_secs_f64(args.stop_grace_secs));
     if let Some(r) = args.rdzv {

@@ -1,5 +1,6 @@
-//! The launch loop: start every process, watch them, stop them all on the first failure or a
-//! signal, and start them again while restarts are left.
+//! The launch loops: start every process, watch them, and on a failure either stop them all
+//! and start them again ([`Restart::Group`]) or start only the failed one again, which rejoins
+//! the running group ([`Restart::Worker`]), while restarts are left; stop them all on a signal.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -8,7 +9,7 @@ use std::time::Duration;
 use crate::child::{self, Child};
 use crate::env::{child_env, Rendezvous};
 use crate::secret::SecretFile;
-use crate::{Exit, Failure, Launch, LaunchError};
+use crate::{Exit, Failure, Launch, LaunchError, Restart};
 
 /// How often children are checked.
 const POLL: Duration = Duration::from_millis(10);
@@ -66,6 +67,9 @@ impl Drop for Handlers {
 }
 
 pub(crate) fn run(launch: &Launch) -> Result<Exit, LaunchError> {
+    if launch.restart == Restart::Worker {
+        return run_workers(launch);
+    }
     let secret = SecretFile::resolve(launch)?;
     let handlers = Handlers::install()?;
     let mut failures = Vec::new();
@@ -148,25 +152,12 @@ fn run_attempt(
     secret: &std::path::Path,
     handlers: &Handlers,
 ) -> Result<Ended, LaunchError> {
-    let mut children: Vec<Child> = Vec::new();
-    for local in 0..launch.nproc {
+    let mut children = spawn_all(launch, |local| {
         let env = child_env(launch, local, attempt, rdzv, Some(secret));
-        let rank = launch.node_rank * launch.nproc + local;
-        match Child::spawn(launch, rank, &env) {
-            Ok(c) => children.push(c),
-            Err(e) => {
-                child::stop_all(&mut children, libc::SIGTERM, launch.stop_grace);
-                return Err(e);
-            }
-        }
-    }
+        Child::spawn(launch, launch.node_rank * launch.nproc + local, &env)
+    })?;
     loop {
-        if let Some(s) = handlers.received() {
-            tracing::warn!(
-                "got {}; forwarding it to every process",
-                child::signal_name(s)
-            );
-            child::stop_all(&mut children, s, launch.stop_grace);
+        if let Some(s) = forward_signal(handlers, &mut children, launch) {
             return Ok(Ended::Signalled(s));
         }
         let mut running = 0;
@@ -191,6 +182,211 @@ fn run_attempt(
         if running == 0 {
             child::stop_all(&mut children, libc::SIGTERM, launch.stop_grace);
             return Ok(Ended::Success);
+        }
+        std::thread::sleep(POLL);
+    }
+}
+
+/// Starts every local process with `spawn` (given its local rank); if one cannot start, those
+/// started are stopped.
+fn spawn_all(
+    launch: &Launch,
+    spawn: impl Fn(u32) -> Result<Child, LaunchError>,
+) -> Result<Vec<Child>, LaunchError> {
+    let mut children = Vec::new();
+    for local in 0..launch.nproc {
+        match spawn(local) {
+            Ok(c) => children.push(c),
+            Err(e) => {
+                child::stop_all(&mut children, libc::SIGTERM, launch.stop_grace);
+                return Err(e);
+            }
+        }
+    }
+    Ok(children)
+}
+
+/// The signal the launcher got, if any, after forwarding it to every child and stopping them.
+fn forward_signal(handlers: &Handlers, children: &mut [Child], launch: &Launch) -> Option<i32> {
+    let s = handlers.received()?;
+    tracing::warn!(
+        "got {}; forwarding it to every process",
+        child::signal_name(s)
+    );
+    child::stop_all(children, s, launch.stop_grace);
+    Some(s)
+}
+
+/// How long the rendezvous this launcher hosts waits for the group to form.
+const FORM_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// [`Restart::Worker`]: only a failed process is started again; it rejoins the running group.
+fn run_workers(launch: &Launch) -> Result<Exit, LaunchError> {
+    let secret = SecretFile::resolve(launch)?;
+    let handlers = Handlers::install()?;
+    let rdzv = rendezvous(launch)?;
+    let system = |what| move |source| LaunchError::System { what, source };
+    // The rendezvous (node 0's launcher hosts it) and what it decides about local ranks.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .map_err(system("starting the rendezvous's runtime"))?;
+    let (verdicts_tx, verdicts) = std::sync::mpsc::sync_channel::<rpc_core::MembershipEvent>(1024);
+    let _server = if launch.node_rank == 0 {
+        let key = rpc_core::Secret::from_file(secret.path()).map_err(|e| LaunchError::Secret {
+            path: secret.path().display().to_string(),
+            source: std::io::Error::other(e.to_string()),
+        })?;
+        let loopback = rdzv.host == "localhost"
+            || rdzv
+                .host
+                .parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_loopback());
+        let host = if loopback {
+            rdzv.host.as_str()
+        } else {
+            "0.0.0.0"
+        };
+        let bind = format!("{host}:{}", rdzv.port);
+        let server = rt
+            .block_on(rpc_core::RendezvousServer::start(
+                &rpc_core::Transport::Tcp,
+                &bind,
+                key,
+                launch.world_size(),
+                FORM_TIMEOUT,
+            ))
+            .map_err(|e| LaunchError::System {
+                what: "starting the rendezvous",
+                source: std::io::Error::other(e.to_string()),
+            })?;
+        let mut events = server.subscribe();
+        rt.spawn(async move {
+            loop {
+                match events.recv().await {
+                    Ok(e) => {
+                        if verdicts_tx.try_send(e).is_err() {
+                            tracing::warn!("membership events dropped: the launcher is behind");
+                        }
+                    }
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
+                        tracing::warn!("{n} membership events dropped: the launcher is behind");
+                    }
+                    Err(_) => return,
+                }
+            }
+        });
+        Some(server)
+    } else {
+        None
+    };
+    let first_rank = launch.node_rank * launch.nproc;
+    let spawn = |local: u32, count: u32| {
+        let mut env = child_env(launch, local, count, &rdzv, Some(secret.path()));
+        env.push((rpc_core::SERVE_RENDEZVOUS_ENV.to_owned(), "0".to_owned()));
+        Child::spawn(launch, first_rank + local, &env)
+    };
+    tracing::info!(
+        nproc = launch.nproc,
+        world_size = launch.world_size(),
+        master = %format!("{}:{}", rdzv.host, rdzv.port),
+        "starting {} processes (a failed one is restarted alone)", launch.nproc
+    );
+    let mut children = spawn_all(launch, |local| spawn(local, 0))?;
+    // Per local rank: how often it was restarted, the incarnation its running process holds
+    // (`None` until a restarted one has joined), and whether it finished.
+    let mut counts = vec![0u32; launch.nproc as usize];
+    let mut incarnation: Vec<Option<u64>> = vec![Some(0); launch.nproc as usize];
+    let mut done = vec![false; launch.nproc as usize];
+    let mut failures = Vec::new();
+    let mut restarts = 0;
+    loop {
+        if let Some(s) = forward_signal(&handlers, &mut children, launch) {
+            let code = 128 + s;
+            return Ok(Exit {
+                code,
+                restarts,
+                failures,
+            });
+        }
+        while let Ok(e) = verdicts.try_recv() {
+            let Some(local) = e.rank.checked_sub(first_rank).filter(|l| *l < launch.nproc) else {
+                continue;
+            };
+            let l = local as usize;
+            match e.change {
+                rpc_core::MembershipChange::Joined { .. } => incarnation[l] = Some(e.incarnation),
+                rpc_core::MembershipChange::Failed { cause, .. }
+                    if incarnation[l] == Some(e.incarnation)
+                        && children[l].try_wait().is_none() =>
+                {
+                    tracing::warn!(
+                        "rank {} (pid {}) was declared failed by the group ({cause}); killing it",
+                        e.rank,
+                        children[l].pid()
+                    );
+                    children[l].signal(libc::SIGKILL);
+                }
+                _ => {}
+            }
+        }
+        for l in 0..children.len() {
+            if done[l] {
+                continue;
+            }
+            let Some(st) = children[l].try_wait() else {
+                continue;
+            };
+            if st.success() {
+                done[l] = true;
+                continue;
+            }
+            let (code, what) = child::describe(st);
+            let rank = children[l].rank;
+            tracing::warn!("rank {rank} (pid {}) {what}", children[l].pid());
+            failures.push(Failure {
+                attempt: counts[l],
+                rank,
+                code,
+                what,
+            });
+            if restarts >= launch.max_restarts {
+                if launch.max_restarts > 0 {
+                    tracing::warn!(
+                        "out of restarts ({} used); exiting with the last failure's status {code}",
+                        launch.max_restarts
+                    );
+                }
+                child::stop_all(&mut children, libc::SIGTERM, launch.stop_grace);
+                return Ok(Exit {
+                    code,
+                    restarts,
+                    failures,
+                });
+            }
+            restarts += 1;
+            counts[l] += 1;
+            incarnation[l] = None;
+            tracing::warn!(
+                "restarting rank {rank} alone (restart {restarts} of {})",
+                launch.max_restarts
+            );
+            match spawn(l as u32, counts[l]) {
+                Ok(c) => children[l] = c,
+                Err(e) => {
+                    child::stop_all(&mut children, libc::SIGTERM, launch.stop_grace);
+                    return Err(e);
+                }
+            }
+        }
+        if done.iter().all(|d| *d) {
+            child::stop_all(&mut children, libc::SIGTERM, launch.stop_grace);
+            return Ok(Exit {
+                code: 0,
+                restarts,
+                failures,
+            });
         }
         std::thread::sleep(POLL);
     }

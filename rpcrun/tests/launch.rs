@@ -151,7 +151,8 @@ fn a_failed_rank_restarts_the_whole_group_with_the_count_raised() {
         &dir,
         &["--nproc", "2", "--max-restarts", "3"],
         r#"echo "start $RANK $RPC_RESTART_COUNT"
-           if [ "$RANK" = 1 ] && [ "$RPC_RESTART_COUNT" -lt 2 ]; then exit 3; fi
+           # (after rank 0 has surely printed its line: the failure stops it)
+           if [ "$RANK" = 1 ] && [ "$RPC_RESTART_COUNT" -lt 2 ]; then sleep 0.3; exit 3; fi
            if [ "$RPC_RESTART_COUNT" -lt 2 ]; then sleep 30; fi
            echo "done $RANK $RPC_RESTART_COUNT""#,
     );

@@ -92,7 +92,9 @@ pub(crate) fn ctx(agent: &Agent) -> Arc<Ctx> {
         Ctx {
             agent: agent.downgrade(),
             me: agent.rank(),
-            next: AtomicU64::new(1),
+            // Ids of each incarnation of a rank are apart (the top 16 bits), so a restarted
+            // process never reuses an id its predecessor handed out.
+            next: AtomicU64::new(((agent.incarnation() & 0xffff) << 48) + 1),
             owner: Mutex::new(OwnerTable::default()),
             pending_children: Mutex::new(HashMap::new()),
             last_sweep: Mutex::new(Instant::now()),

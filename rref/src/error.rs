@@ -66,6 +66,22 @@ pub enum RRefError {
         #[source]
         source: CodecError,
     },
+    /// The owner failed and a new incarnation (a restarted process) took its place: the value
+    /// went with the incarnation that held it.
+    #[error(
+        "{id} was owned by incarnation {incarnation} of worker `{owner}`, which failed and was \
+         replaced by incarnation {now}: the value is gone (restore it from a checkpoint)"
+    )]
+    OwnerReplaced {
+        /// The RRef.
+        id: String,
+        /// The owner's name.
+        owner: String,
+        /// The incarnation that held the value.
+        incarnation: u64,
+        /// The incarnation that holds the rank now.
+        now: u64,
+    },
     /// The local agent no longer exists.
     #[error("the agent of this RRef has been dropped")]
     AgentGone,

@@ -26,6 +26,9 @@ pub(crate) struct Handle {
     pub id: RRefId,
     pub fork: ForkId,
     pub owner: u32,
+    /// The owner's incarnation when the value was made: once another incarnation holds the
+    /// owner's rank, the value is gone.
+    pub owner_incarnation: u64,
     /// Made by `remote`: the owner registers this fork together with the value.
     pub creator: bool,
     state: Mutex<HState>,
@@ -36,7 +39,7 @@ impl Handle {
         ctx: &Arc<Ctx>,
         id: RRefId,
         fork: ForkId,
-        owner: u32,
+        owner: (u32, u64),
         state: HState,
     ) -> Arc<Self> {
         Self::with_creator(ctx, id, fork, owner, state, false)
@@ -46,7 +49,7 @@ impl Handle {
         ctx: &Arc<Ctx>,
         id: RRefId,
         fork: ForkId,
-        owner: u32,
+        (owner, owner_incarnation): (u32, u64),
         state: HState,
         creator: bool,
     ) -> Arc<Self> {
@@ -61,9 +64,17 @@ impl Handle {
             id,
             fork,
             owner,
+            owner_incarnation,
             creator,
             state: Mutex::new(state),
         })
+    }
+
+    /// The incarnation that holds the owner's rank now, if it is not the one that made the
+    /// value (the owner failed and was replaced: the value is gone).
+    pub(crate) fn owner_replaced(&self, agent: &rpc_core::Agent) -> Option<u64> {
+        let now = agent.incarnation_of(self.owner).ok()?;
+        (now != self.owner_incarnation).then_some(now)
     }
 
     pub(crate) fn state(&self) -> HState {
@@ -120,6 +131,9 @@ impl Drop for Handle {
         let Some(agent) = c.agent.upgrade() else {
             return;
         };
+        if self.owner_replaced(&agent).is_some() {
+            return; // its value went with the incarnation that owned it
+        }
         let (owner, id, fork) = (self.owner, self.id, self.fork);
         let a = agent.clone();
         c.background(&agent, async move {

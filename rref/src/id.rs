@@ -9,7 +9,8 @@ use std::fmt;
 pub struct RRefId {
     /// Rank of the worker that created the id.
     pub created_on: u32,
-    /// Counter on that worker.
+    /// Counter on that worker (the top 16 bits are its incarnation: a restarted process never
+    /// reuses its predecessor's ids).
     pub local: u64,
 }
 
@@ -18,7 +19,8 @@ pub struct RRefId {
 pub struct ForkId {
     /// Rank of the worker that created the id.
     pub created_on: u32,
-    /// Counter on that worker.
+    /// Counter on that worker (the top 16 bits are its incarnation: a restarted process never
+    /// reuses its predecessor's ids).
     pub local: u64,
 }
 

@@ -53,6 +53,8 @@ impl<T> fmt::Debug for RRef<T> {
 struct WireRRef {
     id: RRefId,
     owner: u32,
+    /// The owner's incarnation that holds the value.
+    owner_incarnation: u64,
     child: ForkId,
     parent: u32,
     /// Sent to the owner in a request whose answer releases the parent's hold: the owner
@@ -86,6 +88,7 @@ impl<T> Serialize for RRef<T> {
         WireRRef {
             id: self.h.id,
             owner: self.h.owner,
+            owner_incarnation: self.h.owner_incarnation,
             child,
             parent: c.me,
             released_on_answer,
@@ -103,7 +106,8 @@ impl<'de, T> Deserialize<'de> for RRef<T> {
         let c = ctx(&agent);
         if w.owner == c.me {
             c.owner_add(w.id, w.child, 1, c.me);
-            let h = Handle::new(&c, w.id, w.child, w.owner, HState::Confirmed);
+            let owner = (w.owner, w.owner_incarnation);
+            let h = Handle::new(&c, w.id, w.child, owner, HState::Confirmed);
             if w.released_on_answer {
                 return Ok(Self::from_handle(h));
             }
@@ -117,8 +121,21 @@ impl<'de, T> Deserialize<'de> for RRef<T> {
             });
             return Ok(Self::from_handle(h));
         }
-        let h = Handle::new(&c, w.id, w.child, w.owner, HState::Unconfirmed);
+        let owner = (w.owner, w.owner_incarnation);
+        let h = Handle::new(&c, w.id, w.child, owner, HState::Unconfirmed);
         let held = h.clone();
+        if let Some(now) = h.owner_replaced(&agent) {
+            // Nothing to register with: the value went with the incarnation that owned it.
+            h.settle(Err(RpcError::PeerFailed {
+                worker: agent.name_of(w.owner),
+                fn_name: "rref::AddFork".into(),
+                cause: format!(
+                    "incarnation {} was replaced by incarnation {now}",
+                    w.owner_incarnation
+                ),
+            }));
+            return Ok(Self::from_handle(h));
+        }
         let a = agent.clone();
         // CTX-1: the task holds the handle, so its delete follows the registration.
         c.background(&agent, async move {
@@ -174,7 +191,15 @@ pub fn remote<F: RemoteFn>(
     let c = ctx(agent);
     let id = c.new_rref_id();
     let fork = c.new_fork_id();
-    let h = Handle::with_creator(&c, id, fork, owner, HState::Unconfirmed, true);
+    let incarnation = agent.incarnation_of(owner).unwrap_or(0);
+    let h = Handle::with_creator(
+        &c,
+        id,
+        fork,
+        (owner, incarnation),
+        HState::Unconfirmed,
+        true,
+    );
     let held = h.clone();
     let token = protocol::token(id, fork);
     if c.jittered() {
@@ -270,7 +295,8 @@ impl<T: 'static> RRef<T> {
             .unwrap_or_else(|p| p.into_inner())
             .set(id, Ok(KeptValue::new(value)));
         drop(extra);
-        Self::from_handle(Handle::new(&c, id, fork, c.me, HState::Confirmed))
+        let me = (c.me, agent.incarnation());
+        Self::from_handle(Handle::new(&c, id, fork, me, HState::Confirmed))
     }
 
     /// The reference's global id.
@@ -306,6 +332,16 @@ impl<T: 'static> RRef<T> {
     }
 
     fn check_created(&self) -> Result<(), RRefError> {
+        if let Some(agent) = self.h.ctx.agent.upgrade() {
+            if let Some(now) = self.h.owner_replaced(&agent) {
+                return Err(RRefError::OwnerReplaced {
+                    id: self.h.id.to_string(),
+                    owner: self.owner_name(),
+                    incarnation: self.h.owner_incarnation,
+                    now,
+                });
+            }
+        }
         match self.h.state() {
             HState::Failed(message) | HState::Lost(message) => Err(RRefError::CreationFailed {
                 id: self.h.id.to_string(),

@@ -103,6 +103,12 @@ pub async fn reverse_parts(_ctx: CallContext, mut p: Packet) -> Result<(Packet, 
     Ok((p, total))
 }
 
+/// The incarnation of the worker that serves the call.
+#[remote]
+pub async fn incarnation_here(ctx: CallContext) -> Result<u64, BoxError> {
+    Ok(ctx.agent().incarnation())
+}
+
 /// Returns the caller's name and this worker's name.
 #[remote]
 pub async fn whoami(ctx: CallContext) -> Result<(String, String), BoxError> {
@@ -315,6 +321,7 @@ pub fn registry_builder() -> rpc_core::RegistryBuilder {
         .and_then(|r| r.register(echo))
         .and_then(|r| r.register(reverse_parts))
         .and_then(|r| r.register(whoami))
+        .and_then(|r| r.register(incarnation_here))
         .and_then(|r| r.register(sleep_ms))
         .and_then(|r| r.register(fail))
         .and_then(|r| r.register(fail_anyhow))

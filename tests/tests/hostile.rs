@@ -496,7 +496,7 @@ async fn note(_ctx: CallContext, v: u32) -> Result<(), BoxError> {
 }
 
 /// Relays one connection to `upstream`, injecting `inject` into the client's bytes right
-/// after its handshake message (78 bytes), as someone on the path between two hosts could.
+/// after its handshake message (86 bytes), as someone on the path between two hosts could.
 async fn injecting_proxy(upstream: String, inject: Vec<u8>) -> String {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap().to_string();
@@ -509,7 +509,7 @@ async fn injecting_proxy(upstream: String, inject: Vec<u8>) -> String {
         tokio::spawn(async move {
             let _ = tokio::io::copy(&mut sr, &mut cw).await;
         });
-        let mut hello = [0u8; 78];
+        let mut hello = [0u8; 86];
         if cr.read_exact(&mut hello).await.is_ok() {
             sw.write_all(&hello).await.unwrap();
             sw.write_all(&inject).await.unwrap();

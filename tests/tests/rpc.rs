@@ -1087,8 +1087,9 @@ fn wrong_secret_is_refused_and_the_worker_keeps_serving() {
         let mut raw = testing::dial_raw(&t, a[1].local_addr()).await.unwrap();
         let mut hello = [0u8; 40];
         raw.read_exact(&mut hello).await.unwrap();
-        // As long as a client's message (magic, kind, rank, protection, nonce, tag).
-        raw.write_all(&[0xAB; 78]).await.unwrap();
+        // As long as a client's message (magic, kind, rank, incarnation, protection, nonce,
+        // tag).
+        raw.write_all(&[0xAB; 86]).await.unwrap();
         let mut rest = Vec::new();
         let _ = tokio::time::timeout(Duration::from_secs(5), raw.read_to_end(&mut rest))
             .await

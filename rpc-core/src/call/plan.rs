@@ -68,6 +68,13 @@ pub(super) fn plan<F: RemoteFn>(
             let e = super::reply::peer_failed::<F>(agent, to);
             Plan::Remote(Err(e.expect("declared failed")), args)
         }
+        Ok((to, _)) if agent.inner.net.membership.has_left(to) => {
+            let e = RpcError::PeerLeft {
+                worker: agent.inner.group.worker(to).name.clone(),
+                fn_name: F::NAME.to_owned(),
+            };
+            Plan::Remote(Err(e), args)
+        }
         Ok((to, timing)) if to != agent.rank() => {
             Plan::Remote(prepare::<F>(agent, to, &args, timing), args)
         }

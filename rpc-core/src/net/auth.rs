@@ -4,8 +4,9 @@
 //! HMAC-SHA256 challenge before a single request byte is decoded:
 //!
 //! 1. server → client: `MAGIC`, a 32-byte random nonce `ns`;
-//! 2. client → server: `MAGIC`, kind (1 byte), rank (u32 LE), the protection it wants (1
-//!    byte, see `seal/`), nonce `nc`, `HMAC(secret, "client" | ns | nc | kind | rank | wants)`;
+//! 2. client → server: `MAGIC`, kind (1 byte), rank (u32 LE), incarnation (u64 LE), the
+//!    protection it wants (1 byte, see `seal/`), nonce `nc`,
+//!    `HMAC(secret, "client" | ns | nc | kind | rank | incarnation | wants)`;
 //! 3. server → client: `1`, the agreed protection (the stronger of both sides' wishes) and
 //!    `HMAC(secret, "server" | nc | ns | agreed)` if the tag verifies (checked in constant
 //!    time), else `0` and the connection closes.
@@ -36,7 +37,7 @@ pub const SECRET_ENV: &str = "RPC_SECRET";
 /// Env var naming a file that holds the group secret.
 pub const SECRET_FILE_ENV: &str = "RPC_SECRET_FILE";
 
-const MAGIC: &[u8; 8] = b"RXRPC\x00v2";
+const MAGIC: &[u8; 8] = b"RXRPC\x00v3";
 const NONCE: usize = 32;
 const TAG: usize = 32;
 
@@ -99,17 +100,24 @@ impl Secret {
             }
         }
         if let Some(path) = env(SECRET_FILE_ENV) {
-            let data = std::fs::read(&path).map_err(|source| InitError::SecretFile {
-                path: path.clone(),
-                source,
-            })?;
-            let trimmed = data.strip_suffix(b"\n").unwrap_or(&data);
-            if trimmed.is_empty() {
-                return Err(InitError::Config(format!("secret file {path} is empty")));
-            }
-            return Ok(Some(Self::new(trimmed)));
+            return Self::from_file(std::path::Path::new(&path)).map(Some);
         }
         Ok(None)
+    }
+
+    /// The secret in the file at `path` (trailing newline trimmed), as [`SECRET_FILE_ENV`]
+    /// names it for workers.
+    pub fn from_file(path: &std::path::Path) -> Result<Self, InitError> {
+        let shown = path.display().to_string();
+        let data = std::fs::read(path).map_err(|source| InitError::SecretFile {
+            path: shown.clone(),
+            source,
+        })?;
+        let trimmed = data.strip_suffix(b"\n").unwrap_or(&data);
+        if trimmed.is_empty() {
+            return Err(InitError::Config(format!("secret file {shown} is empty")));
+        }
+        Ok(Self::new(trimmed))
     }
 
     /// The secret's bytes (to derive keys from).
@@ -226,12 +234,22 @@ fn denied(msg: &str) -> io::Error {
     io::Error::new(io::ErrorKind::PermissionDenied, msg.to_owned())
 }
 
+/// Who a connection's client says it is: a rank and the incarnation holding it (MEM-1), so a
+/// replaced process can be refused (fencing).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Ident {
+    pub rank: u32,
+    pub incarnation: u64,
+}
+
 /// What the server learns from a handshake that succeeded.
 pub(crate) struct Accepted {
     /// What the connection is for.
     pub kind: ConnKind,
     /// The rank the client claims (proven only as far as the secret goes).
     pub rank: u32,
+    /// The incarnation of that rank it claims to be.
+    pub incarnation: u64,
     /// The connection's keys, as agreed.
     pub session: Session,
 }
@@ -241,6 +259,7 @@ impl fmt::Debug for Accepted {
         f.debug_struct("Accepted")
             .field("kind", &self.kind)
             .field("rank", &self.rank)
+            .field("incarnation", &self.incarnation)
             .field("mode", &self.session.mode())
             .finish()
     }
@@ -257,16 +276,17 @@ struct ClientAnswer {
     wants: Mode,
 }
 
-/// The client's message: magic, kind, rank, wants, nonce, tag.
-const CLIENT_MSG: usize = 8 + 1 + 4 + 1 + NONCE + TAG;
+/// The client's message: magic, kind, rank, incarnation, wants, nonce, tag.
+const CLIENT_MSG: usize = 8 + 1 + 4 + 8 + 1 + NONCE + TAG;
 
 fn client_answer(
     secret: &Secret,
     hello: &[u8; 8 + NONCE],
     kind: ConnKind,
-    rank: u32,
+    me: Ident,
     wants: Mode,
 ) -> io::Result<ClientAnswer> {
+    let rank = me.rank;
     if &hello[..8] != MAGIC {
         return Err(denied(
             "peer is not an rpc-core worker of this protocol version (bad magic)",
@@ -277,15 +297,17 @@ fn client_answer(
     fill_random(&mut nc);
     let kind_b = [kind as u8];
     let rank_b = rank.to_le_bytes();
+    let inc_b = me.incarnation.to_le_bytes();
     let wants_b = [wants as u8];
     let tag = secret
-        .mac(&[b"client", &ns, &nc, &kind_b, &rank_b, &wants_b])
+        .mac(&[b"client", &ns, &nc, &kind_b, &rank_b, &inc_b, &wants_b])
         .finalize()
         .into_bytes();
     let mut msg = Vec::with_capacity(CLIENT_MSG);
     msg.extend_from_slice(MAGIC);
     msg.extend_from_slice(&kind_b);
     msg.extend_from_slice(&rank_b);
+    msg.extend_from_slice(&inc_b);
     msg.extend_from_slice(&wants_b);
     msg.extend_from_slice(&nc);
     msg.extend_from_slice(&tag);
@@ -343,12 +365,12 @@ pub(crate) async fn client(
     secret: &Secret,
     protection: WireProtection,
     kind: ConnKind,
-    rank: u32,
+    me: Ident,
 ) -> io::Result<Session> {
     let wants = protection.wants(seal::same_host(conn));
     let mut hello = [0u8; 8 + NONCE];
     conn.read_exact(&mut hello).await?;
-    let answer = client_answer(secret, &hello, kind, rank, wants)?;
+    let answer = client_answer(secret, &hello, kind, me, wants)?;
     conn.write_all(&answer.msg).await?;
     conn.flush().await?;
     let mut status = [0u8; 1];
@@ -369,13 +391,13 @@ pub(crate) fn client_blocking(
     secret: &Secret,
     protection: WireProtection,
     kind: ConnKind,
-    rank: u32,
+    me: Ident,
 ) -> io::Result<Session> {
     use std::io::{Read, Write};
     let wants = protection.wants(seal::same_host_std(conn));
     let mut hello = [0u8; 8 + NONCE];
     conn.read_exact(&mut hello)?;
-    let answer = client_answer(secret, &hello, kind, rank, wants)?;
+    let answer = client_answer(secret, &hello, kind, me, wants)?;
     conn.write_all(&answer.msg)?;
     conn.flush()?;
     let mut status = [0u8; 1];
@@ -407,12 +429,13 @@ pub(crate) async fn server(
     conn.read_exact(&mut msg).await?;
     let kind_b = msg[8];
     let rank_b = &msg[9..13];
-    let wants_b = msg[13];
-    let nc = &msg[14..14 + NONCE];
-    let tag = &msg[14 + NONCE..];
+    let inc_b = &msg[13..21];
+    let wants_b = msg[21];
+    let nc = &msg[22..22 + NONCE];
+    let tag = &msg[22 + NONCE..];
     let ok = &msg[..8] == MAGIC
         && secret
-            .mac(&[b"client", &ns, nc, &[kind_b], rank_b, &[wants_b]])
+            .mac(&[b"client", &ns, nc, &[kind_b], rank_b, inc_b, &[wants_b]])
             .verify_slice(tag)
             .is_ok();
     match (ok, ConnKind::from_u8(kind_b), Mode::from_u8(wants_b)) {
@@ -429,6 +452,7 @@ pub(crate) async fn server(
             conn.write_all(&reply).await?;
             conn.flush().await?;
             let rank = u32::from_le_bytes(rank_b.try_into().expect("4 bytes"));
+            let incarnation = u64::from_le_bytes(inc_b.try_into().expect("8 bytes"));
             let session = Session::derive(
                 &Transcript {
                     secret: &secret.0,
@@ -443,6 +467,7 @@ pub(crate) async fn server(
             Ok(Accepted {
                 kind,
                 rank,
+                incarnation,
                 session,
             })
         }
@@ -468,7 +493,16 @@ mod tests {
         let mut a: Conn = Box::new(a);
         let mut b: Conn = Box::new(b);
         let (c, s) = tokio::join!(
-            client(&mut a, cs, cp, ConnKind::Bulk, 7),
+            client(
+                &mut a,
+                cs,
+                cp,
+                ConnKind::Bulk,
+                Ident {
+                    rank: 7,
+                    incarnation: 2
+                }
+            ),
             server(&mut b, ss, sp)
         );
         (c.map(|c| (c, a)), s.map(|s| (s, b)))
@@ -487,7 +521,10 @@ mod tests {
         let (c, srv) = pair(&s, &s).await;
         assert_eq!(c.unwrap().0.mode(), Mode::Plain);
         let srv = srv.unwrap().0;
-        assert_eq!((srv.kind, srv.rank), (ConnKind::Bulk, 7));
+        assert_eq!(
+            (srv.kind, srv.rank, srv.incarnation),
+            (ConnKind::Bulk, 7, 2)
+        );
     }
 
     #[tokio::test]
@@ -538,7 +575,17 @@ mod tests {
             h[..8].copy_from_slice(MAGIC);
             h
         };
-        let answer = client_answer(&s, &hello, ConnKind::Control, 1, Mode::Encrypt).unwrap();
+        let answer = client_answer(
+            &s,
+            &hello,
+            ConnKind::Control,
+            Ident {
+                rank: 1,
+                incarnation: 0,
+            },
+            Mode::Encrypt,
+        )
+        .unwrap();
         let tag: [u8; TAG] = s
             .mac(&[b"server", &answer.nc, &answer.ns, &[Mode::Mac as u8]])
             .finalize()
@@ -583,7 +630,10 @@ mod tests {
                 &Secret::new(cs),
                 WireProtection::Auto,
                 ConnKind::Control,
-                3,
+                Ident {
+                    rank: 3,
+                    incarnation: 0,
+                },
             );
             let srv = server.join().unwrap();
             if ok {

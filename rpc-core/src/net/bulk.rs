@@ -170,6 +170,13 @@ impl Bulk {
         }
     }
 
+    /// A new incarnation holds `peer`'s rank: nothing the previous one sent may be taken
+    /// for the new one's (their blob ids start over).
+    pub(crate) fn peer_replaced(&self, peer: u32) {
+        self.inbox().slots.retain(|(from, _), _| *from != peer);
+        self.peer_failed(peer);
+    }
+
     pub(crate) fn close(&self) {
         self.inbox().slots.clear();
         self.pool.clear();

@@ -16,6 +16,9 @@ pub(crate) struct NetConfig {
     pub protection: WireProtection,
     /// This worker's rank, sent in every handshake.
     pub rank: u32,
+    /// Which incarnation of the rank this process is (assigned at the rendezvous), sent in
+    /// every handshake.
+    pub incarnation: u64,
     /// Ranks at or above this are refused at the handshake.
     pub world_size: u32,
     pub connect_timeout: Duration,
@@ -32,4 +35,14 @@ pub(crate) struct NetConfig {
     pub heartbeat_interval: Duration,
     /// How long a peer may stay silent before it is declared failed.
     pub failure_timeout: Duration,
+}
+
+impl NetConfig {
+    /// Who this worker is in handshakes.
+    pub(crate) fn me(&self) -> super::auth::Ident {
+        super::auth::Ident {
+            rank: self.rank,
+            incarnation: self.incarnation,
+        }
+    }
 }

@@ -6,7 +6,7 @@
 
 use std::io;
 use std::net::{TcpStream, ToSocketAddrs};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::Instant;
 
 use super::auth::{self, ConnKind};
@@ -25,38 +25,56 @@ pub(crate) struct Endpoint {
     pub addr: String,
     /// Where its failure detector listens for heartbeats (empty: it runs none).
     pub heartbeat: String,
+    /// Which process holds the rank: 0 for the one that formed the group, one more for each
+    /// replacement (MEM-1).
+    pub incarnation: u64,
 }
 
-/// Every worker of the group, by rank: its identity and the addresses it listens at.
+/// Where one rank is reached now (a replacement moves it).
+#[derive(Debug)]
+struct Slot {
+    addr: Arc<str>,
+    heartbeat: Arc<str>,
+    incarnation: u64,
+}
+
+/// Every worker of the group, by rank: its identity and the addresses its current
+/// incarnation listens at. Names and ranks are fixed; addresses and incarnations change when
+/// a rank is replaced ([`Directory::replace`]).
 #[derive(Debug)]
 pub(crate) struct Directory {
     workers: Vec<WorkerInfo>,
-    addrs: Vec<String>,
-    heartbeats: Vec<String>,
+    slots: Vec<RwLock<Slot>>,
 }
 
 impl Directory {
     /// The directory of `endpoints`, by rank.
     pub(crate) fn new(endpoints: Vec<Endpoint>) -> Self {
-        let mut d = Self {
-            workers: Vec::with_capacity(endpoints.len()),
-            addrs: Vec::with_capacity(endpoints.len()),
-            heartbeats: Vec::with_capacity(endpoints.len()),
-        };
+        let mut workers = Vec::with_capacity(endpoints.len());
+        let mut slots = Vec::with_capacity(endpoints.len());
         for (r, e) in endpoints.into_iter().enumerate() {
-            d.workers.push(WorkerInfo {
+            workers.push(WorkerInfo {
                 name: e.name,
                 id: WorkerId(r as u32),
             });
-            d.addrs.push(e.addr);
-            d.heartbeats.push(e.heartbeat);
+            slots.push(RwLock::new(Slot {
+                addr: e.addr.into(),
+                heartbeat: e.heartbeat.into(),
+                incarnation: e.incarnation,
+            }));
         }
-        d
+        Self { workers, slots }
+    }
+
+    fn slot(&self, rank: u32) -> std::sync::RwLockReadGuard<'_, Slot> {
+        self.slots[rank as usize]
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
     }
 
     /// Where worker `rank`'s failure detector listens (empty: it runs none).
-    pub(crate) fn heartbeat(&self, rank: u32) -> &str {
-        &self.heartbeats[rank as usize]
+    pub(crate) fn heartbeat(&self, rank: u32) -> Arc<str> {
+        Arc::clone(&self.slot(rank).heartbeat)
     }
 
     /// Worker `rank`. Ranks come from the group's own table; an unknown rank is a bug, not
@@ -70,14 +88,36 @@ impl Directory {
         &self.info(rank).name
     }
 
-    /// The address worker `rank` listens at.
-    pub(crate) fn addr(&self, rank: u32) -> &str {
-        &self.addrs[rank as usize]
+    /// The address worker `rank`'s current incarnation listens at.
+    pub(crate) fn addr(&self, rank: u32) -> Arc<str> {
+        Arc::clone(&self.slot(rank).addr)
+    }
+
+    /// Worker `rank`'s current incarnation.
+    pub(crate) fn incarnation(&self, rank: u32) -> u64 {
+        self.slot(rank).incarnation
     }
 
     /// Every worker, by rank.
     pub(crate) fn workers(&self) -> &[WorkerInfo] {
         &self.workers
+    }
+
+    /// Rank `rank` is now held by `e`, if `e` is a later incarnation than the one known
+    /// (MEM-1: incarnations only grow). Returns whether it was.
+    pub(crate) fn replace(&self, rank: u32, e: &Endpoint) -> bool {
+        let mut s = self.slots[rank as usize]
+            .write()
+            .unwrap_or_else(|p| p.into_inner());
+        if e.incarnation <= s.incarnation {
+            return false;
+        }
+        *s = Slot {
+            addr: e.addr.as_str().into(),
+            heartbeat: e.heartbeat.as_str().into(),
+            incarnation: e.incarnation,
+        };
+        true
     }
 }
 
@@ -130,7 +170,7 @@ impl Dialer {
     pub(crate) fn failed(&self, to: u32, source: io::Error) -> DialError {
         DialError {
             worker: self.directory.name(to).to_owned(),
-            addr: self.directory.addr(to).to_owned(),
+            addr: self.directory.addr(to).to_string(),
             source,
         }
     }
@@ -142,7 +182,7 @@ impl Dialer {
     pub(crate) async fn dial(&self, to: u32, kind: ConnKind) -> Result<Conn, DialError> {
         let cfg = &self.cfg;
         let addr = self.directory.addr(to);
-        let (mut conn, _) = tokio::time::timeout(cfg.connect_timeout, cfg.transport.connect(addr))
+        let (mut conn, _) = tokio::time::timeout(cfg.connect_timeout, cfg.transport.connect(&addr))
             .await
             .map_err(|_| {
                 self.failed(
@@ -153,7 +193,7 @@ impl Dialer {
             .map_err(|e| self.failed(to, e))?;
         let session = tokio::time::timeout(
             cfg.handshake_timeout,
-            auth::client(&mut conn, &cfg.secret, cfg.protection, kind, cfg.rank),
+            auth::client(&mut conn, &cfg.secret, cfg.protection, kind, cfg.me()),
         )
         .await
         .map_err(|_| {
@@ -180,7 +220,11 @@ impl Dialer {
         let addr = self.directory.addr(to);
         let mut last = io::Error::new(io::ErrorKind::NotFound, "address resolved to nothing");
         let mut stream = None;
-        for a in addr.to_socket_addrs().map_err(|e| self.failed(to, e))? {
+        for a in addr
+            .as_ref()
+            .to_socket_addrs()
+            .map_err(|e| self.failed(to, e))?
+        {
             match TcpStream::connect_timeout(&a, cfg.connect_timeout.min(left(deadline))) {
                 Ok(s) => {
                     stream = Some(s);
@@ -195,7 +239,7 @@ impl Dialer {
             let t = Some(cfg.handshake_timeout.min(left(deadline)));
             s.set_read_timeout(t)?;
             s.set_write_timeout(t)?;
-            auth::client_blocking(s, &cfg.secret, cfg.protection, kind, cfg.rank)
+            auth::client_blocking(s, &cfg.secret, cfg.protection, kind, cfg.me())
         };
         let session = setup(&mut stream).map_err(|e| self.failed(to, e))?;
         Ok((stream, session.into_keys()))

@@ -225,7 +225,16 @@ pub fn handshake_client(data: &[u8]) {
     let p = protection(data.first().copied().unwrap_or(0) / 97);
     let (io, _) = FuzzIo::new(rest, piece);
     let mut conn: Conn = Box::new(io);
-    let r = run(auth::client(&mut conn, &secret(), p, ConnKind::Control, 3));
+    let r = run(auth::client(
+        &mut conn,
+        &secret(),
+        p,
+        ConnKind::Control,
+        auth::Ident {
+            rank: 3,
+            incarnation: 0,
+        },
+    ));
     assert!(r.is_err(), "a forged server was believed");
 }
 

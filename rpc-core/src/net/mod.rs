@@ -60,8 +60,10 @@ pub(crate) use config::NetConfig;
 pub(crate) use dial::{DialError, Directory, Endpoint};
 pub(crate) use failure::CallFailed;
 pub(crate) use frame::{decode as decode_frame, encode as encode_frame, fits};
-pub(crate) use liveness::Membership;
-pub use liveness::{FailureWatch, WorkerFailed};
+pub use liveness::{
+    FailureWatch, MembershipChange, MembershipEvent, MembershipWatch, WorkerFailed,
+};
+pub(crate) use liveness::{Membership, PeerState, Standing};
 pub(crate) use mux_client::{MuxClient, Waiter};
 pub(crate) use peer::Peer;
 pub use seal::WireProtection;
@@ -90,20 +92,33 @@ pub(crate) struct Net {
     /// Which peers are alive; the detector's verdicts.
     pub membership: Arc<Membership>,
     detector: std::sync::Mutex<Option<Detector>>,
+    /// Ranks a new incarnation of which joined, for the detector (taken when it starts).
+    rejoined: std::sync::Mutex<Option<tokio::sync::mpsc::Receiver<u32>>>,
     /// The runtime every connection's task runs on.
     pub runtime: tokio::runtime::Handle,
 }
 
 impl Net {
-    /// The network of a worker whose group is `directory`, on the current runtime. A peer
-    /// declared failed has every connection to it closed and every wait on them failed.
-    pub(crate) fn new(cfg: NetConfig, directory: Arc<Directory>, life: Arc<Lifecycle>) -> Self {
+    /// The network of a worker whose group is `directory` (each rank standing as `standing`
+    /// says, at view `generation`), on the current runtime. A peer declared failed has every
+    /// connection to it closed and every wait on them failed; a new incarnation of a peer is
+    /// dialled at its new address.
+    pub(crate) fn new(
+        cfg: NetConfig,
+        directory: Arc<Directory>,
+        life: Arc<Lifecycle>,
+        generation: u64,
+        standing: &[Standing],
+    ) -> Self {
         let cfg = Arc::new(cfg);
         let runtime = tokio::runtime::Handle::current();
-        let peers: Vec<Arc<Peer>> = (0..directory.workers().len() as u32)
-            .map(Peer::new)
-            .collect();
-        let membership = Arc::new(Membership::new(Arc::clone(&directory)));
+        let n = directory.workers().len();
+        let peers: Vec<Arc<Peer>> = (0..n as u32).map(Peer::new).collect();
+        let membership = Arc::new(Membership::new(
+            Arc::clone(&directory),
+            generation,
+            standing,
+        ));
         let dialer = Arc::new(Dialer::new(Arc::clone(&cfg), directory));
         let spin = Arc::new(Spin::new(cfg.busy_poll));
         let bulk = Arc::new(Bulk::new(
@@ -128,6 +143,19 @@ impl Net {
                 bulk.peer_failed(f.rank);
             }));
         }
+        // Bounded: one message per rejoin, which are rare; a full queue means the detector
+        // stopped, and then nothing is watched anyway.
+        let (rejoined_tx, rejoined) = tokio::sync::mpsc::channel(4 * n.max(16));
+        {
+            let (peers, bulk) = (peers.clone(), Arc::clone(&bulk));
+            membership.on_rejoin(Arc::new(move |rank| {
+                if let Some(p) = peers.get(rank as usize) {
+                    p.close();
+                }
+                bulk.peer_replaced(rank);
+                let _ = rejoined_tx.try_send(rank);
+            }));
+        }
         Self {
             bulk,
             blocking,
@@ -137,6 +165,7 @@ impl Net {
             life,
             membership,
             detector: std::sync::Mutex::new(None),
+            rejoined: std::sync::Mutex::new(Some(rejoined)),
             runtime,
             cfg,
         }
@@ -155,6 +184,11 @@ impl Net {
     pub(crate) async fn control(&self, to: u32) -> Result<(u64, MuxClient), DialError> {
         if let Some(f) = self.membership.failure(to) {
             return Err(self.dialer.failed(to, std::io::Error::other(f.cause)));
+        }
+        if self.membership.has_left(to) {
+            return Err(self
+                .dialer
+                .failed(to, std::io::Error::other("it left the group")));
         }
         self.peers[to as usize]
             .client(
@@ -187,12 +221,18 @@ impl Net {
         if !self.cfg.busy_poll.is_zero() {
             tokio::spawn(Arc::clone(&self.spin).run(self.life.stop.clone()));
         }
-        if let Some(l) = heartbeats {
+        let rejoined = self
+            .rejoined
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let (Some(l), Some(rejoined)) = (heartbeats, rejoined) {
             let started = Detector::start(
                 Arc::clone(&self.cfg),
                 Arc::clone(&self.dialer),
                 Arc::clone(&self.membership),
                 l,
+                rejoined,
             );
             match started {
                 Ok(d) => *self.detector.lock().unwrap_or_else(|p| p.into_inner()) = Some(d),
@@ -280,6 +320,7 @@ impl Net {
         let auth::Accepted {
             kind,
             rank,
+            incarnation,
             session,
         } = match hs {
             Ok(v) => v,
@@ -297,20 +338,23 @@ impl Net {
             );
             return;
         }
-        if self.membership.is_failed(rank) {
-            tracing::warn!(
-                rank = me,
-                caller = rank,
-                "refused a connection from a worker declared failed"
-            );
-            return;
-        }
-        // Everything served for the peer ends once it is declared failed.
-        let gone = self.membership.gone(rank).clone();
+        // MEM-1: only the incarnation that holds the rank now, and only while it has not
+        // failed; everything served for it ends once it is declared failed.
+        let gone = match self
+            .membership
+            .admit(rank, incarnation, self.cfg.handshake_timeout)
+            .await
+        {
+            Ok(gone) => gone,
+            Err(why) => {
+                tracing::warn!(rank = me, caller = rank, %why, "refused a connection");
+                return;
+            }
+        };
         tokio::select! {
             biased;
             () = gone.cancelled() => {}
-            () = self.serve_kind(kind, conn, session, rank, service) => {}
+            () = self.serve_kind(kind, conn, session, rank, service, &gone) => {}
         }
     }
 
@@ -321,6 +365,7 @@ impl Net {
         session: seal::Session,
         rank: u32,
         service: Arc<S>,
+        gone: &tokio_util::sync::CancellationToken,
     ) {
         let me = self.cfg.rank;
         match kind {
@@ -332,7 +377,7 @@ impl Net {
                     (self.cfg.max_frame_bytes, self.cfg.max_queued_bytes),
                     &self.life,
                     &self.spin,
-                    self.membership.gone(rank),
+                    gone,
                 )
                 .await;
                 match served {
@@ -347,7 +392,7 @@ impl Net {
             ConnKind::Bulk => self.bulk.serve_incoming(session.wrap(conn), rank).await,
             ConnKind::Sync => match transport::into_std_tcp(conn) {
                 Some(stream) => {
-                    let gone = self.membership.gone(rank).clone();
+                    let gone = gone.clone();
                     self.blocking
                         .serve(
                             stream,

@@ -1,26 +1,32 @@
-//! Group formation: every worker tells the rendezvous its name, rank and listener address; the
-//! rendezvous answers everyone with the full table once all `world_size` ranks have joined, or
-//! with the list of missing ranks when its deadline passes.
+//! Group formation and membership: every worker tells the rendezvous its name, rank and
+//! listener address; the rendezvous answers everyone with the full table once all
+//! `world_size` ranks have joined, or with the list of missing ranks when its deadline passes.
+//! It then stays up as the group's membership service (`server.rs`): each member keeps its
+//! connection, reports the failures its detector decides and a graceful leave on it, and
+//! hears of every change (a rank failed, left, or is held by a new incarnation: a restarted
+//! process that joined in its place) from it ([`follow`]).
 //!
 //! The rendezvous is hosted by rank 0 by default (like torch's TCPStore), or started on its own
 //! with [`RendezvousServer::start`] (a launcher or a test can then bind port 0 and hand the
-//! address to every worker). Its connections pass the same authenticated handshake as RPC
-//! connections.
+//! address to every worker; that is what lets any rank, rank 0 included, be replaced). Its
+//! connections pass the same authenticated handshake as RPC connections.
+
+mod server;
 
 use futures::{SinkExt, StreamExt};
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
 use std::io;
+use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::mpsc;
+use tokio::sync::{broadcast, mpsc};
 use tokio::task::JoinHandle;
 use tokio::time::{sleep, Instant};
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
 use crate::error::InitError;
 use crate::net::auth::{self, ConnKind, Secret};
-use crate::net::transport::{Conn, Listener, Transport};
-use crate::net::{Endpoint, WireProtection};
+use crate::net::transport::{Conn, Transport};
+use crate::net::{Endpoint, Membership, MembershipEvent, Standing, WireProtection};
 
 /// Largest rendezvous message (a table of many workers still fits).
 const MAX_MSG: usize = 16 << 20;
@@ -37,14 +43,60 @@ pub(crate) struct Join {
     pub addr: String,
     /// Where its failure detector listens for heartbeats (empty: no detector).
     pub heartbeat: String,
+    /// It replaces the holder of its rank in a group that formed before (it is a restarted
+    /// process); ignored while the group forms.
+    pub replace: bool,
+}
+
+/// One rank as the rendezvous knows it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct Member {
+    pub endpoint: Endpoint,
+    pub standing: Standing,
+}
+
+/// The group: every rank's current incarnation and standing, after `generation` changes.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct View {
+    pub generation: u64,
+    /// By rank.
+    pub members: Vec<Member>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) enum Verdict {
-    /// Every member, by rank.
-    Table(Vec<Endpoint>),
+    /// The group, by rank.
+    Table(View),
     Missing(Vec<u32>),
     Refused(String),
+}
+
+/// A change the rendezvous tells members of.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) enum Update {
+    /// A new incarnation holds `rank`.
+    Joined { rank: u32, endpoint: Endpoint },
+    /// Incarnation `incarnation` of `rank` left gracefully.
+    Left { rank: u32, incarnation: u64 },
+    /// Incarnation `incarnation` of `rank` failed.
+    Failed {
+        rank: u32,
+        incarnation: u64,
+        cause: String,
+    },
+}
+
+/// What a member tells the rendezvous.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) enum Report {
+    /// Its detector declared incarnation `incarnation` of `rank` failed.
+    Failed {
+        rank: u32,
+        incarnation: u64,
+        cause: String,
+    },
+    /// It is leaving the running group.
+    Leaving,
 }
 
 type Framed_ = Framed<Conn, LengthDelimitedCodec>;
@@ -63,6 +115,13 @@ fn proto(e: impl std::fmt::Display) -> io::Error {
 }
 
 async fn send<T: Serialize>(f: &mut Framed_, v: &T) -> io::Result<()> {
+    send_sink(f, v).await
+}
+
+async fn send_sink<T: Serialize, S>(f: &mut S, v: &T) -> io::Result<()>
+where
+    S: futures::Sink<bytes::Bytes, Error = io::Error> + Unpin,
+{
     let bytes = bincode::serialize(v).map_err(proto)?;
     f.send(bytes::Bytes::from(bytes)).await
 }
@@ -74,16 +133,20 @@ async fn recv<T: for<'de> Deserialize<'de>>(f: &mut Framed_) -> io::Result<T> {
     bincode::deserialize(&frame).map_err(proto)
 }
 
-/// A running rendezvous for one group formation. Dropping it stops it.
+/// A running rendezvous: forms one group, then serves its membership (failures, graceful
+/// leaves, replacements) until dropped.
 #[derive(Debug)]
 pub struct RendezvousServer {
     addr: String,
     task: Option<JoinHandle<()>>,
+    events: broadcast::Sender<MembershipEvent>,
+    formed: tokio::sync::watch::Receiver<bool>,
 }
 
 impl RendezvousServer {
-    /// Binds `bind` (port 0 picks one) and serves one group of `world_size` workers until all
-    /// have joined or `timeout` passes.
+    /// Binds `bind` (port 0 picks one) and serves a group of `world_size` workers: it forms
+    /// once all have joined, or fails for every joiner when `timeout` passes; after that it
+    /// admits restarted processes in the place of failed ones.
     pub async fn start(
         transport: &Transport,
         bind: &str,
@@ -91,7 +154,7 @@ impl RendezvousServer {
         world_size: u32,
         timeout: Duration,
     ) -> Result<Self, InitError> {
-        let mut listener = transport
+        let listener = transport
             .bind(bind)
             .await
             .map_err(|source| InitError::Bind {
@@ -103,12 +166,22 @@ impl RendezvousServer {
             source,
         })?;
         let deadline = Instant::now() + timeout;
-        let task = tokio::spawn(async move {
-            serve(&mut listener, secret, world_size, deadline).await;
-        });
+        // Bounded: a watcher that falls this far behind is told it lagged.
+        let events = broadcast::channel(1024).0;
+        let (formed_tx, formed) = tokio::sync::watch::channel(false);
+        let task = tokio::spawn(server::serve(
+            listener,
+            secret,
+            world_size,
+            deadline,
+            events.clone(),
+            formed_tx,
+        ));
         Ok(Self {
             addr,
             task: Some(task),
+            events,
+            formed,
         })
     }
 
@@ -117,13 +190,21 @@ impl RendezvousServer {
         &self.addr
     }
 
-    /// Waits (at most `limit`) until the server has answered every joiner.
+    /// The group's changes as the rendezvous decides them (a launcher restarts the process of
+    /// a rank reported failed here, a frozen one included).
+    pub fn subscribe(&self) -> broadcast::Receiver<MembershipEvent> {
+        self.events.subscribe()
+    }
+
+    /// Waits at most `limit` for the group to form (or fail to), then lets the rendezvous
+    /// serve the group's membership in the background for as long as the runtime runs (a
+    /// group that never formed stops it).
     pub async fn finish(mut self, limit: Duration) {
-        if let Some(t) = self.task.take() {
-            let abort = t.abort_handle();
-            if tokio::time::timeout(limit, t).await.is_err() {
-                abort.abort();
-            }
+        let mut formed = self.formed.clone();
+        let _ = tokio::time::timeout(limit, formed.wait_for(|f| *f)).await;
+        if *self.formed.borrow() {
+            // Detached: dropping a task's handle does not stop the task.
+            drop(self.task.take());
         }
     }
 }
@@ -134,83 +215,6 @@ impl Drop for RendezvousServer {
             t.abort();
         }
     }
-}
-
-async fn serve(listener: &mut Listener, secret: Secret, world_size: u32, deadline: Instant) {
-    // Bounded: each accepted connection sends at most one join.
-    let (tx, mut rx) = mpsc::channel::<(Join, Framed_)>(64);
-    let mut joined: BTreeMap<u32, (Join, Framed_)> = BTreeMap::new();
-    let mut conns = tokio::task::JoinSet::new();
-    let gate = auth::Gate::default();
-    while joined.len() < world_size as usize {
-        tokio::select! {
-            acc = listener.accept() => {
-                let Ok(mut conn) = acc else { continue };
-                let (tx, secret, gate) = (tx.clone(), secret.clone(), gate.clone());
-                conns.spawn(async move {
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    // The server asks for the least (a joiner may ask for more).
-                    let conn = match gate.handshake(&mut conn, &secret, WireProtection::Auto, left).await {
-                        Ok(a) if a.kind == ConnKind::Rendezvous => a.session.wrap(conn),
-                        Ok(a) => {
-                            tracing::warn!(kind = ?a.kind, "rendezvous got a non-rendezvous connection");
-                            return;
-                        }
-                        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => return,
-                        Err(e) => {
-                            tracing::warn!(cause = %e, "rendezvous refused a connection");
-                            return;
-                        }
-                    };
-                    let mut f = framed(conn);
-                    if let Ok(Ok(join)) = tokio::time::timeout_at(deadline, recv::<Join>(&mut f)).await {
-                        let _ = tx.send((join, f)).await;
-                    }
-                });
-            }
-            Some((join, mut f)) = rx.recv() => {
-                let refusal = refusal(&join, world_size, joined.values().map(|(j, _)| j));
-                match refusal {
-                    Some(why) => {
-                        tracing::warn!(%why, "rendezvous refused a worker");
-                        conns.spawn(async move { let _ = send(&mut f, &Verdict::Refused(why)).await; });
-                    }
-                    None => { joined.insert(join.rank, (join, f)); }
-                }
-            }
-            _ = tokio::time::sleep_until(deadline) => {
-                let missing: Vec<u32> = (0..world_size).filter(|r| !joined.contains_key(r)).collect();
-                tracing::warn!(?missing, "rendezvous timed out");
-                let v = Verdict::Missing(missing);
-                for (_, (_, mut f)) in std::mem::take(&mut joined) {
-                    let _ = tokio::time::timeout(Duration::from_secs(2), send(&mut f, &v)).await;
-                }
-                return;
-            }
-        }
-    }
-    let table: Vec<Endpoint> = joined
-        .values()
-        .map(|(j, _)| Endpoint {
-            name: j.name.clone(),
-            addr: j.addr.clone(),
-            heartbeat: j.heartbeat.clone(),
-        })
-        .collect();
-    let verdict = Verdict::Table(table);
-    let sends = joined.into_values().map(|(_, mut f)| {
-        let v = &verdict;
-        async move {
-            let _ = tokio::time::timeout(Duration::from_secs(10), async {
-                send(&mut f, v).await?;
-                // Wait for the joiner to close, so the table is surely delivered.
-                let _ = f.next().await;
-                Ok::<_, io::Error>(())
-            })
-            .await;
-        }
-    });
-    futures::future::join_all(sends).await;
 }
 
 /// Why the rendezvous refuses `join`, given those who joined before it; `None` admits it.
@@ -244,7 +248,8 @@ fn refusal<'a>(
 /// The table of a verdict, if it is one this worker can use: one endpoint per rank of the
 /// group it joined, its own under its own name, no name twice (an authenticated rendezvous of
 /// another version or a faulty one must not leave a worker with a table it indexes out of).
-fn check_table(table: Vec<Endpoint>, me: &Join) -> io::Result<Vec<Endpoint>> {
+fn check_table(view: View, me: &Join) -> io::Result<View> {
+    let table = &view.members;
     if table.len() != me.world_size as usize {
         return Err(proto(format!(
             "the rendezvous sent a table of {} workers for a group of {}",
@@ -252,14 +257,16 @@ fn check_table(table: Vec<Endpoint>, me: &Join) -> io::Result<Vec<Endpoint>> {
             me.world_size
         )));
     }
-    let named = table.get(me.rank as usize).map(|e| e.name.as_str());
+    let named = table
+        .get(me.rank as usize)
+        .map(|m| m.endpoint.name.as_str());
     if named != Some(me.name.as_str()) {
         return Err(proto(format!(
             "the rendezvous sent a table naming rank {} {named:?}, not `{}`",
             me.rank, me.name
         )));
     }
-    let mut names: Vec<&str> = table.iter().map(|e| e.name.as_str()).collect();
+    let mut names: Vec<&str> = table.iter().map(|m| m.endpoint.name.as_str()).collect();
     names.sort_unstable();
     if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
         return Err(proto(format!(
@@ -267,10 +274,13 @@ fn check_table(table: Vec<Endpoint>, me: &Join) -> io::Result<Vec<Endpoint>> {
             w[0]
         )));
     }
-    Ok(table)
+    Ok(view)
 }
 
-/// Joins the group at `addr`; returns every member, by rank.
+/// This worker's membership link: its connection to the rendezvous, kept after joining.
+pub(crate) struct Link(Framed_);
+
+/// Joins the group at `addr`; returns the group and the link [`follow`] keeps.
 pub(crate) async fn join(
     transport: &Transport,
     addr: &str,
@@ -278,7 +288,7 @@ pub(crate) async fn join(
     protection: WireProtection,
     mut me: Join,
     timeout_: Duration,
-) -> Result<Vec<Endpoint>, InitError> {
+) -> Result<(View, Link), InitError> {
     let deadline = Instant::now() + timeout_;
     let mut backoff = Duration::from_millis(20);
     let (mut conn, local_ip) = loop {
@@ -307,7 +317,16 @@ pub(crate) async fn join(
     };
     let hs = tokio::time::timeout_at(
         deadline,
-        auth::client(&mut conn, secret, protection, ConnKind::Rendezvous, me.rank),
+        auth::client(
+            &mut conn,
+            secret,
+            protection,
+            ConnKind::Rendezvous,
+            auth::Ident {
+                rank: me.rank,
+                incarnation: 0,
+            },
+        ),
     )
     .await;
     let session = match hs {
@@ -352,12 +371,80 @@ pub(crate) async fn join(
         })?
         .map_err(err)?;
     match verdict {
-        Verdict::Table(t) => check_table(t, &me).map_err(err),
+        Verdict::Table(t) => Ok((check_table(t, &me).map_err(err)?, Link(f))),
         Verdict::Missing(missing) => Err(InitError::RendezvousTimeout {
             missing,
             timeout: timeout_,
         }),
         Verdict::Refused(why) => Err(InitError::Refused(why)),
+    }
+}
+
+/// Keeps this worker's view in step with the group's (`me` is its rank): applies every update
+/// from the rendezvous (a failure another member's detector decided, a graceful leave, a new
+/// incarnation of a rank) and sends this worker's reports, until `stop` or the link breaks
+/// (then only this worker's own detector changes its view).
+pub(crate) async fn follow(
+    link: Link,
+    membership: Arc<Membership>,
+    mut reports: mpsc::Receiver<Report>,
+    life: Arc<crate::lifecycle::Lifecycle>,
+    me: u32,
+) {
+    let stop = life.stop.clone();
+    let (mut sink, mut stream) = link.0.split();
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            r = reports.recv() => match r {
+                Some(r) => {
+                    let sent = tokio::time::timeout(Duration::from_secs(10), send_sink(&mut sink, &r)).await;
+                    if !matches!(sent, Ok(Ok(()))) {
+                        break;
+                    }
+                }
+                None => return,
+            },
+            frame = stream.next() => match frame.map(|f| f.and_then(|f| bincode::deserialize::<Update>(&f).map_err(proto))) {
+                Some(Ok(u)) => apply(&membership, me, u),
+                Some(Err(e)) => {
+                    tracing::warn!(cause = %e, "bad message from the rendezvous");
+                    break;
+                }
+                None => break,
+            },
+        }
+    }
+    if !life.is_stopping() {
+        tracing::warn!(
+            rank = me,
+            "lost the connection to the rendezvous: this worker hears of no replacement from now on"
+        );
+    }
+}
+
+/// Applies one update to this worker's (`me`'s) view.
+fn apply(m: &Membership, me: u32, u: Update) {
+    match u {
+        Update::Joined { rank, endpoint } if rank != me && (rank as usize) < m.size() => {
+            m.rejoin(rank, &endpoint);
+        }
+        Update::Left { rank, incarnation } if (rank as usize) < m.size() => {
+            m.depart(rank, incarnation);
+        }
+        Update::Failed {
+            rank,
+            incarnation,
+            cause,
+        } if rank != me && (rank as usize) < m.size() => {
+            m.declare_incarnation(rank, Some(incarnation), cause);
+        }
+        Update::Failed { cause, .. } => tracing::error!(
+            rank = me,
+            %cause,
+            "the group declared this worker failed: its peers refuse it from now on"
+        ),
+        other => tracing::warn!(?other, "ignored a membership update for an unknown rank"),
     }
 }
 
@@ -377,6 +464,7 @@ pub(crate) fn fuzz_messages(data: &[u8]) {
         world_size: 3,
         addr: "127.0.0.1:1".into(),
         heartbeat: String::new(),
+        replace: false,
     };
     let before = [
         me.clone(),
@@ -399,8 +487,8 @@ pub(crate) fn fuzz_messages(data: &[u8]) {
             }
         } else if let Ok(Verdict::Table(t)) = bincode::deserialize::<Verdict>(&frame) {
             if let Ok(t) = check_table(t, &me) {
-                assert_eq!(t.len(), 3);
-                assert_eq!(t[1].name, "w1");
+                assert_eq!(t.members.len(), 3);
+                assert_eq!(t.members[1].endpoint.name, "w1");
             }
         }
     }
@@ -423,17 +511,23 @@ pub(crate) fn fuzz_seeds() -> Vec<Vec<u8>> {
         world_size: 3,
         addr: "127.0.0.1:5000".into(),
         heartbeat: "127.0.0.1:5001".into(),
+        replace: false,
     };
-    let table = Verdict::Table(
-        ["w0", "w1", "w2"]
+    let table = Verdict::Table(View {
+        generation: 0,
+        members: ["w0", "w1", "w2"]
             .iter()
-            .map(|n| Endpoint {
-                name: (*n).into(),
-                addr: "127.0.0.1:1".into(),
-                heartbeat: String::new(),
+            .map(|n| Member {
+                endpoint: Endpoint {
+                    name: (*n).into(),
+                    addr: "127.0.0.1:1".into(),
+                    heartbeat: String::new(),
+                    incarnation: 0,
+                },
+                standing: Standing::Alive,
             })
             .collect(),
-    );
+    });
     fn enc<T: Serialize>(v: &T) -> Vec<u8> {
         bincode::serialize(v).expect("encodes")
     }
@@ -458,18 +552,26 @@ mod tests {
             world_size: 3,
             addr: String::new(),
             heartbeat: String::new(),
+            replace: false,
         }
     }
 
-    fn table(names: &[&str]) -> Vec<Endpoint> {
-        names
-            .iter()
-            .map(|n| Endpoint {
-                name: (*n).into(),
-                addr: String::new(),
-                heartbeat: String::new(),
-            })
-            .collect()
+    fn table(names: &[&str]) -> View {
+        View {
+            generation: 0,
+            members: names
+                .iter()
+                .map(|n| Member {
+                    endpoint: Endpoint {
+                        name: (*n).into(),
+                        addr: String::new(),
+                        heartbeat: String::new(),
+                        incarnation: 0,
+                    },
+                    standing: Standing::Alive,
+                })
+                .collect(),
+        }
     }
 
     #[test]

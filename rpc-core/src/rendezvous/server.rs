@@ -1,0 +1,412 @@
+//! The rendezvous's side: forms the group, then stays up as the group's membership service.
+//!
+//! One task owns the state (every rank's current incarnation and standing, the generation);
+//! each connection has a reader task (its join, then a member's reports) and, once it is a
+//! member, a writer task fed by a bounded queue, so a member that stops reading never stalls
+//! the others.
+//!
+//! - RDV-1: the group forms once all `world_size` ranks joined, or fails for everyone (naming
+//!   the missing ranks) when the deadline passes.
+//! - RDV-2: after that, a join for a rank is admitted only as its next incarnation: when the
+//!   rank failed or left, or when the joiner says it replaces the holder (it was restarted).
+//!   Every member is told before the new incarnation gets its view.
+//! - RDV-3: a failure reported by any member is decided once per incarnation and told to all.
+
+use futures::StreamExt;
+use std::collections::BTreeMap;
+use std::time::Duration;
+use tokio::sync::{broadcast, mpsc};
+use tokio::time::Instant;
+
+use super::{framed, recv, refusal, send, Framed_, Join, Member, Report, Update, Verdict, View};
+use crate::net::auth::{self, ConnKind, Secret};
+use crate::net::transport::{Conn, Listener};
+use crate::net::{Endpoint, MembershipChange, MembershipEvent, Standing, WireProtection};
+
+/// How many updates may wait for one member before it is cut off from the service.
+const MEMBER_QUEUE: usize = 256;
+
+enum Event {
+    /// A connection that authenticated and sent its join.
+    Join(Join, Box<Framed_>),
+    /// A member's report: its rank, its incarnation, what it says.
+    Report(u32, u64, Report),
+    /// A member's connection ended.
+    Closed(u32, u64),
+}
+
+struct Slot {
+    join: Join,
+    incarnation: u64,
+    standing: Standing,
+    /// The member's queue of updates, while its connection lasts.
+    out: Option<mpsc::Sender<Update>>,
+}
+
+struct State {
+    world_size: u32,
+    slots: BTreeMap<u32, Slot>,
+    /// Connections waiting for the group to form.
+    pending: BTreeMap<u32, Framed_>,
+    generation: u64,
+    events: mpsc::Sender<Event>,
+    watchers: broadcast::Sender<MembershipEvent>,
+}
+
+/// Serves the group: formation until `deadline` (RDV-1), then membership for as long as the
+/// task runs.
+pub(super) async fn serve(
+    mut listener: Listener,
+    secret: Secret,
+    world_size: u32,
+    deadline: Instant,
+    watchers: broadcast::Sender<MembershipEvent>,
+    formed_tx: tokio::sync::watch::Sender<bool>,
+) {
+    // Bounded: joins and reports are few; a full queue slows the readers, it drops nothing.
+    let (tx, mut rx) = mpsc::channel::<Event>(256);
+    let mut state = State {
+        world_size,
+        slots: BTreeMap::new(),
+        pending: BTreeMap::new(),
+        generation: 0,
+        events: tx.clone(),
+        watchers,
+    };
+    let gate = auth::Gate::default();
+    let mut formed = false;
+    loop {
+        tokio::select! {
+            acc = listener.accept() => {
+                let Ok(conn) = acc else { continue };
+                let (tx, secret, gate) = (tx.clone(), secret.clone(), gate.clone());
+                let by = if formed { Instant::now() + Duration::from_secs(30) } else { deadline };
+                tokio::spawn(read_join(conn, tx, secret, gate, by));
+            }
+            Some(ev) = rx.recv() => match ev {
+                Event::Join(join, f) if !formed => {
+                    let restarted = state.slots.get(&join.rank).is_some_and(|s| s.join.name == join.name);
+                    if join.replace && restarted {
+                        // Restarted before the group formed: the new process takes the place of
+                        // the one that joined first (whose connection is dropped).
+                        let rank = join.rank;
+                        state.slots.insert(rank, Slot { join, incarnation: 0, standing: Standing::Alive, out: None });
+                        state.pending.insert(rank, *f);
+                        continue;
+                    }
+                    if let Some(why) = refusal(&join, world_size, state.slots.values().map(|s| &s.join)) {
+                        tracing::warn!(%why, "rendezvous refused a worker");
+                        refuse(*f, why);
+                        continue;
+                    }
+                    let rank = join.rank;
+                    state.slots.insert(rank, Slot { join, incarnation: 0, standing: Standing::Alive, out: None });
+                    state.pending.insert(rank, *f);
+                    if state.slots.len() == world_size as usize {
+                        formed = true;
+                        state.form();
+                        let _ = formed_tx.send(true);
+                    }
+                }
+                Event::Join(join, f) => state.rejoin(join, *f),
+                Event::Report(rank, inc, r) => state.report(rank, inc, r),
+                Event::Closed(rank, inc) => state.closed(rank, inc),
+            },
+            _ = tokio::time::sleep_until(deadline), if !formed => {
+                let missing: Vec<u32> = (0..world_size).filter(|r| !state.slots.contains_key(r)).collect();
+                tracing::warn!(?missing, "rendezvous timed out");
+                let v = Verdict::Missing(missing);
+                for (_, mut f) in std::mem::take(&mut state.pending) {
+                    let _ = tokio::time::timeout(Duration::from_secs(2), send(&mut f, &v)).await;
+                }
+                return;
+            }
+        }
+    }
+}
+
+/// Authenticates a connection and reads its join, by `by`.
+async fn read_join(
+    mut conn: Conn,
+    tx: mpsc::Sender<Event>,
+    secret: Secret,
+    gate: auth::Gate,
+    by: Instant,
+) {
+    let left = by.saturating_duration_since(Instant::now());
+    // The server asks for the least (a joiner may ask for more).
+    let conn = match gate
+        .handshake(&mut conn, &secret, WireProtection::Auto, left)
+        .await
+    {
+        Ok(a) if a.kind == ConnKind::Rendezvous => a.session.wrap(conn),
+        Ok(a) => {
+            tracing::warn!(kind = ?a.kind, "rendezvous got a non-rendezvous connection");
+            return;
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => return,
+        Err(e) => {
+            tracing::warn!(cause = %e, "rendezvous refused a connection");
+            return;
+        }
+    };
+    let mut f = framed(conn);
+    if let Ok(Ok(join)) = tokio::time::timeout_at(by, recv::<Join>(&mut f)).await {
+        let _ = tx.send(Event::Join(join, Box::new(f))).await;
+    }
+}
+
+fn refuse(mut f: Framed_, why: String) {
+    tokio::spawn(async move {
+        let _ = tokio::time::timeout(Duration::from_secs(5), send(&mut f, &Verdict::Refused(why)))
+            .await;
+    });
+}
+
+impl State {
+    fn view(&self) -> View {
+        View {
+            generation: self.generation,
+            members: self
+                .slots
+                .values()
+                .map(|s| Member {
+                    endpoint: Endpoint {
+                        name: s.join.name.clone(),
+                        addr: s.join.addr.clone(),
+                        heartbeat: s.join.heartbeat.clone(),
+                        incarnation: s.incarnation,
+                    },
+                    standing: s.standing.clone(),
+                })
+                .collect(),
+        }
+    }
+
+    /// Every rank joined: each gets the table and becomes a member.
+    fn form(&mut self) {
+        let view = self.view();
+        for (rank, f) in std::mem::take(&mut self.pending) {
+            self.admit(rank, f, Verdict::Table(view.clone()));
+        }
+        tracing::info!(world = self.world_size, "group formed");
+    }
+
+    /// Sends `first` on `f`, then serves the member's updates and reports.
+    fn admit(&mut self, rank: u32, f: Framed_, first: Verdict) {
+        let Some(slot) = self.slots.get_mut(&rank) else {
+            return;
+        };
+        let incarnation = slot.incarnation;
+        let (out_tx, mut out_rx) = mpsc::channel::<Update>(MEMBER_QUEUE);
+        slot.out = Some(out_tx);
+        let events = self.events.clone();
+        tokio::spawn(async move {
+            let (mut sink, mut stream) = f.split();
+            let writer = async {
+                if super::send_sink(&mut sink, &first).await.is_err() {
+                    return;
+                }
+                while let Some(u) = out_rx.recv().await {
+                    let sent = tokio::time::timeout(
+                        Duration::from_secs(10),
+                        super::send_sink(&mut sink, &u),
+                    )
+                    .await;
+                    if !matches!(sent, Ok(Ok(()))) {
+                        return;
+                    }
+                }
+            };
+            let reader = async {
+                while let Some(Ok(frame)) = stream.next().await {
+                    match bincode::deserialize::<Report>(&frame) {
+                        Ok(r) => {
+                            if events
+                                .send(Event::Report(rank, incarnation, r))
+                                .await
+                                .is_err()
+                            {
+                                return;
+                            }
+                        }
+                        Err(e) => {
+                            tracing::warn!(rank, cause = %e, "rendezvous got a bad report");
+                            return;
+                        }
+                    }
+                }
+            };
+            tokio::select! {
+                () = writer => {}
+                () = reader => {}
+            }
+            let _ = events.send(Event::Closed(rank, incarnation)).await;
+        });
+    }
+
+    /// Tells every member (but `except`) and every watcher of a change of `rank`.
+    fn announce(&mut self, rank: u32, update: Update, except: Option<u32>) {
+        self.generation += 1;
+        let Some(slot) = self.slots.get(&rank) else {
+            return;
+        };
+        let change = match &update {
+            Update::Joined { endpoint, .. } => MembershipChange::Joined {
+                addr: endpoint.addr.clone(),
+            },
+            Update::Left { .. } => MembershipChange::Left,
+            Update::Failed { cause, .. } => MembershipChange::Failed {
+                cause: cause.clone(),
+            },
+        };
+        let _ = self.watchers.send(MembershipEvent {
+            generation: self.generation,
+            rank,
+            name: slot.join.name.clone(),
+            incarnation: slot.incarnation,
+            change,
+        });
+        for (r, s) in &mut self.slots {
+            if Some(*r) == except {
+                continue;
+            }
+            if let Some(out) = &s.out {
+                if out.try_send(update.clone()).is_err() {
+                    tracing::warn!(rank = *r, "a member stopped reading membership updates");
+                    s.out = None;
+                }
+            }
+        }
+    }
+
+    /// A join after the group formed (RDV-2).
+    fn rejoin(&mut self, join: Join, f: Framed_) {
+        let why = if join.world_size != self.world_size {
+            Some(format!(
+                "worker `{}` says world size {}, the group has {}",
+                join.name, join.world_size, self.world_size
+            ))
+        } else {
+            match self.slots.get(&join.rank) {
+                None => Some(format!(
+                    "rank {} of `{}` is outside world size {}",
+                    join.rank, join.name, self.world_size
+                )),
+                Some(s) if s.join.name != join.name => Some(format!(
+                    "rank {} is `{}`; `{}` cannot take it (a replacement keeps the name)",
+                    join.rank, s.join.name, join.name
+                )),
+                Some(s) if s.standing == Standing::Alive && !join.replace => Some(format!(
+                    "rank {} (`{}`) is held by incarnation {}, which has not failed; a \
+                     restarted process replaces it (the launcher's restart count is positive, \
+                     or Config::replace is set)",
+                    join.rank, join.name, s.incarnation
+                )),
+                Some(_) => None,
+            }
+        };
+        if let Some(why) = why {
+            tracing::warn!(%why, "rendezvous refused a worker");
+            refuse(f, why);
+            return;
+        }
+        let rank = join.rank;
+        let slot = self.slots.get(&rank).expect("checked");
+        if slot.standing == Standing::Alive {
+            // The holder is being replaced: it has failed as far as the group is concerned.
+            let inc = slot.incarnation;
+            self.fail(
+                rank,
+                inc,
+                format!("replaced by a restarted process at {}", join.addr),
+            );
+        }
+        let slot = self.slots.get_mut(&rank).expect("checked");
+        slot.incarnation += 1;
+        slot.standing = Standing::Alive;
+        slot.join = join;
+        slot.out = None;
+        let endpoint = Endpoint {
+            name: slot.join.name.clone(),
+            addr: slot.join.addr.clone(),
+            heartbeat: slot.join.heartbeat.clone(),
+            incarnation: slot.incarnation,
+        };
+        tracing::info!(rank, incarnation = endpoint.incarnation, addr = %endpoint.addr, "a new incarnation joined");
+        self.announce(rank, Update::Joined { rank, endpoint }, Some(rank));
+        let view = self.view();
+        self.admit(rank, f, Verdict::Table(view));
+    }
+
+    /// Incarnation `inc` of `rank` failed (RDV-3: once).
+    fn fail(&mut self, rank: u32, inc: u64, cause: String) {
+        let Some(slot) = self.slots.get_mut(&rank) else {
+            return;
+        };
+        if slot.incarnation != inc || slot.standing != Standing::Alive {
+            return;
+        }
+        slot.standing = Standing::Failed(cause.clone());
+        slot.out = None;
+        tracing::warn!(rank, incarnation = inc, %cause, "member failed");
+        self.announce(
+            rank,
+            Update::Failed {
+                rank,
+                incarnation: inc,
+                cause,
+            },
+            Some(rank),
+        );
+    }
+
+    fn report(&mut self, from: u32, from_inc: u64, r: Report) {
+        let current = self.slots.get(&from).map(|s| s.incarnation);
+        if current != Some(from_inc) {
+            return; // MEM-1: a replaced incarnation is not heard.
+        }
+        match r {
+            Report::Failed {
+                rank,
+                incarnation,
+                cause,
+            } => {
+                let name = self
+                    .slots
+                    .get(&from)
+                    .map_or(String::new(), |s| s.join.name.clone());
+                self.fail(rank, incarnation, format!("reported by `{name}`: {cause}"));
+            }
+            Report::Leaving => {
+                let Some(slot) = self.slots.get_mut(&from) else {
+                    return;
+                };
+                if slot.standing != Standing::Alive {
+                    return;
+                }
+                slot.standing = Standing::Left;
+                tracing::info!(rank = from, "member left the group");
+                // The leaver is told too: that is its acknowledgement.
+                self.announce(
+                    from,
+                    Update::Left {
+                        rank: from,
+                        incarnation: from_inc,
+                    },
+                    None,
+                );
+            }
+        }
+    }
+
+    /// A member's connection ended: it is not told of changes any more. Whether it failed is
+    /// for the failure detectors to say (a connection to the rendezvous can break alone).
+    fn closed(&mut self, rank: u32, inc: u64) {
+        if let Some(s) = self.slots.get_mut(&rank) {
+            if s.incarnation == inc {
+                s.out = None;
+            }
+        }
+    }
+}

@@ -1,0 +1,258 @@
+//! Membership that changes, in one process: a standalone rendezvous serves the group after it
+//! formed; a worker that failed is replaced by a new incarnation under its name and rank
+//! (every member hears of it and calls go to it, while the old incarnation is refused:
+//! fencing); a worker leaves the running group gracefully and the others go on; a join for a
+//! live rank is refused unless it says it replaces it; a value the failed incarnation owned
+//! is reported gone. Multi-process replacement under the
+//! launcher is in `rpcrun`'s tests.
+
+use std::time::Duration;
+
+use integration_tests::rref_fns::make;
+use integration_tests::*;
+use rpc_core::testing;
+use rpc_core::{
+    Agent, Config, InitError, LeaveError, MembershipChange, MembershipEvent, MembershipWatch,
+    RendezvousServer, RpcError, Secret, Transport,
+};
+
+const FAILURE_TIMEOUT: Duration = Duration::from_millis(600);
+
+struct Group {
+    server: RendezvousServer,
+    secret: Secret,
+    transport: Transport,
+    agents: Vec<Agent>,
+}
+
+/// The test functions and the RRef test constructors.
+fn registry() -> rpc_core::Registry {
+    integration_tests::rref_fns::register(registry_builder()).build()
+}
+
+fn config(g: (&RendezvousServer, &Secret, &Transport), rank: u32) -> Config {
+    let (server, secret, transport) = g;
+    Config::new()
+        .with_rank(rank)
+        .with_world_size(3)
+        .with_init_method(format!("tcp://{}", server.local_addr()))
+        .with_serve_rendezvous(false)
+        .with_transport(transport.clone())
+        .with_secret(secret.clone())
+        .with_heartbeat_interval(Duration::from_millis(100))
+        .with_failure_timeout(FAILURE_TIMEOUT)
+        .with_shutdown_timeout(Duration::from_secs(5))
+}
+
+async fn group(transport: Transport) -> Group {
+    let secret = Secret::generate();
+    let bind = match &transport {
+        Transport::Memory(_) => "rendezvous:1",
+        _ => "127.0.0.1:0",
+    };
+    let server =
+        RendezvousServer::start(&transport, bind, secret.clone(), 3, Duration::from_secs(30))
+            .await
+            .expect("rendezvous starts");
+    let agents = futures::future::try_join_all(
+        (0..3).map(|r| rpc_core::init(config((&server, &secret, &transport), r), registry())),
+    )
+    .await
+    .expect("group forms");
+    Group {
+        server,
+        secret,
+        transport,
+        agents,
+    }
+}
+
+impl Group {
+    async fn start(&self, rank: u32, replace: bool) -> Result<Agent, InitError> {
+        let cfg = config((&self.server, &self.secret, &self.transport), rank).with_replace(replace);
+        rpc_core::init(cfg, registry()).await
+    }
+}
+
+async fn next(w: &mut MembershipWatch) -> MembershipEvent {
+    tokio::time::timeout(Duration::from_secs(10), w.next())
+        .await
+        .expect("a membership change within 10 s")
+        .expect("the watch goes on")
+}
+
+/// MEM-1, MEM-2, RDV-2, RDV-3: rank 2 freezes and is declared failed (every member hears the
+/// same verdict, as generation 1); a restarted process joins in its place as incarnation 1
+/// (generation 2 everywhere); calls to `worker2` reach it, the frozen incarnation's calls are
+/// refused, and the group (new incarnation included) shuts down cleanly.
+#[test]
+fn a_failed_worker_is_replaced_and_its_old_incarnation_is_fenced() {
+    each_transport(90, |t| async move {
+        let g = group(t).await;
+        let a = &g.agents;
+        let mut watch0 = a[0].watch_membership();
+        let mut watch1 = a[1].watch_membership();
+        assert_eq!(a[0].rpc_async(2u32, incarnation_here, ()).await.unwrap(), 0);
+        assert_eq!(a[2].rpc_async(0u32, add, (1, 2)).await.unwrap(), 3);
+        let ns = 0xe1a5;
+        let gone = rref::remote(&a[0], 2u32, make, (ns, 4)).unwrap();
+        assert_eq!(gone.to_here().await.unwrap().id, 4);
+
+        testing::silence(&a[2], true);
+        for w in [&mut watch0, &mut watch1] {
+            let e = next(w).await;
+            assert_eq!((e.generation, e.rank, e.incarnation), (1, 2, 0), "{e:?}");
+            assert!(
+                matches!(&e.change, MembershipChange::Failed { .. }),
+                "{e:?}"
+            );
+        }
+        let err = a[0].rpc_async(2u32, add, (1, 1)).await.unwrap_err();
+        assert!(matches!(err, RpcError::PeerFailed { .. }), "{err:?}");
+
+        let new = g.start(2, true).await.expect("the replacement joins");
+        assert_eq!(new.incarnation(), 1);
+        // A value the failed incarnation owned is gone, and says so; values the new one
+        // makes are not confused with it (their ids differ).
+        let err = gone.to_here().await.unwrap_err();
+        assert!(
+            matches!(&err, rref::RRefError::OwnerReplaced { owner, incarnation: 0, now: 1, .. } if owner == "worker2"),
+            "{err:?}"
+        );
+        assert!(
+            err.to_string().contains("replaced by incarnation 1"),
+            "{err}"
+        );
+        let fresh = rref::remote(&a[0], 2u32, make, (ns, 5)).unwrap();
+        assert_ne!(fresh.id(), gone.id());
+        assert_eq!(fresh.to_here().await.unwrap().id, 5);
+        drop((gone, fresh));
+        assert_eq!(new.name(), "worker2");
+        for w in [&mut watch0, &mut watch1] {
+            let e = next(w).await;
+            assert_eq!((e.generation, e.rank, e.incarnation), (2, 2, 1), "{e:?}");
+            assert!(
+                matches!(&e.change, MembershipChange::Joined { addr } if addr == new.local_addr()),
+                "{e:?}"
+            );
+        }
+        for agent in &a[..2] {
+            assert_eq!(agent.incarnation_of("worker2").unwrap(), 1);
+            assert!(agent.is_live(2u32).unwrap());
+            assert_eq!(
+                agent.rpc_async(2u32, incarnation_here, ()).await.unwrap(),
+                1,
+                "calls go to the new incarnation"
+            );
+        }
+        assert_eq!(new.rpc_async(0u32, add, (2, 3)).await.unwrap(), 5);
+        assert_eq!(new.rpc_async(1u32, add, (2, 4)).await.unwrap(), 6);
+        assert_eq!(
+            new.generation(),
+            2,
+            "the replacement starts at the group's generation"
+        );
+
+        // The old incarnation thaws: the group refuses it.
+        testing::silence(&a[2], false);
+        let err = a[2]
+            .rpc_async_timeout(0u32, add, (1, 1), Duration::from_secs(5))
+            .await
+            .unwrap_err();
+        assert!(
+            !matches!(err, RpcError::Remote(_)),
+            "the fenced incarnation was served: {err:?}"
+        );
+        let wire =
+            testing::dial_as_incarnation(&g.transport, a[1].local_addr(), &g.secret, 2, 0).await;
+        let refused = match wire {
+            Err(_) => true,
+            Ok(mut conn) => {
+                use tokio::io::AsyncReadExt;
+                let mut b = [0u8; 1];
+                matches!(
+                    tokio::time::timeout(Duration::from_secs(5), conn.read(&mut b)).await,
+                    Ok(Ok(0)) | Ok(Err(_))
+                )
+            }
+        };
+        assert!(refused, "a connection of incarnation 0 was kept open");
+
+        let reports = futures::future::join_all([&a[0], &a[1], &new].map(|x| x.shutdown())).await;
+        for r in &reports {
+            assert!(r.is_clean(), "{r:?}");
+        }
+        a[2].shutdown_within(Duration::from_secs(1)).await;
+    });
+}
+
+/// A worker leaves the running group: every member hears of it, calls to it are refused with
+/// `PeerLeft`, the others go on and shut down cleanly without it; rank 0 cannot leave.
+#[test]
+fn a_worker_leaves_gracefully_and_the_others_go_on() {
+    each_transport(60, |t| async move {
+        let g = group(t).await;
+        let a = &g.agents;
+        let mut watch = a[0].watch_membership();
+        assert_eq!(a[0].rpc_async(2u32, add, (1, 1)).await.unwrap(), 2);
+        let left = a[2].leave().await.expect("rank 2 leaves");
+        assert!(left.is_clean(), "{left:?}");
+        let e = next(&mut watch).await;
+        assert_eq!((e.generation, e.rank), (1, 2), "{e:?}");
+        assert_eq!(e.change, MembershipChange::Left);
+        let err = a[0].rpc_async(2u32, add, (1, 1)).await.unwrap_err();
+        assert!(
+            matches!(&err, RpcError::PeerLeft { worker, .. } if worker == "worker2"),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("left the group"), "{err}");
+        assert!(!a[1].is_live("worker2").unwrap());
+        assert_eq!(a[1].rpc_async(0u32, add, (2, 2)).await.unwrap(), 4);
+        assert!(a[0].failed_workers().is_empty(), "leaving is no failure");
+        assert!(matches!(
+            a[0].leave().await,
+            Err(LeaveError::RankZero { .. })
+        ));
+        let reports = futures::future::join_all(a[..2].iter().map(|x| x.shutdown())).await;
+        for r in &reports {
+            assert!(r.is_clean(), "{r:?}");
+        }
+        assert_eq!(a[2].shutdown().await.elapsed, left.elapsed);
+    });
+}
+
+/// RDV-2: after the group formed, a join for a live rank is refused unless it replaces the
+/// holder; one that says so takes the rank, and the holder is declared failed everywhere.
+#[test]
+fn a_live_rank_is_taken_only_by_a_replacement() {
+    run(60, async {
+        let g = group(Transport::Tcp).await;
+        let a = &g.agents;
+        let err = g.start(1, false).await.unwrap_err();
+        assert!(
+            matches!(&err, InitError::Refused(why) if why.contains("has not failed")),
+            "{err:?}"
+        );
+        let new = g
+            .start(1, true)
+            .await
+            .expect("a replacement takes the rank");
+        assert_eq!(new.incarnation(), 1);
+        let mut watch = a[0].watch_membership();
+        let e = next(&mut watch).await;
+        assert_eq!((e.rank, e.incarnation), (1, 0));
+        assert!(
+            matches!(&e.change, MembershipChange::Failed { cause } if cause.contains("replaced")),
+            "{e:?}"
+        );
+        let e = next(&mut watch).await;
+        assert_eq!((e.rank, e.incarnation), (1, 1));
+        assert_eq!(a[0].rpc_async(1u32, incarnation_here, ()).await.unwrap(), 1);
+        assert_eq!(a[2].rpc_async(1u32, incarnation_here, ()).await.unwrap(), 1);
+        let reports = futures::future::join_all([&a[0], &new, &a[2]].map(|x| x.shutdown())).await;
+        for r in &reports {
+            assert!(r.is_clean(), "{r:?}");
+        }
+        a[1].shutdown_within(Duration::from_secs(1)).await;
+    });
+}
