@@ -177,7 +177,7 @@ impl Net {
     }
 
     /// The live control connection to `to`, dialled if there is none (never to a peer
-    /// declared failed).
+    /// declared failed; a dial under way ends when it is).
     ///
     /// # Cancel safety
     /// Cancel safe: a dial abandoned half way leaves nothing behind.
@@ -190,13 +190,25 @@ impl Net {
                 .dialer
                 .failed(to, std::io::Error::other("it left the group")));
         }
-        self.peers[to as usize]
-            .client(
-                &self.dialer,
-                self.cfg.max_frame_bytes,
-                self.cfg.max_queued_bytes,
-            )
-            .await
+        // A dial to a peer that is declared failed meanwhile (a connect that hangs on a cut
+        // link) ends with the verdict, not with the connect timeout.
+        let gone = self.membership.gone(to);
+        let dial = self.peers[to as usize].client(
+            &self.dialer,
+            self.cfg.max_frame_bytes,
+            self.cfg.max_queued_bytes,
+        );
+        tokio::select! {
+            biased;
+            () = gone.cancelled() => {
+                let cause = self
+                    .membership
+                    .failure(to)
+                    .map_or_else(|| "it was declared failed".to_owned(), |f| f.cause);
+                Err(self.dialer.failed(to, std::io::Error::other(cause)))
+            }
+            r = dial => r,
+        }
     }
 
     /// This thread's blocking connection to `to`, or `None` if every place is taken.
