@@ -98,13 +98,57 @@ pub enum MembershipChange {
     },
 }
 
+/// A stream of a membership's records: those made before it began first (read after
+/// subscribing, so none falls between), then the live ones; re-read whole if it lags.
+struct Replay<T> {
+    membership: Arc<Membership>,
+    known: std::collections::VecDeque<T>,
+    rx: broadcast::Receiver<T>,
+    reread: fn(&Membership) -> Vec<T>,
+}
+
+impl<T: Clone> Replay<T> {
+    fn new(
+        membership: Arc<Membership>,
+        tx: fn(&Membership) -> &broadcast::Sender<T>,
+        reread: fn(&Membership) -> Vec<T>,
+    ) -> Self {
+        let rx = tx(&membership).subscribe();
+        let known = reread(&membership).into();
+        Self {
+            membership,
+            known,
+            rx,
+            reread,
+        }
+    }
+
+    /// The next record `fresh` accepts (it sees each one once, in order); `None` once the
+    /// worker is gone. Cancel safe: a record is returned by the call that completes.
+    async fn next(&mut self, mut fresh: impl FnMut(&T) -> bool) -> Option<T> {
+        loop {
+            if let Some(v) = self.known.pop_front() {
+                if fresh(&v) {
+                    return Some(v);
+                }
+                continue;
+            }
+            match self.rx.recv().await {
+                Ok(v) => self.known.push_back(v),
+                Err(broadcast::error::RecvError::Lagged(_)) => {
+                    self.known = (self.reread)(&self.membership).into();
+                }
+                Err(broadcast::error::RecvError::Closed) => return None,
+            }
+        }
+    }
+}
+
 /// The verdicts of a worker's failure detector as they come, those made before the watch
 /// began first (see `Agent::watch_failures`).
 pub struct FailureWatch {
-    membership: Arc<Membership>,
-    known: std::collections::VecDeque<WorkerFailed>,
+    replay: Replay<WorkerFailed>,
     seen: std::collections::BTreeSet<(u32, u64)>,
-    rx: broadcast::Receiver<WorkerFailed>,
 }
 
 impl std::fmt::Debug for FailureWatch {
@@ -117,14 +161,9 @@ impl std::fmt::Debug for FailureWatch {
 
 impl FailureWatch {
     pub(crate) fn new(membership: Arc<Membership>) -> Self {
-        // Subscribed before the known verdicts are read: none falls between the two.
-        let rx = membership.failures_tx.subscribe();
-        let known: std::collections::VecDeque<_> = membership.failures().into();
         Self {
-            membership,
-            known,
+            replay: Replay::new(membership, |m| &m.failures_tx, Membership::failures),
             seen: Default::default(),
-            rx,
         }
     }
 
@@ -134,31 +173,18 @@ impl FailureWatch {
     /// # Cancel safety
     /// Cancel safe: a verdict is returned by the call that completes, never lost.
     pub async fn next(&mut self) -> Option<WorkerFailed> {
-        loop {
-            if let Some(v) = self.known.pop_front() {
-                if self.seen.insert((v.rank, v.incarnation)) {
-                    return Some(v);
-                }
-                continue;
-            }
-            match self.rx.recv().await {
-                Ok(v) => self.known.push_back(v),
-                Err(broadcast::error::RecvError::Lagged(_)) => {
-                    self.known = self.membership.failures().into();
-                }
-                Err(broadcast::error::RecvError::Closed) => return None,
-            }
-        }
+        let seen = &mut self.seen;
+        self.replay
+            .next(|v| seen.insert((v.rank, v.incarnation)))
+            .await
     }
 }
 
 /// The changes of the group as they come, the view's history first (see
 /// `Agent::watch_membership`).
 pub struct MembershipWatch {
-    membership: Arc<Membership>,
-    known: std::collections::VecDeque<MembershipEvent>,
+    replay: Replay<MembershipEvent>,
     next_generation: u64,
-    rx: broadcast::Receiver<MembershipEvent>,
 }
 
 impl std::fmt::Debug for MembershipWatch {
@@ -171,13 +197,9 @@ impl std::fmt::Debug for MembershipWatch {
 
 impl MembershipWatch {
     pub(crate) fn new(membership: Arc<Membership>) -> Self {
-        let rx = membership.events_tx.subscribe();
-        let known = membership.history().into();
         Self {
-            membership,
-            known,
+            replay: Replay::new(membership, |m| &m.events_tx, Membership::history),
             next_generation: 0,
-            rx,
         }
     }
 
@@ -187,22 +209,16 @@ impl MembershipWatch {
     /// # Cancel safety
     /// Cancel safe: an event is returned by the call that completes, never lost.
     pub async fn next(&mut self) -> Option<MembershipEvent> {
-        loop {
-            if let Some(v) = self.known.pop_front() {
-                if v.generation >= self.next_generation {
-                    self.next_generation = v.generation + 1;
-                    return Some(v);
+        let next = &mut self.next_generation;
+        self.replay
+            .next(|v| {
+                let fresh = v.generation >= *next;
+                if fresh {
+                    *next = v.generation + 1;
                 }
-                continue;
-            }
-            match self.rx.recv().await {
-                Ok(v) => self.known.push_back(v),
-                Err(broadcast::error::RecvError::Lagged(_)) => {
-                    self.known = self.membership.history().into();
-                }
-                Err(broadcast::error::RecvError::Closed) => return None,
-            }
-        }
+                fresh
+            })
+            .await
     }
 }
 
