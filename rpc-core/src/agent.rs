@@ -489,6 +489,9 @@ impl Agent {
         {
             tracing::warn!(worker = %worker, "shutdown hooks did not finish in time");
         }
+        // Peers' detectors first hear that this worker is leaving (they stop watching it), so
+        // none takes its departure for a failure before the rendezvous's word reaches it.
+        self.inner.net.leave().await;
         if self.inner.reports.send(Report::Leaving).await.is_err() {
             return Err(LeaveError::NoRendezvous { worker });
         }

@@ -112,8 +112,18 @@ fn a_failed_worker_is_replaced_and_its_old_incarnation_is_fenced() {
 
         let new = g.start(2, true).await.expect("the replacement joins");
         assert_eq!(new.incarnation(), 1);
-        // A value the failed incarnation owned is gone, and says so; values the new one
-        // makes are not confused with it (their ids differ).
+        assert_eq!(new.name(), "worker2");
+        for w in [&mut watch0, &mut watch1] {
+            let e = next(w).await;
+            assert_eq!((e.generation, e.rank, e.incarnation), (2, 2, 1), "{e:?}");
+            assert!(
+                matches!(&e.change, MembershipChange::Joined { addr } if addr == new.local_addr()),
+                "{e:?}"
+            );
+        }
+        // Every member has heard of the replacement now. A value the failed incarnation owned
+        // is gone, and says so; values the new one makes are not confused with it (their ids
+        // differ).
         let err = gone.to_here().await.unwrap_err();
         assert!(
             matches!(&err, rref::RRefError::OwnerReplaced { owner, incarnation: 0, now: 1, .. } if owner == "worker2"),
@@ -127,15 +137,6 @@ fn a_failed_worker_is_replaced_and_its_old_incarnation_is_fenced() {
         assert_ne!(fresh.id(), gone.id());
         assert_eq!(fresh.to_here().await.unwrap().id, 5);
         drop((gone, fresh));
-        assert_eq!(new.name(), "worker2");
-        for w in [&mut watch0, &mut watch1] {
-            let e = next(w).await;
-            assert_eq!((e.generation, e.rank, e.incarnation), (2, 2, 1), "{e:?}");
-            assert!(
-                matches!(&e.change, MembershipChange::Joined { addr } if addr == new.local_addr()),
-                "{e:?}"
-            );
-        }
         for agent in &a[..2] {
             assert_eq!(agent.incarnation_of("worker2").unwrap(), 1);
             assert!(agent.is_live(2u32).unwrap());

@@ -18,10 +18,17 @@ fn killed_and_frozen_workers_are_replaced_while_the_others_keep_running() {
         .restart(rpcrun::Restart::Worker)
         .stop_grace(Duration::from_secs(2))
         .env("ELASTIC_OUT", out.display().to_string());
-    // The launcher runs on this thread: its children die with it (parent-death signal) if the
-    // test fails; the launch itself is bounded by the workers' own timeouts (60 s per wait,
-    // 90 s of shutdown).
-    let exit = launch.run().expect("the launch runs");
+    // The launcher runs on a thread of its own; if it overruns, the test fails and the process
+    // ends, and the children with it (their parent-death signal). The workers bound each of
+    // their own waits too (60 s per change, 90 s of shutdown).
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(launch.run());
+    });
+    let exit = rx
+        .recv_timeout(Duration::from_secs(300))
+        .expect("the launch ends within 5 minutes")
+        .expect("the launch runs");
     let summary = std::fs::read_to_string(&out).unwrap_or_default();
     let _ = std::fs::remove_dir_all(&dir);
     assert_eq!(exit.code, 0, "{exit:?}\n{summary}");
