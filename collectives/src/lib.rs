@@ -55,7 +55,8 @@
 //! - `ddp`: [`DistributedDataParallel`] (bucketed gradient averaging), [`DistributedSampler`].
 //! - `elastic`: [`ElasticDdp`]: commits, and survivors that re-form their ring after a
 //!   member's failure (EL-1, EL-2).
-//! - `ps`: a parameter server with BSP, SSP and ASP consistency ([`PsClient`], PS-1).
+//! - `ps`: a parameter server with BSP, SSP and ASP consistency ([`PsClient`], PS-1..3),
+//!   idempotent pushes, primary-backup shards and replacement trainers (PS-4..6).
 #![deny(missing_docs)]
 
 mod ddp;
@@ -69,7 +70,7 @@ pub use ddp::{DistributedDataParallel, DistributedSampler};
 pub use elastic::ElasticDdp;
 pub use group::{new_group, world, CollectiveError, Element, ProcessGroup, ReduceOp, Work};
 pub use mailbox::{irecv, isend, recv, send, Handle, P2pError};
-pub use ps::{serve_shard, shard_stats, Consistency, PsClient};
+pub use ps::{serve_replica, serve_shard, shard_stats, Consistency, PsClient, Replica, ShardStats};
 
 /// Adds the collectives' functions to a worker's registry.
 pub fn install(
@@ -79,5 +80,7 @@ pub fn install(
         .register(mailbox::DeliverRaw)?
         .register(mailbox::Abort)?
         .register(ps::Pull)?
-        .register(ps::Push)
+        .register(ps::Push)?
+        .register(ps::Join)?
+        .register(ps::Replicate)
 }

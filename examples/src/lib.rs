@@ -76,11 +76,7 @@ pub fn is_worker() -> bool {
 /// the job did not succeed: a non-zero exit lets a launcher restart this process too, also
 /// when it is the only one on its node).
 pub async fn serve_until_shutdown(registry: Registry, timeout: Duration) -> Result<()> {
-    let cfg = Config::new()
-        .with_shutdown_timeout(timeout)
-        .with_rpc_timeout(timeout);
-    let agent = rpc_core::init(cfg, registry).await?;
-    let report = agent.shutdown().await;
+    let (agent, report) = serve(registry, timeout).await?;
     anyhow::ensure!(
         report.is_clean(),
         "{} shut down uncleanly: {report:?}",
@@ -98,9 +94,47 @@ pub async fn serve_until_shutdown(registry: Registry, timeout: Duration) -> Resu
     Ok(())
 }
 
+/// Like [`serve_until_shutdown`] for a program that survives the loss of workers: the shutdown
+/// barrier may miss workers the group declared failed (they are logged), and the process
+/// succeeds if its own shutdown aborted nothing.
+pub async fn serve_through_failures(registry: Registry, timeout: Duration) -> Result<()> {
+    let (agent, report) = serve(registry, timeout).await?;
+    check_shutdown(&agent, &report)
+}
+
+/// Joins the group the environment describes and serves until it shuts down.
+async fn serve(
+    registry: Registry,
+    timeout: Duration,
+) -> Result<(rpc_core::Agent, rpc_core::ShutdownReport)> {
+    let cfg = Config::new()
+        .with_shutdown_timeout(timeout)
+        .with_rpc_timeout(timeout);
+    let agent = rpc_core::init(cfg, registry).await?;
+    let report = agent.shutdown().await;
+    Ok((agent, report))
+}
+
+/// Checks a shutdown report of a program that survives failures: nothing aborted, and a
+/// barrier that is incomplete only when the group has declared some worker failed.
+pub fn check_shutdown(agent: &rpc_core::Agent, report: &rpc_core::ShutdownReport) -> Result<()> {
+    let failed = agent.failed_workers();
+    anyhow::ensure!(
+        report.aborted == 0 && (report.barrier.is_ok() || !failed.is_empty()),
+        "{} shut down uncleanly: {report:?}",
+        agent.name()
+    );
+    for f in failed {
+        tracing::info!(worker = %f.name, incarnation = f.incarnation, cause = %f.cause, "the group lost a worker on the way");
+    }
+    Ok(())
+}
+
 /// Worker processes started by a launcher; killed and reaped if the launcher stops early.
 pub struct Workers {
     children: Vec<Child>,
+    /// Ranks killed on purpose and not started again.
+    killed: std::collections::HashSet<u32>,
     port: u16,
     secret: Secret,
     world: u32,
@@ -124,29 +158,35 @@ impl Workers {
         let port = std::net::TcpListener::bind("127.0.0.1:0")?
             .local_addr()?
             .port();
-        let secret = Secret::generate();
-        let mut children = Vec::new();
-        for rank in 1..world {
-            children.push(
-                Command::new(std::env::current_exe()?)
-                    .env("RANK", rank.to_string())
-                    .env("WORLD_SIZE", world.to_string())
-                    .env("MASTER_ADDR", "127.0.0.1")
-                    .env("MASTER_PORT", port.to_string())
-                    .env(
-                        rpc_core::SECRET_ENV,
-                        secret.as_str().context("generated secrets are text")?,
-                    )
-                    .spawn()
-                    .context("starting a worker process")?,
-            );
-        }
-        Ok(Self {
-            children,
+        let mut w = Self {
+            children: Vec::new(),
+            killed: Default::default(),
             port,
-            secret,
+            secret: Secret::generate(),
             world,
-        })
+        };
+        for rank in 1..world {
+            let child = w.start(rank, 0)?;
+            w.children.push(child);
+        }
+        Ok(w)
+    }
+
+    /// Starts a process of rank `rank` that has been restarted `restarts` times (a positive
+    /// count makes it join as the replacement of a failed one, see `Config::replace`).
+    fn start(&self, rank: u32, restarts: u32) -> Result<Child> {
+        Command::new(std::env::current_exe()?)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", self.world.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", self.port.to_string())
+            .env(
+                rpc_core::SECRET_ENV,
+                self.secret.as_str().context("generated secrets are text")?,
+            )
+            .env(rpc_core::RESTART_COUNT_ENV[0], restarts.to_string())
+            .spawn()
+            .context("starting a worker process")
     }
 
     /// The config of rank 0 (this process) in the group.
@@ -164,13 +204,31 @@ impl Workers {
 
     /// Kills worker `rank` (SIGKILL) and reaps it: a failure injected on purpose.
     pub fn kill(&mut self, rank: u32) -> Result<()> {
-        let c = rank
-            .checked_sub(1)
-            .and_then(|i| self.children.get_mut(i as usize))
-            .with_context(|| format!("no worker process of rank {rank}"))?;
+        let c = self.child(rank)?;
         c.kill().context("killing a worker")?;
         c.wait().context("reaping a killed worker")?;
+        self.killed.insert(rank);
         Ok(())
+    }
+
+    /// Starts a new process for `rank`, killed before: it joins the running group as the
+    /// rank's next incarnation (the group must be served by a rendezvous that outlives its
+    /// formation, as rank 0's does).
+    pub fn respawn(&mut self, rank: u32) -> Result<()> {
+        anyhow::ensure!(
+            self.killed.contains(&rank),
+            "worker {rank} was not killed, so it cannot be replaced"
+        );
+        let child = self.start(rank, 1)?;
+        *self.child(rank)? = child;
+        self.killed.remove(&rank);
+        Ok(())
+    }
+
+    fn child(&mut self, rank: u32) -> Result<&mut Child> {
+        rank.checked_sub(1)
+            .and_then(|i| self.children.get_mut(i as usize))
+            .with_context(|| format!("no worker process of rank {rank}"))
     }
 
     /// Waits (at most `timeout` in all) for every worker to exit; the exit status of each, by
@@ -196,10 +254,16 @@ impl Workers {
     }
 
     /// Waits (at most `timeout` in all) for every worker to exit; fails if one did not exit
-    /// successfully or in time.
+    /// successfully or in time (a worker killed on purpose, and not started again, is not
+    /// expected to succeed).
     pub fn wait_success(self, timeout: Duration) -> Result<()> {
+        let killed = self.killed.clone();
         for (i, status) in self.wait_all(timeout)?.into_iter().enumerate() {
-            anyhow::ensure!(status.success(), "worker {} exited with {status}", i + 1);
+            let rank = i as u32 + 1;
+            anyhow::ensure!(
+                status.success() || killed.contains(&rank),
+                "worker {rank} exited with {status}"
+            );
         }
         Ok(())
     }

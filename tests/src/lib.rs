@@ -10,6 +10,7 @@ use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 pub mod autograd_fns;
+pub mod elastic;
 pub mod procs;
 pub mod rref_fns;
 
@@ -351,4 +352,19 @@ pub fn max_abs_diff(a: &candle_core::Tensor, b: &candle_core::Tensor) -> f64 {
         .and_then(|d| d.max(0))
         .and_then(|d| d.to_scalar::<f64>())
         .expect("two f64 tensors of one shape")
+}
+
+/// Parameter-server test trainer `t`'s regression sample for `step`: features and target.
+pub fn ps_sample(t: usize, step: u64) -> (Vec<f64>, f64) {
+    let x: Vec<f64> = (0..4)
+        .map(|i| (((t * 7 + i * 3 + step as usize) % 11) as f64 / 11.0) - 0.4)
+        .collect();
+    (x, (t as f64 + 1.0) * 0.25)
+}
+
+/// Parameter-server test trainer `t`'s gradient of `(x . w - y)^2` for the full weights `w`.
+pub fn ps_grad(w: &[f64], t: usize, step: u64) -> Vec<f64> {
+    let (x, y) = ps_sample(t, step);
+    let err = x.iter().zip(w).map(|(a, b)| a * b).sum::<f64>() - y;
+    x.iter().map(|a| 2.0 * err * a).collect()
 }

@@ -271,9 +271,9 @@ fn the_layers_release_and_fail_what_a_failed_worker_held() {
             .unwrap();
         // Step 0 applied with trainer 1's gradient alone: 0 - 0.1 * 1.
         assert_eq!(params[0][0].to_vec1::<f32>().unwrap(), [-0.1, -0.1]);
-        let (_, clocks) = collectives::shard_stats(&a[0], 1).unwrap();
+        let stats = collectives::shard_stats(&a[0], 1).unwrap();
         assert_eq!(
-            clocks,
+            stats.clocks,
             [0, 1],
             "trainer 0 never pushed; trainer 1 did step 0"
         );

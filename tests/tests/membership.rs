@@ -8,70 +8,23 @@
 
 use std::time::Duration;
 
+use integration_tests::elastic::ElasticGroup;
 use integration_tests::rref_fns::make;
 use integration_tests::*;
 use rpc_core::testing;
 use rpc_core::{
-    Agent, Config, InitError, LeaveError, MembershipChange, MembershipEvent, MembershipWatch,
-    RendezvousServer, RpcError, Secret, Transport,
+    InitError, LeaveError, MembershipChange, MembershipEvent, MembershipWatch, RpcError, Transport,
 };
 
 const FAILURE_TIMEOUT: Duration = Duration::from_millis(600);
-
-struct Group {
-    server: RendezvousServer,
-    secret: Secret,
-    transport: Transport,
-    agents: Vec<Agent>,
-}
 
 /// The test functions and the RRef test constructors.
 fn registry() -> rpc_core::Registry {
     integration_tests::rref_fns::register(registry_builder()).build()
 }
 
-fn config(g: (&RendezvousServer, &Secret, &Transport), rank: u32) -> Config {
-    let (server, secret, transport) = g;
-    Config::new()
-        .with_rank(rank)
-        .with_world_size(3)
-        .with_init_method(format!("tcp://{}", server.local_addr()))
-        .with_serve_rendezvous(false)
-        .with_transport(transport.clone())
-        .with_secret(secret.clone())
-        .with_heartbeat_interval(Duration::from_millis(100))
-        .with_failure_timeout(FAILURE_TIMEOUT)
-        .with_shutdown_timeout(Duration::from_secs(5))
-}
-
-async fn group(transport: Transport) -> Group {
-    let secret = Secret::generate();
-    let bind = match &transport {
-        Transport::Memory(_) => "rendezvous:1",
-        _ => "127.0.0.1:0",
-    };
-    let server =
-        RendezvousServer::start(&transport, bind, secret.clone(), 3, Duration::from_secs(30))
-            .await
-            .expect("rendezvous starts");
-    let agents = futures::future::try_join_all(
-        (0..3).map(|r| rpc_core::init(config((&server, &secret, &transport), r), registry())),
-    )
-    .await
-    .expect("group forms");
-    Group {
-        server,
-        secret,
-        transport,
-        agents,
-    }
-}
-
-impl Group {
-    async fn start(&self, rank: u32, replace: bool) -> Result<Agent, InitError> {
-        let cfg = config((&self.server, &self.secret, &self.transport), rank).with_replace(replace);
-        rpc_core::init(cfg, registry()).await
-    }
+async fn group(transport: Transport) -> ElasticGroup {
+    ElasticGroup::start(3, transport, registry, FAILURE_TIMEOUT).await
 }
 
 async fn next(w: &mut MembershipWatch) -> MembershipEvent {
@@ -110,7 +63,7 @@ fn a_failed_worker_is_replaced_and_its_old_incarnation_is_fenced() {
         let err = a[0].rpc_async(2u32, add, (1, 1)).await.unwrap_err();
         assert!(matches!(err, RpcError::PeerFailed { .. }), "{err:?}");
 
-        let new = g.start(2, true).await.expect("the replacement joins");
+        let new = g.start_rank(2, true).await.expect("the replacement joins");
         assert_eq!(new.incarnation(), 1);
         assert_eq!(new.name(), "worker2");
         for w in [&mut watch0, &mut watch1] {
@@ -229,13 +182,13 @@ fn a_live_rank_is_taken_only_by_a_replacement() {
     run(60, async {
         let g = group(Transport::Tcp).await;
         let a = &g.agents;
-        let err = g.start(1, false).await.unwrap_err();
+        let err = g.start_rank(1, false).await.unwrap_err();
         assert!(
             matches!(&err, InitError::Refused(why) if why.contains("has not failed")),
             "{err:?}"
         );
         let new = g
-            .start(1, true)
+            .start_rank(1, true)
             .await
             .expect("a replacement takes the rank");
         assert_eq!(new.incarnation(), 1);
