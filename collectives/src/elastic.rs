@@ -12,10 +12,14 @@
 //!   that learned of the failure through another's abort does not re-form the same group.
 //!   Members that disagree (two failures detected in different orders) fail their next
 //!   collective and recover again.
+//! - EL-3: with [`Rejoin::WaitForReplacement`] the group keeps its size: the survivors wait for
+//!   a new incarnation of each failed member, and the replacement ([`ElasticDdp::join`])
+//!   receives the committed parameters and step from the group's first rank, so all members
+//!   go on from the same state.
 
 use std::time::{Duration, Instant};
 
-use candle_core::{Tensor, Var};
+use candle_core::{Device, Tensor, Var};
 
 use crate::group::{new_group, CollectiveError, ProcessGroup};
 use crate::DistributedDataParallel;
@@ -79,23 +83,40 @@ impl ElasticDdp {
     }
 
     /// After a collective failed because a member failed: waits (at most `timeout`) until this
-    /// worker's detector has declared a member of the group failed, rolls the parameters back
-    /// to the last commit, re-forms the group over the members left (EL-2) and makes every
-    /// survivor's parameters equal (EL-1). Returns the step to go on from.
+    /// worker's view has a member of the group failed, rolls the parameters back to the last
+    /// commit, re-forms the group over the members left (EL-2) and makes every survivor's
+    /// parameters equal (EL-1). Returns the step to go on from.
     pub async fn recover(&mut self, timeout: Duration) -> Result<u64, CollectiveError> {
+        self.recover_with(timeout, Rejoin::Shrink).await
+    }
+
+    /// [`ElasticDdp::recover`], choosing what happens to the failed members: with
+    /// [`Rejoin::WaitForReplacement`] the survivors wait (within `timeout`) until a new
+    /// incarnation of each has joined the group, and re-form the group with them; each
+    /// replacement calls [`ElasticDdp::join`] and gets the committed parameters and step
+    /// (EL-3).
+    pub async fn recover_with(
+        &mut self,
+        timeout: Duration,
+        rejoin: Rejoin,
+    ) -> Result<u64, CollectiveError> {
         let old = self.group().clone();
         let agent = old.agent().clone();
         let deadline = Instant::now() + timeout;
-        let survivors = loop {
-            let failed: Vec<u32> = agent.failed_workers().iter().map(|f| f.rank).collect();
-            let left: Vec<u32> = old
-                .ranks()
+        let members = || {
+            old.ranks()
                 .iter()
                 .copied()
-                .filter(|r| !failed.contains(r))
-                .collect();
-            if left.len() < old.size() {
-                break left;
+                .zip(old.incarnations().iter().copied())
+        };
+        // A member whose incarnation in the group failed (or was replaced already).
+        let lost = |r: u32, inc: u64| {
+            !agent.is_live(r).unwrap_or(false) || agent.incarnation_of(r).unwrap_or(inc) != inc
+        };
+        let failed: Vec<(u32, u64)> = loop {
+            let failed: Vec<(u32, u64)> = members().filter(|&(r, i)| lost(r, i)).collect();
+            if !failed.is_empty() {
+                break failed;
             }
             if Instant::now() >= deadline {
                 return Err(CollectiveError::Failed {
@@ -106,22 +127,98 @@ impl ElasticDdp {
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         };
+        let ranks: Vec<u32> = match rejoin {
+            Rejoin::Shrink => members()
+                .filter(|m| !failed.contains(m))
+                .map(|(r, _)| r)
+                .collect(),
+            Rejoin::WaitForReplacement => {
+                let replaced = |&(r, i): &(u32, u64)| {
+                    agent.is_live(r).unwrap_or(false)
+                        && agent.incarnation_of(r).is_ok_and(|now| now > i)
+                };
+                while !failed.iter().all(replaced) {
+                    if Instant::now() >= deadline {
+                        let missing: Vec<u32> = failed
+                            .iter()
+                            .filter(|m| !replaced(m))
+                            .map(|m| m.0)
+                            .collect();
+                        return Err(CollectiveError::Failed {
+                            op: "recover",
+                            members: old.ranks().to_vec(),
+                            message: format!(
+                                "ranks {missing:?} were not replaced within {timeout:?}"
+                            ),
+                        });
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                old.ranks().to_vec()
+            }
+        };
         for (v, t) in self.ddp.vars().iter().zip(&self.committed) {
             v.set(t)?;
         }
-        let group = new_group(&agent, &survivors)?;
+        let group = new_group(&agent, &ranks)?;
         tracing::warn!(
-            members = ?survivors,
+            members = ?ranks,
             step = self.committed_step,
-            "data-parallel group re-formed without the failed members"
+            "data-parallel group re-formed after a failure"
         );
         let vars = self.ddp.vars().to_vec();
         self.ddp = DistributedDataParallel::with_bucket_bytes(group, vars, self.ddp.bucket_bytes())
             .await?
             .with_reduce_op(self.ddp.reduce_op());
+        // EL-3: a replacement learns the step from the group's first rank.
+        let first = self.group().ranks()[0];
+        let step = Tensor::new(&[self.committed_step as f64], &Device::Cpu)?;
+        self.group().broadcast(&step, first).await?;
         self.reforms += 1;
         Ok(self.committed_step)
     }
+
+    /// A replacement of a failed member joins the survivors' re-formed group (they call
+    /// [`ElasticDdp::recover_with`] with [`Rejoin::WaitForReplacement`]): `group` has the same
+    /// ranks as theirs, `vars` the shapes of their parameters. It receives the committed
+    /// parameters from the group's first rank (which must be a survivor), commits them, and
+    /// returns the step to go on from (EL-3). The survivors' gradient buckets and reduction
+    /// must be the defaults.
+    pub async fn join(group: ProcessGroup, vars: Vec<Var>) -> Result<(Self, u64), CollectiveError> {
+        let first = group.ranks()[0];
+        if first == group.agent().rank() {
+            return Err(CollectiveError::Failed {
+                op: "join",
+                members: group.ranks().to_vec(),
+                message: "the group's first rank sends the committed state, so a replacement of                           it cannot join this way"
+                    .into(),
+            });
+        }
+        let ddp = DistributedDataParallel::new(group, vars).await?;
+        let zero = Tensor::new(&[0f64], &Device::Cpu)?;
+        let step = ddp.group().broadcast(&zero, first).await?;
+        let step = step.to_vec1::<f64>()?[0] as u64;
+        let committed = snapshot(ddp.vars())?;
+        Ok((
+            Self {
+                ddp,
+                committed,
+                committed_step: step,
+                reforms: 0,
+            },
+            step,
+        ))
+    }
+}
+
+/// What happens to failed members in [`ElasticDdp::recover_with`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rejoin {
+    /// Go on without them (a smaller ring; the data re-partitioned over it).
+    Shrink,
+    /// Wait for a replacement of each (a process that joins the group as the rank's next
+    /// incarnation, e.g. restarted by `rpcrun --restart worker`) and go on with it.
+    WaitForReplacement,
 }
 
 fn snapshot(vars: &[Var]) -> Result<Vec<Tensor>, CollectiveError> {

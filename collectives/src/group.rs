@@ -67,6 +67,8 @@ pub enum CollectiveError {
 pub struct ProcessGroup {
     agent: Agent,
     ranks: Arc<Vec<u32>>,
+    /// The incarnation of each member when the group was created.
+    incarnations: Arc<Vec<u64>>,
     id: u64,
 }
 
@@ -84,7 +86,9 @@ pub fn world(agent: &Agent) -> ProcessGroup {
     new_group(agent, &ranks).expect("the world is a valid group")
 }
 
-/// A group of `ranks` (every member must create it with the same ranks).
+/// A group of `ranks` (every member must create it with the same ranks). The group is of the
+/// members' current incarnations: once a member has been replaced, creating the group again
+/// makes a new one (fresh sequence numbers), with the replacement in it (COL-3).
 pub fn new_group(agent: &Agent, ranks: &[u32]) -> Result<ProcessGroup, CollectiveError> {
     let mut r = ranks.to_vec();
     r.sort_unstable();
@@ -99,19 +103,34 @@ pub fn new_group(agent: &Agent, ranks: &[u32]) -> Result<ProcessGroup, Collectiv
             ),
         });
     }
-    // FNV-1a over the member list: the same id on every member; never 0 (point to point).
+    let incs: Vec<u64> = r
+        .iter()
+        .map(|&x| agent.incarnation_of(x).unwrap_or(0))
+        .collect();
+    // FNV-1a over the members and their incarnations: the same id on every member that has
+    // heard of the same incarnations; never 0 (point to point). Incarnations 0 add nothing,
+    // so a group of first incarnations keeps the id of its ranks alone.
     let id = r
         .iter()
-        .flat_map(|x| x.to_le_bytes())
+        .zip(&incs)
+        .flat_map(|(x, &i)| {
+            let mut bytes = x.to_le_bytes().to_vec();
+            if i > 0 {
+                bytes.extend(i.to_le_bytes());
+            }
+            bytes
+        })
         .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
             (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
         })
         | 1;
     let ranks = Arc::new(r);
-    mailbox(agent).register_group(id, Arc::clone(&ranks));
+    let incarnations = Arc::new(incs);
+    mailbox(agent).register_group(id, Arc::clone(&ranks), Arc::clone(&incarnations));
     Ok(ProcessGroup {
         agent: agent.clone(),
         ranks,
+        incarnations,
         id,
     })
 }
@@ -276,6 +295,12 @@ impl ProcessGroup {
     /// The group's ranks, sorted.
     pub fn ranks(&self) -> &[u32] {
         &self.ranks
+    }
+
+    /// The incarnation of each member (in the order of [`ProcessGroup::ranks`]) when the
+    /// group was created.
+    pub fn incarnations(&self) -> &[u64] {
+        &self.incarnations
     }
 
     /// The worker this handle belongs to.

@@ -54,7 +54,8 @@
 //! - `group`: [`ProcessGroup`], the ring algorithms, [`ReduceOp`].
 //! - `ddp`: [`DistributedDataParallel`] (bucketed gradient averaging), [`DistributedSampler`].
 //! - `elastic`: [`ElasticDdp`]: commits, and survivors that re-form their ring after a
-//!   member's failure (EL-1, EL-2).
+//!   member's failure, without it or with its replacement (EL-1..3). Groups are of member
+//!   incarnations (COL-3 in `mailbox`).
 //! - `ps`: a parameter server with BSP, SSP and ASP consistency ([`PsClient`], PS-1..3),
 //!   idempotent pushes, primary-backup shards and replacement trainers (PS-4..6).
 #![deny(missing_docs)]
@@ -67,7 +68,7 @@ mod ps;
 
 pub use autograd_dist::RTensor;
 pub use ddp::{DistributedDataParallel, DistributedSampler};
-pub use elastic::ElasticDdp;
+pub use elastic::{ElasticDdp, Rejoin};
 pub use group::{new_group, world, CollectiveError, Element, ProcessGroup, ReduceOp, Work};
 pub use mailbox::{irecv, isend, recv, send, Handle, P2pError};
 pub use ps::{serve_replica, serve_shard, shard_stats, Consistency, PsClient, Replica, ShardStats};

@@ -4,6 +4,9 @@
 //!   verdict, and so does every receive of an operation of a group it belongs to, on every
 //!   member (not only its ring neighbours, whose peers would otherwise wait for messages that
 //!   will not come); later ones fail at once too.
+//! - COL-3: a verdict dooms the incarnation it names and older ones: once a replacement of the
+//!   worker has joined, groups created with it (and point-to-point messages from it) work, and
+//!   what the failed incarnation left queued is dropped.
 
 use candle_core::Tensor;
 use rpc_core::ext::AgentExt;
@@ -69,6 +72,9 @@ impl From<TakeError> for P2pError {
 
 type Msg = Result<(Header, Body), TakeError>;
 
+/// A group's ranks and their incarnations.
+type Members = (Arc<Vec<u32>>, Arc<Vec<u64>>);
+
 #[derive(Default)]
 struct Inner {
     queued: HashMap<(u32, Tag), VecDeque<(Header, Body)>>,
@@ -77,30 +83,39 @@ struct Inner {
     aborted: HashMap<(u64, u64), String>,
     /// Next sequence number per group, shared by every handle on the group.
     next_seq: HashMap<u64, u64>,
-    /// Members of every group created here, by group id.
-    groups: HashMap<u64, Arc<Vec<u32>>>,
-    /// Workers declared failed: (name, cause) by rank (COL-2).
-    failed: HashMap<u32, (String, String)>,
+    /// Members of every group created here and their incarnations, by group id.
+    groups: HashMap<u64, Members>,
+    /// Workers declared failed: (incarnation, name, cause) by rank (COL-2, COL-3).
+    failed: HashMap<u32, (u64, String, String)>,
+    /// The incarnation of each rank that has been replaced, as last heard (COL-3).
+    current: HashMap<u32, u64>,
 }
 
 impl Inner {
     /// The verdict that dooms a receive from `from` of an operation of `group`, if any.
     fn doomed(&self, from: u32, group: u64) -> Option<TakeError> {
-        let failed = |r: &u32| {
+        // Whether incarnation `inc` of `rank` is covered by a verdict (COL-3).
+        let failed = |rank: u32, inc: u64| {
             self.failed
-                .get(r)
-                .map(|(worker, cause)| TakeError::PeerFailed {
+                .get(&rank)
+                .filter(|(failed, _, _)| *failed >= inc)
+                .map(|(_, worker, cause)| TakeError::PeerFailed {
                     worker: worker.clone(),
                     cause: cause.clone(),
                 })
         };
-        if let Some(e) = failed(&from) {
-            return Some(e);
-        }
-        if group == P2P {
-            return None;
-        }
-        self.groups.get(&group)?.iter().find_map(failed)
+        let Some((ranks, incs)) = self.groups.get(&group) else {
+            // Point to point: the incarnation heard of last.
+            let inc = self.current.get(&from).copied().unwrap_or(0);
+            return failed(from, inc);
+        };
+        let inc_of = |r: u32| ranks.iter().position(|&x| x == r).map_or(0, |i| incs[i]);
+        failed(from, inc_of(from)).or_else(|| {
+            ranks
+                .iter()
+                .zip(incs.iter())
+                .find_map(|(&r, &i)| failed(r, i))
+        })
     }
 }
 
@@ -119,7 +134,17 @@ pub(crate) fn mailbox(agent: &Agent) -> Arc<Mailbox> {
         let weak = Arc::downgrade(&m);
         agent.on_worker_failed(move |f| {
             if let Some(m) = weak.upgrade() {
-                m.peer_failed(f.rank, &f.name, &f.cause);
+                m.peer_failed(f.rank, f.incarnation, &f.name, &f.cause);
+            }
+        });
+        let weak = Arc::downgrade(&m);
+        let agent_weak = agent.downgrade();
+        agent.on_worker_rejoined(move |rank| {
+            let (Some(m), Some(agent)) = (weak.upgrade(), agent_weak.upgrade()) else {
+                return;
+            };
+            if let Ok(inc) = agent.incarnation_of(rank) {
+                m.peer_rejoined(rank, inc);
             }
         });
     }
@@ -131,15 +156,24 @@ impl Mailbox {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Records the members of group `id` (COL-2 needs them).
-    pub(crate) fn register_group(&self, id: u64, ranks: Arc<Vec<u32>>) {
-        self.lock().groups.insert(id, ranks);
+    /// Records the members of group `id` and their incarnations (COL-2 needs them).
+    pub(crate) fn register_group(&self, id: u64, ranks: Arc<Vec<u32>>, incs: Arc<Vec<u64>>) {
+        self.lock().groups.insert(id, (ranks, incs));
     }
 
-    /// Worker `rank` was declared failed: fails every receive that depends on it (COL-2).
-    pub(crate) fn peer_failed(&self, rank: u32, name: &str, cause: &str) {
+    /// A new incarnation of `rank` joined: what the old one left queued goes (COL-3).
+    pub(crate) fn peer_rejoined(&self, rank: u32, incarnation: u64) {
         let mut m = self.lock();
-        m.failed.insert(rank, (name.to_owned(), cause.to_owned()));
+        m.current.insert(rank, incarnation);
+        m.queued.retain(|(from, _), _| *from != rank);
+    }
+
+    /// Incarnation `incarnation` of worker `rank` was declared failed: fails every receive
+    /// that depends on it (COL-2).
+    pub(crate) fn peer_failed(&self, rank: u32, incarnation: u64, name: &str, cause: &str) {
+        let mut m = self.lock();
+        m.failed
+            .insert(rank, (incarnation, name.to_owned(), cause.to_owned()));
         let doomed: Vec<((u32, Tag), TakeError)> = m
             .waiting
             .keys()

@@ -133,6 +133,8 @@ pub fn check_shutdown(agent: &rpc_core::Agent, report: &rpc_core::ShutdownReport
 /// Worker processes started by a launcher; killed and reaped if the launcher stops early.
 pub struct Workers {
     children: Vec<Child>,
+    /// The command-line arguments every worker gets.
+    args: Vec<String>,
     /// Ranks killed on purpose and not started again.
     killed: std::collections::HashSet<u32>,
     port: u16,
@@ -155,11 +157,17 @@ impl Workers {
     /// Starts ranks `1..world` as copies of this binary on 127.0.0.1, with a fresh secret and a
     /// free rendezvous port (rank 0, the caller, serves the rendezvous).
     pub fn spawn(world: u32) -> Result<Self> {
+        Self::spawn_with_args(world, Vec::new())
+    }
+
+    /// [`Workers::spawn`], passing `args` to every worker (and to replacements).
+    pub fn spawn_with_args(world: u32, args: Vec<String>) -> Result<Self> {
         let port = std::net::TcpListener::bind("127.0.0.1:0")?
             .local_addr()?
             .port();
         let mut w = Self {
             children: Vec::new(),
+            args,
             killed: Default::default(),
             port,
             secret: Secret::generate(),
@@ -176,6 +184,7 @@ impl Workers {
     /// count makes it join as the replacement of a failed one, see `Config::replace`).
     fn start(&self, rank: u32, restarts: u32) -> Result<Child> {
         Command::new(std::env::current_exe()?)
+            .args(&self.args)
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", self.world.to_string())
             .env("MASTER_ADDR", "127.0.0.1")

@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
+use candle_core::{Device, Tensor};
 
 /// The languages, in label order.
 pub const LANGS: [&str; 8] = [
@@ -48,4 +49,45 @@ pub fn load(dir: &Path, name: &str) -> Result<Vec<(String, usize)>> {
             Ok((w.to_owned(), y))
         })
         .collect()
+}
+
+/// The width of the hashed n-gram features.
+pub const DIM: usize = 4096;
+
+/// Hashed character 1–3-grams of `^word$`, as indices below [`DIM`].
+pub fn features(word: &str) -> Vec<usize> {
+    let chars: Vec<char> = std::iter::once('^')
+        .chain(word.chars())
+        .chain(std::iter::once('$'))
+        .collect();
+    let mut out = Vec::new();
+    for n in 1..=3 {
+        for w in chars.windows(n) {
+            let h = w.iter().fold(0xcbf2_9ce4_8422_2325u64 ^ n as u64, |h, c| {
+                (h ^ u64::from(*c as u32)).wrapping_mul(0x100_0000_01b3)
+            });
+            out.push((h % DIM as u64) as usize);
+        }
+    }
+    out
+}
+
+/// A batch as a dense count matrix of [`features`] (`batch × DIM`) and its labels.
+pub fn dense(batch: &[(String, usize)]) -> Result<(Tensor, Tensor)> {
+    let mut x = vec![0f32; batch.len() * DIM];
+    for (i, (w, _)) in batch.iter().enumerate() {
+        for f in features(w) {
+            x[i * DIM + f] += 1.0;
+        }
+    }
+    let y: Vec<u32> = batch.iter().map(|(_, y)| *y as u32).collect();
+    Ok((
+        Tensor::from_vec(x, (batch.len(), DIM), &Device::Cpu)?,
+        Tensor::new(y.as_slice(), &Device::Cpu)?,
+    ))
+}
+
+/// A softmax regression's logits: `x · w + b`.
+pub fn logits(x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    x.matmul(w)?.broadcast_add(b)
 }

@@ -5,12 +5,10 @@
 use std::time::Duration;
 
 mod common;
-use common::Spawned;
+use common::{last_json, run_to_end};
 
 #[test]
 fn a_killed_server_loses_no_update_and_a_replacement_trainer_finishes() {
-    let dir = std::env::temp_dir().join(format!("param-server-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
     let args = [
         "--steps",
         "80",
@@ -19,13 +17,13 @@ fn a_killed_server_loses_no_update_and_a_replacement_trainer_finishes() {
         "--kill-trainer-at",
         "50",
     ];
-    let mut p = Spawned::start(env!("CARGO_BIN_EXE_param-server"), &args, &[], &dir);
-    let code = p.wait(Duration::from_secs(240));
-    let (out, err) = (p.stdout(), p.stderr());
-    let _ = std::fs::remove_dir_all(&dir);
+    let (code, out, err) = run_to_end(
+        env!("CARGO_BIN_EXE_param-server"),
+        &args,
+        Duration::from_secs(240),
+    );
     assert_eq!(code, Some(0), "{out}\n{err}");
-    let last = out.lines().last().unwrap_or_default();
-    let j: serde_json::Value = serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {out}"));
+    let j = last_json(&out, &err);
     assert_eq!(j["mode"], "BSP", "{j}");
     assert_eq!(j["updates_lost"], 0, "{j}");
     assert_eq!(j["failed_over"], true, "{j}");

@@ -5,23 +5,17 @@
 use std::time::Duration;
 
 mod common;
-use common::Spawned;
+use common::{last_json, run_to_end};
 
 /// Runs `rref-stress` with `args` (killed after 240 s); its exit code, last stdout line and
 /// stderr.
 fn run(args: &[&str]) -> (Option<i32>, serde_json::Value, String) {
-    let dir = std::env::temp_dir().join(format!(
-        "rref-stress-test-{}-{}",
-        std::process::id(),
-        args.join("_").replace('-', "")
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    let mut p = Spawned::start(env!("CARGO_BIN_EXE_rref-stress"), args, &[], &dir);
-    let code = p.wait(Duration::from_secs(240));
-    let (out, err) = (p.stdout(), p.stderr());
-    let last = out.lines().last().unwrap_or_default();
-    let j = serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {out}\n{err}"));
-    let _ = std::fs::remove_dir_all(&dir);
+    let (code, out, err) = run_to_end(
+        env!("CARGO_BIN_EXE_rref-stress"),
+        args,
+        Duration::from_secs(240),
+    );
+    let j = last_json(&out, &err);
     (code, j, err)
 }
 

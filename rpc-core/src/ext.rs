@@ -110,6 +110,11 @@ pub trait AgentExt: sealed::Sealed {
     /// that waits).
     fn on_worker_failed(&self, hook: impl Fn(&crate::WorkerFailed) + Send + Sync + 'static);
 
+    /// Runs `hook` with the rank whenever a new incarnation of a failed worker has joined the
+    /// group in its place (`Agent::incarnation_of` already names the new one). Like
+    /// [`AgentExt::on_worker_failed`], it must return quickly.
+    fn on_worker_rejoined(&self, hook: impl Fn(u32) + Send + Sync + 'static);
+
     /// Whether the process of worker `rank` is known to be gone: uses the live connection if
     /// there is one (then it is not gone), else redials and reports `true` only when nothing
     /// listens at the worker's address (connection refused). A live but slow, frozen or
@@ -181,6 +186,10 @@ impl AgentExt for Agent {
 
     fn on_worker_failed(&self, hook: impl Fn(&crate::WorkerFailed) + Send + Sync + 'static) {
         self.inner.net.membership.on_failure(Arc::new(hook));
+    }
+
+    fn on_worker_rejoined(&self, hook: impl Fn(u32) + Send + Sync + 'static) {
+        self.inner.net.membership.on_rejoin(Arc::new(hook));
     }
 
     fn peer_gone(&self, rank: u32) -> impl Future<Output = bool> + Send {

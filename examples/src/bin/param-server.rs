@@ -25,51 +25,14 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use collectives::{Consistency, PsClient, Replica};
-use examples::wordlang::LANGS;
+use examples::wordlang::{dense, logits, DIM, LANGS};
 use rpc_core::{remote, Agent, BoxError, CallContext, Registry};
 
-const DIM: usize = 4096;
 const HALF: usize = DIM / 2;
 const BATCH: usize = 64;
 const LR: f64 = 0.5;
 fn load(name: &str) -> Result<Vec<(String, usize)>> {
     examples::wordlang::load(&examples::wordlang::data_dir(), name)
-}
-
-/// Hashed character 1–3-grams of `^word$`.
-fn features(word: &str) -> Vec<usize> {
-    let chars: Vec<char> = std::iter::once('^')
-        .chain(word.chars())
-        .chain(std::iter::once('$'))
-        .collect();
-    let mut out = Vec::new();
-    for n in 1..=3 {
-        for w in chars.windows(n) {
-            let h = w.iter().fold(0xcbf2_9ce4_8422_2325u64 ^ n as u64, |h, c| {
-                (h ^ u64::from(*c as u32)).wrapping_mul(0x100_0000_01b3)
-            });
-            out.push((h % DIM as u64) as usize);
-        }
-    }
-    out
-}
-
-fn dense(batch: &[(String, usize)]) -> Result<(Tensor, Tensor)> {
-    let mut x = vec![0f32; batch.len() * DIM];
-    for (i, (w, _)) in batch.iter().enumerate() {
-        for f in features(w) {
-            x[i * DIM + f] += 1.0;
-        }
-    }
-    let y: Vec<u32> = batch.iter().map(|(_, y)| *y as u32).collect();
-    Ok((
-        Tensor::from_vec(x, (batch.len(), DIM), &Device::Cpu)?,
-        Tensor::new(y.as_slice(), &Device::Cpu)?,
-    ))
-}
-
-fn logits(x: &Tensor, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
-    x.matmul(w)?.broadcast_add(b)
 }
 
 /// The trainers' shards: `(primary rank, shard id)`, and each one's backup.

@@ -65,3 +65,33 @@ impl Spawned {
         }
     }
 }
+
+/// Runs `bin` with `args` in a fresh temporary directory until it exits (at most `limit`):
+/// its exit code, stdout and stderr.
+#[allow(dead_code)] // not every test binary uses every helper
+pub fn run_to_end(bin: &str, args: &[&str], limit: Duration) -> (Option<i32>, String, String) {
+    let name = Path::new(bin)
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    let dir = std::env::temp_dir().join(format!(
+        "{name}-test-{}-{}",
+        std::process::id(),
+        args.join("_").replace('-', "")
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut p = Spawned::start(bin, args, &[], &dir);
+    let code = p.wait(limit);
+    let (out, err) = (p.stdout(), p.stderr());
+    drop(p);
+    let _ = std::fs::remove_dir_all(&dir);
+    (code, out, err)
+}
+
+/// The last line of `out` as JSON (a panic showing both outputs if it is not).
+#[allow(dead_code)]
+pub fn last_json(out: &str, err: &str) -> serde_json::Value {
+    let last = out.lines().last().unwrap_or_default();
+    serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {out}\n{err}"))
+}

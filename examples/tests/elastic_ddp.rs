@@ -1,0 +1,59 @@
+//! `elastic-ddp` as a user runs it: four replica processes, rank 3 SIGKILLed mid-run; the
+//! three survivors re-form the ring and finish, or (by flag) wait for a replacement process
+//! that joins the running group and receives the committed state. Either way the replicas end
+//! bit-identical and as accurate as the run without a failure (the same global batches).
+
+use std::time::Duration;
+
+mod common;
+use common::{last_json, run_to_end};
+
+fn run(args: &[&str]) -> serde_json::Value {
+    let (code, out, err) = run_to_end(
+        env!("CARGO_BIN_EXE_elastic-ddp"),
+        args,
+        Duration::from_secs(240),
+    );
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    let j = last_json(&out, &err);
+    assert_eq!(j["replicas_identical"], true, "{j}");
+    j
+}
+
+#[test]
+fn a_killed_replica_is_survived_by_shrinking_or_by_a_replacement() {
+    let steps = ["--steps", "90", "--commit-every", "20"];
+    let base = run(&steps);
+    assert_eq!(
+        (base["members"].as_u64(), base["reforms"].as_u64()),
+        (Some(4), Some(0))
+    );
+    let accuracy = base["test_accuracy"].as_f64().unwrap();
+
+    let shrunk = run(&[&steps[..], &["--kill-at", "50"]].concat());
+    assert_eq!(shrunk["ranks"], serde_json::json!([0, 1, 2]), "{shrunk}");
+    assert_eq!(shrunk["reforms"], 1, "{shrunk}");
+    assert_eq!(shrunk["recovered_from_step"], 40, "{shrunk}");
+    assert_eq!(shrunk["steps_replayed"], 10, "{shrunk}");
+
+    let replaced = run(&[&steps[..], &["--kill-at", "50", "--wait-for-replacement"]].concat());
+    assert_eq!(
+        replaced["ranks"],
+        serde_json::json!([0, 1, 2, 3]),
+        "{replaced}"
+    );
+    assert_eq!(
+        replaced["incarnations"],
+        serde_json::json!([0, 0, 0, 1]),
+        "{replaced}"
+    );
+    assert_eq!(replaced["recovered_from_step"], 40, "{replaced}");
+
+    for j in [&shrunk, &replaced] {
+        let a = j["test_accuracy"].as_f64().unwrap();
+        assert!(
+            (a - accuracy).abs() < 0.005,
+            "{a} vs {accuracy} without a failure: {j}"
+        );
+    }
+}
