@@ -90,6 +90,19 @@ pub fn world(agent: &Agent) -> ProcessGroup {
 /// members' current incarnations: once a member has been replaced, creating the group again
 /// makes a new one (fresh sequence numbers), with the replacement in it (COL-3).
 pub fn new_group(agent: &Agent, ranks: &[u32]) -> Result<ProcessGroup, CollectiveError> {
+    new_group_tagged(agent, ranks, 0)
+}
+
+/// Like [`new_group`], one of several independent groups over the same ranks, told apart by
+/// `tag` (every member must give the same one; [`new_group`] is tag 0). Groups with other tags
+/// share no sequence numbers and no messages, so a group re-created for a new instance of a
+/// model (after a failure abandoned the previous one in the middle of a collective) cannot
+/// meet the previous one's leftovers, even when no member was replaced.
+pub fn new_group_tagged(
+    agent: &Agent,
+    ranks: &[u32],
+    tag: u64,
+) -> Result<ProcessGroup, CollectiveError> {
     let mut r = ranks.to_vec();
     r.sort_unstable();
     r.dedup();
@@ -107,19 +120,16 @@ pub fn new_group(agent: &Agent, ranks: &[u32]) -> Result<ProcessGroup, Collectiv
         .iter()
         .map(|&x| agent.incarnation_of(x).unwrap_or(0))
         .collect();
-    // FNV-1a over the members and their incarnations: the same id on every member that has
-    // heard of the same incarnations; never 0 (point to point). Incarnations 0 add nothing,
-    // so a group of first incarnations keeps the id of its ranks alone.
+    // FNV-1a over the members, their incarnations and the tag: the same id on every member
+    // that has heard of the same incarnations; never 0 (point to point). Incarnations 0 and
+    // tag 0 add nothing, so a group of first incarnations keeps the id of its ranks alone.
+    let nonzero = |v: u64| (v > 0).then(|| v.to_le_bytes()).into_iter().flatten();
     let id = r
         .iter()
         .zip(&incs)
-        .flat_map(|(x, &i)| {
-            let mut bytes = x.to_le_bytes().to_vec();
-            if i > 0 {
-                bytes.extend(i.to_le_bytes());
-            }
-            bytes
-        })
+        .flat_map(|(x, &i)| x.to_le_bytes().into_iter().chain(nonzero(i)))
+        // Masked, so that a tag never hashes like the last member's incarnation.
+        .chain(nonzero(tag).map(|b| b ^ 0x5a))
         .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
             (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
         })

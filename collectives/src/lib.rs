@@ -69,7 +69,9 @@ mod ps;
 pub use autograd_dist::RTensor;
 pub use ddp::{DistributedDataParallel, DistributedSampler};
 pub use elastic::{ElasticDdp, Rejoin};
-pub use group::{new_group, world, CollectiveError, Element, ProcessGroup, ReduceOp, Work};
+pub use group::{
+    new_group, new_group_tagged, world, CollectiveError, Element, ProcessGroup, ReduceOp, Work,
+};
 pub use mailbox::{irecv, isend, recv, send, Handle, P2pError};
 pub use ps::{serve_replica, serve_shard, shard_stats, Consistency, PsClient, Replica, ShardStats};
 

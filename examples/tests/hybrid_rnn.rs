@@ -418,15 +418,17 @@ fn a_failed_worker_ends_the_run(name: &str, sig: i32, within: Duration) {
 }
 
 /// One short epoch under the launcher (the example's local mode) with two failures at random
-/// steps, each a SIGKILL or a SIGSTOP of a random process (master or worker): the run goes on by
+/// steps, each a SIGKILL or a SIGSTOP of a random process, first with `--restart group` (every
+/// process restarts; the new master resumes from its checkpoint), then with `--restart worker`
+/// (only the failed process restarts; the first failure is a worker's, and the master, unless
+/// it is the second victim, keeps its process and recovers in place): each run goes on by
 /// itself, exits 0, reports both recoveries, and its parameters are bit-identical to an
 /// uninterrupted run's. The seed of the random choices is printed (`HYBRID_RNN_KILL_SEED`
 /// repeats a run).
 #[test]
 fn recovers_from_two_random_failures_bit_identically() {
     let dir = scratch("recover");
-    let (a, b) = (dir.join("a"), dir.join("b"));
-    let base = |out: &Path| -> Vec<String> {
+    let base = |out: &Path, restart: &str| -> Vec<String> {
         let mut v = with(&["--checkpoint-every", "25", "--max-restarts", "3"]);
         // One epoch of 200 steps.
         let limit = v.iter().position(|x| x == "--train-limit").unwrap();
@@ -434,13 +436,21 @@ fn recovers_from_two_random_failures_bit_identically() {
         v.extend([
             "--epochs".into(),
             "1".into(),
+            "--restart".into(),
+            restart.into(),
             "--out-dir".into(),
             out.display().to_string(),
         ]);
         v
     };
-    let full = run(&strs(&base(&a)), &[], &dir, Duration::from_secs(300));
+    let full = run(
+        &strs(&base(&dir.join("full"), "group")),
+        &[],
+        &dir,
+        Duration::from_secs(300),
+    );
     assert_eq!(full.code, Some(0), "stderr:\n{}", full.stderr);
+    let full = full.json();
 
     let seed = std::env::var("HYBRID_RNN_KILL_SEED")
         .ok()
@@ -461,59 +471,90 @@ fn recovers_from_two_random_failures_bit_identically() {
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
         (z ^ (z >> 31)) % n
     };
-    let mut run = launch(&base(&b), &dir);
-    let mut failures = Vec::new();
-    for (lo, span) in [(10, 60), (110, 60)] {
-        let at = lo + next(span);
-        await_step(&mut run, &b, at, Duration::from_secs(240));
-        let ranks = ranks_of(run.child.id());
-        assert_eq!(ranks.len(), 3, "{ranks:?}");
-        let victim = ranks[next(3) as usize];
-        let sig = if next(2) == 0 {
-            libc::SIGKILL
-        } else {
-            libc::SIGSTOP
-        };
-        eprintln!(
-            "step {at}: signal {sig} to rank {} (pid {})",
-            victim.0, victim.1
-        );
-        signal(victim.1, sig);
-        failures.push((victim, sig));
-        // The failed attempt's processes are gone before the next failure is chosen.
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while ranks.iter().any(|r| alive(r.1)) {
-            assert!(
-                Instant::now() < deadline,
-                "the failed attempt was not ended:\n{}",
-                run.stderr()
+    for restart in ["group", "worker"] {
+        let out = dir.join(restart);
+        let one_by_one = restart == "worker";
+        let mut run = launch(&base(&out, restart), &dir);
+        let mut failures = Vec::new();
+        let mut first = Vec::new();
+        for (i, (lo, span)) in [(10, 60), (110, 60)].into_iter().enumerate() {
+            let at = lo + next(span);
+            await_step(&mut run, &out, at, Duration::from_secs(240));
+            let ranks = ranks_of(run.child.id());
+            assert_eq!(ranks.len(), 3, "{ranks:?}");
+            if i == 0 {
+                first = ranks.clone();
+            }
+            let victim = if one_by_one && i == 0 {
+                ranks[1 + next(2) as usize]
+            } else {
+                ranks[next(3) as usize]
+            };
+            let sig = if next(2) == 0 {
+                libc::SIGKILL
+            } else {
+                libc::SIGSTOP
+            };
+            eprintln!(
+                "--restart {restart}, step {at}: signal {sig} to rank {} (pid {})",
+                victim.0, victim.1
             );
-            std::thread::sleep(Duration::from_millis(10));
+            signal(victim.1, sig);
+            failures.push((victim, sig));
+            // The failed processes (the victim alone, or the whole attempt) are gone before
+            // the next failure is chosen.
+            let ended: Vec<_> = if one_by_one { vec![victim] } else { ranks };
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while ended.iter().any(|r| alive(r.1)) {
+                assert!(
+                    Instant::now() < deadline,
+                    "the failed processes were not ended:\n{}",
+                    run.stderr()
+                );
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        let survivors = ranks_of(run.child.id());
+        let code = run.wait(Duration::from_secs(300));
+        let stderr = run.stderr();
+        assert_eq!(code, Some(0), "{failures:?}\n{stderr}");
+        let got = Run {
+            code,
+            stdout: run.stdout(),
+            stderr,
+        };
+        let j = got.json();
+        assert_eq!(j["recoveries"], 2, "{failures:?} {j}");
+        assert_eq!(j["time_lost_s"].as_array().unwrap().len(), 2, "{j}");
+        let masters = failures.iter().filter(|(v, _)| v.0 == 0).count();
+        let (resumed, in_place) = if one_by_one {
+            (masters, failures.len() - masters)
+        } else {
+            (failures.len(), 0)
+        };
+        assert_eq!(
+            (
+                got.stdout.matches("resumed from").count(),
+                got.stdout.matches("recovered in place").count()
+            ),
+            (resumed, in_place),
+            "{failures:?}\n{}",
+            got.stdout
+        );
+        if one_by_one {
+            // Only the victims were replaced.
+            for (rank, pid) in first {
+                let hit = failures.iter().any(|(v, _)| v.1 == pid);
+                let kept = survivors.contains(&(rank, pid));
+                assert_eq!(kept, !hit, "rank {rank}: {failures:?} {survivors:?}");
+            }
+        }
+        for key in ["steps", "params_sha256", "test_accuracy"] {
+            assert_eq!(
+                j[key], full[key],
+                "--restart {restart}: {key} differs after {failures:?}"
+            );
         }
     }
-    let code = run.wait(Duration::from_secs(300));
-    let stderr = run.stderr();
-    assert_eq!(code, Some(0), "{failures:?}\n{stderr}");
-    let got = Run {
-        code,
-        stdout: run.stdout(),
-        stderr,
-    };
-    let j = got.json();
-    assert_eq!(j["recoveries"], 2, "{j}");
-    let lost = j["time_lost_s"].as_array().unwrap();
-    assert_eq!(lost.len(), 2, "{j}");
-    assert!(
-        got.stdout.matches("resumed from").count() == 2,
-        "{}",
-        got.stdout
-    );
-    assert_eq!(j["steps"], full.json()["steps"]);
-    assert_eq!(
-        j["params_sha256"],
-        full.json()["params_sha256"],
-        "the recovered run's parameters differ: {failures:?}"
-    );
-    assert_eq!(j["test_accuracy"], full.json()["test_accuracy"]);
     std::fs::remove_dir_all(dir).unwrap();
 }

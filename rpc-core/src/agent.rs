@@ -192,7 +192,7 @@ pub async fn init(config: Config, registry: Registry) -> Result<Agent, InitError
         callee: Callee::new(registry, cfg.max_concurrent_calls),
         caller: Caller::new(cfg.rpc_timeout, cfg.sync_connections),
         layers: Layers::default(),
-        shutdown: shutdown::State::new(cfg.shutdown_timeout),
+        shutdown: shutdown::State::new(cfg.shutdown_timeout, cfg.replaced_on_failure),
         net: Arc::new(Net::new(
             net_cfg,
             directory,

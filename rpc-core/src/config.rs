@@ -58,6 +58,11 @@ pub const RESTART_COUNT_ENV: [&str; 2] = ["RPC_RESTART_COUNT", "TORCHELASTIC_RES
 /// [`Config::serve_rendezvous`]): a launcher that hosts a standalone one sets `0`.
 pub const SERVE_RENDEZVOUS_ENV: &str = "RPC_SERVE_RENDEZVOUS";
 
+/// The variable a launcher sets to say what it restarts after a failure: `worker` (each
+/// failed process alone, into the running group) or `group` (every process); see
+/// [`Config::replaced_on_failure`].
+pub const RESTART_MODE_ENV: &str = "RPC_RESTART_MODE";
+
 /// How many times a launcher has restarted this process after a failure (see
 /// [`RESTART_COUNT_ENV`]); 0 on the first start or without a launcher. A program resumes from
 /// its latest checkpoint when this is positive.
@@ -105,6 +110,13 @@ pub struct Config {
     /// then on (fencing). While a group forms this changes nothing. Default: whether the
     /// launcher's restart count ([`launched_restart_count`]) is positive.
     pub replace: Option<bool>,
+    /// Whether a launcher replaces each failed process alone, into the running group
+    /// (`rpcrun --restart worker`). Shutdown then waits, within its timeout, for a
+    /// replacement of a failed rank 0 and meets the others at the replacement's barrier,
+    /// instead of ending at once when rank 0 fails (a program whose workers serve until rank 0
+    /// shuts the group down outlives the loss of rank 0). Default: whether
+    /// [`RESTART_MODE_ENV`] is `worker`.
+    pub replaced_on_failure: Option<bool>,
     /// Address this worker's listener binds. Default: `127.0.0.1:0` when the rendezvous host
     /// is loopback, else `0.0.0.0:0` (the advertised address is then the local IP of the
     /// connection to the rendezvous).
@@ -203,6 +215,7 @@ impl Default for Config {
             init_method: None,
             serve_rendezvous: None,
             replace: None,
+            replaced_on_failure: None,
             listen_addr: None,
             transport: Transport::Tcp,
             secret: None,
@@ -253,6 +266,8 @@ impl Config {
         with_serve_rendezvous(serve_rendezvous: bool) => Some(serve_rendezvous);
         /// Sets [`Config::replace`].
         with_replace(replace: bool) => Some(replace);
+        /// Sets [`Config::replaced_on_failure`].
+        with_replaced_on_failure(replaced_on_failure: bool) => Some(replaced_on_failure);
         /// Sets [`Config::listen_addr`].
         with_listen_addr(listen_addr: impl Into<String>) => Some(listen_addr.into());
         /// Sets [`Config::transport`].
@@ -440,6 +455,19 @@ impl Config {
             Some(r) => r,
             None => num(&RESTART_COUNT_ENV, "restart count")?.unwrap_or(0) > 0,
         };
+        let replaced_on_failure = match (self.replaced_on_failure, env(RESTART_MODE_ENV)) {
+            (Some(r), _) => r,
+            (None, Some(v)) => match v.trim() {
+                "worker" => true,
+                "group" | "" => false,
+                other => {
+                    return Err(InitError::Config(format!(
+                        "{RESTART_MODE_ENV}={other:?}: expected `worker` or `group`"
+                    )))
+                }
+            },
+            (None, None) => false,
+        };
         let protection = match (self.wire_protection, env("RPC_WIRE_PROTECTION")) {
             (Some(p), _) => p,
             (None, Some(v)) => v
@@ -451,6 +479,7 @@ impl Config {
             name: self.name.unwrap_or_else(|| format!("worker{rank}")),
             serve_rendezvous,
             replace,
+            replaced_on_failure,
             rendezvous,
             listen_addr,
             init_timeout: self.init_timeout,
@@ -501,6 +530,8 @@ pub(crate) struct Resolved {
     pub serve_rendezvous: bool,
     /// It replaces the holder of its rank (see [`Config::replace`]).
     pub replace: bool,
+    /// A launcher replaces failed processes one by one (see [`Config::replaced_on_failure`]).
+    pub replaced_on_failure: bool,
     pub listen_addr: String,
     pub init_timeout: Duration,
     pub rpc_timeout: Duration,
@@ -645,6 +676,40 @@ mod tests {
             .resolve_with(&env(&[]))
             .unwrap_err();
         assert!(e.to_string().contains("twice"), "{e}");
+    }
+
+    #[test]
+    fn restart_mode_from_config_or_env() {
+        let base = || {
+            base()
+                .with_rank(0)
+                .with_world_size(1)
+                .with_init_method("tcp://a:1")
+        };
+        assert!(!base().resolve_with(&env(&[])).unwrap().replaced_on_failure);
+        let worker = [(RESTART_MODE_ENV, "worker")];
+        assert!(
+            base()
+                .resolve_with(&env(&worker))
+                .unwrap()
+                .replaced_on_failure
+        );
+        let group = [(RESTART_MODE_ENV, "group")];
+        assert!(
+            !base()
+                .resolve_with(&env(&group))
+                .unwrap()
+                .replaced_on_failure
+        );
+        let r = base()
+            .with_replaced_on_failure(false)
+            .resolve_with(&env(&worker))
+            .unwrap();
+        assert!(!r.replaced_on_failure, "the config wins");
+        let e = base()
+            .resolve_with(&env(&[(RESTART_MODE_ENV, "node")]))
+            .unwrap_err();
+        assert!(e.to_string().contains(RESTART_MODE_ENV), "{e}");
     }
 
     #[test]

@@ -95,7 +95,7 @@ pub use agent::{init, Agent};
 pub use blob::Blob;
 pub use call::wait_all;
 pub use config::{
-    launched_rank, launched_restart_count, Config, RANK_ENV, RESTART_COUNT_ENV,
+    launched_rank, launched_restart_count, Config, RANK_ENV, RESTART_COUNT_ENV, RESTART_MODE_ENV,
     SERVE_RENDEZVOUS_ENV, TORCHRUN_AGENT_STORE_ENV, WORLD_SIZE_ENV,
 };
 pub use context::CallContext;

@@ -20,6 +20,10 @@
 //!   while it waits, it redials the missing ranks, and once every missing rank refuses
 //!   connections (nothing listens: the process exited or was killed) the barrier fails at
 //!   once, naming them. Frozen or partitioned peers still cost the timeout.
+//! - AG-7: where a launcher replaces failed processes one by one
+//!   ([`Config::replaced_on_failure`](crate::Config::replaced_on_failure)), a rank whose
+//!   rank 0 failed waits, within the barrier's timeout, for rank 0's next incarnation and
+//!   arrives at its barrier instead.
 
 use std::collections::BTreeSet;
 use std::sync::Mutex;
@@ -57,6 +61,8 @@ impl ShutdownReport {
 pub(crate) struct State {
     /// Bound on each phase unless a caller gives its own.
     pub timeout: Duration,
+    /// A failed rank 0 is replaced by a launcher: wait for its replacement's barrier (AG-7).
+    follow_rank0: bool,
     barrier: Mutex<Barrier>,
     report: tokio::sync::OnceCell<ShutdownReport>,
 }
@@ -97,9 +103,10 @@ impl Barrier {
 }
 
 impl State {
-    pub(crate) fn new(timeout: Duration) -> Self {
+    pub(crate) fn new(timeout: Duration, follow_rank0: bool) -> Self {
         Self {
             timeout,
+            follow_rank0,
             barrier: Mutex::new(Barrier::default()),
             report: tokio::sync::OnceCell::new(),
         }
@@ -295,10 +302,10 @@ async fn barrier(agent: &Agent, t: Duration) -> Result<(), String> {
     if world <= 1 {
         return Ok(());
     }
-    let barrier = agent.rpc_async_timeout(0u32, ShutdownBarrier, (agent.rank(),), t);
     if agent.rank() != 0 {
-        return barrier.await.map_err(|e| crate::error::error_chain(&e));
+        return arrive_at_rank0(agent, t).await;
     }
+    let barrier = agent.rpc_async_timeout(0u32, ShutdownBarrier, (agent.rank(),), t);
     let state = &agent.inner.shutdown;
     tokio::select! {
         r = barrier => r.map_err(|e| {
@@ -327,6 +334,63 @@ async fn barrier(agent: &Agent, t: Duration) -> Result<(), String> {
                 "ranks {dead:?} never reached the shutdown barrier: their processes are gone \
                  (connections refused)"
             ))
+        }
+    }
+}
+
+/// A rank other than 0 at rank 0's barrier, for at most `t`: once, or (AG-7) again at each
+/// replacement of a rank 0 that failed while it waited.
+async fn arrive_at_rank0(agent: &Agent, t: Duration) -> Result<(), String> {
+    let deadline = tokio::time::Instant::now() + t;
+    loop {
+        let holder = agent.incarnation_of(0u32).unwrap_or(0);
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let err = match agent
+            .rpc_async_timeout(0u32, ShutdownBarrier, (agent.rank(),), left)
+            .await
+        {
+            Ok(()) => return Ok(()),
+            Err(e) => e,
+        };
+        let replaced = agent.inner.shutdown.follow_rank0
+            && matches!(
+                err,
+                RpcError::PeerFailed { .. }
+                    | RpcError::ConnectionLost { .. }
+                    | RpcError::Unreachable { .. }
+            )
+            && rank0_replaced(agent, holder, deadline).await;
+        if !replaced {
+            return Err(crate::error::error_chain(&err));
+        }
+        tracing::info!(
+            worker = %agent.name(),
+            "rank 0 was replaced; arriving at its replacement's shutdown barrier"
+        );
+    }
+}
+
+/// Waits until a live incarnation of rank 0 newer than `holder` holds the rank; false if
+/// none does by `deadline`.
+async fn rank0_replaced(agent: &Agent, holder: u64, deadline: tokio::time::Instant) -> bool {
+    let mut changes = agent.watch_membership();
+    loop {
+        let now = agent.incarnation_of(0u32).unwrap_or(holder);
+        if now > holder && agent.is_live(0u32).unwrap_or(false) {
+            return true;
+        }
+        // Re-checked on every change, and every 100 ms in case one was missed.
+        let wait = tokio::time::sleep(Duration::from_millis(100));
+        if tokio::time::timeout_at(deadline, async {
+            tokio::select! {
+                _ = changes.next() => {}
+                () = wait => {}
+            }
+        })
+        .await
+        .is_err()
+        {
+            return false;
         }
     }
 }

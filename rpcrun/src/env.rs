@@ -40,6 +40,14 @@ pub(crate) fn child_env(
             "RPC_MAX_RESTARTS".to_owned(),
             launch.max_restarts.to_string(),
         ),
+        (
+            rpc_core::RESTART_MODE_ENV.to_owned(),
+            match launch.restart {
+                crate::Restart::Group => "group",
+                crate::Restart::Worker => "worker",
+            }
+            .to_owned(),
+        ),
     ];
     if let Some(f) = secret_file {
         env.push((
@@ -90,6 +98,9 @@ mod tests {
             assert_eq!(e.get(k).map(String::as_str), Some(v), "{k} in {e:?}");
         }
         assert!(!e.contains_key("RPC_SECRET"));
+        assert_eq!(e["RPC_RESTART_MODE"], "group");
+        let e = env_of(&Launch::new("p").restart(crate::Restart::Worker), 0, 0);
+        assert_eq!(e["RPC_RESTART_MODE"], "worker");
     }
 
     #[test]

@@ -282,6 +282,32 @@ fn async_collectives_overlap_and_pair_in_call_order() {
     });
 }
 
+/// A group abandoned in the middle of a collective (rank 0 sent its part, rank 1 never
+/// came) and re-created over the same ranks under another tag: the new group's collectives
+/// never meet the old one's leftovers, although no member was replaced.
+#[test]
+fn tagged_groups_over_the_same_ranks_share_nothing() {
+    each_transport(60, |t| async move {
+        let a = group(2, t).await;
+        let old = collectives::new_group_tagged(&a[0], &[0, 1], 1).unwrap();
+        // Rank 0's half of an all-reduce rank 1 never joins: its message waits at rank 1.
+        let abandoned = old.all_reduce_async(&input(7, 64), ReduceOp::Sum);
+        let outs = futures::future::join_all(a.iter().map(|w| async move {
+            let g = collectives::new_group_tagged(w, &[0, 1], 2).unwrap();
+            g.all_reduce(&input(w.rank(), 64), ReduceOp::Sum)
+                .await
+                .unwrap()
+        }))
+        .await;
+        let want = (input(0, 64) + input(1, 64)).unwrap();
+        for out in &outs {
+            assert_eq!(bits(out), bits(&want));
+        }
+        drop(abandoned);
+        shutdown_all(&a).await;
+    });
+}
+
 /// The dataset of the data-parallel test: 32 samples, 6 features, 3 targets.
 fn dataset() -> (Tensor, Tensor) {
     let x: Vec<f64> = (0..32 * 6)

@@ -16,7 +16,11 @@
 //! Checkpoints are written every `--checkpoint-every` steps and at every epoch's end. A master
 //! started with a positive restart count (`RPC_RESTART_COUNT`, or torchrun's) resumes from the
 //! latest one, replays the steps since, and its parameters end bit-identical to an
-//! uninterrupted run's.
+//! uninterrupted run's. With `--restart worker` only a failed process is restarted: the
+//! master keeps its process when a worker fails, waits for the replacement, re-creates the
+//! shards, restores every parameter and optimizer state from the latest checkpoint (the
+//! failed shard's values are gone; the rest rolls back to the same step) and replays the steps
+//! since, again bit-identically.
 //!
 //! The master first trains a copy of the same model in one process for `--local-steps` steps
 //! on the same batches, and its losses are compared with the distributed run's
@@ -61,6 +65,10 @@ const EVAL_BATCH: usize = 1000;
 const EQUIVALENCE_STEPS: usize = 20;
 /// Largest loss difference `--check-equivalence` accepts.
 const EQUIVALENCE_TOLERANCE: f64 = 1e-4;
+/// How long the master waits, after an error in training, for the verdict that a worker
+/// failed (a killed one is found at once, a frozen one within the failure timeout); with
+/// none, the error is not a worker's failure and ends the run.
+const VERDICT_WAIT: Duration = Duration::from_secs(10);
 
 /// Trains the hybrid-parallel language identifier (master + 2 workers on 127.0.0.1).
 #[derive(Parser, Debug, Clone)]
@@ -109,10 +117,15 @@ struct Args {
     /// Checkpoints kept in `--out-dir` (older ones are removed).
     #[arg(long, default_value_t = 3)]
     keep_checkpoints: usize,
-    /// Local mode: restarts of the three processes after a failure (a killed or frozen
-    /// process) before giving up.
+    /// Local mode: restarts after a failure (a killed or frozen process) before giving up.
     #[arg(long, default_value_t = 3)]
     max_restarts: u32,
+    /// Local mode: what a failure restarts: `group` (all three processes; the new master
+    /// resumes from the latest checkpoint) or `worker` (the failed process alone: a failed
+    /// worker's replacement joins the running group and the master, keeping its process,
+    /// restores from the latest checkpoint and replays).
+    #[arg(long, default_value = "group")]
+    restart: rpcrun::Restart,
     /// Only compare 20 distributed steps with the same steps in one process, and fail if a
     /// loss differs by more than 1e-4.
     #[arg(long)]
@@ -283,12 +296,19 @@ fn run() -> Result<i32> {
         let timeout = std::env::var("HYBRID_RNN_WORKER_TIMEOUT")
             .ok()
             .and_then(|s| s.parse().ok())
-            .unwrap_or(3600);
+            .map_or(Duration::from_secs(3600), Duration::from_secs);
+        // Replaced one by one, a worker outlives the loss of others (the master included: its
+        // replacement takes over), so it only fails if its own shutdown does.
+        let one_by_one = std::env::var(rpc_core::RESTART_MODE_ENV).is_ok_and(|m| m == "worker");
+        let serve = async {
+            if one_by_one {
+                examples::serve_through_failures(registry()?, timeout).await
+            } else {
+                examples::serve_until_shutdown(registry()?, timeout).await
+            }
+        };
         return examples::runtime()?
-            .block_on(examples::serve_until_shutdown(
-                registry()?,
-                Duration::from_secs(timeout),
-            ))
+            .block_on(serve)
             .map(|()| 0)
             .with_context(|| format!("worker rank {r}"));
     }
@@ -330,7 +350,12 @@ fn run() -> Result<i32> {
         // barrier and RRef traffic stop waiting for them), so this also returns in seconds.
         let report = agent.shutdown().await;
         let code = result?;
-        ensure!(report.is_clean(), "shutdown was not clean: {report:?}");
+        if args.restart == rpcrun::Restart::Worker {
+            // Workers replaced on the way are no reason to fail.
+            examples::check_shutdown(&agent, &report)?;
+        } else {
+            ensure!(report.is_clean(), "shutdown was not clean: {report:?}");
+        }
         Ok(code)
     })
 }
@@ -357,6 +382,7 @@ fn launch_local(args: &Args) -> Result<i32> {
         .args(std::env::args_os().skip(1))
         .nproc(3)
         .max_restarts(args.max_restarts)
+        .restart(args.restart)
         .prefix_output(false)
         .run()?;
     if exit.restarts > 0 || !exit.failures.is_empty() {
@@ -415,25 +441,30 @@ struct Hybrid {
     agent: Agent,
     encoder: Encoder,
     shards: [RRef<NetShard>; 2],
+    /// The incarnations of the shards' workers when the shards were created.
+    holders: [u64; 2],
     opt: DistributedOptimizer,
     half: usize,
 }
 
 impl Hybrid {
-    async fn new(agent: &Agent, args: &Args, dims: &Dims) -> Result<Self> {
+    /// The model in its initial state; `instance` tells this instance's data-parallel group
+    /// from the groups of instances abandoned after failures (see [`shard::instance`]).
+    async fn new(agent: &Agent, args: &Args, dims: &Dims, instance: u64) -> Result<Self> {
         let encoder = Encoder::new(dims, args.seed)?;
         let (d0, d1) = args.shard2_devices()?;
+        let holders = shard::SHARD_RANKS.map(|r| agent.incarnation_of(r).unwrap_or(0));
         let s1 = rref::remote(
             agent,
             shard::SHARD_RANKS[0],
             shard::new_net_shard1,
-            (*dims, args.seed + 1, args.shard1_device),
+            (*dims, args.seed + 1, args.shard1_device, instance),
         )?;
         let s2 = rref::remote(
             agent,
             shard::SHARD_RANKS[1],
             shard::new_net_shard2,
-            (*dims, args.seed + 1, d0, d1),
+            (*dims, args.seed + 1, d0, d1, instance),
         )?;
         let mut params = autograd_dist::parameter_rrefs(agent, encoder.vars());
         let (p1, p2) = futures::try_join!(
@@ -448,9 +479,23 @@ impl Hybrid {
             agent: agent.clone(),
             encoder,
             shards: [s1, s2],
+            holders,
             opt,
             half: args.batch / 2,
         })
+    }
+
+    /// The shards' workers whose incarnation that holds a shard has failed or been replaced.
+    fn lost_shards(&self) -> Vec<u32> {
+        shard::SHARD_RANKS
+            .iter()
+            .zip(self.holders)
+            .filter(|(&r, inc)| {
+                self.agent.incarnation_of(r).ok() != Some(*inc)
+                    || !self.agent.is_live(r).unwrap_or(false)
+            })
+            .map(|(&r, _)| r)
+            .collect()
     }
 
     /// Logits of `enc`'s rows: the first half on worker 1, the rest on worker 2.
@@ -563,6 +608,81 @@ impl Hybrid {
             worst = worst.max(f64::from(d));
         }
         Ok(worst)
+    }
+
+    /// Restores the checkpoint at `path` (written by a run with the same flags): its epoch,
+    /// step, progress and history.
+    async fn resume(
+        &self,
+        path: &std::path::Path,
+        args: &Args,
+        dims: &Dims,
+        per_epoch: u64,
+    ) -> Result<(u64, u64, EpochProgress, History)> {
+        let ck = Checkpoint::load(
+            path,
+            &model::encoder_param_names(dims),
+            &HEAD_PARAMS,
+            &self.opt.owners(),
+        )?;
+        ensure!(
+            ck.config == args.shape(dims),
+            "--resume: {} was written with other model or data flags ({:?} vs {:?})",
+            path.display(),
+            ck.config,
+            args.shape(dims)
+        );
+        let (epoch, step) = (ck.epoch, ck.step);
+        ensure!(
+            (epoch * per_epoch..(epoch + 1) * per_epoch).contains(&step),
+            "{}: step {step} is not in epoch {} of {per_epoch} steps",
+            path.display(),
+            epoch + 1
+        );
+        let (progress, history) = (ck.progress, ck.history.clone());
+        self.restore(ck).await?;
+        Ok((epoch, step, progress, history))
+    }
+
+    /// After `err` ended training: the shards' workers that failed, once a replacement of
+    /// each has joined the group. Fails with `err` if no shard's worker was declared failed
+    /// within [`VERDICT_WAIT`] (the error was not a worker's failure), and names the worker
+    /// if its replacement does not join within `--timeout-secs`.
+    async fn await_replacements(&self, err: &anyhow::Error, args: &Args) -> Result<Vec<u32>> {
+        let deadline = Instant::now() + VERDICT_WAIT;
+        let lost = loop {
+            let lost = self.lost_shards();
+            if !lost.is_empty() {
+                break lost;
+            }
+            if Instant::now() >= deadline {
+                anyhow::bail!("{err:#}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        eprintln!(
+            "hybrid-rnn: lost {} ({err:#}); waiting for the launcher's replacement",
+            lost.iter()
+                .map(|r| self.agent.name_of(*r))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        let deadline = Instant::now() + Duration::from_secs(args.timeout_secs);
+        for (&r, held) in shard::SHARD_RANKS.iter().zip(self.holders) {
+            if !lost.contains(&r) {
+                continue;
+            }
+            while self.agent.incarnation_of(r)? == held || !self.agent.is_live(r)? {
+                ensure!(
+                    Instant::now() < deadline,
+                    "{} failed and no replacement joined within {} s: {err:#}",
+                    self.agent.name_of(r),
+                    args.timeout_secs
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        Ok(lost)
     }
 
     async fn restore(&self, ck: Checkpoint) -> Result<()> {
@@ -703,35 +823,14 @@ async fn master(
     };
     let (mut local, mut local_times, local_losses) =
         local_baseline(args, &dims, data, baseline_steps)?;
-    let model = Hybrid::new(agent, args, &dims).await?;
+    let mut model = Hybrid::new(agent, args, &dims, shard::instance(agent, 0)).await?;
     let per_epoch = (data.train.len() / args.batch) as u64;
 
     let mut history = History::default();
     let (mut epoch0, mut step) = (0u64, 0u64);
     let mut progress = EpochProgress::default();
     if let Some(path) = resume_from {
-        let ck = Checkpoint::load(
-            path,
-            &model::encoder_param_names(&dims),
-            &HEAD_PARAMS,
-            &model.opt.owners(),
-        )?;
-        ensure!(
-            ck.config == args.shape(&dims),
-            "--resume: {} was written with other model or data flags ({:?} vs {:?})",
-            path.display(),
-            ck.config,
-            args.shape(&dims)
-        );
-        (epoch0, step, progress) = (ck.epoch, ck.step, ck.progress);
-        ensure!(
-            (epoch0 * per_epoch..(epoch0 + 1) * per_epoch).contains(&step),
-            "{}: step {step} is not in epoch {} of {per_epoch} steps",
-            path.display(),
-            epoch0 + 1
-        );
-        history = ck.history.clone();
-        model.restore(ck).await?;
+        (epoch0, step, progress, history) = model.resume(path, args, &dims, per_epoch).await?;
         println!(
             "resumed from {} (epoch {epoch0}, step {step}, restart {restart})",
             path.display()
@@ -757,6 +856,11 @@ async fn master(
     let mut dist_losses = Vec::new();
     let mut last_preds = None;
     let mut last_ckpt = None;
+    // Recoveries in this process (`--restart worker`: a worker failed, the master did not).
+    let mut in_place = 0u32;
+    loop {
+        // The training from `step` on; a worker's failure ends it with an error.
+        let trained: Result<()> = async {
     for epoch in epoch0..args.epochs {
         let batches = data::epoch_batches(data.train.len(), args.batch, args.seed, epoch);
         model.opt.set_lr(args.lr_at(epoch)).await?;
@@ -835,6 +939,43 @@ async fn master(
         last_preds = Some(preds);
         last_ckpt = Some(path);
     }
+    Ok(())
+        }
+        .await;
+        let Err(err) = trained else { break };
+        if args.restart != rpcrun::Restart::Worker {
+            return Err(err);
+        }
+        let lost = model.await_replacements(&err, args).await?;
+        in_place += 1;
+        // Everything rolls back to the latest checkpoint: the new shards start from it, and
+        // so do the encoder and every optimizer state (a step the failure interrupted may
+        // have been applied in part).
+        drop(model);
+        model = Hybrid::new(agent, args, &dims, shard::instance(agent, in_place)).await?;
+        let from = match Checkpoint::latest(&args.out_dir)? {
+            Some(path) => {
+                (epoch0, step, progress, history) =
+                    model.resume(&path, args, &dims, per_epoch).await?;
+                path.display().to_string()
+            }
+            None => {
+                (epoch0, step, progress, history) = Default::default();
+                "the initial parameters (no checkpoint yet)".to_owned()
+            }
+        };
+        // The loss comparison keeps the first pass over its steps.
+        dist_losses.truncate(step as usize);
+        tracker.interrupted(step);
+        tracker.completed(step)?;
+        println!(
+            "recovered in place from {from} (step {step}) after the loss of {}: {err:#}",
+            lost.iter()
+                .map(|r| agent.name_of(*r))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
     let preds = match last_preds {
         Some(p) => p,
         None => model.predict(&data.test).await?, // resumed after the last epoch
@@ -866,7 +1007,8 @@ async fn master(
         "local_ms_per_step_median": local.map(|x| round(x, 2)),
         "distributed_over_local": dist.zip(local).map(|(d, l)| round(d / l, 3)),
         "max_loss_diff": max_diff,
-        "recoveries": restart,
+        "recoveries": recoveries.len(),
+        "recovered_in_place": recoveries.iter().filter(|r| r.in_place).count(),
         "time_lost_s": recoveries.iter().map(|r| round(r.time_lost_s, 2)).collect::<Vec<_>>(),
         "restart_s": recoveries.iter().map(|r| round(r.restart_s, 2)).collect::<Vec<_>>(),
         "replayed_steps": recoveries.iter().map(|r| r.failed_after_step - r.resumed_from_step).collect::<Vec<_>>(),

@@ -37,6 +37,9 @@ pub struct Recovery {
     /// Of those, the seconds until the restarted run had restored its checkpoint (detection,
     /// restart, group formation, restore); the rest is the replay.
     pub restart_s: f64,
+    /// The master kept its process (a worker was replaced, `--restart worker`).
+    #[serde(default)]
+    pub in_place: bool,
 }
 
 /// The master's record of its progress in `dir`.
@@ -49,6 +52,10 @@ pub struct Tracker {
     pending: Option<(u64, u64)>,
     /// When the first step was ready to run (ms since the epoch).
     ready_at: Option<u64>,
+    /// The last step this tracker completed, and when.
+    last: Option<(u64, u64)>,
+    /// The pending recovery is one in this process.
+    in_place: bool,
 }
 
 fn now_ms() -> u64 {
@@ -90,7 +97,21 @@ impl Tracker {
             resumed_from: resumed_from.unwrap_or(0),
             pending,
             ready_at: None,
+            last: None,
+            in_place: false,
         })
+    }
+
+    /// This process lost part of the run and goes on from a checkpoint at step
+    /// `resumed_from`: the recovery is recorded once the replay passes the last step
+    /// completed (a failure during the replay of an earlier one joins that one).
+    pub fn interrupted(&mut self, resumed_from: u64) {
+        if self.pending.is_none() {
+            self.pending = self.last;
+            self.in_place = true;
+        }
+        self.resumed_from = resumed_from;
+        self.ready_at = None;
     }
 
     /// Notes that `step` steps are complete (called first once the run is ready to train, after
@@ -109,6 +130,7 @@ impl Tracker {
                 resumed_from_step: self.resumed_from,
                 time_lost_s: now_ms().saturating_sub(at) as f64 / 1e3,
                 restart_s: ready_at.saturating_sub(at) as f64 / 1e3,
+                in_place: std::mem::take(&mut self.in_place),
             });
             let path = self.dir.join(RECOVERIES);
             replace_durably(&path, |tmp| {
@@ -117,7 +139,9 @@ impl Tracker {
                 Ok(())
             })?;
         }
-        let mut rec = format!("{step} {}", now_ms()).into_bytes();
+        let now = now_ms();
+        self.last = Some((step, now));
+        let mut rec = format!("{step} {now}").into_bytes();
         rec.resize(RECORD - 1, b' ');
         rec.push(b'\n');
         // Overwritten in place: no fsync (a process crash keeps the page cache; this only
@@ -187,6 +211,29 @@ mod tests {
         t.completed(8).unwrap();
         assert_eq!(t.recoveries().unwrap().len(), 2);
         assert_eq!(t.recoveries().unwrap()[1].failed_after_step, 8);
+        // A recovery in this process: recorded once the replay passes step 12.
+        for s in 9..=12 {
+            t.completed(s).unwrap();
+        }
+        t.interrupted(10);
+        t.completed(10).unwrap();
+        t.completed(11).unwrap();
+        t.interrupted(10); // again during the replay: one recovery
+        for s in 10..=12 {
+            t.completed(s).unwrap();
+        }
+        let r = t.recoveries().unwrap();
+        assert_eq!(r.len(), 3, "{r:?}");
+        assert_eq!(
+            (
+                r[2].failed_after_step,
+                r[2].resumed_from_step,
+                r[2].in_place
+            ),
+            (12, 10, true)
+        );
+        assert!(!r[1].in_place);
+        drop(t);
         // A fresh run forgets them.
         let t = Tracker::open(&d, 0, None).unwrap();
         assert!(t.recoveries().unwrap().is_empty());

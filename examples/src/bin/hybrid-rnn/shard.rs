@@ -5,7 +5,9 @@
 //! Creating a shard also joins the two workers' data-parallel group: the replicas start from
 //! the first worker's values (a broadcast), and every `DistributedOptimizer` step on a worker
 //! first sums the two replicas' gradients with a ring all-reduce (a gradient hook), so the
-//! update is the gradient of the whole batch's loss on both.
+//! update is the gradient of the whole batch's loss on both. Each instance of the model
+//! has a group of its own ([`instance`]): one abandoned after a failure, perhaps in the middle
+//! of an all-reduce, leaves nothing the next one could receive.
 
 use std::sync::Arc;
 
@@ -43,15 +45,23 @@ impl<'de> Deserialize<'de> for NetShard {
     }
 }
 
+/// The tag of the data-parallel group of the master's `k`-th model instance (its recoveries
+/// in place count up `k`; a replaced master is a new incarnation): never one an earlier
+/// instance of this group used.
+pub fn instance(agent: &rpc_core::Agent, k: u32) -> u64 {
+    (agent.incarnation() << 32) | u64::from(k)
+}
+
 async fn build(
     ctx: &CallContext,
     dims: Dims,
     seed: u64,
     devices: (DeviceSpec, DeviceSpec),
+    instance: u64,
 ) -> Result<NetShard, BoxError> {
     let head = Head::new(&dims, seed, (devices.0.device()?, devices.1.device()?))?;
     let vars = head.vars();
-    let group = collectives::new_group(ctx.agent(), &SHARD_RANKS)?;
+    let group = collectives::new_group_tagged(ctx.agent(), &SHARD_RANKS, instance)?;
     let ddp = DistributedDataParallel::new(group, vars.clone())
         .await?
         .with_reduce_op(ReduceOp::Sum);
@@ -66,8 +76,9 @@ pub async fn new_net_shard1(
     dims: Dims,
     seed: u64,
     device: DeviceSpec,
+    instance: u64,
 ) -> Result<NetShard, BoxError> {
-    build(&ctx, dims, seed, (device, device)).await
+    build(&ctx, dims, seed, (device, device), instance).await
 }
 
 /// `NetShard2`: the head's first Linear on `device0`, its ReLU and second Linear on `device1`.
@@ -78,8 +89,9 @@ pub async fn new_net_shard2(
     seed: u64,
     device0: DeviceSpec,
     device1: DeviceSpec,
+    instance: u64,
 ) -> Result<NetShard, BoxError> {
-    build(&ctx, dims, seed, (device0, device1)).await
+    build(&ctx, dims, seed, (device0, device1), instance).await
 }
 
 /// Logits for encodings `x` (recorded for distributed autograd inside a context).
