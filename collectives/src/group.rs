@@ -80,9 +80,10 @@ impl std::fmt::Debug for ProcessGroup {
     }
 }
 
-/// The group of every worker.
+/// The group of every worker that has joined (in a group that grows, the vacant ranks are
+/// not in it).
 pub fn world(agent: &Agent) -> ProcessGroup {
-    let ranks: Vec<u32> = (0..agent.world_size() as u32).collect();
+    let ranks: Vec<u32> = agent.worker_infos().iter().map(|w| w.id.0).collect();
     new_group(agent, &ranks).expect("the world is a valid group")
 }
 
@@ -114,6 +115,13 @@ pub fn new_group_tagged(
                 "ranks must be non-empty and below the world size {}",
                 agent.world_size()
             ),
+        });
+    }
+    if let Some(e) = r.iter().find_map(|&x| agent.get_worker_info(x).err()) {
+        return Err(CollectiveError::Failed {
+            op: "new_group",
+            members: r,
+            message: e.to_string(),
         });
     }
     let incs: Vec<u64> = r

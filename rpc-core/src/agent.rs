@@ -23,7 +23,7 @@ use crate::ext::Layers;
 use crate::group::{Group, ToWorker};
 use crate::lifecycle::Lifecycle;
 use crate::net::{
-    BulkStats, Directory, FailureWatch, MembershipWatch, Net, PeerState, WorkerFailed,
+    BulkStats, Directory, FailureWatch, MembershipWatch, Net, PeerState, Standing, WorkerFailed,
 };
 use crate::registry::{Registry, RemoteFn};
 use crate::rendezvous::{self, Join, RendezvousServer, Report};
@@ -153,15 +153,14 @@ pub async fn init(config: Config, registry: Registry) -> Result<Agent, InitError
     };
     let server = if cfg.serve_rendezvous {
         let (t, secret) = (&net_cfg.transport, net_cfg.secret.clone());
-        let world = net_cfg.world_size;
-        Some(RendezvousServer::start(t, &cfg.rendezvous, secret, world, cfg.init_timeout).await?)
+        Some(RendezvousServer::start(t, &cfg.rendezvous, secret, cfg.size, cfg.init_timeout).await?)
     } else {
         None
     };
     let join = Join {
         name: cfg.name.clone(),
         rank: net_cfg.rank,
-        world_size: net_cfg.world_size,
+        size: cfg.size,
         addr: my_addr,
         heartbeat: heartbeat_addr,
         replace: cfg.replace,
@@ -180,7 +179,10 @@ pub async fn init(config: Config, registry: Registry) -> Result<Agent, InitError
     net_cfg.incarnation = view.members[me as usize].endpoint.incarnation;
     let standing: Vec<_> = view.members.iter().map(|m| m.standing.clone()).collect();
     let directory = Arc::new(Directory::new(
-        view.members.into_iter().map(|m| m.endpoint).collect(),
+        view.members
+            .into_iter()
+            .map(|m| (m.standing != Standing::Vacant).then_some(m.endpoint))
+            .collect(),
     ));
     let life = Arc::new(Lifecycle::new());
     // Bounded: reports are a worker's few verdicts and one leave; one that finds the queue
@@ -205,9 +207,17 @@ pub async fn init(config: Config, registry: Registry) -> Result<Agent, InitError
         rendezvous: std::sync::Mutex::new(server),
     });
     {
+        let world = inner.group.size();
+        // The barrier waits for no rank that is vacant, left or failed as this worker joins.
+        for (r, st) in standing.iter().enumerate() {
+            match st {
+                Standing::Vacant | Standing::Left => inner.shutdown.depart(r as u32, world),
+                Standing::Failed(_) => inner.shutdown.excuse(r as u32, world),
+                Standing::Alive => {}
+            }
+        }
         // AG-6: the shutdown barrier does not wait for a worker declared failed.
         let weak = Arc::downgrade(&inner);
-        let world = inner.group.size();
         inner
             .net
             .membership
@@ -262,7 +272,10 @@ impl Agent {
         self.inner.group.rank()
     }
 
-    /// Number of workers in the group.
+    /// Number of ranks of the group: ranks are `0..world_size()`. In a group that may grow
+    /// ([`Config::max_world_size`](crate::Config::max_world_size)) this is its capacity, and
+    /// ranks no worker has joined yet are vacant ([`Agent::worker_infos`] lists those that
+    /// have joined).
     pub fn world_size(&self) -> usize {
         self.inner.group.size()
     }
@@ -272,8 +285,9 @@ impl Agent {
         self.inner.group.worker(self.rank())
     }
 
-    /// Every worker of the group, by rank.
-    pub fn worker_infos(&self) -> &[WorkerInfo] {
+    /// Every worker that has joined the group (those that failed or left since included;
+    /// not vacant ranks), by rank.
+    pub fn worker_infos(&self) -> Vec<WorkerInfo> {
         self.inner.group.workers()
     }
 
@@ -447,8 +461,9 @@ impl Agent {
     }
 
     /// The changes of the group as they come, every change since this worker joined first:
-    /// a worker failed, left, or a new incarnation (a restarted process) joined in the place
-    /// of a failed one, each with its generation.
+    /// a worker failed, left, or a new incarnation joined (a restarted process in the place
+    /// of a failed one, or a worker taking a vacant rank of a group that grows), each with its
+    /// generation.
     ///
     /// ```no_run
     /// # async fn demo(agent: rpc_core::Agent) {

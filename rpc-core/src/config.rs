@@ -5,11 +5,18 @@
 //! (`OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`), else MPICH and Intel MPI (`PMI_RANK`,
 //! `PMI_SIZE`): [`RANK_ENV`], [`WORLD_SIZE_ENV`]. The rendezvous address comes from
 //! `init_method` (`tcp://host:port`), else `MASTER_ADDR` and `MASTER_PORT`.
+//!
+//! A group may grow: with a maximum world size ([`Config::max_world_size`], or
+//! [`MAX_WORLD_SIZE_ENV`]) above the world size, it forms with ranks `0..world_size` and
+//! workers with the ranks after them join the running group, each when it starts. With a
+//! maximum and no world size at all, the group is dynamic (PyTorch's `init_rpc` without a
+//! world size): it forms at once and every worker joins and leaves when it likes.
 
 use std::time::Duration;
 
 use crate::error::InitError;
 use crate::net::{NetConfig, Secret, Transport, WireProtection, SECRET_ENV, SECRET_FILE_ENV};
+use crate::rendezvous::GroupSize;
 
 /// The variables a launcher names a worker's rank in, the first one set winning: torchrun's
 /// (and this project's launchers'), Slurm's, Open MPI's, then MPICH's and Intel MPI's.
@@ -75,6 +82,9 @@ pub fn launched_restart_count() -> Result<u32, InitError> {
     .unwrap_or(0))
 }
 
+/// The variable that gives a group's maximum world size (see [`Config::max_world_size`]).
+pub const MAX_WORLD_SIZE_ENV: &str = "RPC_MAX_WORLD_SIZE";
+
 /// The shortest group secret init accepts: a shorter one is guessable.
 const MIN_SECRET_BYTES: usize = 16;
 
@@ -95,10 +105,16 @@ const MIN_SECRET_BYTES: usize = 16;
 pub struct Config {
     /// Unique worker name. Default: `worker{rank}`.
     pub name: Option<String>,
-    /// Rank in `0..world_size`. Default: from the environment (see module docs).
+    /// Rank in `0..world_size` (`0..max_world_size` in a group that grows). Default: from
+    /// the environment (see module docs).
     pub rank: Option<u32>,
-    /// Number of workers. Default: from the environment.
+    /// Number of workers the group forms with. Default: from the environment; none with a
+    /// `max_world_size` makes the group dynamic.
     pub world_size: Option<u32>,
+    /// Number of ranks the group may grow to: ranks from `world_size` up to this join the
+    /// running group, each when it starts (every worker and the rendezvous must agree on it).
+    /// Default: [`MAX_WORLD_SIZE_ENV`] if set, else the world size (a group of fixed size).
+    pub max_world_size: Option<u32>,
     /// `tcp://host:port` of the rendezvous. Default: `MASTER_ADDR`:`MASTER_PORT`.
     pub init_method: Option<String>,
     /// Whether this worker hosts the rendezvous. Default: [`SERVE_RENDEZVOUS_ENV`] (`0` or
@@ -212,6 +228,7 @@ impl Default for Config {
             name: None,
             rank: None,
             world_size: None,
+            max_world_size: None,
             init_method: None,
             serve_rendezvous: None,
             replace: None,
@@ -260,6 +277,8 @@ impl Config {
         with_rank(rank: u32) => Some(rank);
         /// Sets [`Config::world_size`].
         with_world_size(world_size: u32) => Some(world_size);
+        /// Sets [`Config::max_world_size`].
+        with_max_world_size(max_world_size: u32) => Some(max_world_size);
         /// Sets [`Config::init_method`] (`tcp://host:port`).
         with_init_method(init_method: impl Into<String>) => Some(init_method.into());
         /// Sets [`Config::serve_rendezvous`].
@@ -328,17 +347,27 @@ impl Config {
             })?,
         };
         let world_size = match self.world_size {
-            Some(w) => w,
-            None => num(&WORLD_SIZE_ENV, "world size")?.ok_or_else(|| {
-                InitError::Config(format!(
-                    "no world size: set Config::world_size or one of {WORLD_SIZE_ENV:?}"
-                ))
-            })?,
+            Some(w) => Some(w),
+            None => num(&WORLD_SIZE_ENV, "world size")?,
         };
-        if world_size == 0 || rank >= world_size {
-            return Err(InitError::Config(format!(
-                "rank {rank} is outside world size {world_size}"
-            )));
+        let max_world_size = match self.max_world_size {
+            Some(m) => Some(m),
+            None => num(&[MAX_WORLD_SIZE_ENV], "maximum world size")?,
+        };
+        let size = match (world_size, max_world_size) {
+            (Some(0), _) => return Err(InitError::Config("world size 0".into())),
+            (Some(w), m) => GroupSize::growing(w, m.unwrap_or(w)),
+            (None, Some(m)) => GroupSize::dynamic(m),
+            (None, None) => {
+                return Err(InitError::Config(format!(
+                    "no world size: set Config::world_size or one of {WORLD_SIZE_ENV:?} (or \
+                     only Config::max_world_size or {MAX_WORLD_SIZE_ENV} for a dynamic group)"
+                )))
+            }
+        };
+        size.check().map_err(InitError::Config)?;
+        if rank >= size.capacity() {
+            return Err(InitError::Config(format!("rank {rank} is outside {size}")));
         }
         let rendezvous = match &self.init_method {
             Some(m) => m
@@ -476,6 +505,7 @@ impl Config {
             (None, None) => WireProtection::Auto,
         };
         Ok(Resolved {
+            size,
             name: self.name.unwrap_or_else(|| format!("worker{rank}")),
             serve_rendezvous,
             replace,
@@ -493,7 +523,7 @@ impl Config {
                 protection,
                 rank,
                 incarnation: 0,
-                world_size,
+                capacity: size.capacity(),
                 connect_timeout: self.connect_timeout,
                 handshake_timeout: self.handshake_timeout,
                 max_frame_bytes: self.max_frame_bytes,
@@ -524,6 +554,8 @@ fn is_loopback(host: &str) -> bool {
 /// holds the rank, world size, secret and transport).
 #[derive(Clone, Debug)]
 pub(crate) struct Resolved {
+    /// The group's size as this worker says it at the rendezvous.
+    pub size: GroupSize,
     pub name: String,
     /// `host:port` of the rendezvous.
     pub rendezvous: String,
@@ -569,7 +601,7 @@ mod tests {
             ]))
             .unwrap();
         assert_eq!(
-            (r.net.rank, r.net.world_size, r.rendezvous.as_str()),
+            (r.net.rank, r.net.capacity, r.rendezvous.as_str()),
             (2, 4, "127.0.0.1:29500")
         );
         assert_eq!(r.name, "worker2");
@@ -607,7 +639,7 @@ mod tests {
                 ("SLURM_NTASKS", "8"),
             ]))
             .unwrap();
-        assert_eq!((r.net.rank, r.net.world_size), (0, 8));
+        assert_eq!((r.net.rank, r.net.capacity), (0, 8));
         assert!(r.serve_rendezvous);
         assert_eq!(r.listen_addr, "0.0.0.0:0");
         let r = base()
@@ -618,11 +650,11 @@ mod tests {
                 ("OMPI_COMM_WORLD_SIZE", "5"),
             ]))
             .unwrap();
-        assert_eq!((r.net.rank, r.net.world_size), (3, 5));
+        assert_eq!((r.net.rank, r.net.capacity), (3, 5));
         let r = base()
             .resolve_with(&env(&[m[0], m[1], ("PMI_RANK", "2"), ("PMI_SIZE", "4")]))
             .unwrap();
-        assert_eq!((r.net.rank, r.net.world_size), (2, 4));
+        assert_eq!((r.net.rank, r.net.capacity), (2, 4));
         // torchrun's variables win over a scheduler's.
         let r = base()
             .resolve_with(&env(&[
@@ -634,7 +666,7 @@ mod tests {
                 ("SLURM_NTASKS", "8"),
             ]))
             .unwrap();
-        assert_eq!((r.net.rank, r.net.world_size), (1, 2));
+        assert_eq!((r.net.rank, r.net.capacity), (1, 2));
         let e = base()
             .resolve_with(&env(&[m[0], m[1]]))
             .unwrap_err()
@@ -676,6 +708,42 @@ mod tests {
             .resolve_with(&env(&[]))
             .unwrap_err();
         assert!(e.to_string().contains("twice"), "{e}");
+    }
+
+    #[test]
+    fn a_group_grows_up_to_its_maximum_or_is_dynamic_without_a_world_size() {
+        let at = |rank: u32| base().with_rank(rank).with_init_method("tcp://a:1");
+        let fixed = at(1).with_world_size(2).resolve_with(&env(&[])).unwrap();
+        assert_eq!((fixed.size, fixed.net.capacity), (GroupSize::fixed(2), 2));
+        let grows = at(5)
+            .with_world_size(2)
+            .resolve_with(&env(&[(MAX_WORLD_SIZE_ENV, "8")]))
+            .unwrap();
+        assert_eq!(
+            (grows.size, grows.net.capacity),
+            (GroupSize::growing(2, 8), 8)
+        );
+        let dynamic = at(3)
+            .with_max_world_size(4)
+            .resolve_with(&env(&[]))
+            .unwrap();
+        assert_eq!(dynamic.size, GroupSize::dynamic(4));
+        assert!(
+            dynamic.serve_rendezvous == false
+                && at(0)
+                    .with_max_world_size(4)
+                    .resolve_with(&env(&[]))
+                    .unwrap()
+                    .serve_rendezvous
+        );
+        let why = |c: Config| c.resolve_with(&env(&[])).unwrap_err().to_string();
+        assert!(why(at(2).with_world_size(2)).contains("rank 2 is outside a group of 2"));
+        assert!(why(at(8).with_world_size(2).with_max_world_size(8))
+            .contains("outside a group of 2 growing to 8"));
+        assert!(why(at(0).with_world_size(4).with_max_world_size(2))
+            .contains("a group of 4 cannot have a capacity of 2"));
+        assert!(why(at(0)).contains("for a dynamic group"));
+        assert!(why(at(0).with_max_world_size(0)).contains("capacity 0"));
     }
 
     #[test]
@@ -721,7 +789,7 @@ mod tests {
             .resolve_with(&env(&[("RANK", "9"), ("WORLD_SIZE", "10")]))
             .unwrap();
         assert_eq!(
-            (r.net.rank, r.net.world_size, r.rendezvous.as_str()),
+            (r.net.rank, r.net.capacity, r.rendezvous.as_str()),
             (1, 2, "localhost:7")
         );
     }
@@ -739,7 +807,7 @@ mod tests {
             .with_init_method("tcp://a:1")
             .resolve_with(&env(&[]))
             .unwrap_err();
-        assert!(e.to_string().contains("outside world size"), "{e}");
+        assert!(e.to_string().contains("rank 3 is outside a group of 3"), "{e}");
         let e = base()
             .with_rank(0)
             .with_world_size(1)

@@ -1,7 +1,6 @@
 //! Who is who: this worker and the group it belongs to, by rank and by name, and the ways a
 //! program names a call's target ([`ToWorker`]).
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::error::RpcError;
@@ -63,23 +62,16 @@ impl<T: ToWorker + ?Sized> ToWorker for &T {
 pub(crate) struct Group {
     me: u32,
     directory: Arc<Directory>,
-    by_name: HashMap<String, u32>,
     my_addr: String,
 }
 
 impl Group {
     /// Worker `me` of the group `directory` lists.
     pub(crate) fn new(me: u32, directory: Arc<Directory>) -> Self {
-        let by_name = directory
-            .workers()
-            .iter()
-            .map(|w| (w.name.clone(), w.id.0))
-            .collect();
         let my_addr = directory.addr(me).to_string();
         Self {
             me,
             directory,
-            by_name,
             my_addr,
         }
     }
@@ -89,9 +81,9 @@ impl Group {
         self.me
     }
 
-    /// Number of workers.
+    /// Number of ranks (vacant ones of a group that grows included).
     pub(crate) fn size(&self) -> usize {
-        self.directory.workers().len()
+        self.directory.capacity()
     }
 
     /// Worker `rank` (a rank of the group: one from [`Group::resolve`] or from a connection's
@@ -109,12 +101,17 @@ impl Group {
     pub(crate) fn resolve(&self, to: &impl ToWorker) -> Result<u32, RpcError> {
         let r = to.worker_ref();
         let found = match r {
-            WorkerRef::Name(n) => self.by_name.get(n).copied(),
-            WorkerRef::Rank(r) => ((r as usize) < self.size()).then_some(r),
+            WorkerRef::Name(n) => self.directory.rank_of(n),
+            WorkerRef::Rank(r) => {
+                ((r as usize) < self.size() && !self.directory.is_vacant(r)).then_some(r)
+            }
         };
         found.ok_or_else(|| RpcError::UnknownWorker {
             target: match r {
                 WorkerRef::Name(n) => format!("named `{n}`"),
+                WorkerRef::Rank(r) if (r as usize) < self.size() => {
+                    format!("of rank {r} (vacant: no worker has joined it yet)")
+                }
                 WorkerRef::Rank(r) => format!("of rank {r}"),
             },
             world_size: self.size(),
@@ -133,8 +130,8 @@ impl Group {
         }
     }
 
-    /// Every worker, by rank.
-    pub(crate) fn workers(&self) -> &[WorkerInfo] {
+    /// Every worker that has joined (whatever its standing now), by rank.
+    pub(crate) fn workers(&self) -> Vec<WorkerInfo> {
         self.directory.workers()
     }
 }

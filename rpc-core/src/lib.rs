@@ -95,8 +95,8 @@ pub use agent::{init, Agent};
 pub use blob::Blob;
 pub use call::wait_all;
 pub use config::{
-    launched_rank, launched_restart_count, Config, RANK_ENV, RESTART_COUNT_ENV, RESTART_MODE_ENV,
-    SERVE_RENDEZVOUS_ENV, TORCHRUN_AGENT_STORE_ENV, WORLD_SIZE_ENV,
+    launched_rank, launched_restart_count, Config, MAX_WORLD_SIZE_ENV, RANK_ENV, RESTART_COUNT_ENV,
+    RESTART_MODE_ENV, SERVE_RENDEZVOUS_ENV, TORCHRUN_AGENT_STORE_ENV, WORLD_SIZE_ENV,
 };
 pub use context::CallContext;
 pub use error::{
@@ -109,7 +109,7 @@ pub use net::{
     Secret, Transport, WireProtection, WorkerFailed, SECRET_ENV, SECRET_FILE_ENV,
 };
 pub use registry::{Registry, RegistryBuilder, RegistryError, RemoteFn};
-pub use rendezvous::RendezvousServer;
+pub use rendezvous::{GroupSize, RendezvousServer};
 pub use rpc_macros::remote;
 pub use shutdown::ShutdownReport;
 pub use wire::{WorkerId, WorkerInfo};

@@ -3,7 +3,9 @@
 
 use std::time::Duration;
 
-use rpc_core::{Agent, Config, InitError, Registry, RendezvousServer, Secret, Transport};
+use rpc_core::{
+    Agent, Config, GroupSize, InitError, Registry, RendezvousServer, Secret, Transport,
+};
 
 /// A formed group, its rendezvous and what a replacement needs to join it.
 pub struct ElasticGroup {
@@ -13,9 +15,9 @@ pub struct ElasticGroup {
     pub secret: Secret,
     /// The network the workers use.
     pub transport: Transport,
-    /// The workers of incarnation 0, by rank.
+    /// The workers of incarnation 0 that formed the group, by rank.
     pub agents: Vec<Agent>,
-    world: u32,
+    size: GroupSize,
     failure_timeout: Duration,
     registry: fn() -> Registry,
 }
@@ -29,6 +31,23 @@ impl ElasticGroup {
         registry: fn() -> Registry,
         failure_timeout: Duration,
     ) -> Self {
+        Self::start_sized(
+            GroupSize::fixed(world),
+            transport,
+            registry,
+            failure_timeout,
+        )
+        .await
+    }
+
+    /// Like [`ElasticGroup::start`], a group of `size`: its initial ranks form it (none for
+    /// a dynamic group); the others join with [`ElasticGroup::start_rank`].
+    pub async fn start_sized(
+        size: GroupSize,
+        transport: Transport,
+        registry: fn() -> Registry,
+        failure_timeout: Duration,
+    ) -> Self {
         let secret = Secret::generate();
         let bind = match &transport {
             Transport::Memory(_) => "rendezvous:1",
@@ -38,7 +57,7 @@ impl ElasticGroup {
             &transport,
             bind,
             secret.clone(),
-            world,
+            size,
             Duration::from_secs(30),
         )
         .await
@@ -48,12 +67,12 @@ impl ElasticGroup {
             secret,
             transport,
             agents: Vec::new(),
-            world,
+            size,
             failure_timeout,
             registry,
         };
         g.agents = futures::future::try_join_all(
-            (0..world).map(|r| rpc_core::init(g.config(r), (g.registry)())),
+            (0..size.initial()).map(|r| rpc_core::init(g.config(r), (g.registry)())),
         )
         .await
         .expect("group forms");
@@ -62,9 +81,13 @@ impl ElasticGroup {
 
     /// The config of rank `rank` in this group.
     pub fn config(&self, rank: u32) -> Config {
-        Config::new()
-            .with_rank(rank)
-            .with_world_size(self.world)
+        let c = Config::new().with_max_world_size(self.size.capacity());
+        let c = if self.size.is_dynamic() {
+            c
+        } else {
+            c.with_world_size(self.size.initial())
+        };
+        c.with_rank(rank)
             .with_init_method(format!("tcp://{}", self.server.local_addr()))
             .with_serve_rendezvous(false)
             .with_transport(self.transport.clone())

@@ -3,8 +3,10 @@
 //! (every member hears of it and calls go to it, while the old incarnation is refused:
 //! fencing); a worker leaves the running group gracefully and the others go on; a join for a
 //! live rank is refused unless it says it replaces it; a value the failed incarnation owned
-//! is reported gone. Multi-process replacement under the
-//! launcher is in `rpcrun`'s tests.
+//! is reported gone; a group grows by ranks past its initial ones (also when they come while
+//! it forms), and a dynamic group (no world size) has workers come, go and come back.
+//! Multi-process replacement under the launcher is in `rpcrun`'s tests; a worker process
+//! joining a running group of processes is in `multiprocess.rs`.
 
 use std::time::Duration;
 
@@ -13,7 +15,8 @@ use integration_tests::rref_fns::make;
 use integration_tests::*;
 use rpc_core::testing;
 use rpc_core::{
-    InitError, LeaveError, MembershipChange, MembershipEvent, MembershipWatch, RpcError, Transport,
+    Config, GroupSize, InitError, LeaveError, MembershipChange, MembershipEvent, MembershipWatch,
+    RendezvousServer, RpcError, Secret, Transport,
 };
 
 const FAILURE_TIMEOUT: Duration = Duration::from_millis(600);
@@ -208,5 +211,159 @@ fn a_live_rank_is_taken_only_by_a_replacement() {
             assert!(r.is_clean(), "{r:?}");
         }
         a[1].shutdown_within(Duration::from_secs(1)).await;
+    });
+}
+
+/// RDV-2 for a group that grows: a group of 2 growing to 4 runs with ranks 2 and 3 vacant
+/// (calls to them are refused, naming the vacancy); rank 3 joins the running group (every
+/// member hears of it, calls go both ways, it lists the others and they list it); a second
+/// worker cannot take its name, nor a rank past the capacity; it leaves, and the group shuts
+/// down cleanly with a rank that never came.
+#[test]
+fn a_group_that_grows_admits_new_ranks_while_it_runs() {
+    each_transport(90, |t| async move {
+        let g =
+            ElasticGroup::start_sized(GroupSize::growing(2, 4), t, registry, FAILURE_TIMEOUT).await;
+        let a = &g.agents;
+        assert_eq!(a[0].world_size(), 4);
+        assert_eq!(a[0].worker_infos().len(), 2);
+        let err = a[0].rpc_async(3u32, add, (1, 1)).await.unwrap_err();
+        assert!(
+            matches!(&err, RpcError::UnknownWorker { .. }) && err.to_string().contains("vacant"),
+            "{err}"
+        );
+        assert!(a[1].get_worker_info("worker3").is_err());
+        let mut watch0 = a[0].watch_membership();
+        let mut watch1 = a[1].watch_membership();
+        let new = g.start_rank(3, false).await.expect("a new rank joins");
+        assert_eq!((new.incarnation(), new.world_size()), (0, 4));
+        for w in [&mut watch0, &mut watch1] {
+            let e = next(w).await;
+            assert_eq!(
+                (e.generation, e.rank, e.incarnation, e.name.as_str()),
+                (1, 3, 0, "worker3"),
+                "{e:?}"
+            );
+            assert!(matches!(e.change, MembershipChange::Joined { .. }), "{e:?}");
+        }
+        assert_eq!(a[0].rpc_async("worker3", add, (2, 3)).await.unwrap(), 5);
+        assert_eq!(a[1].rpc_async(3u32, add, (2, 4)).await.unwrap(), 6);
+        assert_eq!(new.rpc_async(1u32, add, (4, 3)).await.unwrap(), 7);
+        for x in [&a[0], &a[1], &new] {
+            let names: Vec<String> = x.worker_infos().into_iter().map(|w| w.name).collect();
+            assert_eq!(names, ["worker0", "worker1", "worker3"]);
+        }
+        let err = rpc_core::init(g.config(2).with_name("worker3"), registry())
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, InitError::Refused(why) if why.contains("`worker3` already taken by rank 3")),
+            "{err:?}"
+        );
+        let err = g.start_rank(4, false).await.unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("rank 4 is outside a group of 2 growing to 4"),
+            "{err}"
+        );
+        let left = new.leave().await.expect("rank 3 leaves");
+        assert!(left.is_clean(), "{left:?}");
+        let e = next(&mut watch0).await;
+        assert_eq!((e.rank, e.change), (3, MembershipChange::Left));
+        let reports = futures::future::join_all(a.iter().map(|x| x.shutdown())).await;
+        for r in &reports {
+            assert!(r.is_clean(), "{r:?}");
+        }
+    });
+}
+
+/// RDV-1/RDV-2: a worker with a rank past the initial ones that starts while the group is
+/// still forming waits, and joins as soon as it has formed.
+#[test]
+fn a_new_rank_that_comes_while_the_group_forms_joins_once_it_formed() {
+    run(60, async {
+        let secret = Secret::generate();
+        let size = GroupSize::growing(2, 3);
+        let server = RendezvousServer::start(
+            &Transport::Tcp,
+            "127.0.0.1:0",
+            secret.clone(),
+            size,
+            Duration::from_secs(30),
+        )
+        .await
+        .expect("rendezvous starts");
+        let config = |rank: u32| {
+            Config::new()
+                .with_rank(rank)
+                .with_world_size(2)
+                .with_max_world_size(3)
+                .with_init_method(format!("tcp://{}", server.local_addr()))
+                .with_serve_rendezvous(false)
+                .with_secret(secret.clone())
+                .with_shutdown_timeout(Duration::from_secs(5))
+        };
+        // Rank 2 starts first.
+        let early = tokio::spawn(rpc_core::init(config(2), registry()));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(!early.is_finished(), "rank 2 waits for the group to form");
+        let formed =
+            futures::future::try_join_all((0..2).map(|r| rpc_core::init(config(r), registry())))
+                .await
+                .expect("the group forms");
+        let late = early.await.unwrap().expect("rank 2 joins once it formed");
+        assert_eq!(late.worker_infos().len(), 3);
+        assert_eq!(late.rpc_async(0u32, add, (1, 1)).await.unwrap(), 2);
+        assert_eq!(formed[1].rpc_async(2u32, add, (2, 1)).await.unwrap(), 3);
+        let all = [&formed[0], &formed[1], &late];
+        let reports = futures::future::join_all(all.map(|x| x.shutdown())).await;
+        for r in &reports {
+            assert!(r.is_clean(), "{r:?}");
+        }
+    });
+}
+
+/// PyTorch's dynamic mode: no world size. The first worker (rank 1 here) forms the group
+/// alone; rank 0 joins, then rank 2 after rank 1 left; rank 1 comes back as its next
+/// incarnation; calls follow the members, and the group shuts down cleanly.
+#[test]
+fn a_dynamic_group_has_no_world_size_and_workers_come_and_go() {
+    each_transport(90, |t| async move {
+        let g =
+            ElasticGroup::start_sized(GroupSize::dynamic(3), t, registry, FAILURE_TIMEOUT).await;
+        assert!(g.agents.is_empty());
+        let w1 = g
+            .start_rank(1, false)
+            .await
+            .expect("the first worker is the group");
+        assert_eq!(w1.worker_infos().len(), 1);
+        let mut watch1 = w1.watch_membership();
+        let w0 = g.start_rank(0, false).await.expect("rank 0 joins");
+        let e = next(&mut watch1).await;
+        assert_eq!((e.rank, e.incarnation), (0, 0), "{e:?}");
+        assert_eq!(w0.rpc_async(1u32, add, (1, 2)).await.unwrap(), 3);
+        assert_eq!(w1.rpc_async(0u32, add, (2, 2)).await.unwrap(), 4);
+        let mut watch0 = w0.watch_membership();
+        let left = w1.leave().await.expect("rank 1 leaves");
+        assert!(left.is_clean(), "{left:?}");
+        let e = next(&mut watch0).await;
+        assert_eq!((e.rank, e.change), (1, MembershipChange::Left));
+        let w2 = g.start_rank(2, false).await.expect("rank 2 joins");
+        assert_eq!(w2.rpc_async(0u32, add, (3, 3)).await.unwrap(), 6);
+        let err = w2.rpc_async(1u32, add, (1, 1)).await.unwrap_err();
+        assert!(matches!(&err, RpcError::PeerLeft { .. }), "{err:?}");
+        let e = next(&mut watch0).await;
+        assert_eq!((e.rank, e.incarnation), (2, 0), "{e:?}");
+        let back = g.start_rank(1, false).await.expect("rank 1 comes back");
+        assert_eq!(back.incarnation(), 1);
+        let e = next(&mut watch0).await;
+        assert_eq!((e.rank, e.incarnation), (1, 1), "{e:?}");
+        assert_eq!(w0.rpc_async(1u32, incarnation_here, ()).await.unwrap(), 1);
+        assert_eq!(back.rpc_async(2u32, add, (5, 5)).await.unwrap(), 10);
+        let reports = futures::future::join_all([&w0, &w2, &back].map(|x| x.shutdown())).await;
+        for r in &reports {
+            assert!(r.is_clean(), "{r:?}");
+        }
+        w1.shutdown_within(Duration::from_secs(1)).await;
     });
 }

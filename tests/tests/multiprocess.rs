@@ -115,3 +115,81 @@ fn distributed_backward_across_processes_matches_one_process() {
     }
     assert_eq!(p.wait_all(Duration::from_secs(30)), vec![Some(0); 3]);
 }
+
+/// A worker process joins a running group of processes with a new rank: ranks 0 and 1 form a
+/// group of 2 that may grow to 4 (`RPC_MAX_WORLD_SIZE`); a third process starts later as rank
+/// 3, calls both, is called by rank 0, and leaves; the two others shut down cleanly without
+/// it (and without rank 2, which never came).
+#[test]
+fn a_worker_process_joins_a_running_group_and_leaves_it() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let secret = rpc_core::Secret::generate();
+    let server = rt
+        .block_on(rpc_core::RendezvousServer::start(
+            &rpc_core::Transport::Tcp,
+            "127.0.0.1:0",
+            secret.clone(),
+            rpc_core::GroupSize::growing(2, 4),
+            Duration::from_secs(30),
+        ))
+        .unwrap();
+    let addr = server.local_addr().to_owned();
+    let program = env!("CARGO_BIN_EXE_rpc-test-worker");
+    let env = [("RPC_MAX_WORLD_SIZE", "4")];
+    let mut group = procs::spawn(
+        program,
+        &[(0, "drive-grow"), (1, "serve")],
+        2,
+        &addr,
+        &secret,
+        &env,
+    );
+    group.expect(0, "READY", Duration::from_secs(30));
+    group.expect(1, "READY", Duration::from_secs(30));
+    let mut late = procs::spawn(program, &[(3, "join-leave")], 2, &addr, &secret, &env);
+    assert_eq!(late.expect(3, "JOINED", Duration::from_secs(30)), "10");
+    assert_eq!(
+        late.expect(3, "LEFT", Duration::from_secs(30)),
+        "clean=true"
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&group.expect(0, "RESULT", Duration::from_secs(60))).unwrap();
+    assert_eq!(
+        v["newcomer"]["whoami"],
+        serde_json::json!(["worker0", "worker3"]),
+        "{v}"
+    );
+    assert_eq!(v["newcomer"]["sum"], 42, "{v}");
+    assert_eq!(v["world_size"], 4, "{v}");
+    assert_eq!(v["members"], 3, "{v}");
+    let changes: Vec<(u64, u64, String)> = v["changes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["generation"].as_u64().unwrap(),
+                c["rank"].as_u64().unwrap(),
+                c["change"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        changes,
+        [(1, 3, "Joined".to_owned()), (2, 3, "Left".to_owned())],
+        "{v}"
+    );
+    for rank in 0..2 {
+        assert_eq!(
+            group.expect(rank, "SHUTDOWN", Duration::from_secs(30)),
+            "clean=true barrier=Ok(())"
+        );
+    }
+    assert_eq!(group.wait_all(Duration::from_secs(30)), vec![Some(0); 2]);
+    assert_eq!(late.wait_all(Duration::from_secs(30)), vec![Some(0)]);
+    drop(server);
+}

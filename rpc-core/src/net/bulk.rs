@@ -90,15 +90,15 @@ struct Inbox {
 
 impl Bulk {
     pub(crate) fn new(cfg: Arc<NetConfig>, dialer: Arc<Dialer>, life: Arc<Lifecycle>) -> Self {
-        let world_size = cfg.world_size;
+        let capacity = cfg.capacity;
         Self {
             pool: BufPool::new(cfg.bulk_pool_bytes),
             next_id: AtomicU64::new(1),
             inbox: Mutex::new(Inbox::default()),
-            outboxes: (0..world_size)
+            outboxes: (0..capacity)
                 .map(|_| tokio::sync::Mutex::new(None))
                 .collect(),
-            arenas: (0..world_size).map(|_| Mutex::new(None)).collect(),
+            arenas: (0..capacity).map(|_| Mutex::new(None)).collect(),
             counters: Arc::default(),
             cfg,
             dialer,

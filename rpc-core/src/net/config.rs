@@ -20,7 +20,7 @@ pub(crate) struct NetConfig {
     /// every handshake.
     pub incarnation: u64,
     /// Ranks at or above this are refused at the handshake.
-    pub world_size: u32,
+    pub capacity: u32,
     pub connect_timeout: Duration,
     pub handshake_timeout: Duration,
     pub max_frame_bytes: usize,

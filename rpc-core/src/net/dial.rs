@@ -4,9 +4,10 @@
 //! - DIAL-1: every dial is bounded: connecting by the connect timeout (and, for a blocking
 //!   connection, the call's deadline), the handshake by the handshake timeout.
 
+use std::collections::HashMap;
 use std::io;
 use std::net::{TcpStream, ToSocketAddrs};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, OnceLock, RwLock};
 use std::time::Instant;
 
 use super::auth::{self, ConnKind};
@@ -38,32 +39,62 @@ struct Slot {
     incarnation: u64,
 }
 
-/// Every worker of the group, by rank: its identity and the addresses its current
-/// incarnation listens at. Names and ranks are fixed; addresses and incarnations change when
-/// a rank is replaced ([`Directory::replace`]).
+/// Every rank of the group: the identity of the worker holding it and the addresses its
+/// current incarnation listens at. A rank's name is fixed once a worker has taken it;
+/// addresses and incarnations change when a rank is replaced, and a vacant rank (of a group
+/// that grows) gets its worker when one joins ([`Directory::replace`]).
 #[derive(Debug)]
 pub(crate) struct Directory {
-    workers: Vec<WorkerInfo>,
+    /// Set once a worker holds the rank.
+    workers: Vec<OnceLock<WorkerInfo>>,
+    /// What a vacant rank is called in messages.
+    vacant: Vec<WorkerInfo>,
+    by_name: RwLock<HashMap<String, u32>>,
     slots: Vec<RwLock<Slot>>,
 }
 
 impl Directory {
-    /// The directory of `endpoints`, by rank.
-    pub(crate) fn new(endpoints: Vec<Endpoint>) -> Self {
-        let mut workers = Vec::with_capacity(endpoints.len());
-        let mut slots = Vec::with_capacity(endpoints.len());
+    /// The directory of `endpoints`, by rank; `None` for a vacant rank.
+    pub(crate) fn new(endpoints: Vec<Option<Endpoint>>) -> Self {
+        let n = endpoints.len();
+        let (mut workers, mut vacant, mut slots) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
+        let mut by_name = HashMap::with_capacity(n);
         for (r, e) in endpoints.into_iter().enumerate() {
-            workers.push(WorkerInfo {
-                name: e.name,
-                id: WorkerId(r as u32),
+            let id = WorkerId(r as u32);
+            let info = OnceLock::new();
+            vacant.push(WorkerInfo {
+                name: format!("<vacant rank {r}>"),
+                id,
             });
-            slots.push(RwLock::new(Slot {
-                addr: e.addr.into(),
-                heartbeat: e.heartbeat.into(),
-                incarnation: e.incarnation,
-            }));
+            let slot = match e {
+                Some(e) => {
+                    by_name.insert(e.name.clone(), r as u32);
+                    let _ = info.set(WorkerInfo { name: e.name, id });
+                    Slot {
+                        addr: e.addr.into(),
+                        heartbeat: e.heartbeat.into(),
+                        incarnation: e.incarnation,
+                    }
+                }
+                None => Slot {
+                    addr: "".into(),
+                    heartbeat: "".into(),
+                    incarnation: 0,
+                },
+            };
+            workers.push(info);
+            slots.push(RwLock::new(slot));
         }
-        Self { workers, slots }
+        Self {
+            workers,
+            vacant,
+            by_name: RwLock::new(by_name),
+            slots,
+        }
     }
 
     fn slot(&self, rank: u32) -> std::sync::RwLockReadGuard<'_, Slot> {
@@ -77,10 +108,33 @@ impl Directory {
         Arc::clone(&self.slot(rank).heartbeat)
     }
 
-    /// Worker `rank`. Ranks come from the group's own table; an unknown rank is a bug, not
-    /// input.
+    /// Worker `rank` (a placeholder naming the rank while it is vacant). Ranks come from the
+    /// group's own table; a rank past its capacity is a bug, not input.
     pub(crate) fn info(&self, rank: u32) -> &WorkerInfo {
-        &self.workers[rank as usize]
+        self.workers[rank as usize]
+            .get()
+            .unwrap_or(&self.vacant[rank as usize])
+    }
+
+    /// Whether no worker has taken `rank` yet.
+    pub(crate) fn is_vacant(&self, rank: u32) -> bool {
+        self.workers
+            .get(rank as usize)
+            .is_none_or(|w| w.get().is_none())
+    }
+
+    /// The rank of the worker named `name`, if one has joined.
+    pub(crate) fn rank_of(&self, name: &str) -> Option<u32> {
+        self.by_name
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(name)
+            .copied()
+    }
+
+    /// Number of ranks (vacant ones included).
+    pub(crate) fn capacity(&self) -> usize {
+        self.slots.len()
     }
 
     /// Worker `rank`'s name.
@@ -98,18 +152,32 @@ impl Directory {
         self.slot(rank).incarnation
     }
 
-    /// Every worker, by rank.
-    pub(crate) fn workers(&self) -> &[WorkerInfo] {
-        &self.workers
+    /// Every worker that has taken a rank, by rank.
+    pub(crate) fn workers(&self) -> Vec<WorkerInfo> {
+        self.workers
+            .iter()
+            .filter_map(|w| w.get().cloned())
+            .collect()
     }
 
-    /// Rank `rank` is now held by `e`, if `e` is a later incarnation than the one known
-    /// (MEM-1: incarnations only grow). Returns whether it was.
+    /// Rank `rank` is now held by `e`: its first worker if it was vacant, else a later
+    /// incarnation than the one known (MEM-1: incarnations only grow). Returns whether it was.
     pub(crate) fn replace(&self, rank: u32, e: &Endpoint) -> bool {
         let mut s = self.slots[rank as usize]
             .write()
             .unwrap_or_else(|p| p.into_inner());
-        if e.incarnation <= s.incarnation {
+        let first = self.workers[rank as usize].get().is_none();
+        if first {
+            let mut by_name = self.by_name.write().unwrap_or_else(|p| p.into_inner());
+            if by_name.contains_key(&e.name) {
+                return false; // the rendezvous gives a name to one rank only
+            }
+            by_name.insert(e.name.clone(), rank);
+            let _ = self.workers[rank as usize].set(WorkerInfo {
+                name: e.name.clone(),
+                id: WorkerId(rank),
+            });
+        } else if e.incarnation <= s.incarnation {
             return false;
         }
         *s = Slot {

@@ -83,8 +83,9 @@ pub struct MembershipEvent {
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum MembershipChange {
-    /// A new incarnation holds the rank (the previous one failed or was replaced); calls go
-    /// to it from now on, connections of the previous one are refused.
+    /// A new incarnation holds the rank (the previous one failed, left or was replaced; or,
+    /// with incarnation 0, a worker took a vacant rank of a group that grows); calls go to it
+    /// from now on, connections of the previous one are refused.
     Joined {
         /// Where its listener is reachable.
         addr: String,
@@ -242,12 +243,15 @@ pub(crate) enum PeerState {
     /// It left the running group: calls to it are refused.
     Left,
     Failed(WorkerFailed),
+    /// No worker has taken the rank yet (a group that grows): calls to it are refused.
+    Vacant,
 }
 
 const ALIVE: u8 = 0;
 const LEFT: u8 = 1;
 const FAILED: u8 = 2;
 const QUIET: u8 = 3;
+const VACANT: u8 = 4;
 
 /// One rank: the incarnation holding it and how that incarnation stands.
 struct Slot {
@@ -295,19 +299,22 @@ pub(crate) enum Standing {
     Alive,
     Left,
     Failed(String),
+    /// No worker has taken the rank yet.
+    Vacant,
 }
 
 impl Membership {
     /// The membership of a group `directory` lists, each rank standing as `standing` says
     /// (alive where it says nothing), at `generation`.
     pub(crate) fn new(directory: Arc<Directory>, generation: u64, standing: &[Standing]) -> Self {
-        let n = directory.workers().len();
+        let n = directory.capacity();
         let slots: Vec<Slot> = (0..n as u32)
             .map(|r| {
                 let incarnation = directory.incarnation(r);
                 let gone = CancellationToken::new();
                 let state = match standing.get(r as usize) {
                     Some(Standing::Left) => PeerState::Left,
+                    Some(Standing::Vacant) => PeerState::Vacant,
                     Some(Standing::Failed(cause)) => {
                         gone.cancel();
                         PeerState::Failed(WorkerFailed {
@@ -375,6 +382,11 @@ impl Membership {
     /// Whether `rank` left the group gracefully (cheap: on every call's path).
     pub(crate) fn has_left(&self, rank: u32) -> bool {
         self.status(rank) == LEFT
+    }
+
+    /// Whether no worker has taken `rank` yet (cheap: on every call's path).
+    pub(crate) fn is_vacant(&self, rank: u32) -> bool {
+        self.status(rank) == VACANT
     }
 
     /// The verdict on `rank`'s current incarnation, if it was declared failed.
@@ -453,11 +465,20 @@ impl Membership {
         incarnation: u64,
         wait: Duration,
     ) -> Result<CancellationToken, String> {
-        let known = self.view().slots[rank as usize].incarnation;
-        if incarnation > known {
+        let (known, vacant) = {
+            let v = self.view();
+            let s = &v.slots[rank as usize];
+            (s.incarnation, s.state == PeerState::Vacant)
+        };
+        if incarnation > known || vacant {
+            // A replacement, or the first worker of a vacant rank, may dial before the news
+            // of it arrives here.
             let mut rx = self.changed.subscribe();
-            let reached =
-                rx.wait_for(|_| self.view().slots[rank as usize].incarnation >= incarnation);
+            let reached = rx.wait_for(|_| {
+                let v = self.view();
+                let s = &v.slots[rank as usize];
+                s.incarnation >= incarnation && s.state != PeerState::Vacant
+            });
             let got = matches!(tokio::time::timeout(wait, reached).await, Ok(Ok(_)));
             if !got {
                 return Err(format!(
@@ -480,6 +501,7 @@ impl Membership {
                 "incarnation {incarnation} of rank {rank} was declared failed: {}",
                 f.cause
             )),
+            PeerState::Vacant => Err(format!("rank {rank} is vacant: no worker has joined it")),
             _ => Ok(s.gone.clone()),
         }
     }
@@ -617,15 +639,16 @@ impl Membership {
         true
     }
 
-    /// A later incarnation of `e`'s rank joined the group at `e`'s addresses: the one it
-    /// replaces is declared failed first if it was not (its connections are closed and
-    /// refused from now on), then calls go to the new one (MEM-1). Returns whether `e` was
-    /// news.
+    /// A later incarnation of `e`'s rank joined the group at `e`'s addresses (or its first
+    /// one, if the rank was vacant): the one it replaces is declared failed first if it was
+    /// not (its connections are closed and refused from now on), then calls go to the new
+    /// one (MEM-1). Returns whether `e` was news.
     pub(crate) fn rejoin(&self, rank: u32, e: &super::dial::Endpoint) -> bool {
+        let news = |s: &Slot| e.incarnation > s.incarnation || s.state == PeerState::Vacant;
         let current = {
             let v = self.view();
             match v.slots.get(rank as usize) {
-                Some(s) if e.incarnation > s.incarnation => s.incarnation,
+                Some(s) if news(s) => s.incarnation,
                 _ => return false,
             }
         };
@@ -640,13 +663,12 @@ impl Membership {
         let event = {
             let mut v = self.view();
             let s = &mut v.slots[rank as usize];
-            if e.incarnation <= s.incarnation {
+            if !news(s) || !self.directory.replace(rank, e) {
                 return false;
             }
             s.incarnation = e.incarnation;
             s.state = PeerState::Alive;
             s.gone = CancellationToken::new();
-            self.directory.replace(rank, e);
             self.status[rank as usize].store(ALIVE, Ordering::Release);
             let addr = e.addr.clone();
             Self::record(
@@ -676,6 +698,7 @@ fn code(s: &PeerState) -> u8 {
         PeerState::Quiet => QUIET,
         PeerState::Left => LEFT,
         PeerState::Failed(_) => FAILED,
+        PeerState::Vacant => VACANT,
     }
 }
 
@@ -725,7 +748,7 @@ impl Detector {
         let silent = Arc::new(AtomicBool::new(false));
         let connected = Arc::new(AtomicUsize::new(0));
         let heartbeat_interval = cfg.heartbeat_interval;
-        let n = dialer.directory().workers().len();
+        let n = dialer.directory().capacity();
         // At first a peer is given several timeouts to connect (they start at slightly
         // different moments, some on loaded machines).
         let grace = (cfg.failure_timeout * 3).max(Duration::from_secs(5));
@@ -806,7 +829,7 @@ async fn run(ctx: Arc<Ctx>, listener: Detached, mut rejoined: tokio::sync::mpsc:
     };
     let me = ctx.cfg.rank;
     tokio::spawn(accept(Arc::clone(&ctx), listener));
-    for rank in 0..ctx.dialer.directory().workers().len() as u32 {
+    for rank in 0..ctx.dialer.directory().capacity() as u32 {
         if rank != me && !ctx.dialer.directory().heartbeat(rank).is_empty() {
             let incarnation = ctx.dialer.directory().incarnation(rank);
             tokio::spawn(beat_to(Arc::clone(&ctx), rank, incarnation));
@@ -890,7 +913,7 @@ async fn accept(ctx: Arc<Ctx>, mut listener: Listener) {
                 )
                 .await;
             match hs {
-                Ok(a) if a.kind == ConnKind::Heartbeat && a.rank < ctx.cfg.world_size => {
+                Ok(a) if a.kind == ConnKind::Heartbeat && a.rank < ctx.cfg.capacity => {
                     let admitted = ctx
                         .membership
                         .admit(a.rank, a.incarnation, ctx.cfg.handshake_timeout)

@@ -112,7 +112,7 @@ impl Net {
     ) -> Self {
         let cfg = Arc::new(cfg);
         let runtime = tokio::runtime::Handle::current();
-        let n = directory.workers().len();
+        let n = directory.capacity();
         let peers: Vec<Arc<Peer>> = (0..n as u32).map(Peer::new).collect();
         let membership = Arc::new(Membership::new(
             Arc::clone(&directory),
@@ -189,6 +189,12 @@ impl Net {
             return Err(self
                 .dialer
                 .failed(to, std::io::Error::other("it left the group")));
+        }
+        if self.membership.is_vacant(to) {
+            return Err(self.dialer.failed(
+                to,
+                std::io::Error::other("no worker has joined this rank yet"),
+            ));
         }
         // A dial to a peer that is declared failed meanwhile (a connect that hangs on a cut
         // link) ends with the verdict, not with the connect timeout.
@@ -342,7 +348,7 @@ impl Net {
                 return;
             }
         };
-        if rank >= self.cfg.world_size {
+        if rank >= self.cfg.capacity {
             tracing::warn!(
                 rank = me,
                 caller = rank,

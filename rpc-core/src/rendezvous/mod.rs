@@ -1,10 +1,16 @@
 //! Group formation and membership: every worker tells the rendezvous its name, rank and
-//! listener address; the rendezvous answers everyone with the full table once all
-//! `world_size` ranks have joined, or with the list of missing ranks when its deadline passes.
+//! listener address; the rendezvous answers everyone with the full table once the group's
+//! initial ranks have joined, or with the list of missing ranks when its deadline passes.
 //! It then stays up as the group's membership service (`server.rs`): each member keeps its
 //! connection, reports the failures its detector decides and a graceful leave on it, and
-//! hears of every change (a rank failed, left, or is held by a new incarnation: a restarted
-//! process that joined in its place) from it ([`follow`]).
+//! hears of every change (a rank failed, left, is held by a new incarnation: a restarted
+//! process that joined in its place, or was taken for the first time by a worker joining a
+//! group that grows) from it ([`follow`]).
+//!
+//! A group's size is a [`GroupSize`]: the ranks it forms with and the ranks it may grow to
+//! (its capacity). Ranks past the initial ones are vacant until a worker joins the running
+//! group with one; a dynamic group (no initial ranks, PyTorch's `init_rpc` without a world
+//! size) forms at once and admits every worker as it comes.
 //!
 //! The rendezvous is hosted by rank 0 by default (like torch's TCPStore), or started on its own
 //! with [`RendezvousServer::start`] (a launcher or a test can then bind port 0 and hand the
@@ -34,11 +40,106 @@ const MAX_MSG: usize = 16 << 20;
 /// missing ranks).
 const VERDICT_GRACE: Duration = Duration::from_secs(5);
 
+/// How many workers a group has: the ranks it forms with (`0..initial`) and the ranks it may
+/// grow to (`0..capacity`). Every worker of a group and its rendezvous must agree on it.
+///
+/// ```
+/// use rpc_core::GroupSize;
+/// assert_eq!(GroupSize::from(4), GroupSize::fixed(4));
+/// let g = GroupSize::growing(2, 8);
+/// assert_eq!((g.initial(), g.capacity(), g.is_dynamic()), (2, 8, false));
+/// assert!(GroupSize::dynamic(16).is_dynamic());
+/// assert!(GroupSize::growing(3, 2).check().is_err());
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupSize {
+    initial: u32,
+    capacity: u32,
+}
+
+impl GroupSize {
+    /// A group of exactly `n` workers, formed once all have joined (a failed rank may be
+    /// taken by a replacement; no rank is added).
+    pub fn fixed(n: u32) -> Self {
+        Self {
+            initial: n,
+            capacity: n,
+        }
+    }
+
+    /// A group that forms with ranks `0..initial` and admits workers with ranks
+    /// `initial..capacity` into the running group, each when it comes.
+    pub fn growing(initial: u32, capacity: u32) -> Self {
+        Self { initial, capacity }
+    }
+
+    /// A group without a world size (PyTorch's dynamic mode): it forms at once, and workers
+    /// with ranks in `0..capacity` come and go (join, leave) at any time.
+    pub fn dynamic(capacity: u32) -> Self {
+        Self {
+            initial: 0,
+            capacity,
+        }
+    }
+
+    /// The ranks the group forms with: `0..initial` (0: a dynamic group).
+    pub fn initial(&self) -> u32 {
+        self.initial
+    }
+
+    /// The ranks the group may ever hold: `0..capacity`.
+    pub fn capacity(&self) -> u32 {
+        self.capacity
+    }
+
+    /// Whether the group has no world size (it forms at once).
+    pub fn is_dynamic(&self) -> bool {
+        self.initial == 0
+    }
+
+    /// Why this is no size a group can have (no rank at all, or fewer ranks than it forms
+    /// with), if it is not.
+    pub fn check(&self) -> Result<(), String> {
+        if self.capacity == 0 {
+            Err("a group needs at least one rank (capacity 0)".into())
+        } else if self.capacity < self.initial {
+            Err(format!(
+                "a group of {} cannot have a capacity of {}",
+                self.initial, self.capacity
+            ))
+        } else {
+            Ok(())
+        }
+    }
+}
+
+impl From<u32> for GroupSize {
+    fn from(n: u32) -> Self {
+        Self::fixed(n)
+    }
+}
+
+impl std::fmt::Display for GroupSize {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.is_dynamic() {
+            write!(f, "a dynamic group of up to {} ranks", self.capacity)
+        } else if self.initial == self.capacity {
+            write!(f, "a group of {}", self.initial)
+        } else {
+            write!(
+                f,
+                "a group of {} growing to {}",
+                self.initial, self.capacity
+            )
+        }
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct Join {
     pub name: String,
     pub rank: u32,
-    pub world_size: u32,
+    pub size: GroupSize,
     /// Where the worker's listener is reachable.
     pub addr: String,
     /// Where its failure detector listens for heartbeats (empty: no detector).
@@ -55,11 +156,26 @@ pub(crate) struct Member {
     pub standing: Standing,
 }
 
+impl Member {
+    /// A rank no worker has joined yet.
+    pub(crate) fn vacant() -> Self {
+        Self {
+            endpoint: Endpoint {
+                name: String::new(),
+                addr: String::new(),
+                heartbeat: String::new(),
+                incarnation: 0,
+            },
+            standing: Standing::Vacant,
+        }
+    }
+}
+
 /// The group: every rank's current incarnation and standing, after `generation` changes.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct View {
     pub generation: u64,
-    /// By rank.
+    /// By rank, one per rank of the group's capacity (vacant ranks too).
     pub members: Vec<Member>,
 }
 
@@ -144,16 +260,19 @@ pub struct RendezvousServer {
 }
 
 impl RendezvousServer {
-    /// Binds `bind` (port 0 picks one) and serves a group of `world_size` workers: it forms
-    /// once all have joined, or fails for every joiner when `timeout` passes; after that it
-    /// admits restarted processes in the place of failed ones.
+    /// Binds `bind` (port 0 picks one) and serves a group of `size` (a number of workers, or
+    /// a [`GroupSize`] that may grow): it forms once the initial ranks have joined, or fails
+    /// for every joiner when `timeout` passes; after that it admits restarted processes in the
+    /// place of failed ones and, up to the capacity, workers with new ranks.
     pub async fn start(
         transport: &Transport,
         bind: &str,
         secret: Secret,
-        world_size: u32,
+        size: impl Into<GroupSize>,
         timeout: Duration,
     ) -> Result<Self, InitError> {
+        let size = size.into();
+        size.check().map_err(InitError::Config)?;
         let listener = transport
             .bind(bind)
             .await
@@ -172,7 +291,7 @@ impl RendezvousServer {
         let task = tokio::spawn(server::serve(
             listener,
             secret,
-            world_size,
+            size,
             deadline,
             events.clone(),
             formed_tx,
@@ -220,17 +339,17 @@ impl Drop for RendezvousServer {
 /// Why the rendezvous refuses `join`, given those who joined before it; `None` admits it.
 fn refusal<'a>(
     join: &Join,
-    world_size: u32,
+    size: GroupSize,
     mut joined: impl Iterator<Item = &'a Join> + Clone,
 ) -> Option<String> {
-    if join.world_size != world_size {
+    if join.size != size {
         Some(format!(
-            "worker `{}` says world size {}, the rendezvous expects {world_size}",
-            join.name, join.world_size
+            "worker `{}` says it joins {}, the rendezvous serves {size}",
+            join.name, join.size
         ))
-    } else if join.rank >= world_size {
+    } else if join.rank >= size.capacity() {
         Some(format!(
-            "rank {} of `{}` is outside world size {world_size}",
+            "rank {} of `{}` is outside {size}",
             join.rank, join.name
         ))
     } else if let Some(other) = joined.clone().find(|j| j.rank == join.rank) {
@@ -250,11 +369,11 @@ fn refusal<'a>(
 /// another version or a faulty one must not leave a worker with a table it indexes out of).
 fn check_table(view: View, me: &Join) -> io::Result<View> {
     let table = &view.members;
-    if table.len() != me.world_size as usize {
+    if table.len() != me.size.capacity() as usize {
         return Err(proto(format!(
-            "the rendezvous sent a table of {} workers for a group of {}",
+            "the rendezvous sent a table of {} ranks for {}",
             table.len(),
-            me.world_size
+            me.size
         )));
     }
     let named = table
@@ -266,7 +385,11 @@ fn check_table(view: View, me: &Join) -> io::Result<View> {
             me.rank, me.name
         )));
     }
-    let mut names: Vec<&str> = table.iter().map(|m| m.endpoint.name.as_str()).collect();
+    let mut names: Vec<&str> = table
+        .iter()
+        .filter(|m| m.standing != Standing::Vacant)
+        .map(|m| m.endpoint.name.as_str())
+        .collect();
     names.sort_unstable();
     if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
         return Err(proto(format!(
@@ -461,7 +584,7 @@ pub(crate) fn fuzz_messages(data: &[u8]) {
     let me = Join {
         name: "w1".into(),
         rank: 1,
-        world_size: 3,
+        size: GroupSize::fixed(3),
         addr: "127.0.0.1:1".into(),
         heartbeat: String::new(),
         replace: false,
@@ -478,8 +601,8 @@ pub(crate) fn fuzz_messages(data: &[u8]) {
     while let Ok(Some(frame)) = codec.decode(&mut buf) {
         if std::mem::take(&mut first) {
             if let Ok(join) = bincode::deserialize::<Join>(&frame) {
-                let why = refusal(&join, 3, before.iter());
-                let fits = join.world_size == 3 && join.rank < 3;
+                let why = refusal(&join, GroupSize::fixed(3), before.iter());
+                let fits = join.size == GroupSize::fixed(3) && join.rank < 3;
                 let clash = before
                     .iter()
                     .any(|j| j.rank == join.rank || j.name == join.name);
@@ -508,7 +631,7 @@ pub(crate) fn fuzz_seeds() -> Vec<Vec<u8>> {
     let join = Join {
         name: "w0".into(),
         rank: 0,
-        world_size: 3,
+        size: GroupSize::fixed(3),
         addr: "127.0.0.1:5000".into(),
         heartbeat: "127.0.0.1:5001".into(),
         replace: false,
@@ -549,7 +672,7 @@ mod tests {
         Join {
             name: name.into(),
             rank,
-            world_size: 3,
+            size: GroupSize::fixed(3),
             addr: String::new(),
             heartbeat: String::new(),
             replace: false,
@@ -577,14 +700,21 @@ mod tests {
     #[test]
     fn joins_are_refused_for_the_wrong_world_rank_or_a_name_taken() {
         let before = [join("a", 0)];
-        assert_eq!(refusal(&join("b", 1), 3, before.iter()), None);
-        let why = |j: &Join| refusal(j, 3, before.iter()).expect("refused");
+        let three = GroupSize::fixed(3);
+        assert_eq!(refusal(&join("b", 1), three, before.iter()), None);
+        let why = |j: &Join| refusal(j, three, before.iter()).expect("refused");
         assert!(why(&Join {
-            world_size: 4,
+            size: GroupSize::fixed(4),
             ..join("b", 1)
         })
-        .contains("world size 4"));
-        assert!(why(&join("b", 3)).contains("outside world size 3"));
+        .contains("joins a group of 4, the rendezvous serves a group of 3"));
+        assert!(why(&join("b", 3)).contains("rank 3 of `b` is outside a group of 3"));
+        let growing = GroupSize::growing(3, 5);
+        let late = Join {
+            size: growing,
+            ..join("b", 4)
+        };
+        assert_eq!(refusal(&late, growing, before.iter()), None);
         assert!(why(&join("b", 0)).contains("already joined as `a`"));
         assert!(why(&join("a", 2)).contains("already taken by rank 0"));
     }
@@ -594,8 +724,25 @@ mod tests {
         let me = join("b", 1);
         assert!(check_table(table(&["a", "b", "c"]), &me).is_ok());
         let why = |t: &[&str]| check_table(table(t), &me).unwrap_err().to_string();
-        assert!(why(&["a", "b"]).contains("table of 2 workers for a group of 3"));
+        assert!(why(&["a", "b"]).contains("table of 2 ranks for a group of 3"));
         assert!(why(&["a", "c", "b"]).contains("naming rank 1 Some(\"c\"), not `b`"));
         assert!(why(&["b", "b", "c"]).contains("`b` twice"));
+    }
+
+    #[test]
+    fn vacant_ranks_of_a_growing_group_name_nobody() {
+        let me = Join {
+            size: GroupSize::growing(2, 4),
+            ..join("b", 1)
+        };
+        let mut t = table(&["a", "b"]);
+        t.members.extend([Member::vacant(), Member::vacant()]);
+        assert!(check_table(t.clone(), &me).is_ok());
+        t.members.pop();
+        let why = check_table(t, &me).unwrap_err().to_string();
+        assert!(
+            why.contains("table of 3 ranks for a group of 2 growing to 4"),
+            "{why}"
+        );
     }
 }

@@ -5,11 +5,14 @@
 //! member, a writer task fed by a bounded queue, so a member that stops reading never stalls
 //! the others.
 //!
-//! - RDV-1: the group forms once all `world_size` ranks joined, or fails for everyone (naming
-//!   the missing ranks) when the deadline passes.
+//! - RDV-1: the group forms once all its initial ranks joined, or fails for everyone (naming
+//!   the missing ranks) when the deadline passes. A dynamic group (no initial ranks) is formed
+//!   from the start.
 //! - RDV-2: after that, a join for a rank is admitted only as its next incarnation: when the
-//!   rank failed or left, or when the joiner says it replaces the holder (it was restarted).
-//!   Every member is told before the new incarnation gets its view.
+//!   rank failed or left, or when the joiner says it replaces the holder (it was restarted);
+//!   or, for a vacant rank within the capacity, as its first (a name is never held by two
+//!   ranks). Every member is told before the new incarnation gets its view. Joins for ranks
+//!   past the initial ones that come while the group forms wait until it has formed.
 //! - RDV-3: a failure reported by any member is decided once per incarnation and told to all.
 
 use futures::StreamExt;
@@ -18,7 +21,9 @@ use std::time::Duration;
 use tokio::sync::{broadcast, mpsc};
 use tokio::time::Instant;
 
-use super::{framed, recv, refusal, send, Framed_, Join, Member, Report, Update, Verdict, View};
+use super::{
+    framed, recv, refusal, send, Framed_, GroupSize, Join, Member, Report, Update, Verdict, View,
+};
 use crate::net::auth::{self, ConnKind, Secret};
 use crate::net::transport::{Conn, Listener};
 use crate::net::{Endpoint, MembershipChange, MembershipEvent, Standing, WireProtection};
@@ -44,10 +49,13 @@ struct Slot {
 }
 
 struct State {
-    world_size: u32,
+    size: GroupSize,
+    /// The ranks some worker has joined (the others are vacant).
     slots: BTreeMap<u32, Slot>,
-    /// Connections waiting for the group to form.
+    /// Connections of initial ranks waiting for the group to form.
     pending: BTreeMap<u32, Framed_>,
+    /// Joins for ranks past the initial ones that came while the group formed.
+    early: Vec<(Join, Framed_)>,
     generation: u64,
     events: mpsc::Sender<Event>,
     watchers: broadcast::Sender<MembershipEvent>,
@@ -58,23 +66,28 @@ struct State {
 pub(super) async fn serve(
     mut listener: Listener,
     secret: Secret,
-    world_size: u32,
+    size: GroupSize,
     deadline: Instant,
     watchers: broadcast::Sender<MembershipEvent>,
     formed_tx: tokio::sync::watch::Sender<bool>,
 ) {
+    let initial = size.initial();
     // Bounded: joins and reports are few; a full queue slows the readers, it drops nothing.
     let (tx, mut rx) = mpsc::channel::<Event>(256);
     let mut state = State {
-        world_size,
+        size,
         slots: BTreeMap::new(),
         pending: BTreeMap::new(),
+        early: Vec::new(),
         generation: 0,
         events: tx.clone(),
         watchers,
     };
     let gate = auth::Gate::default();
-    let mut formed = false;
+    let mut formed = size.is_dynamic();
+    if formed {
+        let _ = formed_tx.send(true);
+    }
     loop {
         tokio::select! {
             acc = listener.accept() => {
@@ -84,6 +97,9 @@ pub(super) async fn serve(
                 tokio::spawn(read_join(conn, tx, secret, gate, by));
             }
             Some(ev) = rx.recv() => match ev {
+                Event::Join(join, f) if !formed && join.rank >= initial && join.size == size => {
+                    state.early.push((join, *f));
+                }
                 Event::Join(join, f) if !formed => {
                     let restarted = state.slots.get(&join.rank).is_some_and(|s| s.join.name == join.name);
                     if join.replace && restarted {
@@ -94,7 +110,7 @@ pub(super) async fn serve(
                         state.pending.insert(rank, *f);
                         continue;
                     }
-                    if let Some(why) = refusal(&join, world_size, state.slots.values().map(|s| &s.join)) {
+                    if let Some(why) = refusal(&join, size, state.slots.values().map(|s| &s.join)) {
                         tracing::warn!(%why, "rendezvous refused a worker");
                         refuse(*f, why);
                         continue;
@@ -102,10 +118,13 @@ pub(super) async fn serve(
                     let rank = join.rank;
                     state.slots.insert(rank, Slot { join, incarnation: 0, standing: Standing::Alive, out: None });
                     state.pending.insert(rank, *f);
-                    if state.slots.len() == world_size as usize {
+                    if state.slots.len() == initial as usize {
                         formed = true;
                         state.form();
                         let _ = formed_tx.send(true);
+                        for (join, f) in std::mem::take(&mut state.early) {
+                            state.rejoin(join, f);
+                        }
                     }
                 }
                 Event::Join(join, f) => state.rejoin(join, *f),
@@ -113,10 +132,11 @@ pub(super) async fn serve(
                 Event::Closed(rank, inc) => state.closed(rank, inc),
             },
             _ = tokio::time::sleep_until(deadline), if !formed => {
-                let missing: Vec<u32> = (0..world_size).filter(|r| !state.slots.contains_key(r)).collect();
+                let missing: Vec<u32> = (0..initial).filter(|r| !state.slots.contains_key(r)).collect();
                 tracing::warn!(?missing, "rendezvous timed out");
                 let v = Verdict::Missing(missing);
-                for (_, mut f) in std::mem::take(&mut state.pending) {
+                let early = std::mem::take(&mut state.early).into_iter().map(|(_, f)| f);
+                for mut f in std::mem::take(&mut state.pending).into_values().chain(early) {
                     let _ = tokio::time::timeout(Duration::from_secs(2), send(&mut f, &v)).await;
                 }
                 return;
@@ -167,17 +187,18 @@ impl State {
     fn view(&self) -> View {
         View {
             generation: self.generation,
-            members: self
-                .slots
-                .values()
-                .map(|s| Member {
-                    endpoint: Endpoint {
-                        name: s.join.name.clone(),
-                        addr: s.join.addr.clone(),
-                        heartbeat: s.join.heartbeat.clone(),
-                        incarnation: s.incarnation,
+            members: (0..self.size.capacity())
+                .map(|r| match self.slots.get(&r) {
+                    Some(s) => Member {
+                        endpoint: Endpoint {
+                            name: s.join.name.clone(),
+                            addr: s.join.addr.clone(),
+                            heartbeat: s.join.heartbeat.clone(),
+                            incarnation: s.incarnation,
+                        },
+                        standing: s.standing.clone(),
                     },
-                    standing: s.standing.clone(),
+                    None => Member::vacant(),
                 })
                 .collect(),
         }
@@ -189,7 +210,7 @@ impl State {
         for (rank, f) in std::mem::take(&mut self.pending) {
             self.admit(rank, f, Verdict::Table(view.clone()));
         }
-        tracing::info!(world = self.world_size, "group formed");
+        tracing::info!(size = %self.size, "group formed");
     }
 
     /// Sends `first` on `f`, then serves the member's updates and reports.
@@ -282,17 +303,16 @@ impl State {
 
     /// A join after the group formed (RDV-2).
     fn rejoin(&mut self, join: Join, f: Framed_) {
-        let why = if join.world_size != self.world_size {
-            Some(format!(
-                "worker `{}` says world size {}, the group has {}",
-                join.name, join.world_size, self.world_size
-            ))
+        let why = if join.size != self.size || join.rank >= self.size.capacity() {
+            refusal(&join, self.size, std::iter::empty())
         } else {
             match self.slots.get(&join.rank) {
-                None => Some(format!(
-                    "rank {} of `{}` is outside world size {}",
-                    join.rank, join.name, self.world_size
-                )),
+                // A vacant rank: its first worker, under a name no other rank holds.
+                None => self
+                    .slots
+                    .iter()
+                    .find(|(_, s)| s.join.name == join.name)
+                    .map(|(r, _)| format!("name `{}` already taken by rank {r}", join.name)),
                 Some(s) if s.join.name != join.name => Some(format!(
                     "rank {} is `{}`; `{}` cannot take it (a replacement keeps the name)",
                     join.rank, s.join.name, join.name
@@ -312,21 +332,32 @@ impl State {
             return;
         }
         let rank = join.rank;
-        let slot = self.slots.get(&rank).expect("checked");
-        if slot.standing == Standing::Alive {
-            // The holder is being replaced: it has failed as far as the group is concerned.
-            let inc = slot.incarnation;
-            self.fail(
-                rank,
-                inc,
-                format!("replaced by a restarted process at {}", join.addr),
-            );
-        }
-        let slot = self.slots.get_mut(&rank).expect("checked");
-        slot.incarnation += 1;
-        slot.standing = Standing::Alive;
-        slot.join = join;
-        slot.out = None;
+        let slot = match self.slots.get(&rank) {
+            Some(slot) => {
+                if slot.standing == Standing::Alive {
+                    // The holder is being replaced: it has failed as far as the group is
+                    // concerned.
+                    let inc = slot.incarnation;
+                    self.fail(
+                        rank,
+                        inc,
+                        format!("replaced by a restarted process at {}", join.addr),
+                    );
+                }
+                let slot = self.slots.get_mut(&rank).expect("checked");
+                slot.incarnation += 1;
+                slot.standing = Standing::Alive;
+                slot.join = join;
+                slot.out = None;
+                slot
+            }
+            None => self.slots.entry(rank).or_insert(Slot {
+                join,
+                incarnation: 0,
+                standing: Standing::Alive,
+                out: None,
+            }),
+        };
         let endpoint = Endpoint {
             name: slot.join.name.clone(),
             addr: slot.join.addr.clone(),

@@ -17,7 +17,12 @@
 //!   gradients;
 //! - `drive-kill`: (rank 0) starts a long call to rank 1 from a task and a blocking one from a
 //!   plain thread, prints `CALLING`, and once the test has killed rank 1 prints `ERROR <json>`
-//!   and `SYNC_ERROR <json>` describing how each call failed.
+//!   and `SYNC_ERROR <json>` describing how each call failed;
+//! - `drive-grow`: (rank 0 of a group that grows, `RPC_MAX_WORLD_SIZE` above `--world`) waits
+//!   for a worker with a new rank to join the running group, calls it, waits for it to leave,
+//!   and prints `RESULT <json>` with the changes it saw;
+//! - `join-leave`: (a rank past `--world`) joins the running group, calls ranks 0 and 1,
+//!   prints `JOINED <sum>`, leaves the group and prints `LEFT clean=<bool>`.
 
 use std::time::{Duration, Instant};
 
@@ -78,6 +83,47 @@ fn main() -> anyhow::Result<()> {
                         }));
                     }
                 }
+                return Ok(());
+            }
+            "drive-grow" => {
+                let mut watch = agent.watch_membership();
+                let mut seen = Vec::new();
+                let until = tokio::time::Instant::now() + Duration::from_secs(60);
+                let mut newcomer = None;
+                while let Ok(Some(e)) = tokio::time::timeout_at(until, watch.next()).await {
+                    seen.push(serde_json::json!({
+                        "generation": e.generation,
+                        "rank": e.rank,
+                        "name": e.name,
+                        "incarnation": e.incarnation,
+                        "change": format!("{:?}", e.change).split([' ', '{']).next().unwrap_or_default().to_owned(),
+                    }));
+                    match e.change {
+                        rpc_core::MembershipChange::Joined { .. } => {
+                            let who = agent.rpc_async(e.rank, whoami, ()).await?;
+                            let sum = agent.rpc_async(e.rank, add, (20, 22)).await?;
+                            newcomer = Some(serde_json::json!({ "whoami": who, "sum": sum }));
+                        }
+                        rpc_core::MembershipChange::Left => break,
+                        _ => {}
+                    }
+                }
+                say(format!(
+                    "RESULT {}",
+                    serde_json::json!({
+                        "changes": seen,
+                        "newcomer": newcomer,
+                        "world_size": agent.world_size(),
+                        "members": agent.worker_infos().len(),
+                    })
+                ));
+            }
+            "join-leave" => {
+                let sum = agent.rpc_async(0u32, add, (1, 2)).await?
+                    + agent.rpc_async(1u32, add, (3, 4)).await?;
+                say(format!("JOINED {sum}"));
+                let left = agent.leave().await?;
+                say(format!("LEFT clean={}", left.is_clean()));
                 return Ok(());
             }
             "hold" => {
