@@ -807,7 +807,10 @@ mod tests {
             .with_init_method("tcp://a:1")
             .resolve_with(&env(&[]))
             .unwrap_err();
-        assert!(e.to_string().contains("rank 3 is outside a group of 3"), "{e}");
+        assert!(
+            e.to_string().contains("rank 3 is outside a group of 3"),
+            "{e}"
+        );
         let e = base()
             .with_rank(0)
             .with_world_size(1)

@@ -15,6 +15,7 @@
 //! are in PyTorch's order (input, forget, cell, output); the operation keeps their activations
 //! for its backward instead of recomputing them.
 
+use std::mem::MaybeUninit;
 use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
@@ -145,17 +146,22 @@ impl CustomOp3 for LstmSeq {
         let w = f32_slice(s2, l2, "the recurrent weight")?;
         let bias = &f32_slice(s3, l3, "the bias")?[..h4];
         let bh = b * h;
-        let mut out = vec![0f32; t * 2 * bh];
-        let mut gates = vec![0f32; t * 4 * bh];
+        // The states and gates grow by one step at a time, each written once: their lengths
+        // cover what is written (nothing is zeroed first: that was 5 MB of memset a step).
+        let mut out: Vec<f32> = Vec::with_capacity(t * 2 * bh);
+        let mut gates: Vec<f32> = Vec::with_capacity(t * 4 * bh);
         let zeros = vec![0f32; bh];
+        // The previous cell state, copied out of `out` (which the step writes).
+        let mut c_prev = vec![0f32; bh];
         let mut pre = vec![0f32; b * h4];
         for step in 0..t {
             pre.copy_from_slice(&xp[step * b * h4..(step + 1) * b * h4]);
-            let (done, rest) = out.split_at_mut(step * 2 * bh);
-            let (h_prev, c_prev) = if step > 0 {
-                done[(step - 1) * 2 * bh..].split_at(bh)
+            let h_prev = if step > 0 {
+                let (hp, cp) = out[(step - 1) * 2 * bh..].split_at(bh);
+                c_prev.copy_from_slice(cp);
+                hp
             } else {
-                (&zeros[..], &zeros[..])
+                &zeros[..]
             };
             if step > 0 {
                 // pre += h_{t-1} · W_hhᵀ
@@ -177,9 +183,16 @@ impl CustomOp3 for LstmSeq {
                     },
                 );
             }
-            let (h_out, c_out) = rest[..2 * bh].split_at_mut(bh);
-            let g = &mut gates[step * 4 * bh..(step + 1) * 4 * bh];
-            forward_gates(h, &pre, bias, c_prev, g, h_out, c_out);
+            let (h_out, c_out) = out.spare_capacity_mut()[..2 * bh].split_at_mut(bh);
+            let g = &mut gates.spare_capacity_mut()[..4 * bh];
+            forward_gates(h, &pre, bias, &c_prev, g, h_out, c_out);
+            // SAFETY: `forward_gates` wrote every element of the step's states and gates
+            // (each output slice is written at every index, row by row), and the capacity
+            // holds them.
+            unsafe {
+                out.set_len(out.len() + 2 * bh);
+                gates.set_len(gates.len() + 4 * bh);
+            }
         }
         *self.gates.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(gates));
         Ok((CpuStorage::F32(out), Shape::from((t, 2, b, h))))
@@ -320,11 +333,12 @@ fn forward_gates_body(
     pre: &[f32],
     bias: &[f32],
     c_prev: &[f32],
-    g: &mut [f32],
-    h_out: &mut [f32],
-    c_out: &mut [f32],
+    g: &mut [MaybeUninit<f32>],
+    h_out: &mut [MaybeUninit<f32>],
+    c_out: &mut [MaybeUninit<f32>],
 ) {
     let bh = c_prev.len();
+    assert!(g.len() == 4 * bh && h_out.len() == bh && c_out.len() == bh && bh % h == 0);
     let (gi, g) = g.split_at_mut(bh);
     let (gf, g) = g.split_at_mut(bh);
     let (gg, go) = g.split_at_mut(bh);
@@ -346,9 +360,12 @@ fn forward_gates_body(
             let (i, f) = (sigmoid(pi[j] + bi[j]), sigmoid(pf[j] + bf[j]));
             let (g, o) = (tanh(pg[j] + bg[j]), sigmoid(po[j] + bo[j]));
             let c = f * cp[j] + i * g;
-            (ai[j], af[j], ag[j], ao[j]) = (i, f, g, o);
-            co[j] = c;
-            ho[j] = o * tanh(c);
+            ai[j].write(i);
+            af[j].write(f);
+            ag[j].write(g);
+            ao[j].write(o);
+            co[j].write(c);
+            ho[j].write(o * tanh(c));
         }
     }
 }
@@ -445,9 +462,9 @@ with_avx2!(
         pre: &[f32],
         bias: &[f32],
         c_prev: &[f32],
-        g: &mut [f32],
-        h_out: &mut [f32],
-        c_out: &mut [f32],
+        g: &mut [MaybeUninit<f32>],
+        h_out: &mut [MaybeUninit<f32>],
+        c_out: &mut [MaybeUninit<f32>],
     )
 );
 
