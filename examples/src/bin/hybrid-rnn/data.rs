@@ -4,6 +4,7 @@
 //! distributed run, the one-process run and a resumed run see the same batches and masks.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use anyhow::Result;
 use candle_core::{Device, Tensor};
@@ -83,21 +84,21 @@ impl Split {
             .max(1);
         let mut ids = vec![PAD; t * b];
         let mut rev = vec![PAD; t * b];
-        let mut last = vec![0f32; t * b];
+        let mut last = vec![0u32; b];
         for (j, &i) in idx.iter().enumerate() {
             let w = &self.words[i];
             for (k, &c) in w.iter().enumerate() {
                 ids[k * b + j] = c;
                 rev[k * b + j] = w[w.len() - 1 - k];
             }
-            last[(w.len().max(1) - 1) * b + j] = 1.0;
+            last[j] = (w.len().max(1) - 1) as u32;
         }
         let labels: Vec<u32> = idx.iter().map(|&i| self.labels[i]).collect();
         let dev = Device::Cpu;
         Ok(Batch {
             ids: Tensor::from_vec(ids, t * b, &dev)?,
             rev_ids: Tensor::from_vec(rev, t * b, &dev)?,
-            last: Tensor::from_vec(last, (t, b, 1), &dev)?,
+            last: Arc::new(last),
             labels: Tensor::from_vec(labels, b, &dev)?,
             t,
             b,
@@ -111,8 +112,8 @@ pub struct Batch {
     pub ids: Tensor,
     /// `[T*B]` ids of the reversed words.
     pub rev_ids: Tensor,
-    /// `[T, B, 1]` one-hot of each word's last position.
-    pub last: Tensor,
+    /// `[B]`: each word's last position (time step).
+    pub last: Arc<Vec<u32>>,
     /// `[B]` labels.
     pub labels: Tensor,
     /// Time steps.
@@ -171,8 +172,7 @@ mod tests {
         // a=2, b=3, c=4; time-major: [a b | b a | c pad]
         assert_eq!(b.ids.to_vec1::<u32>().unwrap(), vec![2, 3, 3, 2, 4, 0]);
         assert_eq!(b.rev_ids.to_vec1::<u32>().unwrap(), vec![4, 2, 3, 3, 2, 0]);
-        let last = b.last.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        assert_eq!(last, vec![0.0, 0.0, 0.0, 1.0, 1.0, 0.0]);
+        assert_eq!(*b.last, vec![2, 1]);
     }
 
     #[test]

@@ -112,11 +112,17 @@ fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Resu
 }
 
 /// Input projections `[T, B, 4H]`, recurrent weight `[4H, H]` and bias `[4H]` to the states
-/// `[T, 2, B, H]`, from a zero initial state. Keeps the activated gates for its backward.
+/// `[T, 2, B, H]`, from a zero initial state; or, given each row's last step, to the hidden
+/// state of each row at its last step, `[B, H]`. Keeps the activated gates (and then the
+/// states) for its backward.
 #[derive(Default)]
 struct LstmSeq {
     /// `[T, 4, B, H]`: input, forget, cell and output gates after their activations.
     gates: Mutex<Option<Arc<Vec<f32>>>>,
+    /// Each row's last step: the output is the hidden state there.
+    last: Option<Arc<Vec<u32>>>,
+    /// `[T, 2, B, H]`, kept when the output is `[B, H]`.
+    states: Mutex<Option<Arc<Vec<f32>>>>,
 }
 
 impl CustomOp3 for LstmSeq {
@@ -195,7 +201,19 @@ impl CustomOp3 for LstmSeq {
             }
         }
         *self.gates.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(gates));
-        Ok((CpuStorage::F32(out), Shape::from((t, 2, b, h))))
+        let Some(last) = &self.last else {
+            return Ok((CpuStorage::F32(out), Shape::from((t, 2, b, h))));
+        };
+        if last.len() != b || last.iter().any(|&s| s as usize >= t) {
+            candle_core::bail!("lstm: {} last steps for {b} rows of {t} steps", last.len());
+        }
+        let mut y = Vec::with_capacity(bh);
+        for (r, &s) in last.iter().enumerate() {
+            let at = s as usize * 2 * bh + r * h;
+            y.extend_from_slice(&out[at..at + h]);
+        }
+        *self.states.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(out));
+        Ok((CpuStorage::F32(y), Shape::from((b, h))))
     }
 
     fn bwd(
@@ -212,7 +230,21 @@ impl CustomOp3 for LstmSeq {
             .unwrap_or_else(|p| p.into_inner())
             .clone()
             .ok_or_else(|| candle_core::Error::Msg("lstm: backward before forward".into()))?;
-        let back = LstmSeqBackward { gates };
+        let states = match &self.last {
+            Some(last) => {
+                let states = self
+                    .states
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .clone()
+                    .ok_or_else(|| {
+                        candle_core::Error::Msg("lstm: backward before forward".into())
+                    })?;
+                Some((states, Arc::clone(last)))
+            }
+            None => None,
+        };
+        let back = LstmSeqBackward { gates, states };
         let flat = res.apply_op3_no_bwd(&w.contiguous()?, &grad.contiguous()?, &back)?;
         let (n, nw) = (xp.elem_count(), w.elem_count());
         let d_xp = flat.narrow(0, 0, n)?.reshape(xp.shape())?;
@@ -224,9 +256,12 @@ impl CustomOp3 for LstmSeq {
 
 /// Back through time: from the forward's states, the recurrent weight and the states'
 /// gradient, the gradients of the input projections, the weight and the bias, flattened one
-/// after the other (`[T*B*4H + 4H*H + 4H]`).
+/// after the other (`[T*B*4H + 4H*H + 4H]`). With `states` (the forward's `[T, 2, B, H]` and
+/// each row's last step), the gradient is that of the `[B, H]` hidden states at the last
+/// steps, fed in at those steps, and the first input is not read.
 struct LstmSeqBackward {
     gates: Arc<Vec<f32>>,
+    states: Option<(Arc<Vec<f32>>, Arc<Vec<u32>>)>,
 }
 
 impl CustomOp3 for LstmSeqBackward {
@@ -243,15 +278,30 @@ impl CustomOp3 for LstmSeqBackward {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (t, two, b, h) = l1.shape().dims4()?;
-        if two != 2 || l3.shape() != l1.shape() || self.gates.len() != t * 4 * b * h {
-            candle_core::bail!(
-                "lstm backward: unexpected shapes {:?} {:?}",
-                l1.shape(),
-                l3.shape()
-            );
+        let (t, b, h, out, last) = match &self.states {
+            Some((states, last)) => {
+                let (b, h) = l3.shape().dims2()?;
+                let t = states.len() / (2 * b * h).max(1);
+                if states.len() != t * 2 * b * h || last.len() != b {
+                    candle_core::bail!("lstm backward: unexpected shape {:?}", l3.shape());
+                }
+                (t, b, h, &states[..], Some(&last[..]))
+            }
+            None => {
+                let (t, two, b, h) = l1.shape().dims4()?;
+                if two != 2 || l3.shape() != l1.shape() {
+                    candle_core::bail!(
+                        "lstm backward: unexpected shapes {:?} {:?}",
+                        l1.shape(),
+                        l3.shape()
+                    );
+                }
+                (t, b, h, f32_slice(s1, l1, "the forward output")?, None)
+            }
+        };
+        if self.gates.len() != t * 4 * b * h {
+            candle_core::bail!("lstm backward: the gates are not of this sequence");
         }
-        let out = f32_slice(s1, l1, "the forward output")?;
         let w = f32_slice(s2, l2, "the recurrent weight")?;
         let grad = f32_slice(s3, l3, "the output gradient")?;
         let (bh, h4) = (b * h, 4 * h);
@@ -263,7 +313,19 @@ impl CustomOp3 for LstmSeqBackward {
         let mut dc_next = vec![0f32; bh];
         for step in (0..t).rev() {
             let (h_cur, c_cur) = out[step * 2 * bh..(step + 1) * 2 * bh].split_at(bh);
-            let (dh_out, dc_out) = grad[step * 2 * bh..(step + 1) * 2 * bh].split_at(bh);
+            let (dh_out, dc_out) = match last {
+                None => grad[step * 2 * bh..(step + 1) * 2 * bh].split_at(bh),
+                Some(last) => {
+                    // The rows that end here get their gradient (later steps gave them none).
+                    for (r, _) in last.iter().enumerate().filter(|(_, &s)| s as usize == step) {
+                        let row = r * h..(r + 1) * h;
+                        for (d, g) in dh_next[row.clone()].iter_mut().zip(&grad[row]) {
+                            *d += g;
+                        }
+                    }
+                    (&zeros[..], &zeros[..])
+                }
+            };
             let c_prev = if step > 0 {
                 &out[(step - 1) * 2 * bh + bh..step * 2 * bh]
             } else {
@@ -486,9 +548,29 @@ with_avx2!(
 /// Runs the LSTM over input projections `xp` `[T, B, 4H]` (without bias) with recurrent
 /// weight `w_hh` `[4H, H]` and bias `b` `[4H]` from a zero state; returns the hidden and cell
 /// states of every step, `[T, 2, B, H]`.
+/// (Tests: the model reads only the last steps, [`lstm_last`]; the whole sequence is what the
+/// textbook formulas are checked against.)
+#[cfg(test)]
 pub fn lstm(xp: &Tensor, w_hh: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     xp.contiguous()?
         .apply_op3(&w_hh.contiguous()?, &b.contiguous()?, LstmSeq::default())
+}
+
+/// Like [`lstm`], but returns only the hidden state of each row `r` at its step `last[r]`,
+/// `[B, H]` (an encoding read at each word's last character). Its backward feeds the gradient
+/// in at those steps: no `[T, 2, B, H]` gradient is made, zeroed and summed into.
+pub fn lstm_last(
+    xp: &Tensor,
+    w_hh: &Tensor,
+    b: &Tensor,
+    last: Arc<Vec<u32>>,
+) -> candle_core::Result<Tensor> {
+    let op = LstmSeq {
+        last: Some(last),
+        ..LstmSeq::default()
+    };
+    xp.contiguous()?
+        .apply_op3(&w_hh.contiguous()?, &b.contiguous()?, op)
 }
 
 #[cfg(test)]
@@ -569,5 +651,58 @@ mod tests {
             let (a, b) = (gf.get(v).unwrap(), gr.get(v).unwrap());
             assert!(diff(a, b) < 1e-5, "gradient differs by {}", diff(a, b));
         }
+    }
+
+    /// The last-step form is the whole sequence's hidden states read at each row's last step
+    /// through candle's operations (a one-hot mask, as the model read them before): the same
+    /// values and the same gradients.
+    #[test]
+    fn lstm_last_reads_the_states_at_each_rows_last_step() {
+        let dev = Device::Cpu;
+        let (t, b, h) = (5, 4, 3);
+        let xp = Var::from_tensor(&Tensor::randn(0f32, 1.0, (t, b, 4 * h), &dev).unwrap()).unwrap();
+        let w = Var::from_tensor(&Tensor::randn(0f32, 0.5, (4 * h, h), &dev).unwrap()).unwrap();
+        let bias = Var::from_tensor(&Tensor::randn(0f32, 0.5, 4 * h, &dev).unwrap()).unwrap();
+        let weights = Tensor::randn(0f32, 1.0, (b, h), &dev).unwrap();
+        let last = Arc::new(vec![4u32, 0, 2, 2]);
+        let mut mask = vec![0f32; t * b];
+        for (r, &s) in last.iter().enumerate() {
+            mask[s as usize * b + r] = 1.0;
+        }
+        let mask = Tensor::from_vec(mask, (t, b, 1), &dev).unwrap();
+        let (x, wt, bt) = (xp.as_tensor(), w.as_tensor(), bias.as_tensor());
+        let fast = lstm_last(x, wt, bt, Arc::clone(&last)).unwrap();
+        let slow = lstm(x, wt, bt)
+            .unwrap()
+            .narrow(1, 0, 1)
+            .unwrap()
+            .squeeze(1)
+            .unwrap()
+            .broadcast_mul(&mask)
+            .unwrap()
+            .sum(0)
+            .unwrap();
+        let values = |x: &Tensor| x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(values(&fast), values(&slow));
+        let grads = |y: &Tensor| {
+            (y * &weights)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap()
+        };
+        let (gf, gs) = (grads(&fast), grads(&slow));
+        for v in [x, wt, bt] {
+            let (a, b) = (values(gf.get(v).unwrap()), values(gs.get(v).unwrap()));
+            let worst = a
+                .iter()
+                .zip(&b)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(worst < 1e-6, "gradient differs by {worst}");
+            assert!(a.iter().any(|g| *g != 0.0));
+        }
+        assert!(lstm_last(x, wt, bt, Arc::new(vec![5, 0, 0, 0])).is_err());
     }
 }

@@ -14,7 +14,8 @@ use candle_core::{DType, Device, Module, Tensor, Var, D};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::lstm::lstm;
+use crate::lstm::lstm_last;
+use std::sync::Arc;
 
 /// Sizes of the model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -165,15 +166,19 @@ impl Lstm {
         x: &Tensor,
         t: usize,
         b: usize,
-        last: &Tensor,
+        last: &Arc<Vec<u32>>,
     ) -> candle_core::Result<Tensor> {
         let hidden = self.w_hh.dims()[1];
         // Every time step's input projection in one matmul.
         let xp = x
             .matmul(&self.w_ih.as_tensor().t()?)?
             .reshape((t, b, 4 * hidden))?;
-        let out = lstm(&xp, self.w_hh.as_tensor(), self.b.as_tensor())?;
-        out.narrow(1, 0, 1)?.squeeze(1)?.broadcast_mul(last)?.sum(0)
+        lstm_last(
+            &xp,
+            self.w_hh.as_tensor(),
+            self.b.as_tensor(),
+            Arc::clone(last),
+        )
     }
 
     fn vars(&self) -> Vec<Var> {
@@ -205,8 +210,8 @@ pub struct EncoderInput<'a> {
     pub ids: &'a Tensor,
     /// The same words reversed.
     pub rev_ids: &'a Tensor,
-    /// `[T, B, 1]`: 1 at each word's last character.
-    pub last: &'a Tensor,
+    /// `[B]`: each word's last character's time step.
+    pub last: &'a Arc<Vec<u32>>,
     /// Time steps.
     pub t: usize,
     /// Words.
