@@ -34,6 +34,7 @@ use candle_core::{Tensor, TensorId};
 use futures::future::BoxFuture;
 use rpc_core::ext::with_call_meta;
 use rpc_core::{Agent, BoxError, CallContext, RemoteFn};
+use rref::RRef;
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 
@@ -103,6 +104,22 @@ impl DistContext {
             )));
         }
         execute(self.agent.clone(), self.id, loss).await
+    }
+
+    /// Runs backward from the tensor behind `root` (its sum), on the worker that owns it,
+    /// across every worker the graph touched: PyTorch's `RRef.backward(context_id)`, so that
+    /// a loss can be computed where the logits are (kept there with `rref::remote` inside
+    /// [`DistContext::run`]) and never travel. Returns when every worker has finished; fails
+    /// naming the owner if it fails or is unreachable, or if backward already runs in this
+    /// context there.
+    pub async fn backward_remote(&self, root: &RRef<RTensor>) -> Result<(), AutogradError> {
+        let worker = root.owner_name();
+        root.rpc_async(BackwardFrom, (self.id,))
+            .await
+            .map_err(|source| AutogradError::Rpc {
+                worker,
+                source: Box::new(source),
+            })
     }
 
     /// This worker's accumulated gradients in the context, by variable id.
@@ -306,6 +323,26 @@ impl RemoteFn for BackwardStep {
 
 /// Release of a context, forwarded along the peers that exchanged tensors in it.
 pub(crate) struct ReleaseContext;
+
+/// Internal: backward in a context from the tensor behind a reference, on its owner
+/// ([`DistContext::backward_remote`]).
+pub(crate) struct BackwardFrom;
+
+impl RemoteFn for BackwardFrom {
+    const NAME: &'static str = "autograd_dist::backward_from";
+    type Args = (RRef<RTensor>, u64);
+    type Output = ();
+    async fn call(cx: CallContext, (root, ctx): (RRef<RTensor>, u64)) -> Result<(), BoxError> {
+        let loss = root.local_value().await?.lock().await.0.sum_all()?;
+        let agent = cx.agent().clone();
+        let already = container(&agent).with(ctx, |st| std::mem::replace(&mut st.running, true));
+        if already {
+            return Err(format!("backward is already running in context {ctx:#x}").into());
+        }
+        execute(agent, ctx, loss).await?;
+        Ok(())
+    }
+}
 
 impl RemoteFn for ReleaseContext {
     const NAME: &'static str = "autograd_dist::release_context";

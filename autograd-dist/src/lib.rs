@@ -109,6 +109,7 @@ pub fn install(
     dist_optim::register(
         builder
             .register(engine::BackwardStep)?
+            .register(engine::BackwardFrom)?
             .register(engine::ReleaseContext)?,
     )
 }

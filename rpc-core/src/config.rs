@@ -729,7 +729,7 @@ mod tests {
             .unwrap();
         assert_eq!(dynamic.size, GroupSize::dynamic(4));
         assert!(
-            dynamic.serve_rendezvous == false
+            !dynamic.serve_rendezvous
                 && at(0)
                     .with_max_world_size(4)
                     .resolve_with(&env(&[]))

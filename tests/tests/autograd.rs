@@ -113,6 +113,50 @@ fn mlp_split_over_three_workers_matches_one_process() {
     });
 }
 
+/// PyTorch's `RRef.backward(context_id)`: the loss stays on the worker that computed it
+/// (created there with `rref::remote` inside the context, from an activation another worker
+/// made), and backward starts there: every worker's gradients equal one process's.
+#[test]
+fn backward_from_a_loss_that_lives_on_another_worker_matches_one_process() {
+    each_transport(60, |t| async move {
+        let a = group(3, t).await;
+        init(&a[0], 1, "r.w1", 4, 6).await;
+        init(&a[0], 2, "r.w2", 6, 3).await;
+        let x = input(5, 4);
+        let ctx = autograd_dist::context(&a[0]);
+        let loss = ctx
+            .run(async {
+                let h1 = a[0]
+                    .rpc_async(1u32, linear, ("r.w1".into(), RTensor(x.clone()), true))
+                    .await
+                    .unwrap();
+                rref::remote(&a[0], 2u32, make_activation, ("r.w2".into(), h1)).unwrap()
+            })
+            .await;
+        ctx.backward_remote(&loss).await.unwrap();
+        let (w1, w2) = (local("r.w1", 4, 6), local("r.w2", 6, 3));
+        let l = x
+            .matmul(w1.as_tensor())
+            .unwrap()
+            .relu()
+            .unwrap()
+            .matmul(w2.as_tensor())
+            .unwrap();
+        assert!(max_abs_diff(&l, &loss.to_here().await.unwrap().0) < 1e-12);
+        let g = l.sum_all().unwrap().backward().unwrap();
+        for (worker, w, var) in [(1u32, "r.w1", &w1), (2, "r.w2", &w2)] {
+            let d = max_abs_diff(
+                &remote_grad(&a[0], worker, ctx.id(), w).await,
+                g.get(var.as_tensor()).unwrap(),
+            );
+            assert!(d <= 1e-6, "{w}: max abs diff {d}");
+        }
+        drop(loss);
+        ctx.release().await.unwrap();
+        shutdown_all(&a).await;
+    });
+}
+
 #[test]
 fn round_trip_a_to_b_to_a_one_tensor_to_two_workers_and_unused_outputs() {
     each_transport(60, |t| async move {

@@ -240,7 +240,10 @@ impl CustomOp3 for LstmSeq {
                     .ok_or_else(|| {
                         candle_core::Error::Msg("lstm: backward before forward".into())
                     })?;
-                Some((states, Arc::clone(last)))
+                Some(LastSteps {
+                    states,
+                    last: Arc::clone(last),
+                })
             }
             None => None,
         };
@@ -254,6 +257,12 @@ impl CustomOp3 for LstmSeq {
     }
 }
 
+/// The forward's states `[T, 2, B, H]` and each row's last step (the output's rows).
+struct LastSteps {
+    states: Arc<Vec<f32>>,
+    last: Arc<Vec<u32>>,
+}
+
 /// Back through time: from the forward's states, the recurrent weight and the states'
 /// gradient, the gradients of the input projections, the weight and the bias, flattened one
 /// after the other (`[T*B*4H + 4H*H + 4H]`). With `states` (the forward's `[T, 2, B, H]` and
@@ -261,7 +270,7 @@ impl CustomOp3 for LstmSeq {
 /// steps, fed in at those steps, and the first input is not read.
 struct LstmSeqBackward {
     gates: Arc<Vec<f32>>,
-    states: Option<(Arc<Vec<f32>>, Arc<Vec<u32>>)>,
+    states: Option<LastSteps>,
 }
 
 impl CustomOp3 for LstmSeqBackward {
@@ -279,7 +288,7 @@ impl CustomOp3 for LstmSeqBackward {
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (t, b, h, out, last) = match &self.states {
-            Some((states, last)) => {
+            Some(LastSteps { states, last }) => {
                 let (b, h) = l3.shape().dims2()?;
                 let t = states.len() / (2 * b * h).max(1);
                 if states.len() != t * 2 * b * h || last.len() != b {
