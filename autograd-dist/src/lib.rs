@@ -76,6 +76,7 @@
 //! - `engine`: [`DistContext`], backward across workers, release (AD-1…).
 //! - `optim`: the local [`Optimizer`] and its update rules.
 //! - `dist_optim`: [`DistributedOptimizer`], [`Parameter`], [`GradientHook`].
+//! - `module`: [`RemoteModule`], a [`Module`] built and held on another worker.
 #![deny(missing_docs)]
 
 mod device;
@@ -86,6 +87,7 @@ mod error;
 #[cfg(any(test, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzz;
+mod module;
 mod optim;
 mod record;
 mod tensor;
@@ -98,6 +100,7 @@ pub use dist_optim::{
 };
 pub use engine::{context, gradients, live_contexts, DistContext};
 pub use error::AutogradError;
+pub use module::{register_module, Held, Module, RemoteModule};
 pub use optim::{Gradients, Optimizer, OptimizerKind, OptimizerState};
 pub use record::{current_context_id, CTX_KEY};
 pub use tensor::RTensor;

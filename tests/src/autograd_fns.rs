@@ -172,6 +172,36 @@ pub async fn set_param(ctx: CallContext, name: String, value: RTensor) -> Result
     Ok(())
 }
 
+/// A module for the remote-module tests: `x @ W` (then ReLU if asked), `W` initialized by
+/// [`init_value`] under its name.
+pub struct StageLinear {
+    w: Var,
+    relu: bool,
+}
+
+impl autograd_dist::Module for StageLinear {
+    const NAME: &'static str = "tests::StageLinear";
+    /// (name, rows, cols, relu)
+    type Init = (String, usize, usize, bool);
+    fn new((name, rows, cols, relu): Self::Init, device: &Device) -> candle_core::Result<Self> {
+        Ok(Self {
+            w: Var::from_tensor(&init_value(&name, rows, cols).to_device(device)?)?,
+            relu,
+        })
+    }
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let y = x.matmul(self.w.as_tensor())?;
+        if self.relu {
+            y.relu()
+        } else {
+            Ok(y)
+        }
+    }
+    fn parameters(&self) -> Vec<Var> {
+        vec![self.w.clone()]
+    }
+}
+
 /// Adds these functions and the engine's to `b` (which must already have `rref::install`).
 pub fn register(b: rpc_core::RegistryBuilder) -> rpc_core::RegistryBuilder {
     b.register(init_param)
@@ -186,6 +216,7 @@ pub fn register(b: rpc_core::RegistryBuilder) -> rpc_core::RegistryBuilder {
         .and_then(|b| b.register(make_activation))
         .and_then(|b| b.register(add_to))
         .and_then(|b| b.register(keep_and_add))
+        .and_then(autograd_dist::register_module::<StageLinear>)
         .and_then(autograd_dist::install)
         .expect("distinct names")
 }

@@ -157,6 +157,81 @@ fn backward_from_a_loss_that_lives_on_another_worker_matches_one_process() {
     });
 }
 
+/// Remote modules: two stages built on workers 1 and 2 (`"worker1/cpu"`), driven from
+/// worker 0 inside a context; the gradients on each worker equal one process's, an SGD step of
+/// the `DistributedOptimizer` over their `remote_parameters` moves them as one process's SGD,
+/// and `state` reads the values back. A bad place is refused naming it.
+#[test]
+fn remote_modules_train_like_one_process() {
+    use autograd_dist::{DistributedOptimizer, OptimizerKind, RemoteModule};
+    each_transport(60, |t| async move {
+        let a = group(3, t).await;
+        let s1: RemoteModule<StageLinear> =
+            RemoteModule::new(&a[0], "worker1/cpu", ("s.w1".into(), 4, 6, true))
+                .await
+                .unwrap();
+        let s2: RemoteModule<StageLinear> =
+            RemoteModule::new(&a[0], "worker2", ("s.w2".into(), 6, 3, false))
+                .await
+                .unwrap();
+        assert_eq!(s2.owner_name(), "worker2");
+        let x = input(5, 4);
+        let ctx = autograd_dist::context(&a[0]);
+        let loss = ctx
+            .run(async {
+                let h = s1.forward(x.clone()).await.unwrap();
+                s2.forward(h)
+                    .await
+                    .unwrap()
+                    .sqr()
+                    .unwrap()
+                    .mean_all()
+                    .unwrap()
+            })
+            .await;
+        ctx.backward(std::slice::from_ref(&loss)).await.unwrap();
+        let mut params = s1.remote_parameters().await.unwrap();
+        params.extend(s2.remote_parameters().await.unwrap());
+        let opt = DistributedOptimizer::new(&a[0], OptimizerKind::sgd(0.1), params).unwrap();
+        opt.step(&ctx).await.unwrap();
+        // One process.
+        let (w1, w2) = (local("s.w1", 4, 6), local("s.w2", 6, 3));
+        let l = x
+            .matmul(w1.as_tensor())
+            .unwrap()
+            .relu()
+            .unwrap()
+            .matmul(w2.as_tensor())
+            .unwrap()
+            .sqr()
+            .unwrap()
+            .mean_all()
+            .unwrap();
+        assert!(max_abs_diff(&l, &loss) < 1e-12);
+        let g = l.backward().unwrap();
+        let mut sgd =
+            autograd_dist::Optimizer::new(OptimizerKind::sgd(0.1), vec![w1.clone(), w2.clone()]);
+        sgd.step(&g).unwrap();
+        for (m, w) in [(&s1, &w1), (&s2, &w2)] {
+            let state = m.state().await.unwrap();
+            assert_eq!(state.len(), 1);
+            let d = max_abs_diff(&state[0], w.as_tensor());
+            assert!(d <= 1e-12, "after one SGD step: max abs diff {d}");
+        }
+        let err = RemoteModule::<StageLinear>::new(&a[0], "worker1/gpu", ("e".into(), 1, 1, false))
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("worker1/gpu"), "{err}");
+        let err = RemoteModule::<StageLinear>::new(&a[0], "worker9/cpu", ("e".into(), 1, 1, false))
+            .await
+            .unwrap_err();
+        assert!(rpc_core::error_chain(&err).contains("worker9"), "{err}");
+        ctx.release().await.unwrap();
+        drop((s1, s2, opt));
+        shutdown_all(&a).await;
+    });
+}
+
 #[test]
 fn round_trip_a_to_b_to_a_one_tensor_to_two_workers_and_unused_outputs() {
     each_transport(60, |t| async move {

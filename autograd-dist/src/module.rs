@@ -1,0 +1,246 @@
+//! Remote modules: a module built on a given worker and device, held there by an `RRef`, and
+//! driven from anywhere (PyTorch's `RemoteModule`, typed).
+//!
+//! A module type implements [`Module`] (its constructor's arguments, its forward pass, its
+//! parameters) and is registered in every worker's registry with [`register_module`], under
+//! its [`Module::NAME`]. [`RemoteModule::new`] builds one on `"worker1/cpu"` or
+//! `"worker2/cuda:0"`; [`RemoteModule::forward`] runs its forward pass there (inside a
+//! [`DistContext::run`](crate::DistContext::run), the call records the graph like any call
+//! with tensors, so a distributed backward reaches the module's parameters);
+//! [`RemoteModule::remote_parameters`] hands its parameters to a
+//! [`DistributedOptimizer`](crate::DistributedOptimizer), and [`RemoteModule::state`] reads
+//! their values for a checkpoint.
+//!
+//! The module lives in an `RRef` owned by its worker: it stays there while any handle to it
+//! exists anywhere, and goes when the last is dropped.
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use candle_core::{Tensor, Var};
+use rpc_core::{Agent, BoxError, CallContext, RegistryBuilder, RegistryError, RemoteFn};
+use rref::RRef;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize, Serializer};
+
+use crate::device::DeviceSpec;
+use crate::dist_optim::{parameter_rrefs, Parameter};
+use crate::error::AutogradError;
+use crate::tensor::RTensor;
+
+/// A module that can live on another worker.
+pub trait Module: Send + Sync + Sized + 'static {
+    /// The name its remote calls are registered under: unique per module type in a group.
+    const NAME: &'static str;
+    /// What its constructor takes.
+    type Init: Serialize + DeserializeOwned + Send + 'static;
+    /// Builds the module, its parameters on `device`.
+    fn new(init: Self::Init, device: &candle_core::Device) -> candle_core::Result<Self>;
+    /// The forward pass.
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor>;
+    /// Its trainable parameters, in a fixed order.
+    fn parameters(&self) -> Vec<Var>;
+}
+
+/// A module where it lives. Serializes as its parameters' values (what `to_here` of its
+/// reference would copy); it is never rebuilt from them.
+pub struct Held<M>(Arc<M>);
+
+impl<M: Module> Serialize for Held<M> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let values: Vec<RTensor> = self
+            .0
+            .parameters()
+            .iter()
+            .map(|v| RTensor(v.as_tensor().detach()))
+            .collect();
+        values.serialize(s)
+    }
+}
+
+/// What a module's remote function is asked.
+#[derive(Serialize, Deserialize)]
+#[serde(bound = "")]
+enum Op<M: Module> {
+    New(M::Init, DeviceSpec),
+    Forward(RRef<Held<M>>, RTensor),
+    Parameters(RRef<Held<M>>),
+    State(RRef<Held<M>>),
+}
+
+/// What it answers.
+#[derive(Serialize, Deserialize)]
+#[serde(bound = "")]
+enum Reply<M: Module> {
+    New(RRef<Held<M>>),
+    Forward(RTensor),
+    Parameters(Vec<RRef<Parameter>>),
+    State(Vec<RTensor>),
+}
+
+/// The remote function of module type `M` (registered under [`Module::NAME`]).
+struct ModuleFn<M>(PhantomData<fn() -> M>);
+
+impl<M: Module> RemoteFn for ModuleFn<M> {
+    const NAME: &'static str = M::NAME;
+    type Args = (Op<M>,);
+    type Output = Reply<M>;
+    async fn call(ctx: CallContext, (op,): (Op<M>,)) -> Result<Reply<M>, BoxError> {
+        let held = |r: &RRef<Held<M>>| {
+            let r = r.clone();
+            async move { Ok::<_, BoxError>(Arc::clone(&r.local_value().await?.lock().await.0)) }
+        };
+        Ok(match op {
+            Op::New(init, device) => {
+                let m = M::new(init, &device.device()?)?;
+                Reply::New(RRef::new(ctx.agent(), Held(Arc::new(m))))
+            }
+            Op::Forward(r, x) => Reply::Forward(RTensor(held(&r).await?.forward(&x.0)?)),
+            Op::Parameters(r) => {
+                Reply::Parameters(parameter_rrefs(ctx.agent(), held(&r).await?.parameters()))
+            }
+            Op::State(r) => Reply::State(
+                held(&r)
+                    .await?
+                    .parameters()
+                    .iter()
+                    .map(|v| RTensor(v.as_tensor().detach()))
+                    .collect(),
+            ),
+        })
+    }
+}
+
+/// Adds the remote function of module type `M` to a worker's registry (every worker that
+/// builds or drives such modules needs it).
+pub fn register_module<M: Module>(
+    builder: RegistryBuilder,
+) -> Result<RegistryBuilder, RegistryError> {
+    builder.register(ModuleFn::<M>(PhantomData))
+}
+
+/// A module of type `M` on another worker (or this one), held there while this handle or a
+/// clone of it exists.
+pub struct RemoteModule<M> {
+    module: RRef<Held<M>>,
+    agent: Agent,
+}
+
+impl<M> Clone for RemoteModule<M> {
+    fn clone(&self) -> Self {
+        Self {
+            module: self.module.clone(),
+            agent: self.agent.clone(),
+        }
+    }
+}
+
+impl<M: 'static> std::fmt::Debug for RemoteModule<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "RemoteModule({} on `{}`)",
+            std::any::type_name::<M>(),
+            self.module.owner_name()
+        )
+    }
+}
+
+impl<M: Module> RemoteModule<M> {
+    /// Builds a module on `place`, `"<worker>/<device>"` (`"worker1/cpu"`, `"trainer/cuda:0"`;
+    /// the device defaults to `cpu`), from `init`.
+    pub async fn new(agent: &Agent, place: &str, init: M::Init) -> Result<Self, AutogradError> {
+        let (worker, device) = match place.rsplit_once('/') {
+            Some((w, d)) => (w, d),
+            None => (place, "cpu"),
+        };
+        let device: DeviceSpec = device.parse().map_err(|e: crate::DeviceError| {
+            AutogradError::State(format!("module {} on {place:?}: {e}", M::NAME))
+        })?;
+        match call::<M>(agent, worker, Op::New(init, device)).await? {
+            Reply::New(module) => Ok(Self {
+                module,
+                agent: agent.clone(),
+            }),
+            _ => Err(unexpected::<M>(worker)),
+        }
+    }
+
+    /// Runs the forward pass where the module lives. Inside a
+    /// [`DistContext::run`](crate::DistContext::run) the call is recorded for distributed
+    /// backward (make the call inside it).
+    pub fn forward_async(
+        &self,
+        x: Tensor,
+    ) -> impl std::future::Future<Output = Result<Tensor, AutogradError>> + Send + 'static {
+        let (agent, owner) = (self.agent.clone(), self.module.owner());
+        let op = Op::Forward(self.module.clone(), RTensor(x));
+        let fut = agent.rpc_async(owner, ModuleFn::<M>(PhantomData), (op,));
+        let worker = self.module.owner_name();
+        async move {
+            match fut.await.map_err(|source| AutogradError::Rpc {
+                worker: worker.clone(),
+                source: Box::new(source),
+            })? {
+                Reply::Forward(y) => Ok(y.0),
+                _ => Err(unexpected::<M>(&worker)),
+            }
+        }
+    }
+
+    /// [`RemoteModule::forward_async`], awaited.
+    pub async fn forward(&self, x: Tensor) -> Result<Tensor, AutogradError> {
+        self.forward_async(x).await
+    }
+
+    /// References to the module's parameters, for a
+    /// [`DistributedOptimizer`](crate::DistributedOptimizer) (PyTorch's `remote_parameters`).
+    pub async fn remote_parameters(&self) -> Result<Vec<RRef<Parameter>>, AutogradError> {
+        let owner = self.module.owner_name();
+        match call::<M>(
+            &self.agent,
+            owner.as_str(),
+            Op::Parameters(self.module.clone()),
+        )
+        .await?
+        {
+            Reply::Parameters(p) => Ok(p),
+            _ => Err(unexpected::<M>(&owner)),
+        }
+    }
+
+    /// The values of the module's parameters, in [`Module::parameters`] order (a checkpoint).
+    pub async fn state(&self) -> Result<Vec<Tensor>, AutogradError> {
+        let owner = self.module.owner_name();
+        match call::<M>(&self.agent, owner.as_str(), Op::State(self.module.clone())).await? {
+            Reply::State(s) => Ok(s.into_iter().map(|t| t.0).collect()),
+            _ => Err(unexpected::<M>(&owner)),
+        }
+    }
+
+    /// The name of the worker the module lives on.
+    pub fn owner_name(&self) -> String {
+        self.module.owner_name()
+    }
+}
+
+async fn call<M: Module>(
+    agent: &Agent,
+    worker: &str,
+    op: Op<M>,
+) -> Result<Reply<M>, AutogradError> {
+    agent
+        .rpc_async(worker, ModuleFn::<M>(PhantomData), (op,))
+        .await
+        .map_err(|source| AutogradError::Rpc {
+            worker: worker.to_owned(),
+            source: Box::new(source),
+        })
+}
+
+fn unexpected<M: Module>(worker: &str) -> AutogradError {
+    AutogradError::State(format!(
+        "module {} on `{worker}` answered another request than asked",
+        M::NAME
+    ))
+}
