@@ -407,143 +407,33 @@ impl CustomOp3 for LstmSeqBackward {
     }
 }
 
-/// One time step's gates, row by row: from the pre-activations `pre` `[B, 4H]` (input
-/// projection and recurrent product), the bias and the previous cell state `[B, H]`, the
-/// activated gates `g` `[4, B, H]` and the new hidden and cell states `[B, H]`.
-#[inline(always)]
-fn forward_gates_body(
-    h: usize,
-    pre: &[f32],
-    bias: &[f32],
-    c_prev: &[f32],
-    g: &mut [MaybeUninit<f32>],
-    h_out: &mut [MaybeUninit<f32>],
-    c_out: &mut [MaybeUninit<f32>],
-) {
-    let bh = c_prev.len();
-    assert!(g.len() == 4 * bh && h_out.len() == bh && c_out.len() == bh && bh % h == 0);
-    let (gi, g) = g.split_at_mut(bh);
-    let (gf, g) = g.split_at_mut(bh);
-    let (gg, go) = g.split_at_mut(bh);
-    let (bi, bf, bg, bo) = (
-        &bias[..h],
-        &bias[h..2 * h],
-        &bias[2 * h..3 * h],
-        &bias[3 * h..4 * h],
-    );
-    for r in 0..bh / h {
-        let row = r * h..(r + 1) * h;
-        let p = &pre[r * 4 * h..(r + 1) * 4 * h];
-        let (pi, pf, pg, po) = (&p[..h], &p[h..2 * h], &p[2 * h..3 * h], &p[3 * h..]);
-        let (ai, af) = (&mut gi[row.clone()], &mut gf[row.clone()]);
-        let (ag, ao) = (&mut gg[row.clone()], &mut go[row.clone()]);
-        let cp = &c_prev[row.clone()];
-        let (ho, co) = (&mut h_out[row.clone()], &mut c_out[row]);
-        for j in 0..h {
-            let (i, f) = (sigmoid(pi[j] + bi[j]), sigmoid(pf[j] + bf[j]));
-            let (g, o) = (tanh(pg[j] + bg[j]), sigmoid(po[j] + bo[j]));
-            let c = f * cp[j] + i * g;
-            ai[j].write(i);
-            af[j].write(f);
-            ag[j].write(g);
-            ao[j].write(o);
-            co[j].write(c);
-            ho[j].write(o * tanh(c));
-        }
-    }
-}
-
-/// One time step back, row by row: from the step's activated gates `g` `[4, B, H]`, its hidden
-/// and cell states and the previous cell state, the gradients arriving at its outputs and from
-/// the next step (`dc_next` is replaced by the gradient of the previous cell state), the
-/// gradient of the pre-activations `dpre` `[B, 4H]`, summed into the bias's `d_b`.
-#[inline(always)]
-fn backward_gates_body(
-    h: usize,
-    g: &[f32],
-    states: [&[f32]; 3],
-    grads: [&[f32]; 3],
-    dc_next: &mut [f32],
-    dpre: &mut [MaybeUninit<f32>],
-    d_b: &mut [f32],
-) {
-    let ([h_cur, c_cur, c_prev], [dh_out, dc_out, dh_next]) = (states, grads);
-    assert!(dpre.len() == 4 * c_cur.len() && d_b.len() == 4 * h);
-    let bh = c_cur.len();
-    let (gi, g) = g.split_at(bh);
-    let (gf, g) = g.split_at(bh);
-    let (gg, go) = g.split_at(bh);
-    for r in 0..bh / h {
-        let row = r * h..(r + 1) * h;
-        let (i, f, gv, o) = (
-            &gi[row.clone()],
-            &gf[row.clone()],
-            &gg[row.clone()],
-            &go[row.clone()],
-        );
-        let (c, cp) = (&c_cur[row.clone()], &c_prev[row.clone()]);
-        let (hv, dho, dco) = (
-            &h_cur[row.clone()],
-            &dh_out[row.clone()],
-            &dc_out[row.clone()],
-        );
-        let dhn = &dh_next[row.clone()];
-        let dcn = &mut dc_next[row];
-        let dp = &mut dpre[r * 4 * h..(r + 1) * 4 * h];
-        let (di, dp) = dp.split_at_mut(h);
-        let (df, dp) = dp.split_at_mut(h);
-        let (dg, d_o) = dp.split_at_mut(h);
-        for j in 0..h {
-            // tanh(c) = h / o, except where o underflows.
-            let tc = if o[j] > 1e-6 {
-                hv[j] / o[j]
-            } else {
-                tanh(c[j])
-            };
-            let dh = dho[j] + dhn[j];
-            let dc = dco[j] + dcn[j] + dh * o[j] * (1.0 - tc * tc);
-            di[j].write(dc * gv[j] * i[j] * (1.0 - i[j]));
-            df[j].write(dc * cp[j] * f[j] * (1.0 - f[j]));
-            dg[j].write(dc * i[j] * (1.0 - gv[j] * gv[j]));
-            d_o[j].write(dh * tc * o[j] * (1.0 - o[j]));
-            dcn[j] = dc * f[j];
-        }
-        // SAFETY: the loop above wrote all 4H elements of the row (i, f, g and o parts).
-        let dp = unsafe { assume_init(&dpre[r * 4 * h..(r + 1) * 4 * h]) };
-        for (db, dpj) in d_b.iter_mut().zip(dp) {
-            *db += dpj;
-        }
-    }
-}
-
-/// Defines `$name`, which runs `$body` (an `#[inline(always)]` function, so that it is
-/// compiled into each caller) compiled for AVX2 (8 lanes) where the CPU has it, else for the
-/// baseline x86-64 (SSE2, 4 lanes). Neither fuses a multiply and an add (Rust never contracts
-/// them), so both give the same bits.
+/// Defines `fn $name(..) $body` twice: as `$name`, compiled for the baseline x86-64 (SSE2, 4
+/// lanes), and as `$avx2`, compiled for AVX2 (8 lanes); `$name` runs `$avx2` where the CPU has
+/// AVX2. Neither fuses a multiply and an add (Rust never contracts them), so both give the
+/// same bits.
 macro_rules! with_avx2 {
-    ($name:ident, $avx2:ident, $body:ident, ($($a:ident: $t:ty),* $(,)?)) => {
+    ($(#[$m:meta])* fn $name:ident / $avx2:ident ($($a:ident: $t:ty),* $(,)?) $body:block) => {
+        $(#[$m])*
         fn $name($($a: $t),*) {
             #[cfg(target_arch = "x86_64")]
             if std::is_x86_feature_detected!("avx2") {
                 // SAFETY: the CPU supports AVX2 (checked just above).
                 return unsafe { $avx2($($a),*) };
             }
-            $body($($a),*)
+            $body
         }
 
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = "avx2")]
-        unsafe fn $avx2($($a: $t),*) {
-            $body($($a),*)
-        }
+        unsafe fn $avx2($($a: $t),*) $body
     };
 }
 
-with_avx2!(
-    forward_gates,
-    forward_gates_avx2,
-    forward_gates_body,
-    (
+with_avx2! {
+    /// One time step's gates, row by row: from the pre-activations `pre` `[B, 4H]` (input
+    /// projection and recurrent product), the bias and the previous cell state `[B, H]`, the
+    /// activated gates `g` `[4, B, H]` and the new hidden and cell states `[B, H]`.
+    fn forward_gates / forward_gates_avx2(
         h: usize,
         pre: &[f32],
         bias: &[f32],
@@ -551,14 +441,48 @@ with_avx2!(
         g: &mut [MaybeUninit<f32>],
         h_out: &mut [MaybeUninit<f32>],
         c_out: &mut [MaybeUninit<f32>],
-    )
-);
+    ) {
+        let bh = c_prev.len();
+        assert!(g.len() == 4 * bh && h_out.len() == bh && c_out.len() == bh && bh % h == 0);
+        let (gi, g) = g.split_at_mut(bh);
+        let (gf, g) = g.split_at_mut(bh);
+        let (gg, go) = g.split_at_mut(bh);
+        let (bi, bf, bg, bo) = (
+            &bias[..h],
+            &bias[h..2 * h],
+            &bias[2 * h..3 * h],
+            &bias[3 * h..4 * h],
+        );
+        for r in 0..bh / h {
+            let row = r * h..(r + 1) * h;
+            let p = &pre[r * 4 * h..(r + 1) * 4 * h];
+            let (pi, pf, pg, po) = (&p[..h], &p[h..2 * h], &p[2 * h..3 * h], &p[3 * h..]);
+            let (ai, af) = (&mut gi[row.clone()], &mut gf[row.clone()]);
+            let (ag, ao) = (&mut gg[row.clone()], &mut go[row.clone()]);
+            let cp = &c_prev[row.clone()];
+            let (ho, co) = (&mut h_out[row.clone()], &mut c_out[row]);
+            for j in 0..h {
+                let (i, f) = (sigmoid(pi[j] + bi[j]), sigmoid(pf[j] + bf[j]));
+                let (g, o) = (tanh(pg[j] + bg[j]), sigmoid(po[j] + bo[j]));
+                let c = f * cp[j] + i * g;
+                ai[j].write(i);
+                af[j].write(f);
+                ag[j].write(g);
+                ao[j].write(o);
+                co[j].write(c);
+                ho[j].write(o * tanh(c));
+            }
+        }
+    }
+}
 
-with_avx2!(
-    backward_gates,
-    backward_gates_avx2,
-    backward_gates_body,
-    (
+with_avx2! {
+    /// One time step back, row by row: from the step's activated gates `g` `[4, B, H]`, its
+    /// hidden and cell states and the previous cell state, the gradients arriving at its
+    /// outputs and from the next step (`dc_next` is replaced by the gradient of the previous
+    /// cell state), the gradient of the pre-activations `dpre` `[B, 4H]`, summed into the
+    /// bias's `d_b`.
+    fn backward_gates / backward_gates_avx2(
         h: usize,
         g: &[f32],
         states: [&[f32]; 3],
@@ -566,8 +490,56 @@ with_avx2!(
         dc_next: &mut [f32],
         dpre: &mut [MaybeUninit<f32>],
         d_b: &mut [f32],
-    )
-);
+    ) {
+        let ([h_cur, c_cur, c_prev], [dh_out, dc_out, dh_next]) = (states, grads);
+        assert!(dpre.len() == 4 * c_cur.len() && d_b.len() == 4 * h);
+        let bh = c_cur.len();
+        let (gi, g) = g.split_at(bh);
+        let (gf, g) = g.split_at(bh);
+        let (gg, go) = g.split_at(bh);
+        for r in 0..bh / h {
+            let row = r * h..(r + 1) * h;
+            let (i, f, gv, o) = (
+                &gi[row.clone()],
+                &gf[row.clone()],
+                &gg[row.clone()],
+                &go[row.clone()],
+            );
+            let (c, cp) = (&c_cur[row.clone()], &c_prev[row.clone()]);
+            let (hv, dho, dco) = (
+                &h_cur[row.clone()],
+                &dh_out[row.clone()],
+                &dc_out[row.clone()],
+            );
+            let dhn = &dh_next[row.clone()];
+            let dcn = &mut dc_next[row];
+            let dp = &mut dpre[r * 4 * h..(r + 1) * 4 * h];
+            let (di, dp) = dp.split_at_mut(h);
+            let (df, dp) = dp.split_at_mut(h);
+            let (dg, d_o) = dp.split_at_mut(h);
+            for j in 0..h {
+                // tanh(c) = h / o, except where o underflows.
+                let tc = if o[j] > 1e-6 {
+                    hv[j] / o[j]
+                } else {
+                    tanh(c[j])
+                };
+                let dh = dho[j] + dhn[j];
+                let dc = dco[j] + dcn[j] + dh * o[j] * (1.0 - tc * tc);
+                di[j].write(dc * gv[j] * i[j] * (1.0 - i[j]));
+                df[j].write(dc * cp[j] * f[j] * (1.0 - f[j]));
+                dg[j].write(dc * i[j] * (1.0 - gv[j] * gv[j]));
+                d_o[j].write(dh * tc * o[j] * (1.0 - o[j]));
+                dcn[j] = dc * f[j];
+            }
+            // SAFETY: the loop above wrote all 4H elements of the row (i, f, g and o parts).
+            let dp = unsafe { assume_init(&dpre[r * 4 * h..(r + 1) * 4 * h]) };
+            for (db, dpj) in d_b.iter_mut().zip(dp) {
+                *db += dpj;
+            }
+        }
+    }
+}
 
 /// The elements of `s`, all of them written.
 ///
