@@ -94,6 +94,29 @@ impl Procs {
     }
 }
 
+/// A rendezvous for a group of `size` on 127.0.0.1, served by the returned runtime (30 s to
+/// form), with a fresh secret.
+pub fn rendezvous(
+    size: impl Into<rpc_core::GroupSize>,
+) -> (tokio::runtime::Runtime, RendezvousServer, Secret) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let secret = Secret::generate();
+    let server = rt
+        .block_on(RendezvousServer::start(
+            &Transport::Tcp,
+            "127.0.0.1:0",
+            secret.clone(),
+            size,
+            Duration::from_secs(30),
+        ))
+        .unwrap();
+    (rt, server, secret)
+}
+
 /// Starts one `program` process per scenario (rank = position) against a rendezvous this
 /// process hosts, with the group secret in `RPC_SECRET` and `env` set; lines they print come
 /// back through [`Procs::expect`]. The runtime hosts the rendezvous until everyone joined.
@@ -102,22 +125,8 @@ pub fn start(
     scenarios: &[&str],
     env: &[(&str, &str)],
 ) -> (tokio::runtime::Runtime, Procs) {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
-    let secret = Secret::generate();
     let world = scenarios.len() as u32;
-    let server = rt
-        .block_on(RendezvousServer::start(
-            &Transport::Tcp,
-            "127.0.0.1:0",
-            secret.clone(),
-            world,
-            Duration::from_secs(30),
-        ))
-        .unwrap();
+    let (rt, server, secret) = rendezvous(world);
     let addr = server.local_addr().to_owned();
     // The server runs on `rt` until every worker joined.
     std::mem::forget(server);

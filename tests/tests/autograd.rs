@@ -44,6 +44,35 @@ fn local(w: &str, r: usize, c: usize) -> Var {
     Var::from_tensor(&init_value(w, r, c)).unwrap()
 }
 
+/// The one-process model of a chain of layers: `x @ W`, then ReLU where asked, layer by layer.
+fn chain(x: &Tensor, layers: &[(&Var, bool)]) -> Tensor {
+    layers.iter().fold(x.clone(), |h, (w, relu)| {
+        let y = h.matmul(w.as_tensor()).unwrap();
+        if *relu {
+            y.relu().unwrap()
+        } else {
+            y
+        }
+    })
+}
+
+/// Each `(worker, name, var)`: the gradient of parameter `name` on `worker` in context `ctx`
+/// equals the one-process gradient of `var` in `g`, within 1e-6.
+async fn assert_remote_grads(
+    a: &Agent,
+    ctx: u64,
+    g: &candle_core::backprop::GradStore,
+    params: &[(u32, &str, &Var)],
+) {
+    for &(worker, w, var) in params {
+        let d = max_abs_diff(
+            &remote_grad(a, worker, ctx, w).await,
+            g.get(var.as_tensor()).unwrap(),
+        );
+        assert!(d <= 1e-6, "{w}: max abs diff {d}");
+    }
+}
+
 #[test]
 fn mlp_split_over_three_workers_matches_one_process() {
     each_transport(60, |t| async move {
@@ -77,30 +106,15 @@ fn mlp_split_over_three_workers_matches_one_process() {
             local("m.w1", 8, 6),
             local("m.w2", 6, 3),
         );
-        let l = x
-            .matmul(w0.as_tensor())
-            .unwrap()
-            .relu()
-            .unwrap()
-            .matmul(w1.as_tensor())
-            .unwrap()
-            .relu()
-            .unwrap()
-            .matmul(w2.as_tensor())
-            .unwrap()
+        let l = chain(&x, &[(&w0, true), (&w1, true), (&w2, false)])
             .sqr()
             .unwrap()
             .mean_all()
             .unwrap();
         assert!(max_abs_diff(&l, &loss) < 1e-12);
         let g = l.backward().unwrap();
-        for (worker, w, var) in [(0u32, "m.w0", &w0), (1, "m.w1", &w1), (2, "m.w2", &w2)] {
-            let d = max_abs_diff(
-                &remote_grad(&a[0], worker, ctx.id(), w).await,
-                g.get(var.as_tensor()).unwrap(),
-            );
-            assert!(d <= 1e-6, "{w}: max abs diff {d}");
-        }
+        let params = [(0u32, "m.w0", &w0), (1, "m.w1", &w1), (2, "m.w2", &w2)];
+        assert_remote_grads(&a[0], ctx.id(), &g, &params).await;
         ctx.release().await.unwrap();
         for w in 0..3u32 {
             assert_eq!(
@@ -135,22 +149,11 @@ fn backward_from_a_loss_that_lives_on_another_worker_matches_one_process() {
             .await;
         ctx.backward_remote(&loss).await.unwrap();
         let (w1, w2) = (local("r.w1", 4, 6), local("r.w2", 6, 3));
-        let l = x
-            .matmul(w1.as_tensor())
-            .unwrap()
-            .relu()
-            .unwrap()
-            .matmul(w2.as_tensor())
-            .unwrap();
+        let l = chain(&x, &[(&w1, true), (&w2, false)]);
         assert!(max_abs_diff(&l, &loss.to_here().await.unwrap().0) < 1e-12);
         let g = l.sum_all().unwrap().backward().unwrap();
-        for (worker, w, var) in [(1u32, "r.w1", &w1), (2, "r.w2", &w2)] {
-            let d = max_abs_diff(
-                &remote_grad(&a[0], worker, ctx.id(), w).await,
-                g.get(var.as_tensor()).unwrap(),
-            );
-            assert!(d <= 1e-6, "{w}: max abs diff {d}");
-        }
+        let params = [(1u32, "r.w1", &w1), (2, "r.w2", &w2)];
+        assert_remote_grads(&a[0], ctx.id(), &g, &params).await;
         drop(loss);
         ctx.release().await.unwrap();
         shutdown_all(&a).await;
@@ -196,13 +199,7 @@ fn remote_modules_train_like_one_process() {
         opt.step(&ctx).await.unwrap();
         // One process.
         let (w1, w2) = (local("s.w1", 4, 6), local("s.w2", 6, 3));
-        let l = x
-            .matmul(w1.as_tensor())
-            .unwrap()
-            .relu()
-            .unwrap()
-            .matmul(w2.as_tensor())
-            .unwrap()
+        let l = chain(&x, &[(&w1, true), (&w2, false)])
             .sqr()
             .unwrap()
             .mean_all()

@@ -122,21 +122,7 @@ fn distributed_backward_across_processes_matches_one_process() {
 /// it (and without rank 2, which never came).
 #[test]
 fn a_worker_process_joins_a_running_group_and_leaves_it() {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
-    let secret = rpc_core::Secret::generate();
-    let server = rt
-        .block_on(rpc_core::RendezvousServer::start(
-            &rpc_core::Transport::Tcp,
-            "127.0.0.1:0",
-            secret.clone(),
-            rpc_core::GroupSize::growing(2, 4),
-            Duration::from_secs(30),
-        ))
-        .unwrap();
+    let (_rt, server, secret) = procs::rendezvous(rpc_core::GroupSize::growing(2, 4));
     let addr = server.local_addr().to_owned();
     let program = env!("CARGO_BIN_EXE_rpc-test-worker");
     let env = [("RPC_MAX_WORLD_SIZE", "4")];
