@@ -26,7 +26,23 @@ pub enum AutogradError {
         /// What went wrong.
         message: String,
     },
-    /// An optimizer state does not fit the optimizer's parameters.
-    #[error("optimizer state mismatch: {0}")]
+    /// An optimizer state does not fit the optimizer's parameters, or an operation was
+    /// asked of a context or pipeline in a state that does not allow it.
+    #[error("{0}")]
     State(String),
+    /// A pipeline stage failed a pass.
+    #[error("pipeline stage {stage} on worker `{worker}` failed the {pass} of micro-batch {micro_batch}")]
+    Stage {
+        /// The stage's index.
+        stage: usize,
+        /// Its worker.
+        worker: String,
+        /// `forward` or `backward`.
+        pass: &'static str,
+        /// The micro-batch.
+        micro_batch: usize,
+        /// The cause.
+        #[source]
+        source: Box<AutogradError>,
+    },
 }

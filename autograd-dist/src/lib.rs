@@ -77,6 +77,7 @@
 //! - `optim`: the local [`Optimizer`] and its update rules.
 //! - `dist_optim`: [`DistributedOptimizer`], [`Parameter`], [`GradientHook`].
 //! - `module`: [`RemoteModule`], a [`Module`] built and held on another worker.
+//! - `pipeline`: [`Pipeline`], stages of remote modules trained on micro-batches (GPipe, 1F1B).
 #![deny(missing_docs)]
 
 mod device;
@@ -89,6 +90,7 @@ mod error;
 pub mod fuzz;
 mod module;
 mod optim;
+mod pipeline;
 mod record;
 mod tensor;
 
@@ -102,6 +104,9 @@ pub use engine::{context, gradients, live_contexts, DistContext};
 pub use error::AutogradError;
 pub use module::{register_module, Held, Module, RemoteModule};
 pub use optim::{Gradients, Optimizer, OptimizerKind, OptimizerState};
+pub use pipeline::{
+    bubble_theory, Action, Loss, Pipeline, Schedule, Stage, StageEvent, StepReport,
+};
 pub use record::{current_context_id, CTX_KEY};
 pub use tensor::RTensor;
 

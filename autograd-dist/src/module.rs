@@ -18,6 +18,7 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use candle_core::{Tensor, Var};
+use futures::future::BoxFuture;
 use rpc_core::{Agent, BoxError, CallContext, RegistryBuilder, RegistryError, RemoteFn};
 use rref::RRef;
 use serde::de::DeserializeOwned;
@@ -26,6 +27,10 @@ use serde::{Deserialize, Serialize, Serializer};
 use crate::device::DeviceSpec;
 use crate::dist_optim::{parameter_rrefs, Parameter};
 use crate::error::AutogradError;
+use crate::pipeline::{
+    stage_backward, stage_forget, stage_forward, BackwardReply, BackwardReq, ForwardReply,
+    ForwardReq, StageOps,
+};
 use crate::tensor::RTensor;
 
 /// A module that can live on another worker.
@@ -66,6 +71,9 @@ enum Op<M: Module> {
     Forward(RRef<Held<M>>, RTensor),
     Parameters(RRef<Held<M>>),
     State(RRef<Held<M>>),
+    StageForward(RRef<Held<M>>, ForwardReq),
+    StageBackward(RRef<Held<M>>, BackwardReq),
+    StageForget(u64),
 }
 
 /// What it answers.
@@ -76,6 +84,9 @@ enum Reply<M: Module> {
     Forward(RTensor),
     Parameters(Vec<RRef<Parameter>>),
     State(Vec<RTensor>),
+    StageForward(ForwardReply),
+    StageBackward(BackwardReply),
+    StageForget,
 }
 
 /// The remote function of module type `M` (registered under [`Module::NAME`]).
@@ -107,6 +118,16 @@ impl<M: Module> RemoteFn for ModuleFn<M> {
                     .map(|v| RTensor(v.as_tensor().detach()))
                     .collect(),
             ),
+            Op::StageForward(r, req) => {
+                Reply::StageForward(stage_forward(ctx.agent(), &*held(&r).await?, req).await?)
+            }
+            Op::StageBackward(r, req) => {
+                Reply::StageBackward(stage_backward(ctx.agent(), &*held(&r).await?, req).await?)
+            }
+            Op::StageForget(pipe) => {
+                stage_forget(ctx.agent(), pipe);
+                Reply::StageForget
+            }
         })
     }
 }
@@ -243,4 +264,54 @@ fn unexpected<M: Module>(worker: &str) -> AutogradError {
         "module {} on `{worker}` answered another request than asked",
         M::NAME
     ))
+}
+
+impl<M: Module> StageOps for RemoteModule<M> {
+    fn worker(&self) -> String {
+        self.module.owner_name()
+    }
+
+    fn rank(&self) -> u32 {
+        self.module.owner().0
+    }
+
+    fn forward(&self, req: ForwardReq) -> BoxFuture<'static, Result<ForwardReply, AutogradError>> {
+        let (agent, worker) = (self.agent.clone(), self.worker());
+        let op = Op::StageForward(self.module.clone(), req);
+        Box::pin(async move {
+            match call::<M>(&agent, &worker, op).await? {
+                Reply::StageForward(r) => Ok(r),
+                _ => Err(unexpected::<M>(&worker)),
+            }
+        })
+    }
+
+    fn backward(
+        &self,
+        req: BackwardReq,
+    ) -> BoxFuture<'static, Result<BackwardReply, AutogradError>> {
+        let (agent, worker) = (self.agent.clone(), self.worker());
+        let op = Op::StageBackward(self.module.clone(), req);
+        Box::pin(async move {
+            match call::<M>(&agent, &worker, op).await? {
+                Reply::StageBackward(r) => Ok(r),
+                _ => Err(unexpected::<M>(&worker)),
+            }
+        })
+    }
+
+    fn forget(&self, pipe: u64) -> BoxFuture<'static, Result<(), AutogradError>> {
+        let (agent, worker) = (self.agent.clone(), self.worker());
+        Box::pin(async move {
+            match call::<M>(&agent, &worker, Op::StageForget(pipe)).await? {
+                Reply::StageForget => Ok(()),
+                _ => Err(unexpected::<M>(&worker)),
+            }
+        })
+    }
+
+    fn parameters(&self) -> BoxFuture<'static, Result<Vec<RRef<Parameter>>, AutogradError>> {
+        let this = self.clone();
+        Box::pin(async move { this.remote_parameters().await })
+    }
 }

@@ -764,3 +764,156 @@ fn distributed_optimizer_state_round_trips_and_learning_rate_changes() {
         shutdown_all(&a).await;
     });
 }
+
+/// Three stages (the last two on one worker) of a pipeline, built from `prefix`.
+async fn linear_stages(
+    a: &Agent,
+    prefix: &str,
+    widths: [usize; 4],
+) -> Vec<autograd_dist::RemoteModule<StageLinear>> {
+    let places = ["worker1/cpu", "worker2/cpu", "worker2"];
+    let mut stages = Vec::new();
+    for (i, place) in places.iter().enumerate() {
+        let init = (format!("{prefix}.w{i}"), widths[i], widths[i + 1], i < 2);
+        stages.push(
+            autograd_dist::RemoteModule::new(a, place, init)
+                .await
+                .unwrap(),
+        );
+    }
+    stages
+}
+
+#[test]
+fn pipelines_train_like_one_process_for_both_schedules_and_any_micro_batch_count() {
+    use autograd_dist::{
+        Action, DistributedOptimizer, Loss, Optimizer, OptimizerKind, Pipeline, Schedule,
+    };
+    each_transport(120, |t| async move {
+        let a = group(3, t).await;
+        let widths = [4, 6, 5, 3];
+        let (rows, steps) = (8, 20);
+        let x = input(rows, widths[0]);
+        let labels: Vec<u32> = (0..rows as u32).map(|i| (i * 7 + 1) % 3).collect();
+        let y = Tensor::new(labels.as_slice(), &Device::Cpu).unwrap();
+        // One process, on the whole batch.
+        let ws: Vec<Var> = (0..3)
+            .map(|i| local(&format!("p.w{i}"), widths[i], widths[i + 1]))
+            .collect();
+        let model = |ws: &[Var]| chain(&x, &[(&ws[0], true), (&ws[1], true), (&ws[2], false)]);
+        let mut sgd = Optimizer::new(OptimizerKind::sgd(0.5), ws.clone());
+        let mut one = Vec::new(); // (loss, parameters) after each step
+        for _ in 0..steps {
+            let loss = Loss::CrossEntropy.compute(&model(&ws), &y, rows).unwrap();
+            sgd.step(&loss.backward().unwrap()).unwrap();
+            let l = loss.to_scalar::<f64>().unwrap();
+            one.push((
+                l,
+                ws.iter()
+                    .map(|w| w.as_tensor().copy().unwrap())
+                    .collect::<Vec<_>>(),
+            ));
+        }
+        for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
+            for m in [1, 2, 4, 8] {
+                let modules = linear_stages(&a[0], "p", widths).await;
+                let stages = modules.iter().cloned().map(Into::into).collect();
+                let pipe = Pipeline::new(&a[0], stages, m, schedule, Loss::CrossEntropy).unwrap();
+                assert_eq!(pipe.workers(), ["worker1", "worker2", "worker2"]);
+                let params = pipe.remote_parameters().await.unwrap();
+                let opt =
+                    DistributedOptimizer::new(&a[0], OptimizerKind::sgd(0.5), params).unwrap();
+                let mut worst = 0f64;
+                for (k, (loss, want)) in one.iter().enumerate() {
+                    let ctx = autograd_dist::context(&a[0]);
+                    let report = pipe.step(&ctx, &x, &y).await.unwrap();
+                    assert!(
+                        (report.loss - loss).abs() < 1e-12,
+                        "{schedule} m={m} step {k}"
+                    );
+                    assert_eq!(opt.step(&ctx).await.unwrap(), 3);
+                    ctx.release().await.unwrap();
+                    // Every pass ran once, in the schedule's order on each stage.
+                    assert_eq!(report.events.len(), 2 * 3 * m);
+                    for s in 0..3 {
+                        let done: Vec<Action> = report
+                            .events
+                            .iter()
+                            .filter(|e| e.stage == s)
+                            .map(|e| e.action)
+                            .collect();
+                        assert_eq!(done, schedule.actions(s, 3, m), "{schedule} m={m}");
+                    }
+                    // GPipe keeps every micro-batch; 1F1B at most p - s on stage s.
+                    let bound: Vec<usize> = (0..3)
+                        .map(|s| match schedule {
+                            Schedule::GPipe => m,
+                            Schedule::OneFOneB => (3 - s).min(m),
+                        })
+                        .collect();
+                    assert_eq!(report.max_live_activations, bound, "{schedule} m={m}");
+                    let bubble = report.bubble();
+                    assert!((0.0..1.0).contains(&bubble), "{bubble}");
+                    for (module, w) in modules.iter().zip(want) {
+                        let got = module.state().await.unwrap().remove(0);
+                        worst = worst.max(max_abs_diff(&got, w));
+                    }
+                }
+                assert!(worst <= 1e-10, "{schedule} m={m}: max abs diff {worst}");
+                drop((pipe, opt, modules));
+            }
+        }
+        assert_eq!(autograd_dist::live_contexts(&a[1]), 0);
+        assert_eq!(autograd_dist::live_contexts(&a[2]), 0);
+        shutdown_all(&a).await;
+    });
+}
+
+#[test]
+fn a_failing_pipeline_stage_fails_the_step_naming_it_and_the_others_stop() {
+    use autograd_dist::{AutogradError, Loss, Pipeline, Schedule};
+    each_transport(60, |t| async move {
+        let a = group(3, t).await;
+        // Stage 1 expects 7 columns where stage 0 gives 6: its first forward fails.
+        let modules = linear_stages(&a[0], "f", [4, 7, 5, 3]).await;
+        let mut stages: Vec<autograd_dist::Stage> =
+            modules.iter().cloned().map(Into::into).collect();
+        let first: autograd_dist::RemoteModule<StageLinear> =
+            autograd_dist::RemoteModule::new(&a[0], "worker1", ("f.bad".into(), 4, 6, true))
+                .await
+                .unwrap();
+        stages[0] = first.into();
+        for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
+            let pipe =
+                Pipeline::new(&a[0], stages.clone(), 4, schedule, Loss::CrossEntropy).unwrap();
+            let ctx = autograd_dist::context(&a[0]);
+            let y = Tensor::new(&[0u32, 1, 2, 0], &Device::Cpu).unwrap();
+            let err = pipe.step(&ctx, &input(4, 4), &y).await.unwrap_err();
+            match &err {
+                AutogradError::Stage {
+                    stage,
+                    worker,
+                    pass,
+                    micro_batch,
+                    ..
+                } => assert_eq!(
+                    (*stage, worker.as_str(), *pass, *micro_batch),
+                    (1, "worker2", "forward", 0)
+                ),
+                other => panic!("{other}"),
+            }
+            let text = rpc_core::error_chain(&err);
+            assert!(text.contains("stage 1 on worker `worker2`"), "{text}");
+            assert!(text.contains("shape mismatch"), "{text}");
+            ctx.release().await.unwrap();
+        }
+        // A batch smaller than the micro-batch count is refused before anything runs.
+        let pipe = Pipeline::new(&a[0], stages, 4, Schedule::GPipe, Loss::CrossEntropy).unwrap();
+        let ctx = autograd_dist::context(&a[0]);
+        let y = Tensor::new(&[0u32, 1], &Device::Cpu).unwrap();
+        let err = pipe.step(&ctx, &input(2, 4), &y).await.unwrap_err();
+        assert!(err.to_string().contains("2 rows"), "{err}");
+        drop((pipe, modules));
+        shutdown_all(&a).await;
+    });
+}
