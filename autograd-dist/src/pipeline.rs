@@ -565,8 +565,13 @@ impl Pipeline {
     }
 
     /// Row ranges of the micro-batches of a batch of `rows` rows (sizes differ by at most 1).
-    fn splits(&self, rows: usize) -> Result<Vec<(usize, usize)>, AutogradError> {
-        let m = self.micro_batches;
+    /// Training needs `rows >= micro_batches`; evaluation cuts fewer rows into fewer parts.
+    fn splits(&self, rows: usize, training: bool) -> Result<Vec<(usize, usize)>, AutogradError> {
+        let m = if training {
+            self.micro_batches
+        } else {
+            self.micro_batches.min(rows).max(1)
+        };
         if rows < m {
             return Err(AutogradError::State(format!(
                 "a batch of {rows} rows cannot be cut into {m} micro-batches"
@@ -602,7 +607,7 @@ impl Pipeline {
                 targets.dim(0)?
             )));
         }
-        let splits = self.splits(rows)?;
+        let splits = self.splits(rows, true)?;
         // The context's release reaches every stage (it exchanged no tensor with them).
         container(&self.agent).with(ctx.id(), |st| {
             st.peers.extend(self.stages.iter().map(|s| s.0.rank()));
@@ -627,9 +632,9 @@ impl Pipeline {
     }
 
     /// The last stage's output for `input`, computed micro-batch by micro-batch through the
-    /// stages (no gradients).
+    /// stages (no gradients; a batch of fewer rows than micro-batches is cut into fewer).
     pub async fn forward(&self, input: &Tensor) -> Result<Tensor, AutogradError> {
-        let splits = self.splits(input.dim(0)?)?;
+        let splits = self.splits(input.dim(0)?, false)?;
         let step = self
             .steps
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);

@@ -6,6 +6,7 @@
 //! several machines (the rank and world size may also come from Slurm or MPI, see
 //! [`rpc_core::RANK_ENV`]).
 
+pub mod canvas;
 pub mod wordlang;
 
 use std::process::{Child, Command};

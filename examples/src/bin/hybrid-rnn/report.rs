@@ -11,6 +11,7 @@ use embedded_graphics::pixelcolor::Rgb888;
 use embedded_graphics::prelude::*;
 use embedded_graphics::primitives::{Line, Polyline, PrimitiveStyle, Rectangle};
 use embedded_graphics::text::Text;
+use examples::canvas::Canvas;
 
 /// Loss and accuracy curves.
 #[derive(Clone, Debug, Default)]
@@ -86,36 +87,6 @@ pub fn confusion_matrix(labels: &[u32], preds: &[u32], names: &[&str]) -> String
         out += &format!("   {:.3}\n", row[i] as f64 / total.max(1) as f64);
     }
     out
-}
-
-struct Canvas {
-    w: u32,
-    h: u32,
-    rgb: Vec<u8>,
-}
-
-impl OriginDimensions for Canvas {
-    fn size(&self) -> Size {
-        Size::new(self.w, self.h)
-    }
-}
-
-impl DrawTarget for Canvas {
-    type Color = Rgb888;
-    type Error = std::convert::Infallible;
-
-    fn draw_iter<I: IntoIterator<Item = Pixel<Rgb888>>>(
-        &mut self,
-        pixels: I,
-    ) -> Result<(), Self::Error> {
-        for Pixel(p, c) in pixels {
-            if p.x >= 0 && p.y >= 0 && (p.x as u32) < self.w && (p.y as u32) < self.h {
-                let i = 3 * (p.y as usize * self.w as usize + p.x as usize);
-                self.rgb[i..i + 3].copy_from_slice(&[c.r(), c.g(), c.b()]);
-            }
-        }
-        Ok(())
-    }
 }
 
 /// One chart panel: axes with labelled ranges and a title, then series mapped into it.
@@ -206,11 +177,7 @@ impl Panel {
 /// Draws the training loss (per step window) and the accuracies (per epoch) into a PNG.
 pub fn plot(history: &History, path: &Path) -> Result<()> {
     let (w, h) = (960u32, 420u32);
-    let mut c = Canvas {
-        w,
-        h,
-        rgb: vec![255; (w * h * 3) as usize],
-    };
+    let mut c = Canvas::new(w, h);
     let maxl = history
         .loss
         .iter()
@@ -271,18 +238,7 @@ pub fn plot(history: &History, path: &Path) -> Result<()> {
         1,
     );
 
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    let file =
-        std::fs::File::create(path).with_context(|| format!("cannot write {}", path.display()))?;
-    let mut enc = png::Encoder::new(std::io::BufWriter::new(file), w, h);
-    enc.set_color(png::ColorType::Rgb);
-    enc.set_depth(png::BitDepth::Eight);
-    let mut writer = enc.write_header()?;
-    writer.write_image_data(&c.rgb)?;
-    writer.finish()?;
-    Ok(())
+    c.save_png(path)
 }
 
 #[cfg(test)]
