@@ -30,18 +30,14 @@ pub enum AutogradError {
     /// asked of a context or pipeline in a state that does not allow it.
     #[error("{0}")]
     State(String),
-    /// A pipeline stage failed a pass.
-    #[error("pipeline stage {stage} on worker `{worker}` failed the {pass} of micro-batch {micro_batch}")]
+    /// A pipeline stage failed its part of a step.
+    #[error("pipeline stage {stage} on worker `{worker}` failed")]
     Stage {
         /// The stage's index.
         stage: usize,
         /// Its worker.
         worker: String,
-        /// `forward` or `backward`.
-        pass: &'static str,
-        /// The micro-batch.
-        micro_batch: usize,
-        /// The cause.
+        /// The cause (the pass and micro-batch, where the stage could say).
         #[source]
         source: Box<AutogradError>,
     },

@@ -118,6 +118,7 @@ pub fn install(
         builder
             .register(engine::BackwardStep)?
             .register(engine::BackwardFrom)?
-            .register(engine::ReleaseContext)?,
+            .register(engine::ReleaseContext)?
+            .register(pipeline::Deliver)?,
     )
 }

@@ -27,10 +27,7 @@ use serde::{Deserialize, Serialize, Serializer};
 use crate::device::DeviceSpec;
 use crate::dist_optim::{parameter_rrefs, Parameter};
 use crate::error::AutogradError;
-use crate::pipeline::{
-    stage_backward, stage_forget, stage_forward, BackwardReply, BackwardReq, ForwardReply,
-    ForwardReq, StageOps,
-};
+use crate::pipeline::{stage_forget, stage_run, RunReply, RunReq, StageOps};
 use crate::tensor::RTensor;
 
 /// A module that can live on another worker.
@@ -71,9 +68,8 @@ enum Op<M: Module> {
     Forward(RRef<Held<M>>, RTensor),
     Parameters(RRef<Held<M>>),
     State(RRef<Held<M>>),
-    StageForward(RRef<Held<M>>, ForwardReq),
-    StageBackward(RRef<Held<M>>, BackwardReq),
-    StageForget(u64),
+    StageRun(RRef<Held<M>>, RunReq),
+    StageForget(u64, Option<u64>),
 }
 
 /// What it answers.
@@ -84,8 +80,7 @@ enum Reply<M: Module> {
     Forward(RTensor),
     Parameters(Vec<RRef<Parameter>>),
     State(Vec<RTensor>),
-    StageForward(ForwardReply),
-    StageBackward(BackwardReply),
+    StageRun(RunReply),
     StageForget,
 }
 
@@ -118,14 +113,11 @@ impl<M: Module> RemoteFn for ModuleFn<M> {
                     .map(|v| RTensor(v.as_tensor().detach()))
                     .collect(),
             ),
-            Op::StageForward(r, req) => {
-                Reply::StageForward(stage_forward(ctx.agent(), &*held(&r).await?, req).await?)
+            Op::StageRun(r, req) => {
+                Reply::StageRun(stage_run(ctx.agent(), &*held(&r).await?, req).await?)
             }
-            Op::StageBackward(r, req) => {
-                Reply::StageBackward(stage_backward(ctx.agent(), &*held(&r).await?, req).await?)
-            }
-            Op::StageForget(pipe) => {
-                stage_forget(ctx.agent(), pipe);
+            Op::StageForget(pipe, abort) => {
+                stage_forget(ctx.agent(), pipe, abort);
                 Reply::StageForget
             }
         })
@@ -275,35 +267,25 @@ impl<M: Module> StageOps for RemoteModule<M> {
         self.module.owner().0
     }
 
-    fn forward(&self, req: ForwardReq) -> BoxFuture<'static, Result<ForwardReply, AutogradError>> {
+    fn run(&self, req: RunReq) -> BoxFuture<'static, Result<RunReply, AutogradError>> {
         let (agent, worker) = (self.agent.clone(), self.worker());
-        let op = Op::StageForward(self.module.clone(), req);
+        let op = Op::StageRun(self.module.clone(), req);
         Box::pin(async move {
             match call::<M>(&agent, &worker, op).await? {
-                Reply::StageForward(r) => Ok(r),
+                Reply::StageRun(r) => Ok(r),
                 _ => Err(unexpected::<M>(&worker)),
             }
         })
     }
 
-    fn backward(
+    fn forget(
         &self,
-        req: BackwardReq,
-    ) -> BoxFuture<'static, Result<BackwardReply, AutogradError>> {
-        let (agent, worker) = (self.agent.clone(), self.worker());
-        let op = Op::StageBackward(self.module.clone(), req);
-        Box::pin(async move {
-            match call::<M>(&agent, &worker, op).await? {
-                Reply::StageBackward(r) => Ok(r),
-                _ => Err(unexpected::<M>(&worker)),
-            }
-        })
-    }
-
-    fn forget(&self, pipe: u64) -> BoxFuture<'static, Result<(), AutogradError>> {
+        pipe: u64,
+        abort: Option<u64>,
+    ) -> BoxFuture<'static, Result<(), AutogradError>> {
         let (agent, worker) = (self.agent.clone(), self.worker());
         Box::pin(async move {
-            match call::<M>(&agent, &worker, Op::StageForget(pipe)).await? {
+            match call::<M>(&agent, &worker, Op::StageForget(pipe, abort)).await? {
                 Reply::StageForget => Ok(()),
                 _ => Err(unexpected::<M>(&worker)),
             }

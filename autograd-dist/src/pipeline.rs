@@ -31,8 +31,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use candle_core::{DType, Tensor, Var, D};
 use futures::channel::oneshot;
 use futures::future::BoxFuture;
+use futures::StreamExt;
 use rpc_core::ext::{with_call_meta, AgentExt};
-use rpc_core::{Agent, BoxError};
+use rpc_core::{Agent, BoxError, CallContext, RemoteFn};
 use rref::RRef;
 use serde::{Deserialize, Serialize};
 
@@ -163,81 +164,148 @@ impl std::fmt::Debug for Stage {
 pub(crate) trait StageOps: Send + Sync + 'static {
     fn worker(&self) -> String;
     fn rank(&self) -> u32;
-    fn forward(&self, req: ForwardReq) -> BoxFuture<'static, Result<ForwardReply, AutogradError>>;
-    fn backward(
+    fn run(&self, req: RunReq) -> BoxFuture<'static, Result<RunReply, AutogradError>>;
+    fn forget(
         &self,
-        req: BackwardReq,
-    ) -> BoxFuture<'static, Result<BackwardReply, AutogradError>>;
-    fn forget(&self, pipe: u64) -> BoxFuture<'static, Result<(), AutogradError>>;
+        pipe: u64,
+        abort: Option<u64>,
+    ) -> BoxFuture<'static, Result<(), AutogradError>>;
     fn parameters(&self) -> BoxFuture<'static, Result<Vec<RRef<Parameter>>, AutogradError>>;
 }
 
-/// Where a stage's forward input comes from.
+/// One step's work for one stage: its actions, in order, and where its inputs come from and
+/// its outputs go.
 #[derive(Serialize, Deserialize)]
-pub(crate) enum StageInput {
-    /// The batch itself (first stage).
-    Data(RTensor),
-    /// The previous stage's output, fetched from its worker.
-    Prev(RRef<RTensor>),
-}
-
-/// What a stage does with its forward output.
-#[derive(Serialize, Deserialize)]
-pub(crate) enum Finish {
-    /// Keeps it in an `RRef` for the next stage.
-    Pass,
-    /// Computes the loss against `targets`, `batch` rows in the whole batch (last stage).
-    Loss {
-        loss: Loss,
-        targets: RTensor,
-        batch: u64,
-    },
-    /// Sends it back (last stage, evaluation).
-    Return,
-}
-
-/// A stage's forward of one micro-batch.
-#[derive(Serialize, Deserialize)]
-pub(crate) struct ForwardReq {
+pub(crate) struct RunReq {
     pub pipe: u64,
     pub stage: u32,
     pub step: u64,
-    pub mb: u32,
-    pub input: StageInput,
-    pub finish: Finish,
-    /// Keep activations for a backward (training).
-    pub train: bool,
+    pub actions: Vec<Action>,
+    /// The micro-batches themselves (first stage).
+    pub data: Vec<RTensor>,
+    /// Last stage, training: the loss, the targets of each micro-batch and the batch's rows.
+    pub loss: Option<(Loss, Vec<RTensor>, u64)>,
+    /// Training: the context the parameters' gradients accumulate in.
+    pub ctx: Option<u64>,
+    /// The workers of the previous and the next stage.
+    pub prev: Option<u32>,
+    pub next: Option<u32>,
 }
 
 #[derive(Serialize, Deserialize)]
-pub(crate) struct ForwardReply {
-    pub out: Option<RRef<RTensor>>,
-    pub loss: Option<f64>,
-    pub value: Option<RTensor>,
-    pub span: (u64, u64),
+pub(crate) struct RunReply {
+    /// Each action's start and end, microseconds since the Unix epoch.
+    pub spans: Vec<(u64, u64)>,
+    /// Last stage, training: each micro-batch's loss.
+    pub losses: Vec<f64>,
+    /// Last stage, evaluation: each micro-batch's output.
+    pub outputs: Vec<RTensor>,
+    /// The most micro-batches whose activations were kept at once.
     pub live: u32,
 }
 
-/// A stage's backward of one micro-batch.
-#[derive(Serialize, Deserialize)]
-pub(crate) struct BackwardReq {
-    pub pipe: u64,
-    pub stage: u32,
-    pub step: u64,
-    pub mb: u32,
-    /// The gradient of the output, kept by the next stage (`None` on the last stage).
-    pub grad: Option<RRef<RTensor>>,
-    /// The context the parameters' gradients accumulate in.
-    pub ctx: u64,
-    /// Keep the input's gradient for the previous stage.
-    pub input_grad: bool,
+/// What a stage hands its neighbour.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub(crate) enum Kind {
+    /// An output, to the next stage.
+    Activation,
+    /// The gradient of an input, to the previous stage.
+    Gradient,
 }
 
-#[derive(Serialize, Deserialize)]
-pub(crate) struct BackwardReply {
-    pub input_grad: Option<RRef<RTensor>>,
-    pub span: (u64, u64),
-    pub live: u32,
+/// Addresses one hand-off: pipeline, receiving stage, step, kind, micro-batch.
+type Key = (u64, u32, u64, Kind, u32);
+
+enum Slot {
+    Arrived(Tensor),
+    Awaited(oneshot::Sender<Tensor>),
+}
+
+/// Tensors handed to this worker's stages by their neighbours, and the stages' saved
+/// activations.
+#[derive(Default)]
+struct StageState {
+    inbox: Mutex<Inbox>,
+}
+
+#[derive(Default)]
+struct Inbox {
+    slots: HashMap<Key, Slot>,
+    /// By pipeline: the last step aborted (its hand-offs fail at once).
+    aborted: HashMap<u64, u64>,
+}
+
+impl Inbox {
+    fn is_aborted(&self, key: &Key) -> bool {
+        self.aborted.get(&key.0).is_some_and(|&s| key.2 <= s)
+    }
+}
+
+impl StageState {
+    fn deliver(&self, key: Key, t: Tensor) {
+        let mut inbox = lock(&self.inbox);
+        if inbox.is_aborted(&key) {
+            return;
+        }
+        match inbox.slots.remove(&key) {
+            Some(Slot::Awaited(tx)) => {
+                let _ = tx.send(t);
+            }
+            _ => {
+                inbox.slots.insert(key, Slot::Arrived(t));
+            }
+        }
+    }
+
+    async fn take(&self, key: Key, timeout: std::time::Duration) -> Result<Tensor, BoxError> {
+        let rx = {
+            let mut inbox = lock(&self.inbox);
+            if inbox.is_aborted(&key) {
+                return Err(ABORTED.into());
+            }
+            match inbox.slots.remove(&key) {
+                Some(Slot::Arrived(t)) => return Ok(t),
+                _ => {
+                    let (tx, rx) = oneshot::channel();
+                    inbox.slots.insert(key, Slot::Awaited(tx));
+                    rx
+                }
+            }
+        };
+        match tokio::time::timeout(timeout, rx).await {
+            Ok(Ok(t)) => Ok(t),
+            Ok(Err(_)) => Err(ABORTED.into()),
+            Err(_) => Err(format!(
+                "no {:?} from the neighbouring stage within {timeout:?}",
+                key.3
+            )
+            .into()),
+        }
+    }
+}
+
+/// Internal: a tensor from a neighbouring stage.
+pub(crate) struct Deliver;
+
+impl RemoteFn for Deliver {
+    const NAME: &'static str = "autograd_dist::pipeline_deliver";
+    type Args = (u64, u32, u64, Kind, u32, RTensor);
+    type Output = ();
+    async fn call(
+        cx: CallContext,
+        (pipe, stage, step, kind, mb, t): Self::Args,
+    ) -> Result<(), BoxError> {
+        cx.agent()
+            .extension(StageState::default)
+            .deliver((pipe, stage, step, kind, mb), t.0);
+        Ok(())
+    }
+}
+
+fn now_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
 }
 
 /// A micro-batch's saved activations on its stage.
@@ -248,118 +316,119 @@ struct Saved {
     output: Tensor,
 }
 
-/// The saved activations of one pipeline's stage: those of one step, by micro-batch.
-#[derive(Default)]
-struct StepSaved {
-    step: u64,
-    saved: HashMap<u32, Saved>,
-}
-
-/// Every pipeline's stages on this worker, by pipeline id and stage index.
-#[derive(Default)]
-struct StageTables(Mutex<HashMap<(u64, u32), StepSaved>>);
-
-fn now_us() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_micros() as u64)
-}
-
-/// A stage's forward, on its worker.
-pub(crate) async fn stage_forward<M: Module>(
+/// One step of one stage, on its worker: its actions in order.
+pub(crate) async fn stage_run<M: Module>(
     agent: &Agent,
     module: &M,
-    req: ForwardReq,
-) -> Result<ForwardReply, BoxError> {
-    let input = match req.input {
-        StageInput::Data(t) => t.0,
-        StageInput::Prev(r) => r.to_here().await?.0,
+    req: RunReq,
+) -> Result<RunReply, BoxError> {
+    let state = agent.extension(StageState::default);
+    let timeout = agent.rpc_timeout();
+    let key = |kind, mb: usize| (req.pipe, req.stage, req.step, kind, mb as u32);
+    let send = |to: u32, stage: u32, kind, mb: usize, t: Tensor| {
+        let args = (req.pipe, stage, req.step, kind, mb as u32, RTensor(t));
+        async move {
+            agent
+                .rpc_async(to, Deliver, args)
+                .await
+                .map_err(|e| format!("handing over to `{}`: {e}", agent.name_of(to)))
+        }
     };
-    let start = now_us();
-    let leaf = if req.train
-        && matches!(
-            input.dtype(),
-            DType::F16 | DType::BF16 | DType::F32 | DType::F64
-        ) {
-        Some(Var::from_tensor(&input)?.as_tensor().clone())
-    } else {
-        None
-    };
-    let y = module.forward(leaf.as_ref().unwrap_or(&input))?;
-    let mut reply = ForwardReply {
-        out: None,
-        loss: None,
-        value: None,
-        span: (start, 0),
+    let mut saved: HashMap<usize, Saved> = HashMap::new();
+    let mut reply = RunReply {
+        spans: Vec::with_capacity(req.actions.len()),
+        losses: vec![
+            0.0;
+            req.data
+                .len()
+                .max(req.loss.as_ref().map_or(0, |l| l.1.len()))
+        ],
+        outputs: Vec::new(),
         live: 0,
     };
-    let saved = match req.finish {
-        Finish::Pass => {
-            reply.out = Some(RRef::new(agent, RTensor(y.detach())));
-            y
+    for &action in &req.actions {
+        let done: Result<(u64, u64), BoxError> = async {
+            match action {
+                Action::Forward(j) => {
+                    let input = match req.data.get(j) {
+                        Some(t) if req.stage == 0 => t.0.clone(),
+                        _ => state.take(key(Kind::Activation, j), timeout).await?,
+                    };
+                    let start = now_us();
+                    let train = req.ctx.is_some();
+                    let leaf = if train && input.dtype().is_float() {
+                        Some(Var::from_tensor(&input)?.as_tensor().clone())
+                    } else {
+                        None
+                    };
+                    let y = module.forward(leaf.as_ref().unwrap_or(&input))?;
+                    let kept = match (&req.loss, req.next) {
+                        (Some((loss, targets, batch)), _) => {
+                            let l = loss.compute(&y, &targets[j].0, *batch as usize)?;
+                            reply.losses[j] = l.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+                            l
+                        }
+                        (None, Some(next)) => {
+                            send(next, req.stage + 1, Kind::Activation, j, y.detach()).await?;
+                            y
+                        }
+                        (None, None) => {
+                            reply.outputs.push(RTensor(y.detach()));
+                            y
+                        }
+                    };
+                    if train {
+                        saved.insert(
+                            j,
+                            Saved {
+                                input: leaf,
+                                output: kept,
+                            },
+                        );
+                        reply.live = reply.live.max(saved.len() as u32);
+                    }
+                    Ok((start, now_us()))
+                }
+                Action::Backward(j) => {
+                    let ctx = req.ctx.ok_or("a backward pass outside training")?;
+                    let grad = match req.next {
+                        Some(_) => Some(state.take(key(Kind::Gradient, j), timeout).await?),
+                        None => None,
+                    };
+                    let start = now_us();
+                    let s = saved.remove(&j).ok_or("backward before forward")?;
+                    let input_grad = backward(agent, module, ctx, s, grad)?;
+                    if let (Some(prev), Some(g)) = (req.prev, input_grad) {
+                        send(prev, req.stage - 1, Kind::Gradient, j, g).await?;
+                    }
+                    Ok((start, now_us()))
+                }
+            }
         }
-        Finish::Loss {
-            loss,
-            targets,
-            batch,
-        } => {
-            let l = loss.compute(&y, &targets.0, batch as usize)?;
-            reply.loss = Some(l.to_dtype(DType::F64)?.to_scalar::<f64>()?);
-            l
+        .await;
+        match done {
+            Ok(span) => reply.spans.push(span),
+            Err(e) => {
+                let (pass, j) = match action {
+                    Action::Forward(j) => ("forward", j),
+                    Action::Backward(j) => ("backward", j),
+                };
+                return Err(format!("the {pass} of micro-batch {j}: {e}").into());
+            }
         }
-        Finish::Return => {
-            reply.value = Some(RTensor(y.detach()));
-            y
-        }
-    };
-    if req.train {
-        let tables = agent.extension(StageTables::default);
-        let mut t = lock(&tables.0);
-        let table = t.entry((req.pipe, req.stage)).or_default();
-        if table.step != req.step {
-            // A new step: whatever an earlier, failed step left goes.
-            table.step = req.step;
-            table.saved.clear();
-        }
-        table.saved.insert(
-            req.mb,
-            Saved {
-                input: leaf,
-                output: saved,
-            },
-        );
-        reply.live = table.saved.len() as u32;
     }
-    reply.span.1 = now_us();
     Ok(reply)
 }
 
-/// A stage's backward, on its worker.
-pub(crate) async fn stage_backward<M: Module>(
+/// Backward of one micro-batch through `module`: its parameters' gradients add up in context
+/// `ctx` on this worker; returns the gradient of its input (if it is a variable).
+fn backward<M: Module>(
     agent: &Agent,
     module: &M,
-    req: BackwardReq,
-) -> Result<BackwardReply, BoxError> {
-    let grad = match &req.grad {
-        Some(r) => Some(r.to_here().await?.0),
-        None => None,
-    };
-    let start = now_us();
-    let tables = agent.extension(StageTables::default);
-    let (saved, live) = {
-        let mut t = lock(&tables.0);
-        let entry = t
-            .get_mut(&(req.pipe, req.stage))
-            .filter(|t| t.step == req.step)
-            .and_then(|t| t.saved.remove(&req.mb).map(|s| (s, t.saved.len())));
-        entry.ok_or_else(|| {
-            format!(
-                "no saved activations of micro-batch {} of step {} here (forward not run, or \
-                 backward run twice)",
-                req.mb, req.step
-            )
-        })?
-    };
+    ctx: u64,
+    saved: Saved,
+    grad: Option<Tensor>,
+) -> candle_core::Result<Option<Tensor>> {
     let root = match grad {
         None => saved.output.sum_all()?,
         Some(g) => {
@@ -370,9 +439,8 @@ pub(crate) async fn stage_backward<M: Module>(
         }
     };
     let grads = root.backward()?;
-    drop(root);
     let params = module.parameters();
-    container(agent).with(req.ctx, |st| -> candle_core::Result<()> {
+    container(agent).with(ctx, |st| -> candle_core::Result<()> {
         for v in &params {
             let Some(g) = grads.get(v.as_tensor()) else {
                 continue;
@@ -385,25 +453,29 @@ pub(crate) async fn stage_backward<M: Module>(
         }
         Ok(())
     })?;
-    let input_grad = match (&saved.input, req.input_grad) {
-        (Some(x), true) => {
-            let g = grads.get(x).cloned().map_or_else(|| x.zeros_like(), Ok)?;
-            Some(RRef::new(agent, RTensor(g)))
-        }
-        _ => None,
-    };
-    drop((grads, saved));
-    Ok(BackwardReply {
-        input_grad,
-        span: (start, now_us()),
-        live: live as u32,
-    })
+    saved
+        .input
+        .map(|x| grads.get(&x).cloned().map_or_else(|| x.zeros_like(), Ok))
+        .transpose()
 }
 
-/// Drops what pipeline `pipe` saved on this worker.
-pub(crate) fn stage_forget(agent: &Agent, pipe: u64) {
-    let tables = agent.extension(StageTables::default);
-    lock(&tables.0).retain(|k, _| k.0 != pipe);
+const ABORTED: &str = "the step was aborted (another stage failed)";
+
+/// Drops what pipeline `pipe` has on this worker. With `abort`, that step and those before it
+/// are aborted: a stage waiting for a neighbour in them stops, and so does one that would.
+pub(crate) fn stage_forget(agent: &Agent, pipe: u64, abort: Option<u64>) {
+    let state = agent.extension(StageState::default);
+    let mut inbox = lock(&state.inbox);
+    inbox.slots.retain(|k, _| k.0 != pipe);
+    match abort {
+        Some(step) => {
+            let s = inbox.aborted.entry(pipe).or_insert(step);
+            *s = (*s).max(step);
+        }
+        None => {
+            inbox.aborted.remove(&pipe);
+        }
+    }
 }
 
 /// A pass of one micro-batch on one stage, as the stage timed it.
@@ -476,6 +548,8 @@ pub struct Pipeline {
     loss: Loss,
     id: u64,
     steps: std::sync::atomic::AtomicU64,
+    /// A step failed: the stages may hold what it left.
+    failed: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Pipeline {
@@ -485,21 +559,6 @@ impl std::fmt::Debug for Pipeline {
             .field("micro_batches", &self.micro_batches)
             .field("schedule", &self.schedule)
             .finish()
-    }
-}
-
-/// Why a stage's driver on the master stopped.
-#[derive(Debug)]
-enum DriverError {
-    /// Its stage failed.
-    Stage(AutogradError),
-    /// Another stage it waits for failed (that one reports).
-    Upstream,
-}
-
-impl From<candle_core::Error> for DriverError {
-    fn from(e: candle_core::Error) -> Self {
-        Self::Stage(AutogradError::Candle(e))
     }
 }
 
@@ -533,6 +592,7 @@ impl Pipeline {
             loss,
             id,
             steps: std::sync::atomic::AtomicU64::new(0),
+            failed: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -642,7 +702,7 @@ impl Pipeline {
         Ok(Tensor::cat(&out.outputs, 0)?)
     }
 
-    /// Drives every stage through its actions. `train`: the context and the targets.
+    /// Runs every stage's actions for one step. `train`: the context and the targets.
     async fn run(
         &self,
         step: u64,
@@ -651,49 +711,105 @@ impl Pipeline {
         splits: &[(usize, usize)],
     ) -> Result<Outcome, AutogradError> {
         let (p, m) = (self.stages.len(), splits.len());
-        let run = StepRun {
-            pipe: self,
-            step,
-            input,
-            train,
-            splits,
-            outs: Handoffs::new(p * m),
-            grads: Handoffs::new(p * m),
-            events: Mutex::new(Vec::new()),
-            losses: Mutex::new(vec![0f64; m]),
-            outputs: Mutex::new(vec![None; m]),
+        let schedule = match train {
+            Some(_) => self.schedule,
+            None => Schedule::GPipe,
         };
-        // Every driver runs to its end: a failed stage closes every hand-off, so the others
-        // stop waiting (`Upstream`) instead of hanging; the error reported is the stage's own.
-        let results = futures::future::join_all((0..p).map(|s| run.drive(s))).await;
-        let mut live = Vec::with_capacity(p);
-        let (mut first, mut upstream) = (None, false);
-        for r in results {
-            live.push(*r.as_ref().unwrap_or(&0));
+        let part = |t: &Tensor| -> candle_core::Result<Vec<RTensor>> {
+            splits
+                .iter()
+                .map(|&(at, len)| t.narrow(0, at, len).map(RTensor))
+                .collect()
+        };
+        let mut calls = futures::stream::FuturesUnordered::new();
+        for (s, stage) in self.stages.iter().enumerate() {
+            let actions = schedule
+                .actions(s, p, m)
+                .into_iter()
+                .filter(|a| train.is_some() || matches!(a, Action::Forward(_)))
+                .collect();
+            let loss = match train {
+                Some((_, targets)) if s + 1 == p => Some((
+                    self.loss,
+                    part(targets)?,
+                    splits.iter().map(|s| s.1 as u64).sum(),
+                )),
+                _ => None,
+            };
+            let req = RunReq {
+                pipe: self.id,
+                stage: s as u32,
+                step,
+                actions,
+                data: if s == 0 { part(input)? } else { Vec::new() },
+                loss,
+                ctx: train.map(|t| t.0),
+                prev: s.checked_sub(1).map(|q| self.stages[q].0.rank()),
+                next: self.stages.get(s + 1).map(|n| n.0.rank()),
+            };
+            let call = stage.0.run(req);
+            calls.push(async move { (s, call.await) });
+        }
+        let mut replies: Vec<Option<RunReply>> = (0..p).map(|_| None).collect();
+        let mut failed: Option<AutogradError> = None;
+        while let Some((s, r)) = calls.next().await {
             match r {
-                Ok(_) => {}
-                Err(DriverError::Stage(e)) => {
-                    first.get_or_insert(e);
+                Ok(reply) => replies[s] = Some(reply),
+                Err(e) if failed.is_none() => {
+                    // The other stages stop waiting for this one; the first failure is the
+                    // cause (the others fail because of it).
+                    failed = Some(AutogradError::Stage {
+                        stage: s,
+                        worker: self.stages[s].0.worker(),
+                        source: Box::new(e),
+                    });
+                    let forgets = self
+                        .stages
+                        .iter()
+                        .enumerate()
+                        .filter(|(q, _)| *q != s)
+                        .map(|(_, st)| st.0.forget(self.id, Some(step)));
+                    for r in futures::future::join_all(forgets).await {
+                        if let Err(e) = r {
+                            tracing::debug!(cause = %e, "a stage could not be told to stop");
+                        }
+                    }
                 }
-                Err(DriverError::Upstream) => upstream = true,
+                Err(_) => {}
             }
         }
-        if let Some(e) = first {
+        if let Some(e) = failed {
+            self.failed
+                .store(true, std::sync::atomic::Ordering::Relaxed);
             return Err(e);
         }
-        if upstream {
-            return Err(AutogradError::State(
-                "a pipeline stage stopped waiting for another that failed".into(),
-            ));
+        let mut out = Outcome {
+            loss: 0.0,
+            events: Vec::new(),
+            live: Vec::with_capacity(p),
+            outputs: Vec::new(),
+        };
+        for (s, reply) in replies.into_iter().enumerate() {
+            let reply = reply.expect("every stage answered");
+            let actions = schedule
+                .actions(s, p, m)
+                .into_iter()
+                .filter(|a| train.is_some() || matches!(a, Action::Forward(_)));
+            for (action, (start_us, end_us)) in actions.zip(reply.spans) {
+                out.events.push(StageEvent {
+                    stage: s,
+                    action,
+                    start_us,
+                    end_us,
+                });
+            }
+            out.live.push(reply.live as usize);
+            if s + 1 == p {
+                out.loss = reply.losses.iter().sum();
+                out.outputs = reply.outputs.into_iter().map(|t| t.0).collect();
+            }
         }
-        let losses = into_inner(run.losses);
-        let outputs = into_inner(run.outputs);
-        Ok(Outcome {
-            loss: losses.iter().sum(),
-            events: into_inner(run.events),
-            live,
-            outputs: outputs.into_iter().flatten().collect(),
-        })
+        Ok(out)
     }
 }
 
@@ -705,195 +821,21 @@ struct Outcome {
     outputs: Vec<Tensor>,
 }
 
-/// One reference per (stage, micro-batch), handed from the driver of the stage that made it
-/// to the driver of the stage that takes it.
-struct Handoffs {
-    tx: Vec<Mutex<Option<oneshot::Sender<RRef<RTensor>>>>>,
-    rx: Vec<Mutex<Option<oneshot::Receiver<RRef<RTensor>>>>>,
-}
-
-impl Handoffs {
-    fn new(n: usize) -> Self {
-        let (tx, rx) = (0..n)
-            .map(|_| {
-                let (t, r) = oneshot::channel();
-                (Mutex::new(Some(t)), Mutex::new(Some(r)))
-            })
-            .unzip();
-        Self { tx, rx }
-    }
-
-    fn give(&self, i: usize, r: RRef<RTensor>) {
-        if let Some(tx) = lock(&self.tx[i]).take() {
-            let _ = tx.send(r);
-        }
-    }
-
-    async fn take(&self, i: usize) -> Result<RRef<RTensor>, DriverError> {
-        let rx = lock(&self.rx[i]).take().ok_or(DriverError::Upstream)?;
-        rx.await.map_err(|_| DriverError::Upstream)
-    }
-
-    /// Wakes every waiting taker with `Upstream`.
-    fn close(&self) {
-        for tx in &self.tx {
-            lock(tx).take();
-        }
-    }
-}
-
-fn into_inner<T>(m: Mutex<T>) -> T {
-    m.into_inner().unwrap_or_else(|e| e.into_inner())
-}
-
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// The state of one [`Pipeline::run`], shared by its stages' drivers.
-struct StepRun<'a> {
-    pipe: &'a Pipeline,
-    step: u64,
-    input: &'a Tensor,
-    train: Option<(u64, &'a Tensor)>,
-    splits: &'a [(usize, usize)],
-    /// Stage `s`'s output of micro-batch `j` at `s * m + j`, for stage `s + 1`.
-    outs: Handoffs,
-    /// The gradient of stage `s`'s input of micro-batch `j` at `s * m + j`, for stage `s - 1`.
-    grads: Handoffs,
-    events: Mutex<Vec<StageEvent>>,
-    losses: Mutex<Vec<f64>>,
-    outputs: Mutex<Vec<Option<Tensor>>>,
-}
-
-impl StepRun<'_> {
-    /// Runs stage `s`'s actions in order; returns the most micro-batches it kept at once.
-    async fn drive(&self, s: usize) -> Result<usize, DriverError> {
-        let (p, m) = (self.pipe.stages.len(), self.splits.len());
-        let schedule = match self.train {
-            Some(_) => self.pipe.schedule,
-            None => Schedule::GPipe,
-        };
-        let mut live = 0;
-        for action in schedule.actions(s, p, m) {
-            let span = match action {
-                Action::Forward(j) => self.forward(s, j, &mut live).await,
-                Action::Backward(_) if self.train.is_none() => continue,
-                Action::Backward(j) => self.backward(s, j).await,
-            };
-            let span = match span {
-                Ok(span) => span,
-                Err(e) => {
-                    self.outs.close();
-                    self.grads.close();
-                    return Err(e);
-                }
-            };
-            lock(&self.events).push(StageEvent {
-                stage: s,
-                action,
-                start_us: span.0,
-                end_us: span.1,
-            });
-        }
-        Ok(live)
-    }
-
-    /// `e`, as stage `s`'s failure in `pass` of micro-batch `j`.
-    fn failed(&self, s: usize, pass: &'static str, j: usize, e: AutogradError) -> DriverError {
-        DriverError::Stage(AutogradError::Stage {
-            stage: s,
-            worker: self.pipe.stages[s].0.worker(),
-            pass,
-            micro_batch: j,
-            source: Box::new(e),
-        })
-    }
-
-    async fn forward(
-        &self,
-        s: usize,
-        j: usize,
-        live: &mut usize,
-    ) -> Result<(u64, u64), DriverError> {
-        let (p, m) = (self.pipe.stages.len(), self.splits.len());
-        let (at, len) = self.splits[j];
-        let input = if s == 0 {
-            StageInput::Data(RTensor(self.input.narrow(0, at, len)?))
-        } else {
-            StageInput::Prev(self.outs.take((s - 1) * m + j).await?)
-        };
-        let finish = match (s + 1 == p, self.train) {
-            (false, _) => Finish::Pass,
-            (true, Some((_, targets))) => Finish::Loss {
-                loss: self.pipe.loss,
-                targets: RTensor(targets.narrow(0, at, len)?),
-                batch: self.splits.iter().map(|s| s.1 as u64).sum(),
-            },
-            (true, None) => Finish::Return,
-        };
-        let req = ForwardReq {
-            pipe: self.pipe.id,
-            stage: s as u32,
-            step: self.step,
-            mb: j as u32,
-            input,
-            finish,
-            train: self.train.is_some(),
-        };
-        let reply = self.pipe.stages[s]
-            .0
-            .forward(req)
-            .await
-            .map_err(|e| self.failed(s, "forward", j, e))?;
-        *live = (*live).max(reply.live as usize);
-        if let Some(out) = reply.out {
-            self.outs.give(s * m + j, out);
-        }
-        if let Some(l) = reply.loss {
-            lock(&self.losses)[j] = l;
-        }
-        if let Some(v) = reply.value {
-            lock(&self.outputs)[j] = Some(v.0);
-        }
-        Ok(reply.span)
-    }
-
-    async fn backward(&self, s: usize, j: usize) -> Result<(u64, u64), DriverError> {
-        let (p, m) = (self.pipe.stages.len(), self.splits.len());
-        let Some((ctx, _)) = self.train else {
-            return Err(DriverError::Upstream);
-        };
-        let grad = if s + 1 == p {
-            None
-        } else {
-            Some(self.grads.take((s + 1) * m + j).await?)
-        };
-        let req = BackwardReq {
-            pipe: self.pipe.id,
-            stage: s as u32,
-            step: self.step,
-            mb: j as u32,
-            grad,
-            ctx,
-            input_grad: s > 0,
-        };
-        let reply = self.pipe.stages[s]
-            .0
-            .backward(req)
-            .await
-            .map_err(|e| self.failed(s, "backward", j, e))?;
-        if let Some(g) = reply.input_grad {
-            self.grads.give(s * m + j, g);
-        }
-        Ok(reply.span)
-    }
 }
 
 impl Drop for Pipeline {
     fn drop(&mut self) {
         // What a failed step left on the stages goes (a completed step leaves nothing).
-        let forgets: Vec<_> = self.stages.iter().map(|s| s.0.forget(self.id)).collect();
+        if !self.failed.load(std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
+        let forgets: Vec<_> = self
+            .stages
+            .iter()
+            .map(|s| s.0.forget(self.id, None))
+            .collect();
         self.agent.runtime().spawn(async move {
             for f in forgets {
                 if let Err(e) = f.await {

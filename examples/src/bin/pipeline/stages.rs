@@ -89,7 +89,9 @@ impl MlpStage {
     pub fn build(init: MlpInit, device: &Device) -> candle_core::Result<Self> {
         let n = init.widths.len().saturating_sub(1);
         let second = match &init.second {
-            Some(d) => d.device().map_err(|e| candle_core::Error::Msg(e.to_string()))?,
+            Some(d) => d
+                .device()
+                .map_err(|e| candle_core::Error::Msg(e.to_string()))?,
             None => device.clone(),
         };
         let mut layers = Vec::with_capacity(n);
@@ -186,7 +188,10 @@ mod tests {
                 (4, vec![512, 7])
             ]
         );
-        assert_eq!(mlp_blocks(8, 4, 1, 2, 5), vec![(0, vec![8, 4]), (1, vec![4, 2])]);
+        assert_eq!(
+            mlp_blocks(8, 4, 1, 2, 5),
+            vec![(0, vec![8, 4]), (1, vec![4, 2])]
+        );
     }
 
     #[test]
@@ -207,7 +212,14 @@ mod tests {
             .unwrap();
         let y1 = whole.forward(&x).unwrap();
         let y2 = b.forward(&a.forward(&x).unwrap()).unwrap();
-        let d: f32 = (y1 - y2).unwrap().abs().unwrap().max_all().unwrap().to_scalar().unwrap();
+        let d: f32 = (y1 - y2)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar()
+            .unwrap();
         assert_eq!(d, 0.0);
     }
 }

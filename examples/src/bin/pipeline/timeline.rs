@@ -28,16 +28,14 @@ pub fn draw(report: &StepReport, workers: &[String], title: &str, path: &Path) -
     let x_of = |us: u64| left + (us.saturating_sub(t0) as f64 / span * plot_w).round() as i32;
     for (s, worker) in workers.iter().enumerate() {
         let y = top + row * s as i32;
-        Text::new(
-            &format!("stage {s}"),
-            Point::new(10, y + 16),
-            black,
-        )
-        .draw(&mut c)?;
+        Text::new(&format!("stage {s}"), Point::new(10, y + 16), black).draw(&mut c)?;
         Text::new(worker, Point::new(10, y + 30), black).draw(&mut c)?;
-        Rectangle::new(Point::new(left, y + 4), Size::new(plot_w as u32, (row - 8) as u32))
-            .into_styled(PrimitiveStyle::with_fill(Rgb888::new(240, 240, 240)))
-            .draw(&mut c)?;
+        Rectangle::new(
+            Point::new(left, y + 4),
+            Size::new(plot_w as u32, (row - 8) as u32),
+        )
+        .into_styled(PrimitiveStyle::with_fill(Rgb888::new(240, 240, 240)))
+        .draw(&mut c)?;
     }
     for e in &report.events {
         let y = top + row * e.stage as i32;
@@ -51,9 +49,12 @@ pub fn draw(report: &StepReport, workers: &[String], title: &str, path: &Path) -
             .stroke_color(Rgb888::WHITE)
             .stroke_width(1)
             .build();
-        Rectangle::new(Point::new(x0, y + 4), Size::new((x1 - x0) as u32, (row - 8) as u32))
-            .into_styled(style)
-            .draw(&mut c)?;
+        Rectangle::new(
+            Point::new(x0, y + 4),
+            Size::new((x1 - x0) as u32, (row - 8) as u32),
+        )
+        .into_styled(style)
+        .draw(&mut c)?;
         if x1 - x0 >= 14 {
             Text::new(&j.to_string(), Point::new(x0 + 3, y + row / 2 + 3), white).draw(&mut c)?;
         }

@@ -1,0 +1,171 @@
+//! The pipeline example as a user runs it: a master and one process per stage on 127.0.0.1,
+//! small settings; every process is killed when its handle drops, whatever the outcome.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+mod common;
+use common::{last_json, run_to_end, Spawned};
+
+const BIN: &str = env!("CARGO_BIN_EXE_pipeline");
+
+/// A small model and data set: seconds per run in a debug build.
+const SMALL: [&str; 12] = [
+    "--batch",
+    "64",
+    "--emb",
+    "16",
+    "--hidden",
+    "32",
+    "--mlp-width",
+    "48",
+    "--train-limit",
+    "1280",
+    "--test-limit",
+    "200",
+];
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("pipeline-test-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn check_equivalence_passes_for_both_schedules() {
+    let mut args: Vec<&str> = SMALL.to_vec();
+    args.push("--check-equivalence");
+    let (code, out, err) = run_to_end(BIN, &args, Duration::from_secs(300));
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    let j = last_json(&out, &err);
+    assert_eq!(j["ok"], true, "{j}");
+    for key in ["max_grad_diff", "max_param_diff", "max_loss_diff"] {
+        let d = j[key].as_f64().unwrap();
+        assert!(d <= 1e-5, "{key} {d}");
+    }
+    // Eight configurations, each reported.
+    assert_eq!(
+        out.lines()
+            .filter(|l| l.contains("micro-batch(es)"))
+            .count(),
+        8,
+        "{out}"
+    );
+}
+
+#[test]
+fn trains_reports_and_draws_the_timeline() {
+    let dir = scratch("train");
+    let out_dir = dir.join("out");
+    let mut args: Vec<String> = SMALL.iter().map(|s| s.to_string()).collect();
+    args.extend(
+        [
+            "--epochs",
+            "2",
+            "--stages",
+            "3",
+            "--micro-batches",
+            "4",
+            "--quiet",
+            "--out-dir",
+        ]
+        .map(String::from),
+    );
+    args.push(out_dir.display().to_string());
+    let mut p = Spawned::start(BIN, &args, &[], &dir);
+    let code = p.wait(Duration::from_secs(300));
+    let (out, err) = (p.stdout(), p.stderr());
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    assert_eq!(
+        out.lines().filter(|l| l.contains("test accuracy")).count(),
+        2,
+        "{out}"
+    );
+    let j = last_json(&out, &err);
+    assert_eq!(j["schedule"], "1f1b");
+    assert_eq!(j["stages"], 3);
+    // 1F1B: stage s of 3 keeps at most 3 - s micro-batches.
+    assert_eq!(
+        j["max_live_activations"],
+        serde_json::json!([3, 2, 1]),
+        "{j}"
+    );
+    assert_eq!(j["peak_rss_mb"].as_array().unwrap().len(), 3);
+    assert!(
+        j["accuracy"].as_f64().unwrap() > 1.0 / 7.0,
+        "better than chance: {j}"
+    );
+    let bubble = j["bubble_measured"].as_f64().unwrap();
+    assert!((0.0..1.0).contains(&bubble), "{j}");
+    let png = std::fs::read(out_dir.join("timeline.png")).unwrap();
+    assert_eq!(&png[1..4], b"PNG");
+    drop(p);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// Stage 1's process killed (SIGKILL) in the middle of step 2: the master's step fails with an
+/// error naming the stage and its worker, and the master exits 1 within seconds. The processes
+/// are started as a launcher would, so the master's own message is what the test reads.
+#[test]
+fn a_killed_stage_fails_the_step_naming_it() {
+    let dir = scratch("kill");
+    let port = free_port().to_string();
+    let mut args: Vec<String> = SMALL.iter().map(|s| s.to_string()).collect();
+    args.extend(
+        [
+            "--epochs",
+            "1",
+            "--stages",
+            "2",
+            "--quiet",
+            "--kill-stage",
+            "1",
+            "--kill-at-step",
+            "2",
+            "--timeout-secs",
+            "60",
+        ]
+        .map(String::from),
+    );
+    let mut procs: Vec<Spawned> = (0..3)
+        .map(|rank| {
+            let d = dir.join(format!("rank{rank}"));
+            std::fs::create_dir_all(&d).unwrap();
+            let r = rank.to_string();
+            let env = [
+                ("RANK", r.as_str()),
+                ("WORLD_SIZE", "3"),
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", port.as_str()),
+                ("RPC_SECRET", "pipeline test secret, long enough"),
+                ("PIPELINE_WORKER_TIMEOUT", "60"),
+            ];
+            Spawned::start(BIN, &args, &env, &d)
+        })
+        .collect();
+    let code = procs[0].wait(Duration::from_secs(120));
+    let err = procs[0].stderr();
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("killing stage 1 during step 2"), "{err}");
+    assert!(err.contains("training step 2"), "{err}");
+    assert!(
+        err.contains("pipeline stage 1 on worker `worker2` failed"),
+        "the stage and its worker are named: {err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(
+        procs[2].wait(Duration::from_secs(30)),
+        None,
+        "killed by SIGKILL"
+    );
+    drop(procs);
+    std::fs::remove_dir_all(dir).unwrap();
+}
