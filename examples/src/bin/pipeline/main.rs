@@ -112,7 +112,7 @@ struct Args {
     #[arg(long)]
     data_dir: Option<PathBuf>,
     /// Where the timeline picture goes.
-    #[arg(long, default_value = "runs/pipeline")]
+    #[arg(long, default_value = "target/pipeline")]
     out_dir: PathBuf,
     /// Only compare GPipe and 1F1B with 1, 2, 4 and 8 micro-batches against one process
     /// (gradients, then 20 SGD steps); exits 1 above 1e-5.
