@@ -77,6 +77,7 @@
 //! - `optim`: the local [`Optimizer`] and its update rules.
 //! - `dist_optim`: [`DistributedOptimizer`], [`Parameter`], [`GradientHook`].
 //! - `module`: [`RemoteModule`], a [`Module`] built and held on another worker.
+//! - `stage`: a pipeline stage's side of a step (its actions, hand-offs, saved activations).
 //! - `pipeline`: [`Pipeline`], stages of remote modules trained on micro-batches (GPipe, 1F1B).
 #![deny(missing_docs)]
 
@@ -92,6 +93,7 @@ mod module;
 mod optim;
 mod pipeline;
 mod record;
+mod stage;
 mod tensor;
 
 pub use device::{DeviceError, DeviceSpec};
@@ -119,6 +121,6 @@ pub fn install(
             .register(engine::BackwardStep)?
             .register(engine::BackwardFrom)?
             .register(engine::ReleaseContext)?
-            .register(pipeline::Deliver)?,
+            .register(stage::Deliver)?,
     )
 }

@@ -27,7 +27,7 @@ use serde::{Deserialize, Serialize, Serializer};
 use crate::device::DeviceSpec;
 use crate::dist_optim::{parameter_rrefs, Parameter};
 use crate::error::AutogradError;
-use crate::pipeline::{stage_forget, stage_run, RunReply, RunReq, StageOps};
+use crate::stage::{stage_forget, stage_run, RunReply, RunReq, StageModule, StageOps};
 use crate::tensor::RTensor;
 
 /// A module that can live on another worker.
@@ -114,7 +114,7 @@ impl<M: Module> RemoteFn for ModuleFn<M> {
                     .collect(),
             ),
             Op::StageRun(r, req) => {
-                Reply::StageRun(stage_run(ctx.agent(), &*held(&r).await?, req).await?)
+                Reply::StageRun(stage_run(ctx.agent(), &Staged(held(&r).await?), req).await?)
             }
             Op::StageForget(pipe, abort) => {
                 stage_forget(ctx.agent(), pipe, abort);
@@ -295,5 +295,17 @@ impl<M: Module> StageOps for RemoteModule<M> {
     fn parameters(&self) -> BoxFuture<'static, Result<Vec<RRef<Parameter>>, AutogradError>> {
         let this = self.clone();
         Box::pin(async move { this.remote_parameters().await })
+    }
+}
+
+/// A module as a pipeline stage sees it.
+struct Staged<M>(Arc<M>);
+
+impl<M: Module> StageModule for Staged<M> {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.0.forward(x)
+    }
+    fn parameters(&self) -> Vec<Var> {
+        self.0.parameters()
     }
 }

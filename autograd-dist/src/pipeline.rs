@@ -24,16 +24,12 @@
 //! forward and one backward: stage `s` keeps at most `p - s`. Both leave the same fraction of
 //! the step idle when stages take equal time, `(p - 1) / (m + p - 1)` (the bubble).
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::sync::Arc;
 
-use candle_core::{DType, Tensor, Var, D};
-use futures::channel::oneshot;
-use futures::future::BoxFuture;
+use candle_core::Tensor;
 use futures::StreamExt;
-use rpc_core::ext::{with_call_meta, AgentExt};
-use rpc_core::{Agent, BoxError, CallContext, RemoteFn};
+use rpc_core::ext::with_call_meta;
+use rpc_core::Agent;
 use rref::RRef;
 use serde::{Deserialize, Serialize};
 
@@ -42,6 +38,8 @@ use crate::engine::DistContext;
 use crate::error::AutogradError;
 use crate::module::{Module, RemoteModule};
 use crate::record::{container, CTX_KEY};
+use crate::stage::{now_us, RunReply, RunReq, StageOps};
+pub use crate::stage::{Action, Loss};
 use crate::tensor::RTensor;
 
 /// The order in which each stage runs the forward and backward passes of a step's
@@ -99,51 +97,6 @@ impl std::fmt::Display for Schedule {
     }
 }
 
-/// One entry of a stage's schedule.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Action {
-    /// The forward pass of a micro-batch.
-    Forward(usize),
-    /// Its backward pass.
-    Backward(usize),
-}
-
-/// The loss the last stage computes from its output and the targets.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Loss {
-    /// Cross-entropy of logits `[rows, classes]` against class indices `[rows]` (u32).
-    CrossEntropy,
-    /// Squared error against targets of the output's shape, summed over each row.
-    SquaredError,
-}
-
-impl Loss {
-    /// The loss of `rows` rows of a batch of `batch` rows: the sum over these rows divided by
-    /// `batch` (the micro-batches' losses add up to the whole batch's mean).
-    pub fn compute(
-        self,
-        output: &Tensor,
-        targets: &Tensor,
-        batch: usize,
-    ) -> candle_core::Result<Tensor> {
-        let scale = 1.0 / batch as f64;
-        match self {
-            Loss::CrossEntropy => {
-                let max = output.max_keepdim(D::Minus1)?.detach();
-                let shifted = output.broadcast_sub(&max)?;
-                let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
-                let logp = shifted.broadcast_sub(&lse)?;
-                let idx = targets.to_dtype(DType::U32)?.unsqueeze(1)?;
-                logp.gather(&idx, 1)?.sum_all()?.affine(-scale, 0.0)
-            }
-            Loss::SquaredError => {
-                let d = output.sub(&targets.to_dtype(output.dtype())?)?;
-                d.sqr()?.sum_all()?.affine(scale, 0.0)
-            }
-        }
-    }
-}
-
 /// A stage of a [`Pipeline`]: a remote module of any type.
 #[derive(Clone)]
 pub struct Stage(Arc<dyn StageOps>);
@@ -157,324 +110,6 @@ impl<M: Module> From<RemoteModule<M>> for Stage {
 impl std::fmt::Debug for Stage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Stage(on `{}`)", self.0.worker())
-    }
-}
-
-/// What a [`Pipeline`] needs of a stage (implemented by every [`RemoteModule`]).
-pub(crate) trait StageOps: Send + Sync + 'static {
-    fn worker(&self) -> String;
-    fn rank(&self) -> u32;
-    fn run(&self, req: RunReq) -> BoxFuture<'static, Result<RunReply, AutogradError>>;
-    fn forget(
-        &self,
-        pipe: u64,
-        abort: Option<u64>,
-    ) -> BoxFuture<'static, Result<(), AutogradError>>;
-    fn parameters(&self) -> BoxFuture<'static, Result<Vec<RRef<Parameter>>, AutogradError>>;
-}
-
-/// One step's work for one stage: its actions, in order, and where its inputs come from and
-/// its outputs go.
-#[derive(Serialize, Deserialize)]
-pub(crate) struct RunReq {
-    pub pipe: u64,
-    pub stage: u32,
-    pub step: u64,
-    pub actions: Vec<Action>,
-    /// The micro-batches themselves (first stage).
-    pub data: Vec<RTensor>,
-    /// Last stage, training: the loss, the targets of each micro-batch and the batch's rows.
-    pub loss: Option<(Loss, Vec<RTensor>, u64)>,
-    /// Training: the context the parameters' gradients accumulate in.
-    pub ctx: Option<u64>,
-    /// The workers of the previous and the next stage.
-    pub prev: Option<u32>,
-    pub next: Option<u32>,
-}
-
-#[derive(Serialize, Deserialize)]
-pub(crate) struct RunReply {
-    /// Each action's start and end, microseconds since the Unix epoch.
-    pub spans: Vec<(u64, u64)>,
-    /// Last stage, training: each micro-batch's loss.
-    pub losses: Vec<f64>,
-    /// Last stage, evaluation: each micro-batch's output.
-    pub outputs: Vec<RTensor>,
-    /// The most micro-batches whose activations were kept at once.
-    pub live: u32,
-}
-
-/// What a stage hands its neighbour.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub(crate) enum Kind {
-    /// An output, to the next stage.
-    Activation,
-    /// The gradient of an input, to the previous stage.
-    Gradient,
-}
-
-/// Addresses one hand-off: pipeline, receiving stage, step, kind, micro-batch.
-type Key = (u64, u32, u64, Kind, u32);
-
-enum Slot {
-    Arrived(Tensor),
-    Awaited(oneshot::Sender<Tensor>),
-}
-
-/// Tensors handed to this worker's stages by their neighbours, and the stages' saved
-/// activations.
-#[derive(Default)]
-struct StageState {
-    inbox: Mutex<Inbox>,
-}
-
-#[derive(Default)]
-struct Inbox {
-    slots: HashMap<Key, Slot>,
-    /// By pipeline: the last step aborted (its hand-offs fail at once).
-    aborted: HashMap<u64, u64>,
-}
-
-impl Inbox {
-    fn is_aborted(&self, key: &Key) -> bool {
-        self.aborted.get(&key.0).is_some_and(|&s| key.2 <= s)
-    }
-}
-
-impl StageState {
-    fn deliver(&self, key: Key, t: Tensor) {
-        let mut inbox = lock(&self.inbox);
-        if inbox.is_aborted(&key) {
-            return;
-        }
-        match inbox.slots.remove(&key) {
-            Some(Slot::Awaited(tx)) => {
-                let _ = tx.send(t);
-            }
-            _ => {
-                inbox.slots.insert(key, Slot::Arrived(t));
-            }
-        }
-    }
-
-    async fn take(&self, key: Key, timeout: std::time::Duration) -> Result<Tensor, BoxError> {
-        let rx = {
-            let mut inbox = lock(&self.inbox);
-            if inbox.is_aborted(&key) {
-                return Err(ABORTED.into());
-            }
-            match inbox.slots.remove(&key) {
-                Some(Slot::Arrived(t)) => return Ok(t),
-                _ => {
-                    let (tx, rx) = oneshot::channel();
-                    inbox.slots.insert(key, Slot::Awaited(tx));
-                    rx
-                }
-            }
-        };
-        match tokio::time::timeout(timeout, rx).await {
-            Ok(Ok(t)) => Ok(t),
-            Ok(Err(_)) => Err(ABORTED.into()),
-            Err(_) => Err(format!(
-                "no {:?} from the neighbouring stage within {timeout:?}",
-                key.3
-            )
-            .into()),
-        }
-    }
-}
-
-/// Internal: a tensor from a neighbouring stage.
-pub(crate) struct Deliver;
-
-impl RemoteFn for Deliver {
-    const NAME: &'static str = "autograd_dist::pipeline_deliver";
-    type Args = (u64, u32, u64, Kind, u32, RTensor);
-    type Output = ();
-    async fn call(
-        cx: CallContext,
-        (pipe, stage, step, kind, mb, t): Self::Args,
-    ) -> Result<(), BoxError> {
-        cx.agent()
-            .extension(StageState::default)
-            .deliver((pipe, stage, step, kind, mb), t.0);
-        Ok(())
-    }
-}
-
-fn now_us() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_micros() as u64)
-}
-
-/// A micro-batch's saved activations on its stage.
-struct Saved {
-    /// The input as a leaf variable (`None` for the batch itself).
-    input: Option<Tensor>,
-    /// The output (the loss on the last stage), with its graph.
-    output: Tensor,
-}
-
-/// One step of one stage, on its worker: its actions in order.
-pub(crate) async fn stage_run<M: Module>(
-    agent: &Agent,
-    module: &M,
-    req: RunReq,
-) -> Result<RunReply, BoxError> {
-    let state = agent.extension(StageState::default);
-    let timeout = agent.rpc_timeout();
-    let key = |kind, mb: usize| (req.pipe, req.stage, req.step, kind, mb as u32);
-    let send = |to: u32, stage: u32, kind, mb: usize, t: Tensor| {
-        let args = (req.pipe, stage, req.step, kind, mb as u32, RTensor(t));
-        async move {
-            agent
-                .rpc_async(to, Deliver, args)
-                .await
-                .map_err(|e| format!("handing over to `{}`: {e}", agent.name_of(to)))
-        }
-    };
-    let mut saved: HashMap<usize, Saved> = HashMap::new();
-    let mut reply = RunReply {
-        spans: Vec::with_capacity(req.actions.len()),
-        losses: vec![
-            0.0;
-            req.data
-                .len()
-                .max(req.loss.as_ref().map_or(0, |l| l.1.len()))
-        ],
-        outputs: Vec::new(),
-        live: 0,
-    };
-    for &action in &req.actions {
-        let done: Result<(u64, u64), BoxError> = async {
-            match action {
-                Action::Forward(j) => {
-                    let input = match req.data.get(j) {
-                        Some(t) if req.stage == 0 => t.0.clone(),
-                        _ => state.take(key(Kind::Activation, j), timeout).await?,
-                    };
-                    let start = now_us();
-                    let train = req.ctx.is_some();
-                    let leaf = if train && input.dtype().is_float() {
-                        Some(Var::from_tensor(&input)?.as_tensor().clone())
-                    } else {
-                        None
-                    };
-                    let y = module.forward(leaf.as_ref().unwrap_or(&input))?;
-                    let kept = match (&req.loss, req.next) {
-                        (Some((loss, targets, batch)), _) => {
-                            let l = loss.compute(&y, &targets[j].0, *batch as usize)?;
-                            reply.losses[j] = l.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-                            l
-                        }
-                        (None, Some(next)) => {
-                            send(next, req.stage + 1, Kind::Activation, j, y.detach()).await?;
-                            y
-                        }
-                        (None, None) => {
-                            reply.outputs.push(RTensor(y.detach()));
-                            y
-                        }
-                    };
-                    if train {
-                        saved.insert(
-                            j,
-                            Saved {
-                                input: leaf,
-                                output: kept,
-                            },
-                        );
-                        reply.live = reply.live.max(saved.len() as u32);
-                    }
-                    Ok((start, now_us()))
-                }
-                Action::Backward(j) => {
-                    let ctx = req.ctx.ok_or("a backward pass outside training")?;
-                    let grad = match req.next {
-                        Some(_) => Some(state.take(key(Kind::Gradient, j), timeout).await?),
-                        None => None,
-                    };
-                    let start = now_us();
-                    let s = saved.remove(&j).ok_or("backward before forward")?;
-                    let input_grad = backward(agent, module, ctx, s, grad)?;
-                    if let (Some(prev), Some(g)) = (req.prev, input_grad) {
-                        send(prev, req.stage - 1, Kind::Gradient, j, g).await?;
-                    }
-                    Ok((start, now_us()))
-                }
-            }
-        }
-        .await;
-        match done {
-            Ok(span) => reply.spans.push(span),
-            Err(e) => {
-                let (pass, j) = match action {
-                    Action::Forward(j) => ("forward", j),
-                    Action::Backward(j) => ("backward", j),
-                };
-                return Err(format!("the {pass} of micro-batch {j}: {e}").into());
-            }
-        }
-    }
-    Ok(reply)
-}
-
-/// Backward of one micro-batch through `module`: its parameters' gradients add up in context
-/// `ctx` on this worker; returns the gradient of its input (if it is a variable).
-fn backward<M: Module>(
-    agent: &Agent,
-    module: &M,
-    ctx: u64,
-    saved: Saved,
-    grad: Option<Tensor>,
-) -> candle_core::Result<Option<Tensor>> {
-    let root = match grad {
-        None => saved.output.sum_all()?,
-        Some(g) => {
-            let g = g
-                .to_device(saved.output.device())?
-                .to_dtype(saved.output.dtype())?;
-            (&saved.output * g)?.sum_all()?
-        }
-    };
-    let grads = root.backward()?;
-    let params = module.parameters();
-    container(agent).with(ctx, |st| -> candle_core::Result<()> {
-        for v in &params {
-            let Some(g) = grads.get(v.as_tensor()) else {
-                continue;
-            };
-            let acc = match st.grads.remove(&v.id()) {
-                Some((_, old)) => (old + g)?,
-                None => g.clone(),
-            };
-            st.grads.insert(v.id(), (v.as_tensor().clone(), acc));
-        }
-        Ok(())
-    })?;
-    saved
-        .input
-        .map(|x| grads.get(&x).cloned().map_or_else(|| x.zeros_like(), Ok))
-        .transpose()
-}
-
-const ABORTED: &str = "the step was aborted (another stage failed)";
-
-/// Drops what pipeline `pipe` has on this worker. With `abort`, that step and those before it
-/// are aborted: a stage waiting for a neighbour in them stops, and so does one that would.
-pub(crate) fn stage_forget(agent: &Agent, pipe: u64, abort: Option<u64>) {
-    let state = agent.extension(StageState::default);
-    let mut inbox = lock(&state.inbox);
-    inbox.slots.retain(|k, _| k.0 != pipe);
-    match abort {
-        Some(step) => {
-            let s = inbox.aborted.entry(pipe).or_insert(step);
-            *s = (*s).max(step);
-        }
-        None => {
-            inbox.aborted.remove(&pipe);
-        }
     }
 }
 
@@ -819,10 +454,6 @@ struct Outcome {
     events: Vec<StageEvent>,
     live: Vec<usize>,
     outputs: Vec<Tensor>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Drop for Pipeline {
