@@ -278,3 +278,40 @@ impl Workers {
         Ok(())
     }
 }
+
+/// The progress bar of one epoch of `epochs` over `len` steps (hidden with `quiet`).
+pub fn epoch_bar(quiet: bool, len: u64, epoch: u64, epochs: u64) -> indicatif::ProgressBar {
+    if quiet {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(len);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(&format!(
+            "epoch {}/{epochs} [{{bar:30}}] {{pos}}/{{len}} {{msg}} ({{elapsed}}<{{eta}})",
+            epoch + 1,
+        ))
+        .expect("the template is valid")
+        .progress_chars("=> "),
+    );
+    bar
+}
+
+/// The `main` of a training example: tracing, the allocator settings, one compute thread per
+/// process (several processes share the machine, and one-process baselines measure the same
+/// thread count; set before any other thread exists), then `run`; an error is printed with
+/// `name` and exits 1, otherwise the process exits with `run`'s code.
+pub fn main_with(name: &str, run: impl FnOnce() -> Result<i32>) -> ! {
+    init_tracing();
+    keep_freed_memory();
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        std::env::set_var("RAYON_NUM_THREADS", "1");
+    }
+    let code = match run() {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("{name}: error: {e:#}");
+            1
+        }
+    };
+    std::process::exit(code);
+}

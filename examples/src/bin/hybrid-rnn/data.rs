@@ -6,8 +6,11 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use anyhow::Result;
+use std::path::Path;
+
+use anyhow::{ensure, Result};
 use candle_core::{Device, Tensor};
+use examples::wordlang;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -120,6 +123,51 @@ pub struct Batch {
     pub t: usize,
     /// Words.
     pub b: usize,
+}
+
+/// The dataset, encoded: `train.tsv` and `test.tsv` of `dir` (default: the bundled data),
+/// cut to the first `train_limit` / `test_limit` words, with at least one `batch` to train on.
+pub struct Data {
+    /// The training words.
+    pub train: Split,
+    /// The test words.
+    pub test: Split,
+    /// The vocabulary's size.
+    pub vocab: usize,
+}
+
+impl Data {
+    /// Loads and encodes the data set.
+    pub fn load(
+        dir: Option<&Path>,
+        train_limit: Option<usize>,
+        test_limit: Option<usize>,
+        batch: usize,
+    ) -> Result<Self> {
+        let dir = dir.map_or_else(wordlang::data_dir, Path::to_path_buf);
+        let train = wordlang::load(&dir, "train.tsv")?;
+        let test = wordlang::load(&dir, "test.tsv")?;
+        let vocab = Vocab::new(train.iter().map(|(w, _)| w.as_str()));
+        let mut tr = Split::new(&vocab, &train);
+        let mut te = Split::new(&vocab, &test);
+        if let Some(n) = train_limit {
+            tr.truncate(n);
+        }
+        if let Some(n) = test_limit {
+            te.truncate(n);
+        }
+        ensure!(
+            tr.len() >= batch,
+            "{} training words are fewer than one batch of {batch}",
+            tr.len(),
+        );
+        ensure!(te.len() > 0, "the test set is empty");
+        Ok(Self {
+            train: tr,
+            test: te,
+            vocab: vocab.len(),
+        })
+    }
 }
 
 fn mix(seed: u64, a: u64, b: u64) -> u64 {

@@ -45,13 +45,13 @@ use anyhow::{ensure, Context, Result};
 use autograd_dist::{DeviceSpec, DistributedOptimizer, OptimizerKind, OptimizerState, RTensor};
 use candle_core::{Device, Tensor};
 use clap::Parser;
-use examples::wordlang::{self, LANGS};
+use examples::wordlang::LANGS;
 use rpc_core::{Agent, Config, Registry};
 use rref::RRef;
 use serde_json::json;
 
 use checkpoint::{Checkpoint, EpochProgress};
-use data::{Batch, Split, Vocab};
+use data::{Batch, Data, Split};
 use local::LocalModel;
 use model::{Dims, Encoder, EncoderInput, HEAD_PARAMS};
 use report::History;
@@ -257,21 +257,7 @@ impl Args {
 }
 
 fn main() {
-    examples::init_tracing();
-    examples::keep_freed_memory();
-    // One compute thread per process: three processes share the machine (and the baseline
-    // measures the same thread count). Set before any other thread exists.
-    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
-        std::env::set_var("RAYON_NUM_THREADS", "1");
-    }
-    let code = match run() {
-        Ok(code) => code,
-        Err(e) => {
-            eprintln!("hybrid-rnn: error: {e:#}");
-            1
-        }
-    };
-    std::process::exit(code);
+    examples::main_with("hybrid-rnn", run);
 }
 
 fn registry() -> Result<Registry> {
@@ -317,7 +303,7 @@ fn run() -> Result<i32> {
     if rank.is_none() {
         return launch_local(&args);
     }
-    let data = Data::load(&args)?;
+    let data = load_data(&args)?;
     let restart = rpc_core::launched_restart_count()?;
     let resume_from = if (args.resume || restart > 0) && !args.check_equivalence {
         let latest = Checkpoint::latest(&args.out_dir)?;
@@ -364,7 +350,7 @@ fn run() -> Result<i32> {
 /// children of this process with the launcher's code (`rpcrun`), which restarts all three
 /// after a failure, up to `--max-restarts` times. The children's output is this process's.
 fn launch_local(args: &Args) -> Result<i32> {
-    Data::load(args)?;
+    load_data(args)?;
     if args.resume {
         ensure!(
             Checkpoint::latest(&args.out_dir)?.is_some(),
@@ -397,42 +383,6 @@ fn launch_local(args: &Args) -> Result<i32> {
         );
     }
     Ok(exit.code)
-}
-
-/// The dataset, encoded.
-struct Data {
-    train: Split,
-    test: Split,
-    vocab: usize,
-}
-
-impl Data {
-    fn load(args: &Args) -> Result<Self> {
-        let dir = args.data_dir.clone().unwrap_or_else(wordlang::data_dir);
-        let train = wordlang::load(&dir, "train.tsv")?;
-        let test = wordlang::load(&dir, "test.tsv")?;
-        let vocab = Vocab::new(train.iter().map(|(w, _)| w.as_str()));
-        let mut tr = Split::new(&vocab, &train);
-        let mut te = Split::new(&vocab, &test);
-        if let Some(n) = args.train_limit {
-            tr.truncate(n);
-        }
-        if let Some(n) = args.test_limit {
-            te.truncate(n);
-        }
-        ensure!(
-            tr.len() >= args.batch,
-            "{} training words are fewer than one batch of {}",
-            tr.len(),
-            args.batch
-        );
-        ensure!(te.len() > 0, "the test set is empty");
-        Ok(Self {
-            train: tr,
-            test: te,
-            vocab: vocab.len(),
-        })
-    }
 }
 
 /// The master's model: the encoder here, the two head replicas on the workers, and one
@@ -864,7 +814,7 @@ async fn master(
     for epoch in epoch0..args.epochs {
         let batches = data::epoch_batches(data.train.len(), args.batch, args.seed, epoch);
         model.opt.set_lr(args.lr_at(epoch)).await?;
-        let bar = progress_bar(args, batches.len() as u64, epoch);
+        let bar = examples::epoch_bar(args.quiet, batches.len() as u64, epoch, args.epochs);
         // Where a resumed epoch picks up.
         let k0 = (step - epoch * per_epoch) as usize;
         bar.set_position(k0 as u64);
@@ -1069,19 +1019,11 @@ fn round(x: f64, digits: i32) -> f64 {
     (x * f).round() / f
 }
 
-fn progress_bar(args: &Args, len: u64, epoch: u64) -> indicatif::ProgressBar {
-    if args.quiet {
-        return indicatif::ProgressBar::hidden();
-    }
-    let bar = indicatif::ProgressBar::new(len);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(&format!(
-            "epoch {}/{} [{{bar:30}}] {{pos}}/{{len}} {{msg}} ({{elapsed}}<{{eta}})",
-            epoch + 1,
-            args.epochs
-        ))
-        .expect("the template is valid")
-        .progress_chars("=> "),
-    );
-    bar
+fn load_data(args: &Args) -> Result<Data> {
+    Data::load(
+        args.data_dir.as_deref(),
+        args.train_limit,
+        args.test_limit,
+        args.batch,
+    )
 }

@@ -39,11 +39,11 @@ use autograd_dist::{
 };
 use candle_core::{DType, Device, Tensor, D};
 use clap::Parser;
-use examples::wordlang::{self, LANGS};
+use examples::wordlang::LANGS;
 use rpc_core::{remote, Agent, BoxError, CallContext, Config, Registry};
 use serde_json::json;
 
-use data::{epoch_batches, Split, Vocab};
+use data::{epoch_batches, Data, Split};
 use model::Dims;
 use stages::{mlp_blocks, EncoderStage, MlpInit, MlpStage};
 
@@ -205,20 +205,7 @@ impl Args {
 }
 
 fn main() {
-    examples::init_tracing();
-    examples::keep_freed_memory();
-    // One compute thread per process: the stages share the machine.
-    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
-        std::env::set_var("RAYON_NUM_THREADS", "1");
-    }
-    let code = match run() {
-        Ok(code) => code,
-        Err(e) => {
-            eprintln!("pipeline: error: {e:#}");
-            1
-        }
-    };
-    std::process::exit(code);
+    examples::main_with("pipeline", run);
 }
 
 /// This process's peak resident memory in MiB.
@@ -272,7 +259,7 @@ fn run() -> Result<i32> {
     if rank.is_none() {
         return launch_local(&args);
     }
-    let data = Data::load(&args)?;
+    let data = load_data(&args)?;
     let timeout = Duration::from_secs(args.timeout_secs);
     let cfg = Config::new()
         .with_name("master")
@@ -305,7 +292,7 @@ fn run() -> Result<i32> {
 
 /// Local mode: the master and every stage as children of this process (the launcher's code).
 fn launch_local(args: &Args) -> Result<i32> {
-    Data::load(args)?;
+    load_data(args)?;
     std::env::set_var(
         "PIPELINE_WORKER_TIMEOUT",
         args.timeout_secs.max(3600).to_string(),
@@ -320,42 +307,6 @@ fn launch_local(args: &Args) -> Result<i32> {
         eprintln!("pipeline: rank {} {}", f.rank, f.what);
     }
     Ok(exit.code)
-}
-
-/// The dataset, encoded.
-struct Data {
-    train: Split,
-    test: Split,
-    vocab: usize,
-}
-
-impl Data {
-    fn load(args: &Args) -> Result<Self> {
-        let dir = args.data_dir.clone().unwrap_or_else(wordlang::data_dir);
-        let train = wordlang::load(&dir, "train.tsv")?;
-        let test = wordlang::load(&dir, "test.tsv")?;
-        let vocab = Vocab::new(train.iter().map(|(w, _)| w.as_str()));
-        let mut tr = Split::new(&vocab, &train);
-        let mut te = Split::new(&vocab, &test);
-        if let Some(n) = args.train_limit {
-            tr.truncate(n);
-        }
-        if let Some(n) = args.test_limit {
-            te.truncate(n);
-        }
-        ensure!(
-            tr.len() >= args.batch(),
-            "{} training words are fewer than one batch of {}",
-            tr.len(),
-            args.batch()
-        );
-        ensure!(te.len() > 0, "the test set is empty");
-        Ok(Self {
-            train: tr,
-            test: te,
-            vocab: vocab.len(),
-        })
-    }
 }
 
 /// The words at `idx` as the first stage's input, `[B, T + 1]` u32 (ids, then each word's
@@ -657,7 +608,7 @@ async fn train(agent: &Agent, args: &Args, data: &Data) -> Result<i32> {
     let mut shown: Option<StepReport> = None;
     for epoch in 0..args.epochs {
         let batches = epoch_batches(data.train.len(), args.batch(), args.seed, epoch);
-        let bar = progress_bar(args, batches.len() as u64, epoch);
+        let bar = examples::epoch_bar(args.quiet, batches.len() as u64, epoch, args.epochs);
         let mut sum = 0.0;
         for (i, b) in batches.iter().enumerate() {
             let (x, y) = packed(&data.train, b)?;
@@ -821,19 +772,11 @@ async fn bench(agent: &Agent, args: &Args, data: &Data) -> Result<i32> {
     Ok(0)
 }
 
-fn progress_bar(args: &Args, len: u64, epoch: u64) -> indicatif::ProgressBar {
-    if args.quiet {
-        return indicatif::ProgressBar::hidden();
-    }
-    let bar = indicatif::ProgressBar::new(len);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(&format!(
-            "epoch {}/{} [{{bar:30}}] {{pos}}/{{len}} {{msg}} ({{elapsed}}<{{eta}})",
-            epoch + 1,
-            args.epochs
-        ))
-        .expect("the template is valid")
-        .progress_chars("=> "),
-    );
-    bar
+fn load_data(args: &Args) -> Result<Data> {
+    Data::load(
+        args.data_dir.as_deref(),
+        args.train_limit,
+        args.test_limit,
+        args.batch(),
+    )
 }
