@@ -8,8 +8,8 @@
 //! [`DistContext::run`](crate::DistContext::run), the call records the graph like any call
 //! with tensors, so a distributed backward reaches the module's parameters);
 //! [`RemoteModule::remote_parameters`] hands its parameters to a
-//! [`DistributedOptimizer`](crate::DistributedOptimizer), and [`RemoteModule::state`] reads
-//! their values for a checkpoint.
+//! [`DistributedOptimizer`](crate::DistributedOptimizer), [`RemoteModule::state`] reads
+//! their values for a checkpoint and [`RemoteModule::load_state`] puts them back.
 //!
 //! The module lives in an `RRef` owned by its worker: it stays there while any handle to it
 //! exists anywhere, and goes when the last is dropped.
@@ -68,6 +68,7 @@ enum Op<M: Module> {
     Forward(RRef<Held<M>>, RTensor),
     Parameters(RRef<Held<M>>),
     State(RRef<Held<M>>),
+    LoadState(RRef<Held<M>>, Vec<RTensor>),
     StageRun(RRef<Held<M>>, RunReq),
     StageForget(u64, Option<u64>),
 }
@@ -80,6 +81,7 @@ enum Reply<M: Module> {
     Forward(RTensor),
     Parameters(Vec<RRef<Parameter>>),
     State(Vec<RTensor>),
+    LoadState,
     StageRun(RunReply),
     StageForget,
 }
@@ -113,6 +115,10 @@ impl<M: Module> RemoteFn for ModuleFn<M> {
                     .map(|v| RTensor(v.as_tensor().detach()))
                     .collect(),
             ),
+            Op::LoadState(r, values) => {
+                load_values::<M>(&held(&r).await?.parameters(), values)?;
+                Reply::LoadState
+            }
             Op::StageRun(r, req) => {
                 Reply::StageRun(stage_run(ctx.agent(), &Staged(held(&r).await?), req).await?)
             }
@@ -122,6 +128,33 @@ impl<M: Module> RemoteFn for ModuleFn<M> {
             }
         })
     }
+}
+
+/// Sets `params` to `values` (a [`RemoteModule::state`]), refusing a count or shape that
+/// differs, before anything is set.
+fn load_values<M: Module>(params: &[Var], values: Vec<RTensor>) -> Result<(), AutogradError> {
+    if params.len() != values.len() {
+        return Err(AutogradError::State(format!(
+            "module {}: a state of {} tensors for {} parameters",
+            M::NAME,
+            values.len(),
+            params.len()
+        )));
+    }
+    for (i, (p, v)) in params.iter().zip(&values).enumerate() {
+        if p.dims() != v.0.dims() {
+            return Err(AutogradError::State(format!(
+                "module {}: parameter {i} is {:?}, the state's tensor {:?}",
+                M::NAME,
+                p.dims(),
+                v.0.dims()
+            )));
+        }
+    }
+    for (p, v) in params.iter().zip(values) {
+        p.set(&v.0.to_dtype(p.dtype())?.to_device(p.device())?)?;
+    }
+    Ok(())
 }
 
 /// Adds the remote function of module type `M` to a worker's registry (every worker that
@@ -227,6 +260,24 @@ impl<M: Module> RemoteModule<M> {
         let owner = self.module.owner_name();
         match call::<M>(&self.agent, owner.as_str(), Op::State(self.module.clone())).await? {
             Reply::State(s) => Ok(s.into_iter().map(|t| t.0).collect()),
+            _ => Err(unexpected::<M>(&owner)),
+        }
+    }
+
+    /// Sets the module's parameters to `state` (values in [`Module::parameters`] order, as
+    /// [`RemoteModule::state`] returns them: a checkpoint restored). A count or a shape that
+    /// differs is refused naming the parameter, and then nothing is set.
+    pub async fn load_state(&self, state: Vec<Tensor>) -> Result<(), AutogradError> {
+        let owner = self.module.owner_name();
+        let values = state.into_iter().map(RTensor).collect();
+        match call::<M>(
+            &self.agent,
+            owner.as_str(),
+            Op::LoadState(self.module.clone(), values),
+        )
+        .await?
+        {
+            Reply::LoadState => Ok(()),
             _ => Err(unexpected::<M>(&owner)),
         }
     }

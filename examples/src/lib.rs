@@ -7,6 +7,8 @@
 //! [`rpc_core::RANK_ENV`]).
 
 pub mod canvas;
+pub mod checkpoint;
+pub mod recovery;
 pub mod wordlang;
 
 use std::process::{Child, Command};
@@ -294,6 +296,58 @@ pub fn epoch_bar(quiet: bool, len: u64, epoch: u64, epochs: u64) -> indicatif::P
         .progress_chars("=> "),
     );
     bar
+}
+
+/// A launched worker of a training example (rank > 0): serves `registry` until rank 0 shuts
+/// the group down, within the seconds in the environment variable `timeout_env` (default an
+/// hour). Replaced one by one (`RPC_RESTART_MODE=worker`), a worker outlives the loss of
+/// others (rank 0 included: its replacement takes over), so it only fails if its own shutdown
+/// does.
+pub fn serve_launched(registry: Registry, timeout_env: &str) -> Result<()> {
+    let timeout = std::env::var(timeout_env)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .map_or(Duration::from_secs(3600), Duration::from_secs);
+    let one_by_one = std::env::var(rpc_core::RESTART_MODE_ENV).is_ok_and(|m| m == "worker");
+    runtime()?.block_on(async move {
+        if one_by_one {
+            serve_through_failures(registry, timeout).await
+        } else {
+            serve_until_shutdown(registry, timeout).await
+        }
+    })
+}
+
+/// The local mode of a training example: this very binary, `nproc` times (the master, rank
+/// 0, and its workers), as children of this process, started and restarted after failures
+/// (up to `max_restarts`, by `restart`) with the launcher's code; the children's output is this
+/// process's. Restarts and failures are summarized on standard error after `name`. Returns
+/// the exit code of the run.
+pub fn launch_here(
+    name: &str,
+    nproc: u32,
+    max_restarts: u32,
+    restart: rpcrun::Restart,
+) -> Result<i32> {
+    let exit = rpcrun::Launch::new(std::env::current_exe()?)
+        .args(std::env::args_os().skip(1))
+        .nproc(nproc)
+        .max_restarts(max_restarts)
+        .restart(restart)
+        .prefix_output(false)
+        .run()?;
+    if exit.restarts > 0 || !exit.failures.is_empty() {
+        eprintln!(
+            "{name}: {} restart(s); failures: {}",
+            exit.restarts,
+            exit.failures
+                .iter()
+                .map(|f| format!("rank {} {}", f.rank, f.what))
+                .collect::<Vec<_>>()
+                .join("; ")
+        );
+    }
+    Ok(exit.code)
 }
 
 /// The `main` of a training example: tracing, the allocator settings, one compute thread per

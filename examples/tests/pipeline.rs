@@ -56,33 +56,14 @@ fn check_equivalence_passes_for_both_schedules() {
 
 #[test]
 fn trains_reports_and_draws_the_timeline() {
-    let dir = scratch("train");
-    let out_dir = dir.join("out");
-    let mut args: Vec<String> = SMALL.iter().map(|s| s.to_string()).collect();
-    args.extend(
-        [
-            "--epochs",
-            "2",
-            "--stages",
-            "3",
-            "--micro-batches",
-            "4",
-            "--quiet",
-            "--out-dir",
-        ]
-        .map(String::from),
-    );
-    args.push(out_dir.display().to_string());
-    let mut p = Spawned::start(BIN, &args, &[], &dir);
-    let code = p.wait(Duration::from_secs(300));
-    let (out, err) = (p.stdout(), p.stderr());
-    assert_eq!(code, Some(0), "{out}\n{err}");
+    let run = run_small("train", &[]);
+    let (out, j) = (&run.out, &run.json);
+    assert_eq!(run.code, Some(0), "{out}");
     assert_eq!(
         out.lines().filter(|l| l.contains("test accuracy")).count(),
         2,
         "{out}"
     );
-    let j = last_json(&out, &err);
     assert_eq!(j["schedule"], "1f1b");
     assert_eq!(j["stages"], 3);
     // 1F1B: stage s of 3 keeps at most 3 - s micro-batches.
@@ -98,10 +79,8 @@ fn trains_reports_and_draws_the_timeline() {
     );
     let bubble = j["bubble_measured"].as_f64().unwrap();
     assert!((0.0..1.0).contains(&bubble), "{j}");
-    let png = std::fs::read(out_dir.join("timeline.png")).unwrap();
+    let png = run.timeline.expect("timeline.png written");
     assert_eq!(&png[1..4], b"PNG");
-    drop(p);
-    std::fs::remove_dir_all(dir).unwrap();
 }
 
 fn free_port() -> u16 {
@@ -135,6 +114,9 @@ fn a_killed_stage_fails_the_step_naming_it() {
         ]
         .map(String::from),
     );
+    // The master's checkpoints and progress record go to the scratch directory.
+    args.push("--out-dir".into());
+    args.push(dir.join("out").display().to_string());
     let mut procs: Vec<Spawned> = (0..3)
         .map(|rank| {
             let d = dir.join(format!("rank{rank}"));
@@ -168,4 +150,113 @@ fn a_killed_stage_fails_the_step_naming_it() {
     );
     drop(procs);
     std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// What one run of the example left.
+struct Run {
+    code: Option<i32>,
+    /// Its standard output, then its standard error.
+    out: String,
+    /// Its final JSON line.
+    json: serde_json::Value,
+    /// The timeline picture's bytes, if it drew one.
+    timeline: Option<Vec<u8>>,
+}
+
+/// One small run in local mode (the launcher's code): 2 epochs of 20 steps over 3 stages with
+/// 4 micro-batches, checkpoints every 5 steps, `extra` flags, and its own output directory
+/// (removed after).
+fn run_small(name: &str, extra: &[&str]) -> Run {
+    let dir = scratch(name);
+    let out_dir = dir.join("out");
+    let mut args: Vec<String> = SMALL.iter().map(|s| s.to_string()).collect();
+    args.extend(
+        [
+            "--epochs",
+            "2",
+            "--stages",
+            "3",
+            "--micro-batches",
+            "4",
+            "--checkpoint-every",
+            "5",
+            "--quiet",
+            "--timeout-secs",
+            "60",
+        ]
+        .map(String::from),
+    );
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args.push("--out-dir".into());
+    args.push(out_dir.display().to_string());
+    let mut p = Spawned::start(BIN, &args, &[], &dir);
+    let code = p.wait(Duration::from_secs(300));
+    let (out, err) = (p.stdout(), p.stderr());
+    let json = last_json(&out, &err);
+    drop(p);
+    let timeline = std::fs::read(out_dir.join("timeline.png")).ok();
+    std::fs::remove_dir_all(dir).unwrap();
+    Run {
+        code,
+        out: format!("{out}\n{err}"),
+        json,
+        timeline,
+    }
+}
+
+/// Recovery: a stage process SIGKILLed in the middle of step 12 (checkpoints every 5 steps),
+/// once with `--restart worker` (only that process is replaced; the master rebuilds every
+/// stage, restores the checkpoint of step 10 and replays 2 steps) and once with `--restart
+/// group` (every process restarts; the new master resumes from the checkpoint): both end with
+/// exit 0 and parameters bit-identical to the uninterrupted run's.
+#[test]
+fn a_killed_stage_is_recovered_and_the_run_ends_bit_identical() {
+    let Run {
+        code,
+        out,
+        json: plain,
+        ..
+    } = run_small("plain", &[]);
+    assert_eq!(code, Some(0), "{out}");
+    assert_eq!(plain["recoveries"], 0, "{plain}");
+    let want = plain["params_sha256"].as_str().unwrap().to_owned();
+    assert_eq!(want.len(), 64);
+    assert_eq!(plain["steps"], 40);
+
+    let kill = [
+        "--max-restarts",
+        "1",
+        "--kill-stage",
+        "1",
+        "--kill-at-step",
+        "12",
+    ];
+    let mut worker: Vec<&str> = kill.to_vec();
+    worker.extend(["--restart", "worker"]);
+    let Run {
+        code, out, json: j, ..
+    } = run_small("worker", &worker);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("killing stage 1 during step 12"), "{out}");
+    assert!(
+        out.contains("recovered in place from") && out.contains("after the loss of worker2"),
+        "{out}"
+    );
+    assert_eq!(j["recoveries"], 1, "{j}");
+    assert_eq!(j["recovered_in_place"], 1, "{j}");
+    assert_eq!(j["replayed_steps"], serde_json::json!([2]), "{j}");
+    assert_eq!(j["params_sha256"], want.as_str(), "bit-identical: {j}");
+    assert_eq!(j["accuracy_per_epoch"], plain["accuracy_per_epoch"], "{j}");
+
+    let mut group: Vec<&str> = kill.to_vec();
+    group.extend(["--restart", "group"]);
+    let Run {
+        code, out, json: j, ..
+    } = run_small("group", &group);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("resumed from"), "{out}");
+    assert_eq!(j["restarts"], 1, "{j}");
+    assert_eq!(j["recoveries"], 1, "{j}");
+    assert_eq!(j["recovered_in_place"], 0, "{j}");
+    assert_eq!(j["params_sha256"], want.as_str(), "bit-identical: {j}");
 }

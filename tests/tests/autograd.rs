@@ -163,7 +163,8 @@ fn backward_from_a_loss_that_lives_on_another_worker_matches_one_process() {
 /// Remote modules: two stages built on workers 1 and 2 (`"worker1/cpu"`), driven from
 /// worker 0 inside a context; the gradients on each worker equal one process's, an SGD step of
 /// the `DistributedOptimizer` over their `remote_parameters` moves them as one process's SGD,
-/// and `state` reads the values back. A bad place is refused naming it.
+/// `state` reads the values back and `load_state` puts a saved state back (a wrong count or
+/// shape refused, naming it, with nothing set). A bad place is refused naming it.
 #[test]
 fn remote_modules_train_like_one_process() {
     use autograd_dist::{DistributedOptimizer, OptimizerKind, RemoteModule};
@@ -215,6 +216,23 @@ fn remote_modules_train_like_one_process() {
             let d = max_abs_diff(&state[0], w.as_tensor());
             assert!(d <= 1e-12, "after one SGD step: max abs diff {d}");
         }
+        // A checkpoint restored: another value, refused states, then the saved one again.
+        let saved = s2.state().await.unwrap();
+        let other = saved[0].affine(2.0, 1.0).unwrap();
+        s2.load_state(vec![other.clone()]).await.unwrap();
+        assert!(max_abs_diff(&s2.state().await.unwrap()[0], &other) == 0.0);
+        let e = rpc_core::error_chain(&s2.load_state(vec![]).await.unwrap_err());
+        assert!(
+            e.contains("worker2") && e.contains("0 tensors for 1 parameters"),
+            "{e}"
+        );
+        let e = rpc_core::error_chain(&s2.load_state(vec![input(3, 6)]).await.unwrap_err());
+        assert!(
+            e.contains("parameter 0 is [6, 3]") && e.contains("[3, 6]"),
+            "{e}"
+        );
+        s2.load_state(saved.clone()).await.unwrap();
+        assert!(max_abs_diff(&s2.state().await.unwrap()[0], &saved[0]) == 0.0);
         let err = RemoteModule::<StageLinear>::new(&a[0], "worker1/gpu", ("e".into(), 1, 1, false))
             .await
             .unwrap_err();

@@ -34,7 +34,6 @@ mod data;
 mod local;
 mod lstm;
 mod model;
-mod recovery;
 mod report;
 mod shard;
 
@@ -45,6 +44,7 @@ use anyhow::{ensure, Context, Result};
 use autograd_dist::{DeviceSpec, DistributedOptimizer, OptimizerKind, OptimizerState, RTensor};
 use candle_core::{Device, Tensor};
 use clap::Parser;
+use examples::recovery::Holders;
 use examples::wordlang::LANGS;
 use rpc_core::{Agent, Config, Registry};
 use rref::RRef;
@@ -65,10 +65,6 @@ const EVAL_BATCH: usize = 1000;
 const EQUIVALENCE_STEPS: usize = 20;
 /// Largest loss difference `--check-equivalence` accepts.
 const EQUIVALENCE_TOLERANCE: f64 = 1e-4;
-/// How long the master waits, after an error in training, for the verdict that a worker
-/// failed (a killed one is found at once, a frozen one within the failure timeout); with
-/// none, the error is not a worker's failure and ends the run.
-const VERDICT_WAIT: Duration = Duration::from_secs(10);
 
 /// Trains the hybrid-parallel language identifier (master + 2 workers on 127.0.0.1).
 #[derive(Parser, Debug, Clone)]
@@ -279,22 +275,7 @@ fn run() -> Result<i32> {
     let rank = rpc_core::launched_rank()?;
     if let Some(r) = rank.filter(|&r| r != 0) {
         // A worker: serve until the master shuts the group down.
-        let timeout = std::env::var("HYBRID_RNN_WORKER_TIMEOUT")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .map_or(Duration::from_secs(3600), Duration::from_secs);
-        // Replaced one by one, a worker outlives the loss of others (the master included: its
-        // replacement takes over), so it only fails if its own shutdown does.
-        let one_by_one = std::env::var(rpc_core::RESTART_MODE_ENV).is_ok_and(|m| m == "worker");
-        let serve = async {
-            if one_by_one {
-                examples::serve_through_failures(registry()?, timeout).await
-            } else {
-                examples::serve_until_shutdown(registry()?, timeout).await
-            }
-        };
-        return examples::runtime()?
-            .block_on(serve)
+        return examples::serve_launched(registry()?, "HYBRID_RNN_WORKER_TIMEOUT")
             .map(|()| 0)
             .with_context(|| format!("worker rank {r}"));
     }
@@ -305,16 +286,10 @@ fn run() -> Result<i32> {
     }
     let data = load_data(&args)?;
     let restart = rpc_core::launched_restart_count()?;
-    let resume_from = if (args.resume || restart > 0) && !args.check_equivalence {
-        let latest = Checkpoint::latest(&args.out_dir)?;
-        ensure!(
-            latest.is_some() || restart > 0,
-            "--resume: no checkpoint in {}",
-            args.out_dir.display()
-        );
-        latest
-    } else {
+    let resume_from = if args.check_equivalence {
         None
+    } else {
+        examples::checkpoint::to_resume(&args.out_dir, args.resume, restart)?
     };
     let timeout = Duration::from_secs(args.timeout_secs);
     let cfg = Config::new()
@@ -353,7 +328,7 @@ fn launch_local(args: &Args) -> Result<i32> {
     load_data(args)?;
     if args.resume {
         ensure!(
-            Checkpoint::latest(&args.out_dir)?.is_some(),
+            examples::checkpoint::latest(&args.out_dir)?.is_some(),
             "--resume: no checkpoint in {}",
             args.out_dir.display()
         );
@@ -364,25 +339,7 @@ fn launch_local(args: &Args) -> Result<i32> {
         "HYBRID_RNN_WORKER_TIMEOUT",
         (args.timeout_secs.max(3600)).to_string(),
     );
-    let exit = rpcrun::Launch::new(std::env::current_exe()?)
-        .args(std::env::args_os().skip(1))
-        .nproc(3)
-        .max_restarts(args.max_restarts)
-        .restart(args.restart)
-        .prefix_output(false)
-        .run()?;
-    if exit.restarts > 0 || !exit.failures.is_empty() {
-        eprintln!(
-            "hybrid-rnn: {} restart(s); failures: {}",
-            exit.restarts,
-            exit.failures
-                .iter()
-                .map(|f| format!("rank {} {}", f.rank, f.what))
-                .collect::<Vec<_>>()
-                .join("; ")
-        );
-    }
-    Ok(exit.code)
+    examples::launch_here("hybrid-rnn", 3, args.max_restarts, args.restart)
 }
 
 /// The master's model: the encoder here, the two head replicas on the workers, and one
@@ -391,8 +348,8 @@ struct Hybrid {
     agent: Agent,
     encoder: Encoder,
     shards: [RRef<NetShard>; 2],
-    /// The incarnations of the shards' workers when the shards were created.
-    holders: [u64; 2],
+    /// The shards' workers when the shards were created.
+    holders: Holders,
     opt: DistributedOptimizer,
     half: usize,
 }
@@ -403,7 +360,7 @@ impl Hybrid {
     async fn new(agent: &Agent, args: &Args, dims: &Dims, instance: u64) -> Result<Self> {
         let encoder = Encoder::new(dims, args.seed)?;
         let (d0, d1) = args.shard2_devices()?;
-        let holders = shard::SHARD_RANKS.map(|r| agent.incarnation_of(r).unwrap_or(0));
+        let holders = Holders::take(agent, shard::SHARD_RANKS);
         let s1 = rref::remote(
             agent,
             shard::SHARD_RANKS[0],
@@ -433,19 +390,6 @@ impl Hybrid {
             opt,
             half: args.batch / 2,
         })
-    }
-
-    /// The shards' workers whose incarnation that holds a shard has failed or been replaced.
-    fn lost_shards(&self) -> Vec<u32> {
-        shard::SHARD_RANKS
-            .iter()
-            .zip(self.holders)
-            .filter(|(&r, inc)| {
-                self.agent.incarnation_of(r).ok() != Some(*inc)
-                    || !self.agent.is_live(r).unwrap_or(false)
-            })
-            .map(|(&r, _)| r)
-            .collect()
     }
 
     /// Logits of `enc`'s rows: the first half on worker 1, the rest on worker 2.
@@ -527,7 +471,7 @@ impl Hybrid {
         ck.save(&args.out_dir)
     }
 
-    /// [`checkpoint::params_sha256`] of every parameter: the encoder's, then the head's
+    /// [`examples::checkpoint::params_sha256`] of every parameter: the encoder's, then the head's
     /// (one replica; `replica_diff` checks they are equal), in checkpoint order.
     async fn params_sha256(&self, dims: &Dims) -> Result<String> {
         let head = self.shards[0].rpc_async(shard::shard_values, ()).await?;
@@ -538,7 +482,7 @@ impl Hybrid {
                 .map(|n| n.to_string())
                 .zip(head.into_iter().map(|t| t.0)),
         );
-        checkpoint::params_sha256(&all)
+        examples::checkpoint::params_sha256(&all)
     }
 
     /// The largest difference between the two head replicas' parameters (0 when the
@@ -592,47 +536,6 @@ impl Hybrid {
         let (progress, history) = (ck.progress, ck.history.clone());
         self.restore(ck).await?;
         Ok((epoch, step, progress, history))
-    }
-
-    /// After `err` ended training: the shards' workers that failed, once a replacement of
-    /// each has joined the group. Fails with `err` if no shard's worker was declared failed
-    /// within [`VERDICT_WAIT`] (the error was not a worker's failure), and names the worker
-    /// if its replacement does not join within `--timeout-secs`.
-    async fn await_replacements(&self, err: &anyhow::Error, args: &Args) -> Result<Vec<u32>> {
-        let deadline = Instant::now() + VERDICT_WAIT;
-        let lost = loop {
-            let lost = self.lost_shards();
-            if !lost.is_empty() {
-                break lost;
-            }
-            if Instant::now() >= deadline {
-                anyhow::bail!("{err:#}");
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        };
-        eprintln!(
-            "hybrid-rnn: lost {} ({err:#}); waiting for the launcher's replacement",
-            lost.iter()
-                .map(|r| self.agent.name_of(*r))
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
-        let deadline = Instant::now() + Duration::from_secs(args.timeout_secs);
-        for (&r, held) in shard::SHARD_RANKS.iter().zip(self.holders) {
-            if !lost.contains(&r) {
-                continue;
-            }
-            while self.agent.incarnation_of(r)? == held || !self.agent.is_live(r)? {
-                ensure!(
-                    Instant::now() < deadline,
-                    "{} failed and no replacement joined within {} s: {err:#}",
-                    self.agent.name_of(r),
-                    args.timeout_secs
-                );
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        }
-        Ok(lost)
     }
 
     async fn restore(&self, ck: Checkpoint) -> Result<()> {
@@ -788,7 +691,7 @@ async fn master(
     } else if restart == 0 && !args.check_equivalence {
         // A fresh run: checkpoints of an earlier run in the same directory must not be
         // resumed by this one's restarts.
-        Checkpoint::prune(&args.out_dir, 0)?;
+        examples::checkpoint::prune(&args.out_dir, 0)?;
     }
 
     if args.check_equivalence {
@@ -800,7 +703,8 @@ async fn master(
     if resumed && resume_from.is_none() {
         println!("resumed from the start, no checkpoint yet (restart {restart})");
     }
-    let mut tracker = recovery::Tracker::open(&args.out_dir, restart, resumed.then_some(step))?;
+    let mut tracker =
+        examples::recovery::Tracker::open(&args.out_dir, restart, resumed.then_some(step))?;
     tracker.completed(step)?;
     let mut step_times = Vec::new();
     let mut dist_losses = Vec::new();
@@ -851,7 +755,7 @@ async fn master(
                 model
                     .checkpoint(&dims, args, epoch, step, &history, progress)
                     .await?;
-                Checkpoint::prune(&args.out_dir, args.keep_checkpoints)?;
+                examples::checkpoint::prune(&args.out_dir, args.keep_checkpoints)?;
             }
             bar.set_message(format!(
                 "loss {:.3}  acc {:.3}  {:.1} steps/s",
@@ -875,7 +779,7 @@ async fn master(
         let path = model
             .checkpoint(&dims, args, epoch + 1, step, &history, progress)
             .await?;
-        Checkpoint::prune(&args.out_dir, args.keep_checkpoints)?;
+        examples::checkpoint::prune(&args.out_dir, args.keep_checkpoints)?;
         println!(
             "epoch {}/{}: train loss {:.4}, train accuracy {:.4}, test accuracy {:.4}, {:.1} s, checkpoint {}",
             epoch + 1,
@@ -896,14 +800,17 @@ async fn master(
         if args.restart != rpcrun::Restart::Worker {
             return Err(err);
         }
-        let lost = model.await_replacements(&err, args).await?;
+        let lost = model
+            .holders
+            .await_replacements(&err, Duration::from_secs(args.timeout_secs), "hybrid-rnn")
+            .await?;
         in_place += 1;
         // Everything rolls back to the latest checkpoint: the new shards start from it, and
         // so do the encoder and every optimizer state (a step the failure interrupted may
         // have been applied in part).
         drop(model);
         model = Hybrid::new(agent, args, &dims, shard::instance(agent, in_place)).await?;
-        let from = match Checkpoint::latest(&args.out_dir)? {
+        let from = match examples::checkpoint::latest(&args.out_dir)? {
             Some(path) => {
                 (epoch0, step, progress, history) =
                     model.resume(&path, args, &dims, per_epoch).await?;

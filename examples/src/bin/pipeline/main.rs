@@ -12,6 +12,16 @@
 //!
 //! It prints a progress bar, every epoch's test accuracy and a final JSON line, and draws one
 //! step's passes per stage over time (`timeline.png` in `--out-dir`).
+//!
+//! Recovery, as hybrid-rnn's: a checkpoint every `--checkpoint-every` steps and at every
+//! epoch's end (every stage's parameters, every stage's optimizer state, the step, the epoch's
+//! running loss and the accuracies so far; the data order is a function of the seed and the
+//! epoch). Under `--max-restarts K` the launcher restarts after a failure: with `--restart
+//! group` every process, and the new master resumes from the latest checkpoint; with
+//! `--restart worker` only the failed process, and the master, keeping its process, rebuilds
+//! every stage (the replacement's included), restores the checkpoint and replays the steps
+//! since. Either way the final parameters are bit-identical to an uninterrupted run's
+//! (`params_sha256` in the JSON line).
 //! `--check-equivalence` compares both schedules with 1, 2, 4 and 8 micro-batches against
 //! the same model trained in one process on whole batches; `--bench` measures step times and
 //! bubbles (one JSON line per configuration). With `RANK`, `WORLD_SIZE`, `MASTER_ADDR` and
@@ -32,6 +42,8 @@ mod timeline;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use std::collections::HashMap;
+
 use anyhow::{bail, ensure, Context, Result};
 use autograd_dist::{
     bubble_theory, DeviceSpec, DistributedOptimizer, Loss, Module, Optimizer, OptimizerKind,
@@ -39,6 +51,8 @@ use autograd_dist::{
 };
 use candle_core::{DType, Device, Tensor, D};
 use clap::Parser;
+use examples::checkpoint::{self as ckpt, count, floats, put_optimizer, Tensors};
+use examples::recovery::{Holders, Tracker};
 use examples::wordlang::LANGS;
 use rpc_core::{remote, Agent, BoxError, CallContext, Config, Registry};
 use serde_json::json;
@@ -111,9 +125,29 @@ struct Args {
     /// Directory of `train.tsv` and `test.tsv` (default: the bundled data).
     #[arg(long)]
     data_dir: Option<PathBuf>,
-    /// Where the timeline picture goes.
+    /// Where the timeline picture, the checkpoints (`ckpt-<step>.safetensors`) and the
+    /// progress record go.
     #[arg(long, default_value = "target/pipeline")]
     out_dir: PathBuf,
+    /// Write a checkpoint every K steps (and at every epoch's end): at most K steps are
+    /// replayed after a failure.
+    #[arg(long, default_value_t = 100)]
+    checkpoint_every: u64,
+    /// Checkpoints kept in `--out-dir` (older ones are removed).
+    #[arg(long, default_value_t = 3)]
+    keep_checkpoints: usize,
+    /// Continue from the latest checkpoint in `--out-dir` (written with the same model and
+    /// data flags). A master restarted by a launcher resumes by itself.
+    #[arg(long)]
+    resume: bool,
+    /// Local mode: restarts after a failure (a killed or frozen process) before giving up.
+    #[arg(long, default_value_t = 0)]
+    max_restarts: u32,
+    /// Local mode: what a failure restarts: `group` (every process; the new master resumes
+    /// from the latest checkpoint) or `worker` (the failed process alone: the master keeps
+    /// its process, rebuilds the stages, restores the latest checkpoint and replays).
+    #[arg(long, default_value = "group")]
+    restart: rpcrun::Restart,
     /// Only compare GPipe and 1F1B with 1, 2, 4 and 8 micro-batches against one process
     /// (gradients, then 20 SGD steps); exits 1 above 1e-5.
     #[arg(long)]
@@ -124,7 +158,8 @@ struct Args {
     /// Steps timed per configuration of `--bench` (after 3 untimed).
     #[arg(long, default_value_t = 12)]
     bench_steps: usize,
-    /// Fault injection: kill this stage's process (SIGKILL) during step `--kill-at-step`.
+    /// Fault injection: kill this stage's process (SIGKILL) during step `--kill-at-step`
+    /// (once: not again when a recovered run replays that step).
     #[arg(long, requires = "kill_at_step")]
     kill_stage: Option<usize>,
     /// The step (counted from 0) during which `--kill-stage` is killed.
@@ -169,6 +204,10 @@ impl Args {
         ensure!(self.batch() >= 8, "--batch {} is below 8", self.batch());
         ensure!(self.epochs >= 1, "--epochs must be at least 1");
         ensure!(
+            self.checkpoint_every > 0,
+            "--checkpoint-every must be at least 1"
+        );
+        ensure!(
             self.lr.is_finite() && self.lr > 0.0,
             "--lr {} must be positive",
             self.lr
@@ -190,6 +229,22 @@ impl Args {
         } else {
             self.stages as u32 + 1
         }
+    }
+
+    /// The numbers that must match for a checkpoint to continue this run.
+    fn shape(&self, data: &Data) -> Vec<f64> {
+        vec![
+            data.vocab as f64,
+            data.train.len() as f64,
+            self.stages as f64,
+            self.emb as f64,
+            self.hidden as f64,
+            self.mlp_width as f64,
+            self.mlp_layers as f64,
+            self.batch() as f64,
+            self.lr,
+            self.seed as f64,
+        ]
     }
 
     fn dims(&self, vocab: usize) -> Dims {
@@ -245,12 +300,8 @@ fn registry() -> Result<Registry> {
 fn run() -> Result<i32> {
     let rank = rpc_core::launched_rank()?;
     if let Some(r) = rank.filter(|&r| r != 0) {
-        let timeout = std::env::var("PIPELINE_WORKER_TIMEOUT")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .map_or(Duration::from_secs(3600), Duration::from_secs);
-        return examples::runtime()?
-            .block_on(examples::serve_until_shutdown(registry()?, timeout))
+        // A worker: serve until the master shuts the group down.
+        return examples::serve_launched(registry()?, "PIPELINE_WORKER_TIMEOUT")
             .map(|()| 0)
             .with_context(|| format!("stage worker rank {r}"));
     }
@@ -260,6 +311,7 @@ fn run() -> Result<i32> {
         return launch_local(&args);
     }
     let data = load_data(&args)?;
+    let restart = rpc_core::launched_restart_count()?;
     let timeout = Duration::from_secs(args.timeout_secs);
     let cfg = Config::new()
         .with_name("master")
@@ -281,11 +333,17 @@ fn run() -> Result<i32> {
         } else if args.bench {
             bench(&agent, &args, &data).await
         } else {
-            train(&agent, &args, &data).await
+            train(&agent, &args, &data, restart).await
         };
+        // After a failure a stage may be gone; shutdown notices dead peers by itself.
         let report = agent.shutdown().await;
         let code = result?;
-        ensure!(report.is_clean(), "shutdown was not clean: {report:?}");
+        if args.restart == rpcrun::Restart::Worker {
+            // Stages replaced on the way are no reason to fail.
+            examples::check_shutdown(&agent, &report)?;
+        } else {
+            ensure!(report.is_clean(), "shutdown was not clean: {report:?}");
+        }
         Ok(code)
     })
 }
@@ -293,20 +351,18 @@ fn run() -> Result<i32> {
 /// Local mode: the master and every stage as children of this process (the launcher's code).
 fn launch_local(args: &Args) -> Result<i32> {
     load_data(args)?;
+    if args.resume {
+        ensure!(
+            ckpt::latest(&args.out_dir)?.is_some(),
+            "--resume: no checkpoint in {}",
+            args.out_dir.display()
+        );
+    }
     std::env::set_var(
         "PIPELINE_WORKER_TIMEOUT",
         args.timeout_secs.max(3600).to_string(),
     );
-    let exit = rpcrun::Launch::new(std::env::current_exe()?)
-        .args(std::env::args_os().skip(1))
-        .nproc(args.world())
-        .max_restarts(0)
-        .prefix_output(false)
-        .run()?;
-    for f in &exit.failures {
-        eprintln!("pipeline: rank {} {}", f.rank, f.what);
-    }
-    Ok(exit.code)
+    examples::launch_here("pipeline", args.world(), args.max_restarts, args.restart)
 }
 
 /// The words at `idx` as the first stage's input, `[B, T + 1]` u32 (ids, then each word's
@@ -329,6 +385,117 @@ impl StageModule {
         Ok(match self {
             Self::Encoder(m) => m.state().await?,
             Self::Mlp(m) => m.state().await?,
+        })
+    }
+
+    async fn load_state(&self, state: Vec<Tensor>) -> Result<()> {
+        match self {
+            Self::Encoder(m) => m.load_state(state).await?,
+            Self::Mlp(m) => m.load_state(state).await?,
+        }
+        Ok(())
+    }
+}
+
+/// Where training stands, besides the parameters and optimizer states: what a checkpoint
+/// holds to continue bit for bit.
+#[derive(Clone, Debug, Default)]
+struct Progress {
+    /// Completed epochs.
+    epoch: u64,
+    /// Completed steps.
+    step: u64,
+    /// The sum of the losses of the epoch in progress.
+    loss_sum: f64,
+    /// Test accuracy after each completed epoch.
+    accuracy: Vec<f64>,
+}
+
+/// The model as the master holds it: the stages, a pipeline over them, one optimizer over
+/// every stage's parameters, and the workers that hold them.
+struct Model {
+    pipe: Pipeline,
+    modules: Vec<StageModule>,
+    opt: DistributedOptimizer,
+    holders: Holders,
+}
+
+impl Model {
+    /// Every stage built on its worker in its initial state.
+    async fn new(agent: &Agent, plan: &Plan, args: &Args) -> Result<Self> {
+        let holders = Holders::take(agent, 1..=plan.blocks.len() as u32 + 1);
+        let (pipe, modules) = plan.build(agent, args.micro_batches, args.schedule).await?;
+        let opt = DistributedOptimizer::new(
+            agent,
+            OptimizerKind::adam(args.lr),
+            pipe.remote_parameters().await?,
+        )?;
+        Ok(Self {
+            pipe,
+            modules,
+            opt,
+            holders,
+        })
+    }
+
+    /// Every parameter, stage by stage: `stage.<s>.<i>`.
+    async fn named(&self) -> Result<Vec<(String, Tensor)>> {
+        let mut all = Vec::new();
+        for (s, state) in states(&self.modules).await?.into_iter().enumerate() {
+            for (i, t) in state.into_iter().enumerate() {
+                all.push((format!("stage.{s}.{i}"), t));
+            }
+        }
+        Ok(all)
+    }
+
+    /// Writes the checkpoint of `progress` into `--out-dir` and prunes the old ones.
+    async fn checkpoint(&self, args: &Args, shape: &[f64], progress: &Progress) -> Result<()> {
+        let mut m: HashMap<String, Tensor> = self.named().await?.into_iter().collect();
+        for (rank, st) in self.opt.owners().into_iter().zip(self.opt.state().await?) {
+            put_optimizer(&mut m, rank, &st)?;
+        }
+        m.insert("config".into(), floats(shape)?);
+        m.insert("train.epoch".into(), count(progress.epoch)?);
+        m.insert("train.step".into(), count(progress.step)?);
+        m.insert("train.loss_sum".into(), floats(&[progress.loss_sum])?);
+        m.insert("train.accuracy".into(), floats(&progress.accuracy)?);
+        ckpt::save(&args.out_dir, progress.step, &m)?;
+        ckpt::prune(&args.out_dir, args.keep_checkpoints)
+    }
+
+    /// Restores every stage and optimizer state from the checkpoint at `path` (written by a
+    /// run with the same `shape`), and returns where training stood.
+    async fn restore(&self, path: &std::path::Path, shape: &[f64]) -> Result<Progress> {
+        let t = Tensors::load(path)?;
+        let config = t.floats("config")?;
+        ensure!(
+            config == shape,
+            "{} was written with other model or data flags ({config:?} vs {shape:?})",
+            path.display()
+        );
+        for (s, module) in self.modules.iter().enumerate() {
+            let n = module.state().await?.len();
+            let state = (0..n)
+                .map(|i| t.get(&format!("stage.{s}.{i}")))
+                .collect::<Result<_>>()?;
+            module
+                .load_state(state)
+                .await
+                .with_context(|| format!("restoring stage {s} from {}", path.display()))?;
+        }
+        let states = self
+            .opt
+            .owners()
+            .into_iter()
+            .map(|r| t.optimizer(r))
+            .collect::<Result<_>>()?;
+        self.opt.load_state(states).await?;
+        Ok(Progress {
+            epoch: t.count("train.epoch")?,
+            step: t.count("train.step")?,
+            loss_sum: t.floats("train.loss_sum")?.first().copied().unwrap_or(0.0),
+            accuracy: t.floats("train.accuracy")?,
         })
     }
 }
@@ -584,92 +751,179 @@ async fn accuracy(pipe: &Pipeline, split: &Split, batch: usize) -> Result<f64> {
     Ok(correct as f64 / split.len().max(1) as f64)
 }
 
-async fn train(agent: &Agent, args: &Args, data: &Data) -> Result<i32> {
+async fn train(agent: &Agent, args: &Args, data: &Data, restart: u32) -> Result<i32> {
     let started = Instant::now();
     let plan = Plan::new(args, data.vocab, args.stages);
-    let (pipe, _modules) = plan.build(agent, args.micro_batches, args.schedule).await?;
-    let opt = DistributedOptimizer::new(
-        agent,
-        OptimizerKind::adam(args.lr),
-        pipe.remote_parameters().await?,
-    )?;
-    let workers = pipe.workers();
+    let shape = args.shape(data);
+    let per_epoch = (data.train.len() / args.batch()) as u64;
+    let mut model = Model::new(agent, &plan, args).await?;
+    let resume_from = ckpt::to_resume(&args.out_dir, args.resume, restart)?;
+    if resume_from.is_none() && restart == 0 {
+        // A fresh run: checkpoints of an earlier run in the same directory must not be
+        // resumed by this one's restarts.
+        ckpt::prune(&args.out_dir, 0)?;
+    }
+    let mut progress = Progress::default();
+    match &resume_from {
+        Some(path) => {
+            progress = model.restore(path, &shape).await?;
+            println!(
+                "resumed from {} (epoch {}, step {}, restart {restart})",
+                path.display(),
+                progress.epoch,
+                progress.step
+            );
+        }
+        None if restart > 0 => {
+            println!("resumed from the start, no checkpoint yet (restart {restart})")
+        }
+        None => {}
+    }
+    let resumed = resume_from.is_some() || restart > 0;
+    let mut tracker = Tracker::open(&args.out_dir, restart, resumed.then_some(progress.step))?;
+    tracker.completed(progress.step)?;
     println!(
         "pipeline: {} stages on {} ({} schedule, {} micro-batches of ~{} words)",
         args.stages,
-        workers.join(", "),
+        model.pipe.workers().join(", "),
         args.schedule,
         args.micro_batches,
         args.batch() / args.micro_batches
     );
-    let (mut step, mut step_ms, mut bubbles) = (0u64, Vec::new(), Vec::new());
+    let (mut step_ms, mut bubbles) = (Vec::new(), Vec::new());
     let mut live = vec![0usize; args.stages];
-    let (mut last_loss, mut acc) = (f64::NAN, 0.0);
+    let mut last_loss = f64::NAN;
     let mut shown: Option<StepReport> = None;
-    for epoch in 0..args.epochs {
-        let batches = epoch_batches(data.train.len(), args.batch(), args.seed, epoch);
-        let bar = examples::epoch_bar(args.quiet, batches.len() as u64, epoch, args.epochs);
-        let mut sum = 0.0;
-        for (i, b) in batches.iter().enumerate() {
-            let (x, y) = packed(&data.train, b)?;
-            let t = Instant::now();
-            let killer = async {
-                if args.kill_at_step == Some(step) {
-                    if let Some(s) = args.kill_stage {
-                        tokio::time::sleep(Duration::from_millis(20)).await;
-                        eprintln!("pipeline: killing stage {s} during step {step}");
-                        // The call never answers: its worker is gone.
-                        let _ = agent.rpc_async(s as u32 + 1, die, ()).await;
+    // Recoveries in this process (`--restart worker`: a stage failed, the master did not).
+    let mut in_place = 0u32;
+    loop {
+        // The training from `progress` on; a stage's failure ends it with an error.
+        let trained: Result<()> = async {
+            let p = &mut progress;
+            while p.epoch < args.epochs {
+                let epoch = p.epoch;
+                let batches = epoch_batches(data.train.len(), args.batch(), args.seed, epoch);
+                let bar = examples::epoch_bar(args.quiet, batches.len() as u64, epoch, args.epochs);
+                // Where a resumed epoch picks up.
+                let k0 = (p.step - epoch * per_epoch) as usize;
+                bar.set_position(k0 as u64);
+                for (k, b) in batches.iter().enumerate().skip(k0) {
+                    let step = p.step;
+                    let (x, y) = packed(&data.train, b)?;
+                    let t = Instant::now();
+                    // Fault injection, once per run (not when a recovered run replays it).
+                    let kill = (args.kill_at_step == Some(step) && restart == 0 && in_place == 0)
+                        .then_some(args.kill_stage)
+                        .flatten();
+                    let killer = async {
+                        if let Some(s) = kill {
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                            eprintln!("pipeline: killing stage {s} during step {step}");
+                            // The call never answers: its worker is gone.
+                            let _ = agent.rpc_async(s as u32 + 1, die, ()).await;
+                        }
+                        std::future::pending::<()>().await
+                    };
+                    let report = tokio::select! {
+                        r = pipeline_step(agent, &model.pipe, &model.opt, &x, &y) => {
+                            r.with_context(|| format!("training step {step}"))?
+                        }
+                        () = killer => unreachable!("the fault injection never ends"),
+                    };
+                    if epoch > 0 || k >= 3 {
+                        step_ms.push(t.elapsed().as_secs_f64() * 1e3);
+                        bubbles.push(report.bubble());
                     }
+                    for (l, r) in live.iter_mut().zip(&report.max_live_activations) {
+                        *l = (*l).max(*r);
+                    }
+                    p.loss_sum += report.loss;
+                    p.step += 1;
+                    last_loss = report.loss;
+                    if epoch + 1 == args.epochs && k == batches.len() / 2 {
+                        shown = Some(report);
+                    }
+                    tracker.completed(p.step)?;
+                    if p.step % args.checkpoint_every == 0 && k + 1 < batches.len() {
+                        model.checkpoint(args, &shape, p).await?;
+                    }
+                    bar.inc(1);
+                    bar.set_message(format!("loss {:.4}", p.loss_sum / (k + 1) as f64));
                 }
-                std::future::pending::<()>().await
-            };
-            let report = tokio::select! {
-                r = pipeline_step(agent, &pipe, &opt, &x, &y) => {
-                    r.with_context(|| format!("training step {step}"))?
-                }
-                () = killer => unreachable!("the fault injection never ends"),
-            };
-            if epoch > 0 || i >= 3 {
-                step_ms.push(t.elapsed().as_secs_f64() * 1e3);
-                bubbles.push(report.bubble());
+                bar.finish_and_clear();
+                let acc = accuracy(&model.pipe, &data.test, args.batch()).await?;
+                println!(
+                    "epoch {}/{}: train loss {:.4}, test accuracy {:.4}",
+                    epoch + 1,
+                    args.epochs,
+                    p.loss_sum / batches.len().max(1) as f64,
+                    acc
+                );
+                p.accuracy.push(acc);
+                p.epoch += 1;
+                p.loss_sum = 0.0;
+                model.checkpoint(args, &shape, p).await?;
             }
-            for (l, r) in live.iter_mut().zip(&report.max_live_activations) {
-                *l = (*l).max(*r);
-            }
-            sum += report.loss;
-            last_loss = report.loss;
-            if epoch + 1 == args.epochs && i == batches.len() / 2 {
-                shown = Some(report);
-            }
-            step += 1;
-            bar.inc(1);
-            bar.set_message(format!("loss {:.4}", sum / (i + 1) as f64));
+            Ok(())
         }
-        bar.finish_and_clear();
-        acc = accuracy(&pipe, &data.test, args.batch()).await?;
+        .await;
+        let Err(err) = trained else { break };
+        if args.restart != rpcrun::Restart::Worker {
+            return Err(err);
+        }
+        let timeout = Duration::from_secs(args.timeout_secs);
+        let lost = model
+            .holders
+            .await_replacements(&err, timeout, "pipeline")
+            .await?;
+        in_place += 1;
+        // Everything rolls back to the latest checkpoint: every stage is rebuilt (the
+        // survivors' too: the interrupted step may have been applied on some of them) and
+        // restored, with every optimizer state.
+        drop(model);
+        model = Model::new(agent, &plan, args).await?;
+        let from = match ckpt::latest(&args.out_dir)? {
+            Some(path) => {
+                progress = model.restore(&path, &shape).await?;
+                path.display().to_string()
+            }
+            None => {
+                progress = Progress::default();
+                "the initial parameters (no checkpoint yet)".to_owned()
+            }
+        };
+        tracker.interrupted(progress.step);
+        tracker.completed(progress.step)?;
         println!(
-            "epoch {}/{}: train loss {:.4}, test accuracy {:.4}",
-            epoch + 1,
-            args.epochs,
-            sum / batches.len().max(1) as f64,
-            acc
+            "recovered in place from {from} (step {}) after the loss of {}: {err:#}",
+            progress.step,
+            lost.iter()
+                .map(|r| agent.name_of(*r))
+                .collect::<Vec<_>>()
+                .join(", ")
         );
     }
     let timeline = args.out_dir.join("timeline.png");
-    if let Some(r) = &shown {
-        let title = format!(
-            "{} stages, {} micro-batches, {}: step {:.1} ms, bubble {:.2} (theory {:.2})",
-            args.stages,
-            args.micro_batches,
-            args.schedule,
-            r.span_us.1.saturating_sub(r.span_us.0) as f64 / 1e3,
-            r.bubble(),
-            bubble_theory(args.stages, args.micro_batches)
-        );
-        timeline::draw(r, &workers, &title, &timeline)?;
-    }
+    let drawn = match &shown {
+        Some(r) => {
+            let title = format!(
+                "{} stages, {} micro-batches, {}: step {:.1} ms, bubble {:.2} (theory {:.2})",
+                args.stages,
+                args.micro_batches,
+                args.schedule,
+                r.span_us.1.saturating_sub(r.span_us.0) as f64 / 1e3,
+                r.bubble(),
+                bubble_theory(args.stages, args.micro_batches)
+            );
+            timeline::draw(r, &model.pipe.workers(), &title, &timeline)?;
+            Some(timeline.display().to_string())
+        }
+        // Resumed past the step it shows.
+        None => None,
+    };
     let rss = stage_rss(agent, args.stages).await?;
+    let params_sha256 = ckpt::params_sha256(&model.named().await?)?;
+    let recoveries = tracker.recoveries()?;
     let step_ms_median = median(step_ms);
     println!(
         "{}",
@@ -680,9 +934,10 @@ async fn train(agent: &Agent, args: &Args, data: &Data) -> Result<i32> {
             "micro_batches": args.micro_batches,
             "batch": args.batch(),
             "epochs": args.epochs,
-            "steps": step,
+            "steps": progress.step,
             "final_loss": round(last_loss, 5),
-            "accuracy": round(acc, 4),
+            "accuracy": round(progress.accuracy.last().copied().unwrap_or(0.0), 4),
+            "accuracy_per_epoch": progress.accuracy.iter().map(|a| round(*a, 4)).collect::<Vec<_>>(),
             "step_ms_median": round(step_ms_median, 2),
             "words_per_s": round(args.batch() as f64 / step_ms_median * 1e3, 0),
             "bubble_measured": round(median(bubbles), 3),
@@ -690,7 +945,14 @@ async fn train(agent: &Agent, args: &Args, data: &Data) -> Result<i32> {
             "max_live_activations": live,
             "peak_rss_mb": rss.iter().map(|r| round(*r, 1)).collect::<Vec<_>>(),
             "master_peak_rss_mb": round(examples::peak_rss_mb(), 1),
-            "timeline": timeline.display().to_string(),
+            "timeline": drawn,
+            "params_sha256": params_sha256,
+            "restarts": restart,
+            "recoveries": recoveries.len(),
+            "recovered_in_place": recoveries.iter().filter(|r| r.in_place).count(),
+            "time_lost_s": recoveries.iter().map(|r| round(r.time_lost_s, 2)).collect::<Vec<_>>(),
+            "restart_s": recoveries.iter().map(|r| round(r.restart_s, 2)).collect::<Vec<_>>(),
+            "replayed_steps": recoveries.iter().map(|r| r.failed_after_step - r.resumed_from_step).collect::<Vec<_>>(),
             "wall_s": round(started.elapsed().as_secs_f64(), 1),
         })
     );

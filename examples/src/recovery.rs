@@ -1,18 +1,23 @@
-//! What a failure cost: the master records the last step it completed and when (`progress`,
-//! overwritten in place after every step), and a restarted master, once it has replayed up to
-//! that step, appends how long the way back took to `recoveries.json`: detection, restart,
-//! restore and replay together.
+//! What a failure cost, for the training examples: the master records the last step it
+//! completed and when (`progress` in its output directory, overwritten in place after every
+//! step), and a restarted master (or one that recovered in its own process), once it has
+//! replayed up to that step, appends how long the way back took to `recoveries.json`:
+//! detection, restart, restore and replay together.
 //!
 //! A failure during the replay of an earlier one keeps the earlier record (the progress file
 //! is not overwritten until the replay has passed it), so both count as one recovery whose
 //! time covers both.
+//!
+//! [`Holders`] is the other half of a recovery in place (`--restart worker`): which workers
+//! holding a model's parts failed, and when their replacements have joined.
 
 use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use anyhow::{Context, Result};
+use anyhow::{ensure, Context, Result};
+use rpc_core::Agent;
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::replace_durably;
@@ -163,6 +168,89 @@ impl Tracker {
     }
 }
 
+/// How long a master waits, after an error in training, for the verdict that a worker failed
+/// (a killed one is found at once, a frozen one within the failure timeout); with none, the
+/// error is not a worker's failure and ends the run.
+pub const VERDICT_WAIT: Duration = Duration::from_secs(10);
+
+/// The workers that hold a model's parts, with the incarnation of each when the parts were
+/// made (a replacement is a later incarnation of the same rank, and holds nothing).
+pub struct Holders {
+    agent: Agent,
+    held: Vec<(u32, u64)>,
+}
+
+impl Holders {
+    /// The current incarnations of `ranks`.
+    pub fn take(agent: &Agent, ranks: impl IntoIterator<Item = u32>) -> Self {
+        Self {
+            agent: agent.clone(),
+            held: ranks
+                .into_iter()
+                .map(|r| (r, agent.incarnation_of(r).unwrap_or(0)))
+                .collect(),
+        }
+    }
+
+    /// The holders whose incarnation has failed or been replaced since.
+    pub fn lost(&self) -> Vec<u32> {
+        self.held
+            .iter()
+            .filter(|&&(r, inc)| {
+                self.agent.incarnation_of(r).ok() != Some(inc)
+                    || !self.agent.is_live(r).unwrap_or(false)
+            })
+            .map(|&(r, _)| r)
+            .collect()
+    }
+
+    /// After `err` ended training: the holders that failed, once a replacement of each has
+    /// joined the group. Fails with `err` if no holder was declared failed within
+    /// [`VERDICT_WAIT`] (the error was not a worker's failure), and names the worker if its
+    /// replacement does not join within `timeout`. `who` prefixes the line telling the user.
+    pub async fn await_replacements(
+        &self,
+        err: &anyhow::Error,
+        timeout: Duration,
+        who: &str,
+    ) -> Result<Vec<u32>> {
+        let deadline = Instant::now() + VERDICT_WAIT;
+        let lost = loop {
+            let lost = self.lost();
+            if !lost.is_empty() {
+                break lost;
+            }
+            if Instant::now() >= deadline {
+                anyhow::bail!("{err:#}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        eprintln!(
+            "{who}: lost {} ({err:#}); waiting for the launcher's replacement",
+            lost.iter()
+                .map(|r| self.agent.name_of(*r))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        let deadline = Instant::now() + timeout;
+        for &(r, held) in &self.held {
+            if !lost.contains(&r) {
+                continue;
+            }
+            while self.agent.incarnation_of(r)? == held || !self.agent.is_live(r)? {
+                ensure!(
+                    Instant::now() < deadline,
+                    "{} failed and no replacement joined within {} s: {err:#}",
+                    self.agent.name_of(r),
+                    timeout.as_secs()
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        Ok(lost)
+    }
+}
+
 /// The step and time of a progress record, if there is a readable one.
 fn read_progress(path: &Path) -> Option<(u64, u64)> {
     let s = std::fs::read_to_string(path).ok()?;
@@ -175,7 +263,7 @@ mod tests {
     use super::*;
 
     fn scratch(name: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("hybrid-rnn-rec-{name}-{}", std::process::id()));
+        let d = std::env::temp_dir().join(format!("examples-rec-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
         d
     }
