@@ -707,8 +707,9 @@ pub(crate) struct Detector {
     stop: CancellationToken,
     leave: Arc<Notify>,
     leaving: Arc<AtomicBool>,
-    /// Heartbeat connections this detector dialled that are up (they say `LEAVING`).
-    connected: Arc<AtomicUsize>,
+    /// Heartbeat writers (one task per watched peer, dialling or beating): leaving waits
+    /// for each to say `LEAVING` on its connection, or to find it has none.
+    writers: Arc<AtomicUsize>,
     /// Tests: the detector stops sending heartbeats, as a frozen process would.
     silent: Arc<AtomicBool>,
     heartbeat_interval: Duration,
@@ -725,7 +726,7 @@ struct Ctx {
     stop: CancellationToken,
     leave: Arc<Notify>,
     leaving: Arc<AtomicBool>,
-    connected: Arc<AtomicUsize>,
+    writers: Arc<AtomicUsize>,
     silent: Arc<AtomicBool>,
     seq: AtomicU64,
     /// The grace a peer gets to connect (at start, and when a new incarnation joins).
@@ -746,7 +747,7 @@ impl Detector {
         let leave = Arc::new(Notify::new());
         let leaving = Arc::new(AtomicBool::new(false));
         let silent = Arc::new(AtomicBool::new(false));
-        let connected = Arc::new(AtomicUsize::new(0));
+        let writers = Arc::new(AtomicUsize::new(0));
         let heartbeat_interval = cfg.heartbeat_interval;
         let n = dialer.directory().capacity();
         // At first a peer is given several timeouts to connect (they start at slightly
@@ -765,7 +766,7 @@ impl Detector {
             stop: stop.clone(),
             leave: Arc::clone(&leave),
             leaving: Arc::clone(&leaving),
-            connected: Arc::clone(&connected),
+            writers: Arc::clone(&writers),
             silent: Arc::clone(&silent),
             seq: AtomicU64::new(0),
             grace,
@@ -788,20 +789,22 @@ impl Detector {
             stop,
             leave,
             leaving,
-            connected,
+            writers,
             silent,
             heartbeat_interval,
         })
     }
 
     /// Graceful: tells every peer this worker is leaving (LIVE-1), then stops. Returns once
-    /// every connected heartbeat connection has said so, or after a bounded wait (a writer
-    /// may be between two beats, or blocked on a peer that stopped reading).
+    /// every heartbeat writer has said so on its connection (one still dialling a peer that
+    /// just joined finishes its handshake first, else the peer would see a connection close
+    /// unannounced) or found it has none, or after a bounded wait (a writer may be between
+    /// two beats, or blocked on a peer that stopped reading).
     pub(crate) async fn leave(&self) {
         self.leaving.store(true, Ordering::Release);
         self.leave.notify_waiters();
-        let by = Instant::now() + self.heartbeat_interval + Duration::from_millis(500);
-        while self.connected.load(Ordering::Acquire) > 0 && Instant::now() < by {
+        let by = Instant::now() + self.heartbeat_interval + Duration::from_secs(1);
+        while self.writers.load(Ordering::Acquire) > 0 && Instant::now() < by {
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
         self.stop.cancel();
@@ -1007,7 +1010,12 @@ async fn gone(ctx: &Ctx, rank: u32) -> bool {
 /// connection is dialled again.
 async fn beat_to(ctx: Arc<Ctx>, rank: u32, incarnation: u64) {
     let interval = ctx.cfg.heartbeat_interval;
+    // Counted while it runs, so that leaving waits for its `LEAVING`.
+    let _writer = Counted::new(&ctx.writers);
     while ctx.membership.alive_incarnation(rank, incarnation) && !ctx.stop.is_cancelled() {
+        if ctx.leaving.load(Ordering::Acquire) {
+            return; // no connection: nothing to close unannounced
+        }
         let dialled = tokio::select! {
             () = ctx.stop.cancelled() => return,
             c = dial(&ctx, rank) => c,
@@ -1015,11 +1023,10 @@ async fn beat_to(ctx: Arc<Ctx>, rank: u32, incarnation: u64) {
         let Some(mut conn) = dialled else {
             tokio::select! {
                 () = ctx.stop.cancelled() => return,
+                () = ctx.leave.notified() => continue,
                 () = tokio::time::sleep(interval) => continue,
             }
         };
-        // Counted while up, so that leaving waits for its `LEAVING`.
-        let _up = Connected::new(&ctx.connected);
         loop {
             let leaving = ctx.leaving.load(Ordering::Acquire);
             if !leaving && !ctx.membership.alive_incarnation(rank, incarnation) {
@@ -1053,17 +1060,17 @@ async fn beat_to(ctx: Arc<Ctx>, rank: u32, incarnation: u64) {
     }
 }
 
-/// Counts a connected heartbeat writer while it lives.
-struct Connected<'a>(&'a AtomicUsize);
+/// Counts a heartbeat writer while it lives.
+struct Counted<'a>(&'a AtomicUsize);
 
-impl<'a> Connected<'a> {
+impl<'a> Counted<'a> {
     fn new(n: &'a AtomicUsize) -> Self {
         n.fetch_add(1, Ordering::AcqRel);
         Self(n)
     }
 }
 
-impl Drop for Connected<'_> {
+impl Drop for Counted<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
     }
