@@ -29,6 +29,10 @@
 //! - AD-7: a worker declared failed releases nothing any more: every other worker drops the
 //!   state of the contexts it started on its own (`record.rs`), and a backward pass that
 //!   reaches it fails with its `PeerFailed` error.
+//! - AD-8: ids of contexts and pipelines carry their creator's rank and incarnation
+//!   (`rank << 48 | incarnation << 32 | counter`), so a replacement never reuses an id of the
+//!   incarnation it replaced; a message that reaches a worker after the verdict, in a context
+//!   of the failed incarnation, finds it released and does not bring its state back.
 
 use candle_core::{Tensor, TensorId};
 use futures::future::BoxFuture;
@@ -36,7 +40,6 @@ use rpc_core::ext::with_call_meta;
 use rpc_core::{Agent, BoxError, CallContext, RemoteFn};
 use rref::RRef;
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
 
 use crate::error::AutogradError;
 use crate::record::{container, CTX_KEY};
@@ -57,10 +60,10 @@ impl std::fmt::Debug for DistContext {
     }
 }
 
-/// Opens a context; its id is `rank << 48 | counter`.
+/// Opens a context; its id is `rank << 48 | (incarnation mod 2^16) << 32 | counter`.
 pub fn context(agent: &Agent) -> DistContext {
     let c = container(agent);
-    let id = (u64::from(agent.rank()) << 48) | c.next_ctx.fetch_add(1, Ordering::Relaxed);
+    let id = c.next_id();
     c.with(id, |_| ());
     DistContext {
         id,
@@ -229,7 +232,11 @@ async fn local_pass(agent: &Agent, ctx: u64, loss: Tensor) -> Result<(), Autogra
     let mut outgoing: HashMap<u32, Vec<(u64, RTensor)>> = HashMap::new();
     {
         let mut m = c.contexts.lock().unwrap_or_else(|p| p.into_inner());
-        let st = m.entry(ctx).or_default();
+        let st = c.entry(&mut m, ctx).ok_or_else(|| {
+            AutogradError::State(format!(
+                "autograd context {ctx:#x} was started by a worker that failed"
+            ))
+        })?;
         for node in loss.sorted_nodes() {
             if !node.is_variable() {
                 continue;

@@ -215,10 +215,9 @@ impl Pipeline {
                 micro_batches
             )));
         }
-        let c = container(agent);
-        let id = (u64::from(agent.rank()) << 48)
-            | c.next_ctx
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // Unique across this worker's incarnations: a replacement's pipelines never meet
+        // what its predecessor's left on the stages.
+        let id = container(agent).next_id();
         Ok(Self {
             agent: agent.clone(),
             stages,

@@ -7,7 +7,7 @@ use candle_core::{Tensor, TensorId, Var};
 use rpc_core::ext::{AgentExt, MessageContext};
 use rpc_core::Agent;
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -43,9 +43,25 @@ pub(crate) struct CtxState {
 /// Every context's state on one worker, and its id counters.
 pub(crate) struct Container {
     pub me: u32,
-    pub next_ctx: AtomicU64,
+    /// The top 32 bits of every id this worker makes: its rank and its incarnation (mod
+    /// 2^16), so that a replacement never reuses an id of its predecessor (AD-8).
+    id_base: u64,
+    next_ctx: AtomicU64,
     next_msg: AtomicU64,
     pub contexts: Mutex<HashMap<u64, CtxState>>,
+    /// The creators (`id >> 32`) declared failed: their contexts are released and must not
+    /// come back when a late message names one (taken under `contexts`' lock).
+    failed: Mutex<HashSet<u64>>,
+}
+
+/// Who made an id of [`Container::next_id`]: the top 32 bits, its rank and incarnation.
+pub(crate) fn creator(id: u64) -> u64 {
+    id >> 32
+}
+
+/// The creator tag of incarnation `incarnation` of rank `rank`.
+pub(crate) fn creator_of(rank: u32, incarnation: u64) -> u64 {
+    (u64::from(rank) << 16) | (incarnation & 0xffff)
 }
 
 /// The autograd state of `agent`'s worker (created on first use).
@@ -55,9 +71,11 @@ pub(crate) fn container(agent: &Agent) -> Arc<Container> {
         created = true;
         Container {
             me: agent.rank(),
+            id_base: creator_of(agent.rank(), agent.incarnation()) << 32,
             next_ctx: AtomicU64::new(1),
             next_msg: AtomicU64::new(1),
             contexts: Mutex::new(HashMap::new()),
+            failed: Mutex::new(HashSet::new()),
         }
     });
     if created {
@@ -65,7 +83,7 @@ pub(crate) fn container(agent: &Agent) -> Arc<Container> {
         let weak = Arc::downgrade(&c);
         agent.on_worker_failed(move |f| {
             if let Some(c) = weak.upgrade() {
-                c.release_started_by(f.rank);
+                c.release_started_by(creator_of(f.rank, f.incarnation));
             }
         });
     }
@@ -73,31 +91,61 @@ pub(crate) fn container(agent: &Agent) -> Arc<Container> {
 }
 
 impl Container {
-    /// Drops the state of every context worker `rank` started (its id's top 16 bits), once
-    /// `rank` was declared failed: nobody will release them.
-    fn release_started_by(&self, rank: u32) {
+    /// A new id for a context or a pipeline: this worker's rank and incarnation, then a
+    /// counter (which wraps after 2^32 ids, long after those ids were released).
+    pub(crate) fn next_id(&self) -> u64 {
+        self.id_base | (self.next_ctx.fetch_add(1, Ordering::Relaxed) & 0xffff_ffff)
+    }
+
+    /// Drops the state of every context `creator` (a failed incarnation) started, and keeps
+    /// them from coming back: nobody will release them.
+    fn release_started_by(&self, creator: u64) {
         let dropped: Vec<CtxState> = {
             let mut m = self.contexts.lock().unwrap_or_else(|p| p.into_inner());
+            self.failed
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(creator);
             let ids: Vec<u64> = m
                 .keys()
                 .copied()
-                .filter(|id| id >> 48 == u64::from(rank))
+                .filter(|&id| self::creator(id) == creator)
                 .collect();
             ids.into_iter().filter_map(|id| m.remove(&id)).collect()
         };
         if !dropped.is_empty() {
             tracing::info!(
-                rank,
+                rank = creator >> 16,
+                incarnation = creator & 0xffff,
                 contexts = dropped.len(),
                 "released the autograd contexts of a failed worker"
             );
         }
     }
 
-    /// Runs `f` on context `ctx`'s state (created if new).
+    /// Context `ctx`'s state in `m` (this container's `contexts`, locked), created if new;
+    /// `None` if the worker that started it was declared failed (its state was released).
+    pub(crate) fn entry<'a>(
+        &self,
+        m: &'a mut HashMap<u64, CtxState>,
+        ctx: u64,
+    ) -> Option<&'a mut CtxState> {
+        let failed = self
+            .failed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(&creator(ctx));
+        (!failed).then(|| m.entry(ctx).or_default())
+    }
+
+    /// Runs `f` on context `ctx`'s state (created if new; a scratch state, dropped after, if
+    /// the worker that started it failed).
     pub(crate) fn with<R>(&self, ctx: u64, f: impl FnOnce(&mut CtxState) -> R) -> R {
         let mut m = self.contexts.lock().unwrap_or_else(|p| p.into_inner());
-        f(m.entry(ctx).or_default())
+        match self.entry(&mut m, ctx) {
+            Some(st) => f(st),
+            None => f(&mut CtxState::default()),
+        }
     }
 }
 

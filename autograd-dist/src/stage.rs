@@ -2,8 +2,8 @@
 //! in order, the hand-offs to and from its neighbours, and its saved activations. It knows a
 //! module only as a forward function and its parameters, so `module.rs` can serve it.
 
-use std::collections::HashMap;
-use std::sync::Mutex;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use candle_core::{DType, Tensor, Var, D};
@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::dist_optim::Parameter;
 use crate::error::AutogradError;
-use crate::record::container;
+use crate::record::{container, creator, creator_of};
 use crate::tensor::RTensor;
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -147,12 +147,40 @@ struct Inbox {
     slots: HashMap<Key, Slot>,
     /// By pipeline: the last step aborted (its hand-offs fail at once).
     aborted: HashMap<u64, u64>,
+    /// The masters (`creator` of a pipeline id: rank and incarnation) declared failed: every
+    /// step of their pipelines is aborted, and what they left here is dropped.
+    failed: HashSet<u64>,
 }
 
 impl Inbox {
     fn is_aborted(&self, key: &Key) -> bool {
-        self.aborted.get(&key.0).is_some_and(|&s| key.2 <= s)
+        self.failed.contains(&creator(key.0))
+            || self.aborted.get(&key.0).is_some_and(|&s| key.2 <= s)
     }
+}
+
+/// This worker's stage state (created on first use, with the hook that drops what a failed
+/// master's pipelines left: a stage's run the master's failure cancelled leaves hand-offs
+/// nobody takes).
+fn stage_state(agent: &Agent) -> Arc<StageState> {
+    let mut created = false;
+    let state = agent.extension(|| {
+        created = true;
+        StageState::default()
+    });
+    if created {
+        let weak = Arc::downgrade(&state);
+        agent.on_worker_failed(move |f| {
+            if let Some(state) = weak.upgrade() {
+                let tag = creator_of(f.rank, f.incarnation);
+                let mut inbox = lock(&state.inbox);
+                inbox.failed.insert(tag);
+                inbox.slots.retain(|k, _| creator(k.0) != tag);
+                inbox.aborted.retain(|&pipe, _| creator(pipe) != tag);
+            }
+        });
+    }
+    state
 }
 
 impl StageState {
@@ -209,9 +237,7 @@ impl RemoteFn for Deliver {
         cx: CallContext,
         (pipe, stage, step, kind, mb, t): Self::Args,
     ) -> Result<(), BoxError> {
-        cx.agent()
-            .extension(StageState::default)
-            .deliver((pipe, stage, step, kind, mb), t.0);
+        stage_state(cx.agent()).deliver((pipe, stage, step, kind, mb), t.0);
         Ok(())
     }
 }
@@ -236,7 +262,7 @@ pub(crate) async fn stage_run(
     module: &dyn StageModule,
     req: RunReq,
 ) -> Result<RunReply, BoxError> {
-    let state = agent.extension(StageState::default);
+    let state = stage_state(agent);
     let timeout = agent.rpc_timeout();
     let key = |kind, mb: usize| (req.pipe, req.stage, req.step, kind, mb as u32);
     let send = |to: u32, stage: u32, kind, mb: usize, t: Tensor| {
@@ -378,7 +404,7 @@ const ABORTED: &str = "the step was aborted (another stage failed)";
 /// Drops what pipeline `pipe` has on this worker. With `abort`, that step and those before it
 /// are aborted: a stage waiting for a neighbour in them stops, and so does one that would.
 pub(crate) fn stage_forget(agent: &Agent, pipe: u64, abort: Option<u64>) {
-    let state = agent.extension(StageState::default);
+    let state = stage_state(agent);
     let mut inbox = lock(&state.inbox);
     inbox.slots.retain(|k, _| k.0 != pipe);
     match abort {

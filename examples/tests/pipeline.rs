@@ -207,8 +207,9 @@ fn run_small(name: &str, extra: &[&str]) -> Run {
 /// Recovery: a stage process SIGKILLed in the middle of step 12 (checkpoints every 5 steps),
 /// once with `--restart worker` (only that process is replaced; the master rebuilds every
 /// stage, restores the checkpoint of step 10 and replays 2 steps) and once with `--restart
-/// group` (every process restarts; the new master resumes from the checkpoint): both end with
-/// exit 0 and parameters bit-identical to the uninterrupted run's.
+/// group` (every process restarts; the new master resumes from the checkpoint); then the
+/// master killed with `--restart worker`. Each ends with exit 0 and parameters bit-identical
+/// to the uninterrupted run's.
 #[test]
 fn a_killed_stage_is_recovered_and_the_run_ends_bit_identical() {
     let Run {
@@ -258,5 +259,26 @@ fn a_killed_stage_is_recovered_and_the_run_ends_bit_identical() {
     assert_eq!(j["restarts"], 1, "{j}");
     assert_eq!(j["recoveries"], 1, "{j}");
     assert_eq!(j["recovered_in_place"], 0, "{j}");
+    assert_eq!(j["params_sha256"], want.as_str(), "bit-identical: {j}");
+
+    // The master killed under `--restart worker`: the stages keep their processes (and what
+    // the dead master left on them), the new master resumes from the checkpoint.
+    let master = [
+        "--max-restarts",
+        "1",
+        "--restart",
+        "worker",
+        "--kill-stage",
+        "master",
+        "--kill-at-step",
+        "12",
+    ];
+    let Run {
+        code, out, json: j, ..
+    } = run_small("master", &master);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("killing the master during step 12"), "{out}");
+    assert!(out.contains("rank 0 was killed by signal 9"), "{out}");
+    assert_eq!(j["restarts"], 1, "{j}");
     assert_eq!(j["params_sha256"], want.as_str(), "bit-identical: {j}");
 }

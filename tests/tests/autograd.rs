@@ -247,6 +247,69 @@ fn remote_modules_train_like_one_process() {
     });
 }
 
+/// AD-7, AD-8: the context a worker started is released on the others once that worker is
+/// declared failed, and its replacement (the same rank, incarnation 1, its counter starting
+/// over) opens contexts under other ids, so nothing the failed incarnation left on a worker
+/// can be taken for the replacement's (a replaced pipeline master reusing its predecessor's
+/// ids picked up stale hand-offs and gradients).
+#[test]
+fn a_replacement_never_reuses_the_context_ids_of_the_worker_it_replaced() {
+    use integration_tests::elastic::ElasticGroup;
+    async fn until(what: &str, mut done: impl FnMut() -> bool) {
+        for _ in 0..500 {
+            if done() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("not within 10 s: {what}");
+    }
+    each_transport(60, |t| async move {
+        let g = ElasticGroup::start(3, t, registry, Duration::from_millis(600)).await;
+        let a = &g.agents;
+        init(&a[2], 0, "n.w", 3, 2).await;
+        let x = || RTensor(input(2, 3));
+        let old = autograd_dist::context(&a[2]);
+        old.run(async {
+            a[2].rpc_async(0u32, linear, ("n.w".into(), x(), false))
+                .await
+        })
+        .await
+        .unwrap();
+        assert_eq!(autograd_dist::live_contexts(&a[0]), 1);
+        rpc_core::testing::silence(&a[2], true);
+        until("worker 2 declared failed", || !a[0].is_live(2u32).unwrap()).await;
+        until("its context released on worker 0", || {
+            autograd_dist::live_contexts(&a[0]) == 0
+        })
+        .await;
+        let new = g.start_rank(2, true).await.expect("the replacement joins");
+        let fresh = autograd_dist::context(&new);
+        assert_eq!(fresh.id() >> 48, 2, "{:#x}", fresh.id());
+        assert_eq!(
+            fresh.id() & 0xffff_ffff,
+            old.id() & 0xffff_ffff,
+            "the counter started over"
+        );
+        assert_ne!(fresh.id(), old.id(), "the incarnation tells them apart");
+        fresh
+            .run(async {
+                new.rpc_async(0u32, linear, ("n.w".into(), x(), false))
+                    .await
+            })
+            .await
+            .unwrap();
+        assert_eq!(autograd_dist::live_contexts(&a[0]), 1);
+        fresh.release().await.unwrap();
+        assert_eq!(autograd_dist::live_contexts(&a[0]), 0);
+        std::mem::forget(old); // its worker is fenced: nothing to release
+        let reports = futures::future::join_all([&a[0], &a[1], &new].map(|x| x.shutdown())).await;
+        for r in &reports {
+            assert!(r.is_clean(), "{r:?}");
+        }
+    });
+}
+
 #[test]
 fn round_trip_a_to_b_to_a_one_tensor_to_two_workers_and_unused_outputs() {
     each_transport(60, |t| async move {

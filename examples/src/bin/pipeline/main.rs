@@ -158,10 +158,10 @@ struct Args {
     /// Steps timed per configuration of `--bench` (after 3 untimed).
     #[arg(long, default_value_t = 12)]
     bench_steps: usize,
-    /// Fault injection: kill this stage's process (SIGKILL) during step `--kill-at-step`
-    /// (once: not again when a recovered run replays that step).
+    /// Fault injection: kill this stage's process (a stage's index, or `master`) with SIGKILL
+    /// during step `--kill-at-step` (once: not again when a recovered run replays that step).
     #[arg(long, requires = "kill_at_step")]
-    kill_stage: Option<usize>,
+    kill_stage: Option<Victim>,
     /// The step (counted from 0) during which `--kill-stage` is killed.
     #[arg(long)]
     kill_at_step: Option<u64>,
@@ -212,7 +212,7 @@ impl Args {
             "--lr {} must be positive",
             self.lr
         );
-        if let Some(s) = self.kill_stage {
+        if let Some(Victim::Stage(s)) = self.kill_stage {
             ensure!(
                 s < self.stages,
                 "--kill-stage {s}: there are {} stages",
@@ -255,6 +255,37 @@ impl Args {
             head_hidden: self.mlp_width,
             classes: LANGS.len(),
             bidirectional: false,
+        }
+    }
+}
+
+/// Whom `--kill-stage` kills.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Victim {
+    /// The master (rank 0).
+    Master,
+    /// Stage `s` (rank `s + 1`).
+    Stage(usize),
+}
+
+impl std::str::FromStr for Victim {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "master" => Ok(Self::Master),
+            _ => s
+                .parse()
+                .map(Self::Stage)
+                .map_err(|_| format!("{s:?} is neither a stage index nor `master`")),
+        }
+    }
+}
+
+impl std::fmt::Display for Victim {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Master => f.write_str("the master"),
+            Self::Stage(s) => write!(f, "stage {s}"),
         }
     }
 }
@@ -816,11 +847,15 @@ async fn train(agent: &Agent, args: &Args, data: &Data, restart: u32) -> Result<
                         .then_some(args.kill_stage)
                         .flatten();
                     let killer = async {
-                        if let Some(s) = kill {
+                        if let Some(v) = kill {
                             tokio::time::sleep(Duration::from_millis(20)).await;
-                            eprintln!("pipeline: killing stage {s} during step {step}");
+                            eprintln!("pipeline: killing {v} during step {step}");
+                            let rank = match v {
+                                Victim::Master => 0,
+                                Victim::Stage(s) => s as u32 + 1,
+                            };
                             // The call never answers: its worker is gone.
-                            let _ = agent.rpc_async(s as u32 + 1, die, ()).await;
+                            let _ = agent.rpc_async(rank, die, ()).await;
                         }
                         std::future::pending::<()>().await
                     };
