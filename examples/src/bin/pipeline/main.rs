@@ -506,10 +506,10 @@ impl Model {
             path.display()
         );
         for (s, module) in self.modules.iter().enumerate() {
-            let n = module.state().await?.len();
-            let state = (0..n)
-                .map(|i| t.get(&format!("stage.{s}.{i}")))
-                .collect::<Result<_>>()?;
+            // Every `stage.<s>.<i>` in order (the stage refuses a count or shape it lacks).
+            let state: Vec<Tensor> = (0..)
+                .map_while(|i| t.map().get(&format!("stage.{s}.{i}")).cloned())
+                .collect();
             module
                 .load_state(state)
                 .await
