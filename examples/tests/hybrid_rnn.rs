@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::Spawned;
+use common::{alive, await_step, ranks_of, signal, Spawned};
 
 /// A small model: every run takes seconds even in a debug build.
 const SMALL_MODEL: &[&str] = &["--embedding", "8", "--hidden", "16", "--head-hidden", "16"];
@@ -297,68 +297,6 @@ fn a_killed_worker_fails_the_run_quickly_naming_it() {
 #[test]
 fn a_frozen_worker_fails_the_run_within_10_s_naming_it() {
     a_failed_worker_ends_the_run("stop", libc::SIGSTOP, Duration::from_secs(10));
-}
-
-/// The example's processes: the children of its launcher (local mode), by rank.
-fn ranks_of(launcher: u32) -> Vec<(u32, u32)> {
-    let kids = std::fs::read_to_string(format!("/proc/{launcher}/task/{launcher}/children"))
-        .unwrap_or_default();
-    let mut out: Vec<(u32, u32)> = kids
-        .split_whitespace()
-        .filter_map(|p| p.parse::<u32>().ok())
-        .filter_map(|pid| {
-            let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
-            let rank = env
-                .split(|&b| b == 0)
-                .find_map(|kv| kv.strip_prefix(b"RANK="))
-                .and_then(|r| std::str::from_utf8(r).ok()?.parse().ok())?;
-            Some((rank, pid))
-        })
-        .collect();
-    out.sort();
-    out
-}
-
-/// Whether `pid` is running or stopped (not gone, not a zombie).
-fn alive(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .map(|s| {
-            !matches!(
-                s.rsplit(") ").next().and_then(|r| r.chars().next()),
-                Some('Z') | None
-            )
-        })
-        .unwrap_or(false)
-}
-
-fn signal(pid: u32, sig: i32) {
-    // SAFETY: kill has no memory-safety preconditions.
-    unsafe { libc::kill(pid as i32, sig) };
-}
-
-/// Waits (at most `limit`) until the master's progress record in `out` shows `step` steps
-/// done.
-fn await_step(run: &mut Spawned, out: &Path, step: u64, limit: Duration) {
-    let deadline = Instant::now() + limit;
-    loop {
-        let done = std::fs::read_to_string(out.join("progress"))
-            .ok()
-            .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok());
-        if done.is_some_and(|d| d >= step) {
-            return;
-        }
-        assert!(
-            run.child.try_wait().unwrap().is_none(),
-            "the run ended before step {step}:\n{}",
-            run.stderr()
-        );
-        assert!(
-            Instant::now() < deadline,
-            "no step {step} within {limit:?}:\n{}",
-            run.stderr()
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
 }
 
 /// The example in local mode with `args`, its output in `dir`.

@@ -1,11 +1,11 @@
 //! The pipeline example as a user runs it: a master and one process per stage on 127.0.0.1,
 //! small settings; every process is killed when its handle drops, whatever the outcome.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 mod common;
-use common::{last_json, run_to_end, Spawned};
+use common::{alive, await_step, last_json, ranks_of, run_to_end, signal, Spawned};
 
 const BIN: &str = env!("CARGO_BIN_EXE_pipeline");
 
@@ -167,6 +167,11 @@ struct Run {
 /// 4 micro-batches, checkpoints every 5 steps, `extra` flags, and its own output directory
 /// (removed after).
 fn run_small(name: &str, extra: &[&str]) -> Run {
+    run_small_with(name, extra, |_, _| {})
+}
+
+/// [`run_small`], calling `during` with the running example and its output directory.
+fn run_small_with(name: &str, extra: &[&str], during: impl FnOnce(&mut Spawned, &Path)) -> Run {
     let dir = scratch(name);
     let out_dir = dir.join("out");
     let mut args: Vec<String> = SMALL.iter().map(|s| s.to_string()).collect();
@@ -190,6 +195,7 @@ fn run_small(name: &str, extra: &[&str]) -> Run {
     args.push("--out-dir".into());
     args.push(out_dir.display().to_string());
     let mut p = Spawned::start(BIN, &args, &[], &dir);
+    during(&mut p, &out_dir);
     let code = p.wait(Duration::from_secs(300));
     let (out, err) = (p.stdout(), p.stderr());
     let json = last_json(&out, &err);
@@ -208,8 +214,8 @@ fn run_small(name: &str, extra: &[&str]) -> Run {
 /// once with `--restart worker` (only that process is replaced; the master rebuilds every
 /// stage, restores the checkpoint of step 10 and replays 2 steps) and once with `--restart
 /// group` (every process restarts; the new master resumes from the checkpoint); then the
-/// master killed with `--restart worker`. Each ends with exit 0 and parameters bit-identical
-/// to the uninterrupted run's.
+/// master killed with `--restart worker`, and a stage frozen (SIGSTOP). Each ends with exit 0
+/// and parameters bit-identical to the uninterrupted run's.
 #[test]
 fn a_killed_stage_is_recovered_and_the_run_ends_bit_identical() {
     let Run {
@@ -280,5 +286,29 @@ fn a_killed_stage_is_recovered_and_the_run_ends_bit_identical() {
     assert!(out.contains("killing the master during step 12"), "{out}");
     assert!(out.contains("rank 0 was killed by signal 9"), "{out}");
     assert_eq!(j["restarts"], 1, "{j}");
+    assert_eq!(j["params_sha256"], want.as_str(), "bit-identical: {j}");
+    // A stage frozen (SIGSTOP) after step 12: only the failure detector can tell; the
+    // launcher replaces it and the master recovers in place.
+    let frozen = ["--max-restarts", "1", "--restart", "worker"];
+    let Run {
+        code, out, json: j, ..
+    } = run_small_with("frozen", &frozen, |run, out_dir| {
+        await_step(run, out_dir, 12, Duration::from_secs(120));
+        let ranks = ranks_of(run.child.id());
+        let (_, pid) = *ranks.iter().find(|r| r.0 == 2).expect("stage 1's process");
+        signal(pid, libc::SIGSTOP);
+        // The launcher ends it (SIGKILL) once the group declared it failed.
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while alive(pid) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the frozen stage was not ended"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    });
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("no heartbeat for"), "{out}");
+    assert_eq!(j["recovered_in_place"], 1, "{j}");
     assert_eq!(j["params_sha256"], want.as_str(), "bit-identical: {j}");
 }

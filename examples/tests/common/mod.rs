@@ -1,5 +1,8 @@
 //! Starting an example binary from a test: output to files, every wait bounded, the process
-//! killed (with the children it launched, which die with it) when the handle is dropped.
+//! killed (with the children it launched, which die with it) when the handle is dropped; the
+//! processes a launcher started, by rank, to signal them.
+
+#![allow(dead_code)] // not every test binary uses every helper
 
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
@@ -68,7 +71,6 @@ impl Spawned {
 
 /// Runs `bin` with `args` in a fresh temporary directory until it exits (at most `limit`):
 /// its exit code, stdout and stderr.
-#[allow(dead_code)] // not every test binary uses every helper
 pub fn run_to_end(bin: &str, args: &[&str], limit: Duration) -> (Option<i32>, String, String) {
     let name = Path::new(bin)
         .file_name()
@@ -90,8 +92,69 @@ pub fn run_to_end(bin: &str, args: &[&str], limit: Duration) -> (Option<i32>, St
 }
 
 /// The last line of `out` as JSON (a panic showing both outputs if it is not).
-#[allow(dead_code)]
 pub fn last_json(out: &str, err: &str) -> serde_json::Value {
     let last = out.lines().last().unwrap_or_default();
     serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {out}\n{err}"))
+}
+
+/// The example's processes: the children of its launcher (local mode), by rank.
+pub fn ranks_of(launcher: u32) -> Vec<(u32, u32)> {
+    let kids = std::fs::read_to_string(format!("/proc/{launcher}/task/{launcher}/children"))
+        .unwrap_or_default();
+    let mut out: Vec<(u32, u32)> = kids
+        .split_whitespace()
+        .filter_map(|p| p.parse::<u32>().ok())
+        .filter_map(|pid| {
+            let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+            let rank = env
+                .split(|&b| b == 0)
+                .find_map(|kv| kv.strip_prefix(b"RANK="))
+                .and_then(|r| std::str::from_utf8(r).ok()?.parse().ok())?;
+            Some((rank, pid))
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// Whether `pid` is running or stopped (not gone, not a zombie).
+pub fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| {
+            !matches!(
+                s.rsplit(") ").next().and_then(|r| r.chars().next()),
+                Some('Z') | None
+            )
+        })
+        .unwrap_or(false)
+}
+
+pub fn signal(pid: u32, sig: i32) {
+    // SAFETY: kill has no memory-safety preconditions.
+    unsafe { libc::kill(pid as i32, sig) };
+}
+
+/// Waits (at most `limit`) until the master's progress record in `out` shows `step` steps
+/// done.
+pub fn await_step(run: &mut Spawned, out: &Path, step: u64, limit: Duration) {
+    let deadline = Instant::now() + limit;
+    loop {
+        let done = std::fs::read_to_string(out.join("progress"))
+            .ok()
+            .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok());
+        if done.is_some_and(|d| d >= step) {
+            return;
+        }
+        assert!(
+            run.child.try_wait().unwrap().is_none(),
+            "the run ended before step {step}:\n{}",
+            run.stderr()
+        );
+        assert!(
+            Instant::now() < deadline,
+            "no step {step} within {limit:?}:\n{}",
+            run.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }
