@@ -197,6 +197,10 @@ impl Optimizer {
                 continue;
             };
             let p = var.as_tensor().detach();
+            // The moments keep no graph: a gradient from candle's backward can carry the
+            // step's forward pass (a variable used directly as a product's operand gets
+            // `input.t() @ grad`), and `m` built on it would chain every step's to the next.
+            let g = g.detach();
             let new = update(self.kind, &p, &g, &mut self.m[i], &mut self.v[i], t)?;
             var.set(&new)?;
             updated += 1;
@@ -325,6 +329,47 @@ fn update(
 mod tests {
     use super::*;
     use candle_core::Device;
+
+    /// A variable used directly as a product's operand (`h @ w`) gets `h.t() @ grad` from
+    /// candle's backward: a gradient that carries the step's forward pass. The moments must
+    /// keep none of it, or each step's graph chains to the next (the pipeline example's stages
+    /// grew by 20 MB a step and stalled the machine).
+    #[test]
+    fn moments_keep_no_graph_of_the_gradients() {
+        let dev = Device::Cpu;
+        let var = |v: f32| Var::from_tensor(&Tensor::full(v, (4, 4), &dev).unwrap()).unwrap();
+        let x = Tensor::ones((2, 4), candle_core::DType::F32, &dev).unwrap();
+        for kind in [
+            OptimizerKind::adam(1e-3),
+            OptimizerKind::Sgd {
+                lr: 1e-3,
+                momentum: 0.9,
+                weight_decay: 0.0,
+            },
+        ] {
+            let (w1, w2) = (var(0.5), var(0.25));
+            let mut opt = Optimizer::new(kind, vec![w1.clone(), w2.clone()]);
+            for _ in 0..3 {
+                let h = x.matmul(w1.as_tensor()).unwrap();
+                let loss = h.matmul(w2.as_tensor()).unwrap().sum_all().unwrap();
+                let g = loss.backward().unwrap();
+                assert!(
+                    g.get(w2.as_tensor()).unwrap().track_op(),
+                    "the premise: this gradient carries a graph"
+                );
+                assert_eq!(opt.step(&g).unwrap(), 2);
+            }
+            let st = opt.state();
+            let moments: Vec<&RTensor> = st.m.iter().chain(&st.v).flatten().collect();
+            assert!(!moments.is_empty(), "{kind:?}");
+            for t in moments {
+                assert!(!t.0.track_op(), "{kind:?}: a moment keeps a graph");
+            }
+            for w in [&w1, &w2] {
+                assert!(!w.as_tensor().detach().track_op());
+            }
+        }
+    }
 
     fn scalar(x: f64) -> Tensor {
         Tensor::new(&[x], &Device::Cpu).unwrap()

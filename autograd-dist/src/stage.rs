@@ -385,9 +385,12 @@ fn backward(
             let Some(g) = grads.get(v.as_tensor()) else {
                 continue;
             };
+            // Without its graph: a parameter's gradient can hold the whole forward pass (a
+            // parameter used directly as a product's operand gets `input.t() @ grad`).
+            let g = g.detach();
             let acc = match st.grads.remove(&v.id()) {
                 Some((_, old)) => (old + g)?,
-                None => g.clone(),
+                None => g,
             };
             st.grads.insert(v.id(), (v.as_tensor().clone(), acc));
         }
