@@ -105,7 +105,12 @@ impl MlpStage {
                 (0..len).map(|_| rng.random_range(-bound..bound)).collect()
             };
             let dev = if 2 * i < n { device } else { &second };
-            let w = Tensor::from_vec(draw(out * inp), (out, inp), &Device::Cpu)?.to_device(dev)?;
+            // Kept as `[in, out]` (the same values as PyTorch's `[out, in]`, transposed once):
+            // the forward multiplies by it directly, and its gradient comes out in its layout.
+            let w = Tensor::from_vec(draw(out * inp), (out, inp), &Device::Cpu)?
+                .t()?
+                .contiguous()?
+                .to_device(dev)?;
             let b = Tensor::from_vec(draw(out), out, &Device::Cpu)?.to_device(dev)?;
             layers.push((Var::from_tensor(&w)?, Var::from_tensor(&b)?, dev.clone()));
         }
@@ -130,7 +135,7 @@ impl Module for MlpStage {
         for (i, (w, b, dev)) in self.layers.iter().enumerate() {
             h = h
                 .to_device(dev)?
-                .matmul(&w.as_tensor().t()?)?
+                .matmul(w.as_tensor())?
                 .broadcast_add(b.as_tensor())?;
             if i + 1 < self.layers.len() || self.relu_last {
                 h = h.relu()?;
