@@ -9,8 +9,9 @@ pub enum AutogradError {
     /// Local tensor computation failed.
     #[error("tensor operation failed")]
     Candle(#[from] candle_core::Error),
-    /// A worker of the graph failed or could not be reached.
-    #[error("distributed autograd step on worker `{worker}` failed")]
+    /// A worker of the graph, or one holding a module or parameters, failed, could not be
+    /// reached, or answered an error (the source says which function and why).
+    #[error("the call to worker `{worker}` failed")]
     Rpc {
         /// The worker.
         worker: String,
