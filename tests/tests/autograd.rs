@@ -56,6 +56,18 @@ fn chain(x: &Tensor, layers: &[(&Var, bool)]) -> Tensor {
     })
 }
 
+/// The mean square of [`chain`]'s output in this process, checked against the distributed
+/// `loss` (within 1e-12), and its gradients.
+fn local_mse(
+    x: &Tensor,
+    layers: &[(&Var, bool)],
+    loss: &Tensor,
+) -> candle_core::backprop::GradStore {
+    let l = chain(x, layers).sqr().unwrap().mean_all().unwrap();
+    assert!(max_abs_diff(&l, loss) < 1e-12);
+    l.backward().unwrap()
+}
+
 /// Each `(worker, name, var)`: the gradient of parameter `name` on `worker` in context `ctx`
 /// equals the one-process gradient of `var` in `g`, within 1e-6.
 async fn assert_remote_grads(
@@ -106,13 +118,7 @@ fn mlp_split_over_three_workers_matches_one_process() {
             local("m.w1", 8, 6),
             local("m.w2", 6, 3),
         );
-        let l = chain(&x, &[(&w0, true), (&w1, true), (&w2, false)])
-            .sqr()
-            .unwrap()
-            .mean_all()
-            .unwrap();
-        assert!(max_abs_diff(&l, &loss) < 1e-12);
-        let g = l.backward().unwrap();
+        let g = local_mse(&x, &[(&w0, true), (&w1, true), (&w2, false)], &loss);
         let params = [(0u32, "m.w0", &w0), (1, "m.w1", &w1), (2, "m.w2", &w2)];
         assert_remote_grads(&a[0], ctx.id(), &g, &params).await;
         ctx.release().await.unwrap();
@@ -200,13 +206,7 @@ fn remote_modules_train_like_one_process() {
         opt.step(&ctx).await.unwrap();
         // One process.
         let (w1, w2) = (local("s.w1", 4, 6), local("s.w2", 6, 3));
-        let l = chain(&x, &[(&w1, true), (&w2, false)])
-            .sqr()
-            .unwrap()
-            .mean_all()
-            .unwrap();
-        assert!(max_abs_diff(&l, &loss) < 1e-12);
-        let g = l.backward().unwrap();
+        let g = local_mse(&x, &[(&w1, true), (&w2, false)], &loss);
         let mut sgd =
             autograd_dist::Optimizer::new(OptimizerKind::sgd(0.1), vec![w1.clone(), w2.clone()]);
         sgd.step(&g).unwrap();
