@@ -718,9 +718,9 @@ impl ProcessGroup {
         let (g, t) = (self.clone(), t.clone());
         let seq = mailbox(&self.agent).next_seq(self.id);
         Work(
-            self.agent
-                .runtime()
-                .spawn(async move { g.broadcast_at(&t, root, seq).await }),
+            rpc_core::CallScope::current().spawn_on(self.agent.runtime(), async move {
+                g.broadcast_at(&t, root, seq).await
+            }),
         )
     }
 
@@ -729,9 +729,9 @@ impl ProcessGroup {
         let (g, t) = (self.clone(), t.clone());
         let seq = mailbox(&self.agent).next_seq(self.id);
         Work(
-            self.agent
-                .runtime()
-                .spawn(async move { g.all_gather_at(&t, seq).await }),
+            rpc_core::CallScope::current().spawn_on(self.agent.runtime(), async move {
+                g.all_gather_at(&t, seq).await
+            }),
         )
     }
 
@@ -740,9 +740,9 @@ impl ProcessGroup {
         let (g, t) = (self.clone(), t.clone());
         let seq = mailbox(&self.agent).next_seq(self.id);
         Work(
-            self.agent
-                .runtime()
-                .spawn(async move { g.reduce_scatter_at(&t, op, seq).await }),
+            rpc_core::CallScope::current().spawn_on(self.agent.runtime(), async move {
+                g.reduce_scatter_at(&t, op, seq).await
+            }),
         )
     }
 
@@ -752,12 +752,14 @@ impl ProcessGroup {
         // The sequence number is taken now, in call order, not when the task first runs:
         // every member must pair this call with the same call on the others.
         let seq = mailbox(&self.agent).next_seq(self.id);
-        Work(self.agent.runtime().spawn(async move {
-            let o = g.begin_at("all_reduce", &t, seq)?;
-            let out = g.ring_all_reduce(&o, &t, op).await;
-            g.end(&o);
-            out
-        }))
+        Work(
+            rpc_core::CallScope::current().spawn_on(self.agent.runtime(), async move {
+                let o = g.begin_at("all_reduce", &t, seq)?;
+                let out = g.ring_all_reduce(&o, &t, op).await;
+                g.end(&o);
+                out
+            }),
+        )
     }
 }
 

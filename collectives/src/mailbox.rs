@@ -456,9 +456,8 @@ impl<T> Handle<T> {
 pub fn isend(agent: &Agent, to: u32, tag: u64, t: &Tensor) -> Handle<()> {
     let (a, t) = (agent.clone(), t.clone());
     Handle(
-        agent
-            .runtime()
-            .spawn(async move { send(&a, to, tag, &t).await }),
+        rpc_core::CallScope::current()
+            .spawn_on(agent.runtime(), async move { send(&a, to, tag, &t).await }),
     )
 }
 
@@ -466,8 +465,7 @@ pub fn isend(agent: &Agent, to: u32, tag: u64, t: &Tensor) -> Handle<()> {
 pub fn irecv(agent: &Agent, from: u32, tag: u64) -> Handle<Tensor> {
     let a = agent.clone();
     Handle(
-        agent
-            .runtime()
-            .spawn(async move { recv(&a, from, tag).await }),
+        rpc_core::CallScope::current()
+            .spawn_on(agent.runtime(), async move { recv(&a, from, tag).await }),
     )
 }

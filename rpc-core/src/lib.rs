@@ -98,7 +98,7 @@ pub use config::{
     launched_rank, launched_restart_count, Config, MAX_WORLD_SIZE_ENV, RANK_ENV, RESTART_COUNT_ENV,
     RESTART_MODE_ENV, SERVE_RENDEZVOUS_ENV, TORCHRUN_AGENT_STORE_ENV, WORLD_SIZE_ENV,
 };
-pub use context::CallContext;
+pub use context::{spawn, spawn_blocking, CallContext, CallScope};
 pub use error::{
     error_chain, BoxError, CodecError, InitError, LeaveError, RemoteError, RemoteErrorKind,
     RpcError,

@@ -105,6 +105,11 @@ impl CallMeta {
         m
     }
 
+    /// Whether no key is set.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
     /// A copy without `key`.
     pub(crate) fn without(&self, key: &str) -> Self {
         Self(self.0.iter().filter(|(k, _)| k != key).cloned().collect())

@@ -85,6 +85,27 @@ pub async fn linear_then(
     Ok(RTensor((out.0 * 2.0)?))
 }
 
+/// [`linear_then`] with the nested call made from a task this handler spawns with
+/// [`rpc_core::spawn`] (which carries the autograd context into the task).
+#[remote]
+pub async fn linear_then_spawned(
+    ctx: CallContext,
+    w: String,
+    x: RTensor,
+    next: u32,
+    next_w: String,
+) -> Result<RTensor, BoxError> {
+    let h = x.matmul(param(&ctx, &w)?.as_tensor())?.tanh()?;
+    let agent = ctx.agent().clone();
+    let out = rpc_core::spawn(async move {
+        agent
+            .rpc_async(next, linear, (next_w, RTensor(h), false))
+            .await
+    })
+    .await??;
+    Ok(RTensor((out.0 * 2.0)?))
+}
+
 /// The gradient of parameter `w` in autograd context `ctx_id` on this worker.
 #[remote]
 pub async fn param_grad(
@@ -210,6 +231,7 @@ pub fn register(b: rpc_core::RegistryBuilder) -> rpc_core::RegistryBuilder {
         .and_then(|b| b.register(set_param))
         .and_then(|b| b.register(linear))
         .and_then(|b| b.register(linear_then))
+        .and_then(|b| b.register(linear_then_spawned))
         .and_then(|b| b.register(param_grad))
         .and_then(|b| b.register(live_contexts))
         .and_then(|b| b.register(echo_tensor))

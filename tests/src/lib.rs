@@ -237,6 +237,42 @@ pub async fn nested_remaining_ms(ctx: CallContext, target: u32) -> Result<Option
     Ok(ctx.agent().rpc_async(target, remaining_ms, ()).await?)
 }
 
+/// Calls `remaining_ms` on `target` from a task this handler spawns with [`rpc_core::spawn`]
+/// (`bare`: with a plain `tokio::spawn`, which starts outside the call), and returns what it
+/// saw.
+#[remote]
+pub async fn spawned_remaining_ms(
+    ctx: CallContext,
+    target: u32,
+    bare: bool,
+) -> Result<Option<u64>, BoxError> {
+    let a = ctx.agent().clone();
+    let call = async move { a.rpc_async(target, remaining_ms, ()).await };
+    let task = if bare {
+        tokio::spawn(call)
+    } else {
+        rpc_core::spawn(call)
+    };
+    Ok(task.await??)
+}
+
+/// Sums `x` over the group of `ranks` with `all_reduce_async` (a task of the library's), from
+/// inside this handler.
+#[remote]
+pub async fn all_reduce_in_background(
+    ctx: CallContext,
+    ranks: Vec<u32>,
+    x: Vec<f32>,
+) -> Result<Vec<f32>, BoxError> {
+    let g = collectives::new_group(ctx.agent(), &ranks)?;
+    let t = candle_core::Tensor::new(x.as_slice(), &candle_core::Device::Cpu)?;
+    let sum = g
+        .all_reduce_async(&t, collectives::ReduceOp::Sum)
+        .wait()
+        .await?;
+    Ok(sum.to_vec1()?)
+}
+
 fn cancelled() -> &'static Mutex<HashSet<u64>> {
     static C: OnceLock<Mutex<HashSet<u64>>> = OnceLock::new();
     C.get_or_init(Default::default)
@@ -330,6 +366,8 @@ pub fn registry_builder() -> rpc_core::RegistryBuilder {
         .and_then(|r| r.register(chain))
         .and_then(|r| r.register(remaining_ms))
         .and_then(|r| r.register(nested_remaining_ms))
+        .and_then(|r| r.register(spawned_remaining_ms))
+        .and_then(|r| r.register(all_reduce_in_background))
         .and_then(|r| r.register(hang))
         .and_then(|r| r.register(burn))
         .and_then(|r| r.register(failed_ranks))

@@ -387,6 +387,57 @@ fn round_trip_a_to_b_to_a_one_tensor_to_two_workers_and_unused_outputs() {
     });
 }
 
+/// A handler that makes its nested call from a task it spawned (`rpc_core::spawn`): the task
+/// carries the autograd context, so the tensor it sends is recorded and the gradient of the
+/// parameter on the far worker is right. (Spawned with a bare `tokio::spawn`, the send goes
+/// unrecorded: backward returns `Ok` and that parameter gets no gradient.)
+#[test]
+fn a_nested_call_from_a_spawned_task_is_recorded_in_the_context() {
+    each_transport(60, |t| async move {
+        let a = group(3, t).await;
+        init(&a[0], 1, "s.w1", 3, 4).await;
+        init(&a[0], 2, "s.w2", 4, 2).await;
+        let x = input(2, 3);
+        let ctx = autograd_dist::context(&a[0]);
+        let loss = ctx
+            .run(async {
+                let r = a[0]
+                    .rpc_async(
+                        1u32,
+                        linear_then_spawned,
+                        ("s.w1".into(), RTensor(x.clone()), 2, "s.w2".into()),
+                    )
+                    .await
+                    .unwrap();
+                r.0.sum_all().unwrap()
+            })
+            .await;
+        ctx.backward(std::slice::from_ref(&loss)).await.unwrap();
+        let (w1, w2) = (local("s.w1", 3, 4), local("s.w2", 4, 2));
+        let r = (x
+            .matmul(w1.as_tensor())
+            .unwrap()
+            .tanh()
+            .unwrap()
+            .matmul(w2.as_tensor())
+            .unwrap()
+            * 2.0)
+            .unwrap();
+        let g = r.sum_all().unwrap().backward().unwrap();
+        for (worker, w, var) in [(1u32, "s.w1", &w1), (2, "s.w2", &w2)] {
+            let got = a[0]
+                .rpc_async(worker, param_grad, (ctx.id(), w.to_string()))
+                .await
+                .unwrap()
+                .unwrap_or_else(|| panic!("{w} got no gradient"));
+            let d = max_abs_diff(&got.0, g.get(var.as_tensor()).unwrap());
+            assert!(d <= 1e-6, "{w}: max abs diff {d}");
+        }
+        ctx.release().await.unwrap();
+        shutdown_all(&a).await;
+    });
+}
+
 #[test]
 fn to_here_inside_a_context_and_concurrent_contexts() {
     each_transport(60, |t| async move {
