@@ -49,6 +49,10 @@ pub(crate) struct Callee {
     pub registry: Registry,
     admission: Arc<Semaphore>,
     running: Mutex<RunningMap>,
+    /// Delays injected before handlers by name (`testing::delay_calls`); `any_delay` keeps
+    /// the common path to one load.
+    delays: Mutex<HashMap<String, std::time::Duration>>,
+    any_delay: std::sync::atomic::AtomicBool,
 }
 
 impl Callee {
@@ -59,7 +63,29 @@ impl Callee {
             registry,
             admission: Arc::new(Semaphore::new(max_concurrent_calls)),
             running: Mutex::new(HashMap::default()),
+            delays: Mutex::new(HashMap::new()),
+            any_delay: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// Delays every call of `fn_name` from the wire by `delay` before its handler runs
+    /// (`None`: no longer).
+    pub(crate) fn set_delay(&self, fn_name: &str, delay: Option<std::time::Duration>) {
+        let mut d = self.delays.lock().unwrap_or_else(|p| p.into_inner());
+        match delay {
+            Some(t) => d.insert(fn_name.to_owned(), t),
+            None => d.remove(fn_name),
+        };
+        self.any_delay
+            .store(!d.is_empty(), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn delay_of(&self, fn_name: &str) -> Option<std::time::Duration> {
+        if !self.any_delay.load(std::sync::atomic::Ordering::Relaxed) {
+            return None;
+        }
+        let d = self.delays.lock().unwrap_or_else(|p| p.into_inner());
+        d.get(fn_name).copied()
     }
 
     /// No root call is admitted from now on (shutdown phase 3).
@@ -318,6 +344,9 @@ fn handle(
             ),
             false => None,
         };
+        if let Some(d) = callee.delay_of(fn_name) {
+            Box::pin(tokio::time::sleep(d)).await;
+        }
         let net = &agent.inner.net;
         // Boxed where there are blobs, here and below: a request's future stays small.
         let blobs = if blobs.is_empty() {

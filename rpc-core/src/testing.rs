@@ -191,6 +191,13 @@ pub fn silence(agent: &Agent, silent: bool) {
     agent.inner.net.set_silent(silent);
 }
 
+/// Delays every call of `fn_name` that `agent` serves from another worker by `delay` before
+/// its handler runs (`None` ends it), as an overloaded or slow worker would answer: for tests
+/// of what happens while a call is still on its way.
+pub fn delay_calls(agent: &Agent, fn_name: &str, delay: Option<std::time::Duration>) {
+    agent.inner.callee.set_delay(fn_name, delay);
+}
+
 /// Dials `addr` without authenticating.
 pub async fn dial_raw(transport: &Transport, addr: &str) -> io::Result<Box<dyn Io>> {
     Ok(transport.connect(addr).await?.0)

@@ -242,3 +242,61 @@ fn a_replacement_trainer_joins_at_the_others_step() {
         a[4].shutdown_within(Duration::from_secs(1)).await;
     });
 }
+
+/// PS-5: a push whose call ends while its change is on the way to the backup (the trainer
+/// gives up on it: a deadline, a cancel) is still replicated before it is applied; the
+/// trainer's retry is acknowledged once both copies hold it, they are equal, and after the
+/// primary fails the backup serves the update. Ranks: 0 the primary, 1 the backup, 2 the
+/// trainer; the backup answers replication 1.5 s late.
+#[test]
+fn a_push_interrupted_on_its_way_to_the_backup_is_not_lost() {
+    run(120, async {
+        let g = ElasticGroup::start(
+            3,
+            Transport::Memory(rpc_core::MemoryNetwork::new()),
+            registry,
+            Duration::from_millis(600),
+        )
+        .await;
+        let a = &g.agents;
+        let zero = || vec![Tensor::zeros(2, DType::F64, &Device::Cpu).unwrap()];
+        let asp = Consistency::Asp;
+        collectives::serve_replica(&a[0], 7, zero(), LR, asp, 1, Replica::Primary { backup: 1 });
+        collectives::serve_replica(&a[1], 7, zero(), LR, asp, 1, Replica::Backup { primary: 0 });
+        let c = PsClient::new(&a[2], vec![(0, 7)], 0).with_backups([Some(1)]);
+        let grad = || vec![vec![Tensor::new(&[1.0f64, 2.0], &Device::Cpu).unwrap()]];
+        c.pull(0).await.unwrap();
+        testing::delay_calls(
+            &a[1],
+            "collectives::ps_replicate",
+            Some(Duration::from_millis(1500)),
+        );
+        // The trainer gives up on the push (its future is dropped: the call is cancelled).
+        let first = tokio::time::timeout(Duration::from_millis(300), c.push(0, grad())).await;
+        assert!(first.is_err(), "the push was still on its way");
+        // Its retry: acknowledged once both copies hold the step.
+        c.push(0, grad()).await.unwrap();
+        testing::delay_calls(&a[1], "collectives::ps_replicate", None);
+        let want = vec![-LR, -2.0 * LR];
+        let held = |r: usize| collectives::shard_stats(&a[r], 7).unwrap();
+        assert_eq!(held(0).applied, [1], "the primary applied it once");
+        assert_eq!(held(1).applied, [1], "the backup holds it");
+        // The primary fails: the trainer fails over and the backup serves the update.
+        testing::silence(&a[0], true);
+        let by = std::time::Instant::now() + Duration::from_secs(10);
+        while a[2].is_live(0u32).unwrap() {
+            assert!(
+                std::time::Instant::now() < by,
+                "the primary declared failed"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let w = c.pull(1).await.unwrap();
+        assert!(c.failed_over(0));
+        assert_close(&w[0][0].to_vec1::<f64>().unwrap(), &want);
+        for r in futures::future::join_all(a[1..].iter().map(|a| a.shutdown())).await {
+            assert_eq!(r.aborted, 0, "{r:?}");
+        }
+        a[0].shutdown_within(Duration::from_secs(1)).await;
+    });
+}

@@ -1,0 +1,157 @@
+//! A parameter server: parameters sharded over server workers, trainers that pull parameters
+//! and push gradients, servers that apply the optimizer (SGD) as gradients arrive.
+//!
+//! Consistency is one rule with three settings: a trainer's pull for its step `c` waits until
+//! `c - min(trainer clocks) <= s`, where a trainer's clock is the number of steps it has
+//! pushed. BSP is `s = 0` (every step waits for every trainer), SSP is a bound `s`, ASP never
+//! waits. The server records the largest `c - min` it let through, so the bound is observable.
+//!
+//! A shard may have a backup on another server ([`Replica`]): primary-backup replication, the
+//! state machine way. Every change of the shard (a push, a trainer's departure, a trainer's
+//! join) goes through the shard's log (`log.rs`): numbered, held by the backup, then applied
+//! on the primary and acknowledged; the backup serves the trainers once the primary has been
+//! declared failed.
+//!
+//! Layout: `shard.rs` the state machine of one copy (admit, apply), `log.rs` the shards served
+//! here and the log that replicates their changes, `server.rs` the trainers' calls, `client.rs`
+//! [`PsClient`].
+//!
+//! - PS-1: a pull never proceeds with `c - min(clocks) > s` (the wait is bounded by the call's
+//!   deadline; past it the pull fails instead of breaking the bound).
+//! - PS-2: under BSP a step's gradients are applied together once every trainer has pushed
+//!   that step, so every trainer's step `c` starts from the same parameters.
+//! - PS-3: a trainer declared failed leaves the shard: its clock no longer holds the others
+//!   back (the bound is over the live trainers' clocks, and a BSP step is applied once every
+//!   live trainer has pushed it, with the gradients the departed one pushed before), and its
+//!   later calls (a falsely suspected process that is still running) are refused, naming it.
+//! - PS-4: a push is idempotent per (trainer, step): one the shard already holds is
+//!   acknowledged and not applied again, so a trainer may retry it on the backup.
+//! - PS-5: no change is visible to a trainer (in a pull from the primary) or acknowledged
+//!   before the backup holds it (or was declared failed: the primary goes on alone), whatever
+//!   happens to the call that pushed it; both copies apply the same changes in the same order,
+//!   so their parameters are bit-identical and a primary's death loses no update a trainer saw
+//!   or had acknowledged. A backup refuses changes once its view has the primary failed (a
+//!   frozen primary that thaws is fenced), and serves trainers from then on.
+//! - PS-6: a replacement trainer joins ([`PsClient::join`]) under the departed one's index at
+//!   the slowest live trainer's clock, or after the last step the departed one pushed if that
+//!   is later (no step of a trainer index is applied twice); steps before it do not wait for
+//!   it.
+//! - PS-7: a push for a step ahead of the trainer's clock (a step it has not pulled) is refused,
+//!   naming both steps: accepted, it would hold every other trainer back under BSP.
+
+mod client;
+mod log;
+mod server;
+mod shard;
+
+use candle_core::Tensor;
+use rpc_core::Agent;
+use serde::{Deserialize, Serialize};
+
+pub use client::PsClient;
+pub(crate) use log::Replicate;
+pub(crate) use server::{Join, Pull, Push};
+
+/// How far trainers may drift apart.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Consistency {
+    /// Bulk synchronous: every step waits for every trainer.
+    Bsp,
+    /// Stale synchronous: the fastest trainer may be at most this many steps ahead of the
+    /// slowest.
+    Ssp(u64),
+    /// Asynchronous: no waiting.
+    Asp,
+}
+
+impl Consistency {
+    pub(crate) fn bound(self) -> u64 {
+        match self {
+            Self::Bsp => 0,
+            Self::Ssp(s) => s,
+            Self::Asp => u64::MAX,
+        }
+    }
+}
+
+/// Which copy of a shard a server holds (PS-5).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Replica {
+    /// The only copy (also a primary whose backup failed, and a backup whose primary did).
+    Sole,
+    /// The copy trainers call: every change is applied here, then on worker `backup`, before
+    /// it is acknowledged.
+    Primary {
+        /// The rank holding the backup.
+        backup: u32,
+    },
+    /// A copy that applies what worker `primary` forwards, and serves the trainers once
+    /// `primary` has been declared failed.
+    Backup {
+        /// The rank holding the primary.
+        primary: u32,
+    },
+}
+
+/// A shard's counters, from [`shard_stats`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ShardStats {
+    /// The largest staleness (`c - min(clocks)`) a pull was let through with.
+    pub max_staleness: u64,
+    /// Per trainer: the number of steps it has pushed (or the step it joined at).
+    pub clocks: Vec<u64>,
+    /// Per trainer: how many of its pushes are in the parameters.
+    pub applied: Vec<u64>,
+    /// The copy this server holds now.
+    pub replica: Replica,
+}
+
+/// Starts serving shard `shard` on this worker: `params` with SGD at learning rate `lr`, for
+/// `trainers` trainers (ranks of trainers are mapped to indices by the trainers themselves).
+pub fn serve_shard(
+    agent: &Agent,
+    shard: u64,
+    params: Vec<Tensor>,
+    lr: f64,
+    consistency: Consistency,
+    trainers: usize,
+) {
+    serve_replica(
+        agent,
+        shard,
+        params,
+        lr,
+        consistency,
+        trainers,
+        Replica::Sole,
+    );
+}
+
+/// [`serve_shard`] as one copy of a replicated shard (PS-5): call it on the primary with
+/// `Replica::Primary { backup }` and on the backup with `Replica::Backup { primary }`, with the
+/// same `params`, before any trainer calls.
+pub fn serve_replica(
+    agent: &Agent,
+    shard: u64,
+    params: Vec<Tensor>,
+    lr: f64,
+    consistency: Consistency,
+    trainers: usize,
+    replica: Replica,
+) {
+    let state = shard::Shard::new(params, lr, consistency, trainers, replica);
+    log::shards(agent).insert(shard, state);
+}
+
+/// Shard `shard`'s counters on this worker.
+pub fn shard_stats(agent: &Agent, shard: u64) -> Option<ShardStats> {
+    let m = log::shards(agent);
+    let g = m.lock();
+    g.shards.get(&shard).map(|h| ShardStats {
+        max_staleness: h.state.max_staleness,
+        clocks: h.state.clocks.clone(),
+        applied: h.state.applied.clone(),
+        replica: h.state.replica,
+    })
+}
