@@ -1,23 +1,41 @@
 //! Checkpoint files shared by the training examples: one safetensors file per checkpoint
 //! (`ckpt-<step, 9 digits>.safetensors` in a directory), written so that a crash never leaves a
-//! truncated one ([`replace_durably`]), found by step ([`latest`]), pruned to the newest few
-//! ([`prune`]); helpers for the tensors every checkpoint holds (counts, float lists, an
-//! optimizer owner's state), and [`params_sha256`], which lets two runs compare their final
+//! truncated one ([`replace_durably`]), listed by step ([`all`], [`latest`]), pruned to the
+//! newest few ([`prune`]); helpers for the tensors every checkpoint holds (counts, float lists,
+//! an optimizer owner's state), and [`params_sha256`], which lets two runs compare their final
 //! parameters without their checkpoints.
 //!
-//! What a checkpoint holds is each example's own business (hybrid-rnn's `checkpoint.rs`,
-//! pipeline's `main.rs`); any safetensors loader reads the files.
+//! Each file's safetensors metadata holds the step, the flags of the run that wrote it
+//! ([`Flags`]) and a SHA-256 digest of everything else in the file: every tensor's name,
+//! dtype, shape and bytes, and the rest of the metadata. [`Tensors::load`] checks it, so a
+//! damaged or partial file is an error naming it, never a checkpoint with other values
+//! (CKPT-1). Which checkpoint a run goes on from is `resume.rs`'s business; what a checkpoint
+//! holds is each example's own (hybrid-rnn's `checkpoint.rs`, pipeline's `main.rs`); any
+//! safetensors loader reads the files.
 
-use std::collections::HashMap;
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, ensure, Context, Result};
 use autograd_dist::{OptimizerState, RTensor};
 use candle_core::{DType, Device, Tensor};
+use safetensors::{Dtype, SafeTensors, View};
+use sha2::{Digest, Sha256};
 
 /// Checkpoint file names: `ckpt-<step, 9 digits>.safetensors`.
 const PREFIX: &str = "ckpt-";
 const SUFFIX: &str = ".safetensors";
+/// The metadata's keys.
+const FORMAT_KEY: &str = "format";
+const FORMAT: &str = "remote-exec checkpoint 1";
+const STEP_KEY: &str = "step";
+const FLAGS_KEY: &str = "flags";
+const DIGEST_KEY: &str = "sha256";
+
+/// The flags that shape a run, by name (`--hidden` → `128`): a checkpoint continues only a
+/// run with the same ones.
+pub type Flags = BTreeMap<String, String>;
 
 /// A count as a checkpoint tensor (one `i64`).
 pub fn count(x: u64) -> Result<Tensor> {
@@ -54,34 +72,192 @@ pub fn put_optimizer(
     Ok(())
 }
 
-/// Writes `tensors` as the checkpoint of `step` in `dir` (created if missing), durably, and
-/// returns its path.
-pub fn save(dir: &Path, step: u64, tensors: &HashMap<String, Tensor>) -> Result<PathBuf> {
+/// A tensor's bytes as the file holds them.
+struct Raw {
+    dtype: Dtype,
+    shape: Vec<usize>,
+    data: Vec<u8>,
+}
+
+impl View for &Raw {
+    fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Borrowed(&self.data)
+    }
+    fn data_len(&self) -> usize {
+        self.data.len()
+    }
+}
+
+/// The digest of a checkpoint's contents: every tensor (in name order: name, dtype, shape,
+/// bytes) and every metadata entry but the digest itself (in key order).
+fn digest<'a>(
+    tensors: impl Iterator<Item = (&'a str, Dtype, &'a [usize], &'a [u8])>,
+    meta: &HashMap<String, String>,
+) -> String {
+    let mut h = Sha256::new();
+    let mut field = |b: &[u8]| {
+        h.update((b.len() as u64).to_le_bytes());
+        h.update(b);
+    };
+    for (name, dtype, shape, data) in tensors {
+        field(name.as_bytes());
+        field(format!("{dtype:?}").as_bytes());
+        field(
+            &shape
+                .iter()
+                .flat_map(|d| (*d as u64).to_le_bytes())
+                .collect::<Vec<_>>(),
+        );
+        field(data);
+    }
+    let meta: BTreeMap<_, _> = meta.iter().filter(|(k, _)| *k != DIGEST_KEY).collect();
+    for (k, v) in meta {
+        field(k.as_bytes());
+        field(v.as_bytes());
+    }
+    hex(&h.finalize())
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The path of step `step`'s checkpoint in `dir`.
+pub fn path_of(dir: &Path, step: u64) -> PathBuf {
+    dir.join(format!("{PREFIX}{step:09}{SUFFIX}"))
+}
+
+/// Writes `tensors` as the checkpoint of `step` in `dir` (created if missing), written by a
+/// run with `flags`, durably, and returns its path. An error names the file and the cause (a
+/// full disk: "No space left on device"), and is [`Fatal`](crate::Fatal).
+pub fn save(
+    dir: &Path,
+    step: u64,
+    tensors: &HashMap<String, Tensor>,
+    flags: &Flags,
+) -> Result<PathBuf> {
     std::fs::create_dir_all(dir)
         .with_context(|| format!("cannot create the checkpoint directory {}", dir.display()))?;
-    let path = dir.join(format!("{PREFIX}{step:09}{SUFFIX}"));
+    let path = path_of(dir, step);
+    let mut raw: BTreeMap<&str, Raw> = BTreeMap::new();
+    for (name, t) in tensors {
+        let t = t.to_device(&Device::Cpu)?.contiguous()?;
+        let data = View::data(&&t).into_owned();
+        let r = Raw {
+            dtype: View::dtype(&&t),
+            shape: t.dims().to_vec(),
+            data,
+        };
+        raw.insert(name, r);
+    }
+    let mut meta = HashMap::from([
+        (FORMAT_KEY.to_owned(), FORMAT.to_owned()),
+        (STEP_KEY.to_owned(), step.to_string()),
+        (FLAGS_KEY.to_owned(), serde_json::to_string(flags)?),
+    ]);
+    let sum = digest(
+        raw.iter()
+            .map(|(n, r)| (*n, r.dtype, r.shape.as_slice(), r.data.as_slice())),
+        &meta,
+    );
+    meta.insert(DIGEST_KEY.to_owned(), sum);
     replace_durably(&path, |tmp| {
-        candle_core::safetensors::save(tensors, tmp)
-            .with_context(|| format!("cannot write {}", tmp.display()))
+        safetensors::serialize_to_file(raw.iter().map(|(n, r)| (*n, r)), Some(meta), tmp)
+            .map_err(anyhow::Error::from)
+    })
+    .with_context(|| {
+        crate::Fatal(format!(
+            "cannot write the checkpoint {} (the run stops: a restart would fail the same way)",
+            path.display()
+        ))
     })?;
     Ok(path)
 }
 
-/// A checkpoint's tensors, read back; every accessor names the file and the tensor it misses.
+/// A checkpoint's tensors, read back and verified; every accessor names the file and the
+/// tensor it misses.
+#[derive(Debug)]
 pub struct Tensors {
     path: PathBuf,
+    step: u64,
+    flags: Flags,
     map: HashMap<String, Tensor>,
 }
 
 impl Tensors {
-    /// Reads the checkpoint at `path`.
+    /// Reads the checkpoint at `path` and checks its digest (CKPT-1): an error names the file
+    /// and what is wrong with it (unreadable, not a checkpoint, cut short, its contents not
+    /// those it was written with).
     pub fn load(path: &Path) -> Result<Self> {
-        let map = candle_core::safetensors::load(path, &Device::Cpu)
+        let bytes = std::fs::read(path)
             .with_context(|| format!("cannot read the checkpoint {}", path.display()))?;
+        Self::verify(path, &bytes).with_context(|| {
+            format!(
+                "{} is damaged or not a checkpoint ({} bytes)",
+                path.display(),
+                bytes.len()
+            )
+        })
+    }
+
+    fn verify(path: &Path, bytes: &[u8]) -> Result<Self> {
+        let st = SafeTensors::deserialize(bytes).context("not a complete safetensors file")?;
+        let (_, header) = SafeTensors::read_metadata(bytes)?;
+        let meta = header.metadata().clone().unwrap_or_default();
+        ensure!(
+            meta.get(FORMAT_KEY).map(String::as_str) == Some(FORMAT),
+            "its metadata does not say `{FORMAT}` (written by an older version, or by \
+             another program)"
+        );
+        let Some(want) = meta.get(DIGEST_KEY) else {
+            bail!("it has no digest");
+        };
+        let mut views = st.tensors();
+        views.sort_by(|a, b| a.0.cmp(&b.0));
+        let got = digest(
+            views
+                .iter()
+                .map(|(n, v)| (n.as_str(), v.dtype(), v.shape(), v.data())),
+            &meta,
+        );
+        ensure!(
+            &got == want,
+            "its contents do not match the digest it was written with"
+        );
+        let step = meta
+            .get(STEP_KEY)
+            .and_then(|s| s.parse().ok())
+            .context("its metadata has no step")?;
+        let flags = serde_json::from_str(meta.get(FLAGS_KEY).context("no flags")?)
+            .context("its flags do not parse")?;
+        let map = candle_core::safetensors::load_buffer(bytes, &Device::Cpu)?;
         Ok(Self {
             path: path.to_owned(),
+            step,
+            flags,
             map,
         })
+    }
+
+    /// The file it was read from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The step it was written at.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// The flags of the run that wrote it.
+    pub fn flags(&self) -> &Flags {
+        &self.flags
     }
 
     /// Every tensor by name.
@@ -136,24 +312,8 @@ pub fn latest(dir: &Path) -> Result<Option<PathBuf>> {
     Ok(all(dir)?.pop())
 }
 
-/// The checkpoint a run resumes from: with `resume` (the user's `--resume`), or when the
-/// launcher restarted it (`restart` > 0), the latest in `dir`. `--resume` needs one; a restart
-/// before the first checkpoint was written starts from the beginning (`None`).
-pub fn to_resume(dir: &Path, resume: bool, restart: u32) -> Result<Option<PathBuf>> {
-    if !resume && restart == 0 {
-        return Ok(None);
-    }
-    let latest = latest(dir)?;
-    ensure!(
-        latest.is_some() || restart > 0,
-        "--resume: no checkpoint in {}",
-        dir.display()
-    );
-    Ok(latest)
-}
-
 /// Every checkpoint in `dir`, oldest first.
-fn all(dir: &Path) -> Result<Vec<PathBuf>> {
+pub fn all(dir: &Path) -> Result<Vec<PathBuf>> {
     let entries = match std::fs::read_dir(dir) {
         Ok(e) => e,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
@@ -202,7 +362,6 @@ pub fn prune(dir: &Path, keep: usize) -> Result<()> {
 /// bytes (little-endian, row-major), so two runs can be compared without their checkpoints
 /// (equal exactly when every parameter is bit-identical, under the same names and order).
 pub fn params_sha256(params: &[(String, Tensor)]) -> Result<String> {
-    use sha2::{Digest, Sha256};
     let mut h = Sha256::new();
     for (name, t) in params {
         ensure!(
@@ -220,7 +379,7 @@ pub fn params_sha256(params: &[(String, Tensor)]) -> Result<String> {
             h.update(x.to_le_bytes());
         }
     }
-    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+    Ok(hex(&h.finalize()))
 }
 
 /// Writes `path` so that after a crash, of the process or of the machine, it holds either its
@@ -339,9 +498,11 @@ mod tests {
             v: vec![t(&[3.0, 4.0]), None],
         };
         put_optimizer(&mut m, 3, &st).unwrap();
-        let path = save(&d, 17, &m).unwrap();
+        let flags = Flags::from([("--hidden".to_string(), "8".to_string())]);
+        let path = save(&d, 17, &m, &flags).unwrap();
         assert_eq!(path, d.join("ckpt-000000017.safetensors"));
         let back = Tensors::load(&path).unwrap();
+        assert_eq!((back.step(), back.flags()), (17, &flags));
         assert_eq!(back.count("n").unwrap(), 42);
         assert_eq!(back.floats("x").unwrap(), [0.5, -1.25]);
         let got = back.optimizer(3).unwrap();
@@ -359,6 +520,35 @@ mod tests {
         assert!(e.contains("optimizer.4.params"), "{e}");
         let e = back.count("x").unwrap_err().to_string();
         assert!(e.contains("not a count"), "{e}");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// CKPT-1: any byte of the file changed, or the file cut short anywhere, fails the load,
+    /// naming the file.
+    #[test]
+    fn a_damaged_or_partial_checkpoint_is_refused() {
+        let d = scratch("damaged");
+        let mut m = HashMap::new();
+        m.insert("w".to_string(), floats(&[0.0275, -1.5, 3.0]).unwrap());
+        m.insert("n".to_string(), count(7).unwrap());
+        let path = save(&d, 3, &m, &Flags::new()).unwrap();
+        let good = std::fs::read(&path).unwrap();
+        Tensors::load(&path).unwrap();
+        // Every byte flipped in turn (header and data alike), and cuts at every length.
+        for i in 0..good.len() {
+            let mut bad = good.clone();
+            bad[i] ^= 0x10;
+            std::fs::write(&path, &bad).unwrap();
+            let e = match Tensors::load(&path) {
+                Ok(_) => panic!("a flipped byte {i} of {} loaded", good.len()),
+                Err(e) => format!("{e:#}"),
+            };
+            assert!(e.contains(&path.display().to_string()), "{e}");
+        }
+        for len in 0..good.len() {
+            std::fs::write(&path, &good[..len]).unwrap();
+            assert!(Tensors::load(&path).is_err(), "cut at {len} loaded");
+        }
         std::fs::remove_dir_all(&d).unwrap();
     }
 

@@ -9,6 +9,7 @@
 pub mod canvas;
 pub mod checkpoint;
 pub mod recovery;
+pub mod resume;
 pub mod wordlang;
 
 use std::process::{Child, Command};
@@ -16,6 +17,26 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use rpc_core::{Config, Registry, Secret};
+
+/// An error that a restart would meet again: a flag out of range, a checkpoint written with
+/// other flags, a checkpoint that cannot be written (a full disk). A program that ends with
+/// one (anywhere in its error's chain) exits with [`rpcrun::FATAL_EXIT_CODE`], and the launcher
+/// gives up at once instead of spending its restarts on it.
+#[derive(Debug)]
+pub struct Fatal(pub String);
+
+impl std::fmt::Display for Fatal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Fatal {}
+
+/// Whether `e` is, or was caused by, a [`Fatal`] error.
+pub fn is_fatal(e: &anyhow::Error) -> bool {
+    e.downcast_ref::<Fatal>().is_some() || e.chain().any(|c| c.is::<Fatal>())
+}
 
 /// Logs to stderr: `RUST_LOG` if set, else warnings.
 pub fn init_tracing() {
@@ -353,7 +374,8 @@ pub fn launch_here(
 /// The `main` of a training example: tracing, the allocator settings, one compute thread per
 /// process (several processes share the machine, and one-process baselines measure the same
 /// thread count; set before any other thread exists), then `run`; an error is printed with
-/// `name` and exits 1, otherwise the process exits with `run`'s code.
+/// `name` and exits 1 ([`rpcrun::FATAL_EXIT_CODE`] for a [`Fatal`] one), otherwise the process
+/// exits with `run`'s code.
 pub fn main_with(name: &str, run: impl FnOnce() -> Result<i32>) -> ! {
     init_tracing();
     keep_freed_memory();
@@ -364,7 +386,11 @@ pub fn main_with(name: &str, run: impl FnOnce() -> Result<i32>) -> ! {
         Ok(code) => code,
         Err(e) => {
             eprintln!("{name}: error: {e:#}");
-            1
+            if is_fatal(&e) {
+                rpcrun::FATAL_EXIT_CODE
+            } else {
+                1
+            }
         }
     };
     std::process::exit(code);

@@ -231,8 +231,9 @@ fn bad_input_fails_with_a_message_not_a_panic() {
         r.stderr
     );
 
+    // A restart would meet the same error: the launcher's code for it.
     let r = run(&["--batch", "3"], &[], &dir, limit);
-    assert_eq!(r.code, Some(1));
+    assert_eq!(r.code, Some(rpcrun::FATAL_EXIT_CODE));
     assert!(r.stderr.contains("--batch must be even"), "{}", r.stderr);
 
     let r = run(
@@ -250,7 +251,7 @@ fn bad_input_fails_with_a_message_not_a_panic() {
         &dir,
         limit,
     );
-    assert_eq!(r.code, Some(1));
+    assert_eq!(r.code, Some(rpcrun::FATAL_EXIT_CODE));
     assert!(r.stderr.contains("no checkpoint"), "{}", r.stderr);
 
     // Rank 0 of an external group whose workers never come: the missing ranks are named.
@@ -494,5 +495,153 @@ fn recovers_from_two_random_failures_bit_identically() {
             );
         }
     }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// Flags of a run of 200 steps with a checkpoint every 10 (the newest 5 kept), in `out`.
+fn long_run(out: &Path, extra: &[&str]) -> Vec<String> {
+    let mut v = with(&["--checkpoint-every", "10", "--keep-checkpoints", "5"]);
+    let limit = v.iter().position(|x| x == "--train-limit").unwrap();
+    v[limit + 1] = "12800".into();
+    v.extend(["--epochs", "1", "--out-dir"].map(String::from));
+    v.push(out.display().to_string());
+    v.extend(extra.iter().map(|s| s.to_string()));
+    v
+}
+
+/// RES-1, CKPT-1: the run killed (the launcher and its processes, SIGKILL, as a crash or a
+/// requeue ends it), its newest checkpoint then damaged by one flipped byte and the one before
+/// cut short; the same command run again skips both (naming them, keeping them aside),
+/// resumes from the third newest and ends bit-identical to an uninterrupted run. Run once
+/// more, it goes on from its final checkpoint; with other flags it is refused, naming them.
+#[test]
+fn running_the_same_command_again_resumes_from_the_newest_verified_checkpoint() {
+    let dir = scratch("rerun");
+    let limit = Duration::from_secs(300);
+    let full = run(&strs(&long_run(&dir.join("full"), &[])), &[], &dir, limit);
+    assert_eq!(full.code, Some(0), "stderr:\n{}", full.stderr);
+    let want = full.json()["params_sha256"].clone();
+
+    let out = dir.join("out");
+    let args = long_run(&out, &[]);
+    let mut first = launch(&args, &dir);
+    await_step(&mut first, &out, 120, Duration::from_secs(240));
+    let ranks = ranks_of(first.child.id());
+    signal(first.child.id(), libc::SIGKILL);
+    first.wait(Duration::from_secs(30));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while ranks.iter().any(|r| alive(r.1)) {
+        assert!(
+            Instant::now() < deadline,
+            "the group died with its launcher"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let mut ckpts: Vec<PathBuf> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .collect();
+    ckpts.sort();
+    assert!(ckpts.len() >= 3, "{ckpts:?}");
+    let (newest, second, third) = (
+        ckpts[ckpts.len() - 1].clone(),
+        ckpts[ckpts.len() - 2].clone(),
+        ckpts[ckpts.len() - 3].clone(),
+    );
+    let mut bytes = std::fs::read(&newest).unwrap();
+    let n = bytes.len();
+    bytes[n / 2] ^= 0x40;
+    std::fs::write(&newest, bytes).unwrap();
+    let bytes = std::fs::read(&second).unwrap();
+    std::fs::write(&second, &bytes[..bytes.len() - 100]).unwrap();
+
+    let again = run(&strs(&args), &[], &dir, limit);
+    assert_eq!(again.code, Some(0), "stderr:\n{}", again.stderr);
+    for damaged in [&newest, &second] {
+        let name = damaged.display().to_string();
+        assert!(
+            again
+                .stderr
+                .contains(&format!("skipping the damaged checkpoint {name}")),
+            "{}",
+            again.stderr
+        );
+        assert!(Path::new(&format!("{name}.damaged")).exists());
+    }
+    assert!(
+        again
+            .stdout
+            .contains(&format!("resumed from {}", third.display())),
+        "{}",
+        again.stdout
+    );
+    assert_eq!(again.json()["params_sha256"], want, "bit-identical");
+
+    let once_more = run(&strs(&args), &[], &dir, limit);
+    assert_eq!(once_more.code, Some(0), "stderr:\n{}", once_more.stderr);
+    assert!(
+        once_more.stdout.contains("resumed from"),
+        "{}",
+        once_more.stdout
+    );
+    assert_eq!(once_more.json()["params_sha256"], want);
+
+    let mut other = args.clone();
+    let at = other.iter().position(|x| x == "--head-hidden").unwrap();
+    other[at + 1] = "24".into();
+    let refused = run(&strs(&other), &[], &dir, limit);
+    assert_eq!(
+        refused.code,
+        Some(rpcrun::FATAL_EXIT_CODE),
+        "{}",
+        refused.stderr
+    );
+    assert!(
+        refused.stderr.contains("--head-hidden 16 (this run: 24)")
+            && refused.stderr.contains("--fresh"),
+        "{}",
+        refused.stderr
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// A checkpoint that cannot be written (the output directory is a file system of 8 KiB, full
+/// before the first checkpoint: "No space left on device") stops the run at once, naming the
+/// file and the cause, without spending the launcher's restarts on the same failure. The
+/// file system is mounted in a mount namespace of the run's own (`unshare -m`), so it goes
+/// with the run; where that cannot be done (not root), the test says so and passes.
+#[test]
+fn a_checkpoint_that_cannot_be_written_stops_the_run_at_once() {
+    let probe = std::process::Command::new("unshare")
+        .args(["-m", "true"])
+        .status();
+    if !probe.is_ok_and(|s| s.success()) {
+        eprintln!("skipped: `unshare -m` is not available here (needs root)");
+        return;
+    }
+    let dir = scratch("full-disk");
+    let out = dir.join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    let args = long_run(&out, &["--max-restarts", "3"]);
+    let script = format!(
+        "mount -t tmpfs -o size=8k tmpfs '{}' && exec \"$0\" \"$@\"",
+        out.display()
+    );
+    let mut cmd = vec!["-m".to_string(), "sh".into(), "-c".into(), script];
+    cmd.push(env!("CARGO_BIN_EXE_hybrid-rnn").into());
+    cmd.extend(args);
+    let mut p = Spawned::start("unshare", &cmd, &[], &dir);
+    let code = p.wait(Duration::from_secs(120));
+    let err = p.stderr();
+    assert_eq!(code, Some(rpcrun::FATAL_EXIT_CODE), "{err}");
+    let ckpt = out.join("ckpt-000000010.safetensors");
+    assert!(
+        err.contains(&format!("cannot write the checkpoint {}", ckpt.display()))
+            && err.contains("No space left on device"),
+        "{err}"
+    );
+    assert!(!err.contains("restart 1 of 3"), "{err}");
+    drop(p);
     std::fs::remove_dir_all(dir).unwrap();
 }

@@ -170,10 +170,8 @@ fn run_small(name: &str, extra: &[&str]) -> Run {
     run_small_with(name, extra, |_, _| {})
 }
 
-/// [`run_small`], calling `during` with the running example and its output directory.
-fn run_small_with(name: &str, extra: &[&str], during: impl FnOnce(&mut Spawned, &Path)) -> Run {
-    let dir = scratch(name);
-    let out_dir = dir.join("out");
+/// The flags of [`run_small`]'s runs, with `extra`, writing into `out_dir`.
+fn small_args(extra: &[&str], out_dir: &Path) -> Vec<String> {
     let mut args: Vec<String> = SMALL.iter().map(|s| s.to_string()).collect();
     args.extend(
         [
@@ -194,6 +192,14 @@ fn run_small_with(name: &str, extra: &[&str], during: impl FnOnce(&mut Spawned, 
     args.extend(extra.iter().map(|s| s.to_string()));
     args.push("--out-dir".into());
     args.push(out_dir.display().to_string());
+    args
+}
+
+/// [`run_small`], calling `during` with the running example and its output directory.
+fn run_small_with(name: &str, extra: &[&str], during: impl FnOnce(&mut Spawned, &Path)) -> Run {
+    let dir = scratch(name);
+    let out_dir = dir.join("out");
+    let args = small_args(extra, &out_dir);
     let mut p = Spawned::start(BIN, &args, &[], &dir);
     during(&mut p, &out_dir);
     let code = p.wait(Duration::from_secs(300));
@@ -311,4 +317,43 @@ fn a_killed_stage_is_recovered_and_the_run_ends_bit_identical() {
     assert!(out.contains("no heartbeat for"), "{out}");
     assert_eq!(j["recovered_in_place"], 1, "{j}");
     assert_eq!(j["params_sha256"], want.as_str(), "bit-identical: {j}");
+}
+
+/// RES-1, RES-3: the same command run again after the run ended goes on from its final
+/// checkpoint (nothing is trained again; the same parameters); with `--fresh` the earlier
+/// run's files are moved aside (kept) and the run trains from the beginning to the same
+/// parameters.
+#[test]
+fn a_rerun_goes_on_from_its_checkpoint_and_fresh_starts_over() {
+    let dir = scratch("rerun");
+    let out_dir = dir.join("out");
+    let go = |extra: &[&str]| {
+        let mut p = Spawned::start(BIN, &small_args(extra, &out_dir), &[], &dir);
+        let code = p.wait(Duration::from_secs(300));
+        let (out, err) = (p.stdout(), p.stderr());
+        assert_eq!(code, Some(0), "{out}\n{err}");
+        (format!("{out}\n{err}"), last_json(&out, &err))
+    };
+    let (_, first) = go(&[]);
+    let want = &first["params_sha256"];
+    let (out, again) = go(&[]);
+    assert!(
+        out.contains(&format!(
+            "resumed from {} (epoch 2, step 40",
+            out_dir.join("ckpt-000000040.safetensors").display()
+        )),
+        "{out}"
+    );
+    assert_eq!(&again["params_sha256"], want, "{again}");
+    let (out, fresh) = go(&["--fresh"]);
+    assert!(out.contains("starting over (--fresh): moved"), "{out}");
+    assert!(!out.contains("resumed from"), "{out}");
+    assert!(
+        out_dir
+            .join("previous-1/ckpt-000000040.safetensors")
+            .exists(),
+        "the earlier run's checkpoints are kept"
+    );
+    assert_eq!(&fresh["params_sha256"], want, "{fresh}");
+    std::fs::remove_dir_all(dir).unwrap();
 }

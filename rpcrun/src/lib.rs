@@ -16,7 +16,10 @@
 //!   while restarts are left ([`Launch::max_restarts`]), all are started again with
 //!   `RPC_RESTART_COUNT` one higher (torchrun's `--max-restarts`: the whole group restarts, and
 //!   the program resumes from its checkpoint). Out of restarts, the launcher ends with the
-//!   first failure's status (128 + its signal for a child killed by one);
+//!   first failure's status (128 + its signal for a child killed by one). A child that exits
+//!   with [`FATAL_EXIT_CODE`] says a restart would meet the same failure (a bad flag, a
+//!   checkpoint that cannot be written): the launcher stops the others and ends with it, its
+//!   restarts unspent;
 //! - a child never outlives the launcher: it is killed if the launcher dies (Linux's parent
 //!   death signal) and its whole process group is killed when its attempt ends.
 //!
@@ -51,6 +54,13 @@ mod supervise;
 use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::Duration;
+
+/// The exit status by which a child says that restarting it cannot help (the training
+/// examples use it for a flag out of range, a checkpoint written with other flags, a
+/// checkpoint write that failed): the launcher does not restart for it, in either mode, and
+/// exits with it. It is 78, `EX_CONFIG` of BSD's `sysexits.h`, which few programs return
+/// otherwise.
+pub const FATAL_EXIT_CODE: i32 = 78;
 
 /// Why a launch could not be carried out (a child's failure is not one: see [`Exit`]).
 #[derive(Debug, thiserror::Error)]

@@ -93,7 +93,12 @@ pub(crate) fn run(launch: &Launch) -> Result<Exit, LaunchError> {
             Ended::Failed(f) => {
                 let code = f.code;
                 failures.push(f);
-                if attempt >= launch.max_restarts {
+                if code == crate::FATAL_EXIT_CODE {
+                    tracing::warn!(
+                        "a process said a restart cannot help (status {code}); not restarting"
+                    );
+                    code
+                } else if attempt >= launch.max_restarts {
                     if launch.max_restarts > 0 {
                         tracing::warn!(
                             "out of restarts ({} used); exiting with the last failure's status {code}",
@@ -351,8 +356,14 @@ fn run_workers(launch: &Launch) -> Result<Exit, LaunchError> {
                 code,
                 what,
             });
-            if restarts >= launch.max_restarts {
-                if launch.max_restarts > 0 {
+            let fatal = code == crate::FATAL_EXIT_CODE;
+            if fatal {
+                tracing::warn!(
+                    "a process said a restart cannot help (status {code}); not restarting"
+                );
+            }
+            if fatal || restarts >= launch.max_restarts {
+                if launch.max_restarts > 0 && !fatal {
                     tracing::warn!(
                         "out of restarts ({} used); exiting with the last failure's status {code}",
                         launch.max_restarts

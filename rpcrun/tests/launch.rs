@@ -318,3 +318,33 @@ fn bad_launches_are_refused_with_a_reason() {
     drop(r);
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// A rank that exits with `FATAL_EXIT_CODE` is not restarted, in either mode: the launcher
+/// stops the others and ends with that status, its restarts unspent.
+#[test]
+fn a_fatal_exit_is_not_restarted() {
+    for mode in ["group", "worker"] {
+        let dir = scratch(&format!("fatal-{mode}"));
+        let code = rpcrun::FATAL_EXIT_CODE;
+        let mut r = start(
+            &dir,
+            &["--nproc", "2", "--max-restarts", "3", "--restart", mode],
+            &format!(
+                r#"echo "start $RANK $RPC_RESTART_COUNT"; if [ "$RANK" = 1 ]; then exit {code}; fi; sleep 30"#
+            ),
+        );
+        assert_eq!(
+            r.wait(Duration::from_secs(30)),
+            Some(code),
+            "{}",
+            r.stderr()
+        );
+        assert!(!r.stdout().contains("start 1 1"), "{}", r.stdout());
+        assert!(
+            r.stderr().contains("a restart cannot help"),
+            "{}",
+            r.stderr()
+        );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}

@@ -7,9 +7,9 @@
 //! Names: `encoder.<param>`, `head.<param>` (the replicas are identical; one copy is kept),
 //! `optimizer.<rank>.{steps,params}` and `optimizer.<rank>.{m,v}.<i>` per parameter owner,
 //! `train.{epoch,step}` (completed epochs and steps), `train.progress` (the running sums of
-//! the epoch in progress), `history.*`, and `config` (the flags that shape the run, checked
-//! on resume). The data order and the dropout masks are functions of the seed (in `config`),
-//! the epoch and the step (`data::epoch_batches`, `data::dropout_mask`): they hold no state
+//! the epoch in progress) and `history.*`; the flags that shape the run are in the file's
+//! metadata (checked on resume, `examples::resume`). The data order and the dropout masks
+//! are functions of the seed (one of those flags), the epoch and the step (`data::epoch_batches`, `data::dropout_mask`): they hold no state
 //! of their own, so these numbers restore them exactly.
 
 use std::collections::HashMap;
@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Result};
 use autograd_dist::OptimizerState;
 use candle_core::Tensor;
-use examples::checkpoint::{count, floats, put_optimizer, Tensors};
+use examples::checkpoint::{count, floats, put_optimizer, Flags, Tensors};
 
 use crate::report::History;
 
@@ -28,8 +28,6 @@ pub struct Checkpoint {
     pub epoch: u64,
     /// Completed steps.
     pub step: u64,
-    /// The flags that shape the run (see `Args::shape`).
-    pub config: Vec<f64>,
     /// Encoder parameters by name.
     pub encoder: Vec<(String, Tensor)>,
     /// Head parameters by name.
@@ -88,11 +86,10 @@ impl EpochProgress {
 impl Checkpoint {
     /// Writes `dir/ckpt-<step>.safetensors` (durably: a crash of the process or of the
     /// machine never leaves a truncated checkpoint) and returns its path.
-    pub fn save(&self, dir: &Path) -> Result<PathBuf> {
+    pub fn save(&self, dir: &Path, flags: &Flags) -> Result<PathBuf> {
         let mut m: HashMap<String, Tensor> = HashMap::new();
         m.insert("train.epoch".into(), count(self.epoch)?);
         m.insert("train.step".into(), count(self.step)?);
-        m.insert("config".into(), floats(&self.config)?);
         m.insert("train.progress".into(), floats(&self.progress.to_vec())?);
         for (n, t) in &self.encoder {
             m.insert(format!("encoder.{n}"), t.clone());
@@ -104,13 +101,12 @@ impl Checkpoint {
             put_optimizer(&mut m, *rank, st)?;
         }
         self.history.save(&mut m)?;
-        examples::checkpoint::save(dir, self.step, &m)
+        examples::checkpoint::save(dir, self.step, &m, flags)
     }
 
-    /// Reads a checkpoint written by [`Checkpoint::save`], with `encoder` and `head` naming
-    /// the parameters expected.
-    pub fn load(path: &Path, encoder: &[&str], head: &[&str], owners: &[u32]) -> Result<Self> {
-        let t = Tensors::load(path)?;
+    /// The checkpoint written by [`Checkpoint::save`] that `t` holds (read and verified), with
+    /// `encoder` and `head` naming the parameters expected.
+    pub fn load(t: &Tensors, encoder: &[&str], head: &[&str], owners: &[u32]) -> Result<Self> {
         let named = |prefix: &str, names: &[&str]| -> Result<Vec<(String, Tensor)>> {
             names
                 .iter()
@@ -120,7 +116,6 @@ impl Checkpoint {
         Ok(Self {
             epoch: t.count("train.epoch")?,
             step: t.count("train.step")?,
-            config: t.floats("config")?,
             encoder: named("encoder", encoder)?,
             head: named("head", head)?,
             optim: owners

@@ -13,10 +13,13 @@
 //! each process joins that group instead (rank 0 is the master), so the same binary runs on
 //! three machines, under `rpcrun`, torchrun, `srun` or `mpirun`.
 //!
-//! Checkpoints are written every `--checkpoint-every` steps and at every epoch's end. A master
-//! started with a positive restart count (`RPC_RESTART_COUNT`, or torchrun's) resumes from the
-//! latest one, replays the steps since, and its parameters end bit-identical to an
-//! uninterrupted run's. With `--restart worker` only a failed process is restarted: the
+//! Checkpoints are written every `--checkpoint-every` steps and at every epoch's end, each
+//! with a digest of its contents and the flags of the run. A run goes on from the newest
+//! checkpoint in `--out-dir` that verifies (a damaged one is skipped and kept aside), if it
+//! was written with the same flags (otherwise it stops, naming the differences), whatever
+//! restarted it: the launcher, a requeue, the user running the same command again. It replays
+//! the steps since, and its parameters end bit-identical to an uninterrupted run's.
+//! `--fresh` starts over, moving the earlier run's files aside. With `--restart worker` only a failed process is restarted: the
 //! master keeps its process when a worker fails, waits for the replacement, re-creates the
 //! shards, restores every parameter and optimizer state from the latest checkpoint (the
 //! failed shard's values are gone; the rest rolls back to the same step) and replays the steps
@@ -44,8 +47,11 @@ use anyhow::{ensure, Context, Result};
 use autograd_dist::{DeviceSpec, DistributedOptimizer, OptimizerKind, OptimizerState, RTensor};
 use candle_core::{Device, Tensor};
 use clap::Parser;
+use examples::checkpoint::{Flags, Tensors};
 use examples::recovery::Holders;
+use examples::resume::StartFlags;
 use examples::wordlang::LANGS;
+use examples::Fatal;
 use rpc_core::{Agent, Config, Registry};
 use rref::RRef;
 use serde_json::json;
@@ -101,11 +107,17 @@ struct Args {
     /// (`training.png`) go.
     #[arg(long, default_value = "target/hybrid-rnn")]
     out_dir: PathBuf,
-    /// Continue from the latest checkpoint in `--out-dir`. Give the interrupted run's flags:
-    /// the model and data flags are checked against the checkpoint, and the learning-rate
-    /// schedule follows `--epochs`. (A master restarted by a launcher resumes by itself.)
+    /// Require a checkpoint in `--out-dir` to go on from (without it, a run goes on from the
+    /// newest verified checkpoint there if there is one, and starts from the beginning if
+    /// not). The model and data flags must be the checkpoint's; the learning-rate schedule
+    /// follows `--epochs`.
     #[arg(long)]
     resume: bool,
+    /// Start from the beginning: the checkpoints and records of an earlier run in `--out-dir`
+    /// are moved into `--out-dir/previous-<n>` (never deleted). Only on a first start: a run
+    /// the launcher restarts goes on from its own checkpoints.
+    #[arg(long)]
+    fresh: bool,
     /// Write a checkpoint every K steps (and at every epoch's end): at most K steps are
     /// replayed after a failure (1000 steps: under a minute on a 2-core machine).
     #[arg(long, default_value_t = 1000)]
@@ -192,6 +204,10 @@ impl Args {
             !(self.resume && self.check_equivalence),
             "--check-equivalence starts from the initial parameters; drop --resume"
         );
+        ensure!(
+            !(self.resume && self.fresh),
+            "--resume and --fresh contradict each other"
+        );
         self.shard2_devices()?;
         Ok(())
     }
@@ -223,21 +239,32 @@ impl Args {
         }
     }
 
-    /// The numbers that must match for a checkpoint to continue this run.
-    fn shape(&self, dims: &Dims) -> Vec<f64> {
-        vec![
-            dims.vocab as f64,
-            dims.emb as f64,
-            dims.hidden as f64,
-            dims.head_hidden as f64,
-            dims.classes as f64,
-            f64::from(u8::from(dims.bidirectional)),
-            self.batch as f64,
-            self.lr,
-            f64::from(self.dropout),
-            self.seed as f64,
-            self.train_limit.map_or(-1.0, |n| n as f64),
+    /// The flags that must match for a checkpoint to continue this run.
+    fn flags(&self, dims: &Dims) -> Flags {
+        let limit = self.train_limit.map_or("all".into(), |n| n.to_string());
+        [
+            ("vocabulary", dims.vocab.to_string()),
+            ("--embedding", dims.emb.to_string()),
+            ("--hidden", dims.hidden.to_string()),
+            ("--head-hidden", dims.head_hidden.to_string()),
+            ("classes", dims.classes.to_string()),
+            ("--unidirectional", (!dims.bidirectional).to_string()),
+            ("--batch", self.batch.to_string()),
+            ("--lr", self.lr.to_string()),
+            ("--dropout", self.dropout.to_string()),
+            ("--seed", self.seed.to_string()),
+            ("--train-limit", limit),
         ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect()
+    }
+
+    fn start_flags(&self) -> StartFlags {
+        StartFlags {
+            resume: self.resume,
+            fresh: self.fresh,
+        }
     }
 
     fn optimizer(&self) -> OptimizerKind {
@@ -280,7 +307,7 @@ fn run() -> Result<i32> {
             .with_context(|| format!("worker rank {r}"));
     }
     let args = Args::parse();
-    args.validate()?;
+    args.validate().context(Fatal("invalid flags".into()))?;
     if rank.is_none() {
         return launch_local(&args);
     }
@@ -289,7 +316,8 @@ fn run() -> Result<i32> {
     let resume_from = if args.check_equivalence {
         None
     } else {
-        examples::checkpoint::to_resume(&args.out_dir, args.resume, restart)?
+        let flags = args.flags(&args.dims(data.vocab));
+        examples::resume::start(&args.out_dir, &flags, args.start_flags(), restart)?
     };
     let timeout = Duration::from_secs(args.timeout_secs);
     let cfg = Config::new()
@@ -306,7 +334,7 @@ fn run() -> Result<i32> {
             "the group has {} workers; this example needs 3 (a master and two workers)",
             agent.world_size()
         );
-        let result = master(&agent, &args, &data, resume_from.as_deref(), restart).await;
+        let result = master(&agent, &args, &data, resume_from, restart).await;
         // After a failure a worker may be gone; shutdown notices dead peers by itself (the
         // barrier and RRef traffic stop waiting for them), so this also returns in seconds.
         let report = agent.shutdown().await;
@@ -329,8 +357,10 @@ fn launch_local(args: &Args) -> Result<i32> {
     if args.resume {
         ensure!(
             examples::checkpoint::latest(&args.out_dir)?.is_some(),
-            "--resume: no checkpoint in {}",
-            args.out_dir.display()
+            Fatal(format!(
+                "--resume: no checkpoint in {} to go on from",
+                args.out_dir.display()
+            ))
         );
     }
     // Workers wait for the master as long as the training may take. (Set while this process
@@ -457,7 +487,6 @@ impl Hybrid {
         let ck = Checkpoint {
             epoch,
             step,
-            config: args.shape(dims),
             encoder: self.encoder_named(dims),
             head: HEAD_PARAMS
                 .iter()
@@ -468,7 +497,7 @@ impl Hybrid {
             history: history.clone(),
             progress,
         };
-        ck.save(&args.out_dir)
+        ck.save(&args.out_dir, &args.flags(dims))
     }
 
     /// [`examples::checkpoint::params_sha256`] of every parameter: the encoder's, then the head's
@@ -504,33 +533,25 @@ impl Hybrid {
         Ok(worst)
     }
 
-    /// Restores the checkpoint at `path` (written by a run with the same flags): its epoch,
-    /// step, progress and history.
+    /// Restores the checkpoint `t` (verified, written by a run with the same flags): its
+    /// epoch, step, progress and history.
     async fn resume(
         &self,
-        path: &std::path::Path,
-        args: &Args,
+        t: &Tensors,
         dims: &Dims,
         per_epoch: u64,
     ) -> Result<(u64, u64, EpochProgress, History)> {
         let ck = Checkpoint::load(
-            path,
+            t,
             &model::encoder_param_names(dims),
             &HEAD_PARAMS,
             &self.opt.owners(),
         )?;
-        ensure!(
-            ck.config == args.shape(dims),
-            "--resume: {} was written with other model or data flags ({:?} vs {:?})",
-            path.display(),
-            ck.config,
-            args.shape(dims)
-        );
         let (epoch, step) = (ck.epoch, ck.step);
         ensure!(
             (epoch * per_epoch..(epoch + 1) * per_epoch).contains(&step),
             "{}: step {step} is not in epoch {} of {per_epoch} steps",
-            path.display(),
+            t.path().display(),
             epoch + 1
         );
         let (progress, history) = (ck.progress, ck.history.clone());
@@ -662,7 +683,7 @@ async fn master(
     agent: &Agent,
     args: &Args,
     data: &Data,
-    resume_from: Option<&std::path::Path>,
+    resume_from: Option<Tensors>,
     restart: u32,
 ) -> Result<i32> {
     let dims = args.dims(data.vocab);
@@ -682,16 +703,12 @@ async fn master(
     let mut history = History::default();
     let (mut epoch0, mut step) = (0u64, 0u64);
     let mut progress = EpochProgress::default();
-    if let Some(path) = resume_from {
-        (epoch0, step, progress, history) = model.resume(path, args, &dims, per_epoch).await?;
+    if let Some(t) = &resume_from {
+        (epoch0, step, progress, history) = model.resume(t, &dims, per_epoch).await?;
         println!(
             "resumed from {} (epoch {epoch0}, step {step}, restart {restart})",
-            path.display()
+            t.path().display()
         );
-    } else if restart == 0 && !args.check_equivalence {
-        // A fresh run: checkpoints of an earlier run in the same directory must not be
-        // resumed by this one's restarts.
-        examples::checkpoint::prune(&args.out_dir, 0)?;
     }
 
     if args.check_equivalence {
@@ -700,9 +717,6 @@ async fn master(
 
     // A restarted run resumes, if only from step 0 (a failure before the first checkpoint).
     let resumed = resume_from.is_some() || restart > 0;
-    if resumed && resume_from.is_none() {
-        println!("resumed from the start, no checkpoint yet (restart {restart})");
-    }
     let mut tracker =
         examples::recovery::Tracker::open(&args.out_dir, restart, resumed.then_some(step))?;
     tracker.completed(step)?;
@@ -797,7 +811,7 @@ async fn master(
         }
         .await;
         let Err(err) = trained else { break };
-        if args.restart != rpcrun::Restart::Worker {
+        if args.restart != rpcrun::Restart::Worker || examples::is_fatal(&err) {
             return Err(err);
         }
         let lost = model
@@ -810,11 +824,10 @@ async fn master(
         // have been applied in part).
         drop(model);
         model = Hybrid::new(agent, args, &dims, shard::instance(agent, in_place)).await?;
-        let from = match examples::checkpoint::latest(&args.out_dir)? {
-            Some(path) => {
-                (epoch0, step, progress, history) =
-                    model.resume(&path, args, &dims, per_epoch).await?;
-                path.display().to_string()
+        let from = match examples::resume::newest_verified(&args.out_dir)? {
+            Some(t) => {
+                (epoch0, step, progress, history) = model.resume(&t, &dims, per_epoch).await?;
+                t.path().display().to_string()
             }
             None => {
                 (epoch0, step, progress, history) = Default::default();

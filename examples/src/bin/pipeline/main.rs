@@ -17,11 +17,12 @@
 //! epoch's end (every stage's parameters, every stage's optimizer state, the step, the epoch's
 //! running loss and the accuracies so far; the data order is a function of the seed and the
 //! epoch). Under `--max-restarts K` the launcher restarts after a failure: with `--restart
-//! group` every process, and the new master resumes from the latest checkpoint; with
+//! group` every process, and the new master resumes from the newest verified checkpoint; with
 //! `--restart worker` only the failed process, and the master, keeping its process, rebuilds
 //! every stage (the replacement's included), restores the checkpoint and replays the steps
 //! since. Either way the final parameters are bit-identical to an uninterrupted run's
-//! (`params_sha256` in the JSON line).
+//! (`params_sha256` in the JSON line). The same command run again also goes on from the
+//! newest verified checkpoint in `--out-dir` (`examples::resume`); `--fresh` starts over.
 //! `--check-equivalence` compares both schedules with 1, 2, 4 and 8 micro-batches against
 //! the same model trained in one process on whole batches; `--bench` measures step times and
 //! bubbles (one JSON line per configuration). With `RANK`, `WORLD_SIZE`, `MASTER_ADDR` and
@@ -51,9 +52,11 @@ use autograd_dist::{
 };
 use candle_core::{DType, Device, Tensor, D};
 use clap::Parser;
-use examples::checkpoint::{self as ckpt, count, floats, put_optimizer, Tensors};
+use examples::checkpoint::{self as ckpt, count, floats, put_optimizer, Flags, Tensors};
 use examples::recovery::{Holders, Tracker};
+use examples::resume::StartFlags;
 use examples::wordlang::LANGS;
+use examples::Fatal;
 use rpc_core::{remote, Agent, BoxError, CallContext, Config, Registry};
 use serde_json::json;
 
@@ -136,10 +139,15 @@ struct Args {
     /// Checkpoints kept in `--out-dir` (older ones are removed).
     #[arg(long, default_value_t = 3)]
     keep_checkpoints: usize,
-    /// Continue from the latest checkpoint in `--out-dir` (written with the same model and
-    /// data flags). A master restarted by a launcher resumes by itself.
+    /// Require a checkpoint in `--out-dir` to go on from (without it, a run goes on from the
+    /// newest verified checkpoint there if there is one, written with the same model and data
+    /// flags, and starts from the beginning if not).
     #[arg(long)]
     resume: bool,
+    /// Start from the beginning: an earlier run's checkpoints and records in `--out-dir` are
+    /// moved into `--out-dir/previous-<n>` (never deleted). Only on a first start.
+    #[arg(long)]
+    fresh: bool,
     /// Local mode: restarts after a failure (a killed or frozen process) before giving up.
     #[arg(long, default_value_t = 0)]
     max_restarts: u32,
@@ -231,20 +239,23 @@ impl Args {
         }
     }
 
-    /// The numbers that must match for a checkpoint to continue this run.
-    fn shape(&self, data: &Data) -> Vec<f64> {
-        vec![
-            data.vocab as f64,
-            data.train.len() as f64,
-            self.stages as f64,
-            self.emb as f64,
-            self.hidden as f64,
-            self.mlp_width as f64,
-            self.mlp_layers as f64,
-            self.batch() as f64,
-            self.lr,
-            self.seed as f64,
+    /// The flags that must match for a checkpoint to continue this run.
+    fn flags(&self, data: &Data) -> Flags {
+        [
+            ("vocabulary", data.vocab.to_string()),
+            ("training words", data.train.len().to_string()),
+            ("--stages", self.stages.to_string()),
+            ("--emb", self.emb.to_string()),
+            ("--hidden", self.hidden.to_string()),
+            ("--mlp-width", self.mlp_width.to_string()),
+            ("--mlp-layers", self.mlp_layers.to_string()),
+            ("batch", self.batch().to_string()),
+            ("--lr", self.lr.to_string()),
+            ("--seed", self.seed.to_string()),
         ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect()
     }
 
     fn dims(&self, vocab: usize) -> Dims {
@@ -337,7 +348,7 @@ fn run() -> Result<i32> {
             .with_context(|| format!("stage worker rank {r}"));
     }
     let args = Args::parse();
-    args.validate()?;
+    args.validate().context(Fatal("invalid flags".into()))?;
     if rank.is_none() {
         return launch_local(&args);
     }
@@ -385,8 +396,10 @@ fn launch_local(args: &Args) -> Result<i32> {
     if args.resume {
         ensure!(
             ckpt::latest(&args.out_dir)?.is_some(),
-            "--resume: no checkpoint in {}",
-            args.out_dir.display()
+            Fatal(format!(
+                "--resume: no checkpoint in {} to go on from",
+                args.out_dir.display()
+            ))
         );
     }
     std::env::set_var(
@@ -481,30 +494,23 @@ impl Model {
     }
 
     /// Writes the checkpoint of `progress` into `--out-dir` and prunes the old ones.
-    async fn checkpoint(&self, args: &Args, shape: &[f64], progress: &Progress) -> Result<()> {
+    async fn checkpoint(&self, args: &Args, flags: &Flags, progress: &Progress) -> Result<()> {
         let mut m: HashMap<String, Tensor> = self.named().await?.into_iter().collect();
         for (rank, st) in self.opt.owners().into_iter().zip(self.opt.state().await?) {
             put_optimizer(&mut m, rank, &st)?;
         }
-        m.insert("config".into(), floats(shape)?);
         m.insert("train.epoch".into(), count(progress.epoch)?);
         m.insert("train.step".into(), count(progress.step)?);
         m.insert("train.loss_sum".into(), floats(&[progress.loss_sum])?);
         m.insert("train.accuracy".into(), floats(&progress.accuracy)?);
-        ckpt::save(&args.out_dir, progress.step, &m)?;
+        ckpt::save(&args.out_dir, progress.step, &m, flags)?;
         ckpt::prune(&args.out_dir, args.keep_checkpoints)
     }
 
-    /// Restores every stage and optimizer state from the checkpoint at `path` (written by a
-    /// run with the same `shape`), and returns where training stood.
-    async fn restore(&self, path: &std::path::Path, shape: &[f64]) -> Result<Progress> {
-        let t = Tensors::load(path)?;
-        let config = t.floats("config")?;
-        ensure!(
-            config == shape,
-            "{} was written with other model or data flags ({config:?} vs {shape:?})",
-            path.display()
-        );
+    /// Restores every stage and optimizer state from the checkpoint `t` (verified, written by
+    /// a run with the same flags), and returns where training stood.
+    async fn restore(&self, t: &Tensors) -> Result<Progress> {
+        let path = t.path();
         for (s, module) in self.modules.iter().enumerate() {
             // Every `stage.<s>.<i>` in order (the stage refuses a count or shape it lacks).
             let state: Vec<Tensor> = (0..)
@@ -785,30 +791,23 @@ async fn accuracy(pipe: &Pipeline, split: &Split, batch: usize) -> Result<f64> {
 async fn train(agent: &Agent, args: &Args, data: &Data, restart: u32) -> Result<i32> {
     let started = Instant::now();
     let plan = Plan::new(args, data.vocab, args.stages);
-    let shape = args.shape(data);
+    let flags = args.flags(data);
     let per_epoch = (data.train.len() / args.batch()) as u64;
+    let start = StartFlags {
+        resume: args.resume,
+        fresh: args.fresh,
+    };
+    let resume_from = examples::resume::start(&args.out_dir, &flags, start, restart)?;
     let mut model = Model::new(agent, &plan, args).await?;
-    let resume_from = ckpt::to_resume(&args.out_dir, args.resume, restart)?;
-    if resume_from.is_none() && restart == 0 {
-        // A fresh run: checkpoints of an earlier run in the same directory must not be
-        // resumed by this one's restarts.
-        ckpt::prune(&args.out_dir, 0)?;
-    }
     let mut progress = Progress::default();
-    match &resume_from {
-        Some(path) => {
-            progress = model.restore(path, &shape).await?;
-            println!(
-                "resumed from {} (epoch {}, step {}, restart {restart})",
-                path.display(),
-                progress.epoch,
-                progress.step
-            );
-        }
-        None if restart > 0 => {
-            println!("resumed from the start, no checkpoint yet (restart {restart})")
-        }
-        None => {}
+    if let Some(t) = &resume_from {
+        progress = model.restore(t).await?;
+        println!(
+            "resumed from {} (epoch {}, step {}, restart {restart})",
+            t.path().display(),
+            progress.epoch,
+            progress.step
+        );
     }
     let resumed = resume_from.is_some() || restart > 0;
     let mut tracker = Tracker::open(&args.out_dir, restart, resumed.then_some(progress.step))?;
@@ -880,7 +879,7 @@ async fn train(agent: &Agent, args: &Args, data: &Data, restart: u32) -> Result<
                     }
                     tracker.completed(p.step)?;
                     if p.step % args.checkpoint_every == 0 && k + 1 < batches.len() {
-                        model.checkpoint(args, &shape, p).await?;
+                        model.checkpoint(args, &flags, p).await?;
                     }
                     bar.inc(1);
                     bar.set_message(format!("loss {:.4}", p.loss_sum / (k + 1) as f64));
@@ -897,13 +896,13 @@ async fn train(agent: &Agent, args: &Args, data: &Data, restart: u32) -> Result<
                 p.accuracy.push(acc);
                 p.epoch += 1;
                 p.loss_sum = 0.0;
-                model.checkpoint(args, &shape, p).await?;
+                model.checkpoint(args, &flags, p).await?;
             }
             Ok(())
         }
         .await;
         let Err(err) = trained else { break };
-        if args.restart != rpcrun::Restart::Worker {
+        if args.restart != rpcrun::Restart::Worker || examples::is_fatal(&err) {
             return Err(err);
         }
         let timeout = Duration::from_secs(args.timeout_secs);
@@ -917,10 +916,10 @@ async fn train(agent: &Agent, args: &Args, data: &Data, restart: u32) -> Result<
         // restored, with every optimizer state.
         drop(model);
         model = Model::new(agent, &plan, args).await?;
-        let from = match ckpt::latest(&args.out_dir)? {
-            Some(path) => {
-                progress = model.restore(&path, &shape).await?;
-                path.display().to_string()
+        let from = match examples::resume::newest_verified(&args.out_dir)? {
+            Some(t) => {
+                progress = model.restore(&t).await?;
+                t.path().display().to_string()
             }
             None => {
                 progress = Progress::default();
