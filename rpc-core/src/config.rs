@@ -163,6 +163,17 @@ pub struct Config {
     /// at once (a peer that stopped reading fails them instead of growing the queue; replies
     /// to a caller that stopped reading are dropped). Default: 256 MiB.
     pub max_queued_bytes: usize,
+    /// Calls from one connection that may wait at once on this worker (a call that answers
+    /// at once never counts): one more is refused at once with
+    /// [`RemoteErrorKind::Busy`](crate::RemoteErrorKind::Busy), naming the limit, so a peer
+    /// cannot grow the memory this worker spends on its calls without bound (calls nested in
+    /// others skip [`Config::max_concurrent_calls`], not this). Default: 65,536.
+    pub max_in_flight_calls: usize,
+    /// Bytes of the arguments (payload and blobs) of the calls from one connection that wait
+    /// at once on this worker: one more that would pass it is refused at once, as above (a
+    /// call alone is never refused for its size: the frame and blob limits bound it).
+    /// Default: 256 MiB.
+    pub max_in_flight_bytes: usize,
     /// Root calls (not nested in another call) served at once; more wait. Nested calls are
     /// never held back, so call chains cannot deadlock on this limit. Default: 65,536.
     pub max_concurrent_calls: usize,
@@ -244,6 +255,8 @@ impl Default for Config {
             max_frame_bytes: 32 << 20,
             max_blob_bytes: 1 << 30,
             max_queued_bytes: 256 << 20,
+            max_in_flight_calls: 65_536,
+            max_in_flight_bytes: 256 << 20,
             max_concurrent_calls: 65_536,
             bulk_threshold: 256 << 10,
             bulk_pool_bytes: 128 << 20,
@@ -309,6 +322,10 @@ impl Config {
         with_max_blob_bytes(max_blob_bytes: usize) => max_blob_bytes;
         /// Sets [`Config::max_queued_bytes`].
         with_max_queued_bytes(max_queued_bytes: usize) => max_queued_bytes;
+        /// Sets [`Config::max_in_flight_calls`].
+        with_max_in_flight_calls(max_in_flight_calls: usize) => max_in_flight_calls;
+        /// Sets [`Config::max_in_flight_bytes`].
+        with_max_in_flight_bytes(max_in_flight_bytes: usize) => max_in_flight_bytes;
         /// Sets [`Config::max_concurrent_calls`].
         with_max_concurrent_calls(max_concurrent_calls: usize) => max_concurrent_calls;
         /// Sets [`Config::bulk_threshold`].
@@ -529,6 +546,7 @@ impl Config {
                 max_frame_bytes: self.max_frame_bytes,
                 max_blob_bytes: self.max_blob_bytes,
                 max_queued_bytes: self.max_queued_bytes,
+                max_in_flight: (self.max_in_flight_calls, self.max_in_flight_bytes),
                 bulk_threshold: self.bulk_threshold,
                 bulk_pool_bytes: self.bulk_pool_bytes,
                 shm_arena_bytes: self.shm_arena_bytes,

@@ -116,6 +116,25 @@ impl Serve for Inner {
             running: None,
         }
     }
+
+    fn refuse(self: &Arc<Self>, caller: u32, req: &CallRequest, why: String) -> CallReply {
+        self.refused(caller, req, why)
+    }
+}
+
+impl Inner {
+    /// See [`Serve::refuse`].
+    fn refused(&self, caller: u32, req: &CallRequest, why: String) -> CallReply {
+        let me = &self.group.worker(self.group.rank()).name;
+        let from = &self.group.worker(caller).name;
+        tracing::warn!(worker = %me, fn_name = %req.fn_name, caller = %from, %why, "call refused");
+        Err(RemoteError::new(
+            RemoteErrorKind::Busy,
+            &req.fn_name,
+            me,
+            format!("refused the call from `{from}` at once: {why}"),
+        ))
+    }
 }
 
 pin_project_lite::pin_project! {

@@ -46,6 +46,9 @@ pub enum RemoteErrorKind {
     ShuttingDown,
     /// The callee could not encode the result, or a bulk payload never arrived.
     Protocol,
+    /// The callee refused the call at once: too many of the caller's calls (or their bytes)
+    /// wait on it already (`Config::max_in_flight_calls`, `max_in_flight_bytes`).
+    Busy,
 }
 
 impl fmt::Display for RemoteErrorKind {
@@ -57,6 +60,7 @@ impl fmt::Display for RemoteErrorKind {
             Self::Panic => "handler panicked",
             Self::ShuttingDown => "callee shutting down",
             Self::Protocol => "protocol error",
+            Self::Busy => "callee busy",
         };
         f.write_str(s)
     }

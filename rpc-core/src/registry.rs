@@ -186,6 +186,9 @@ async fn run_typed<F: RemoteFn>(
             ),
         )
     })?;
+    // The encoded arguments go now, not when the call ends: a call that waits keeps one copy
+    // of its arguments, not two.
+    drop(payload);
     let handler_error =
         |e: BoxError| RemoteError::from_error(RemoteErrorKind::Handler, F::NAME, &worker, &*e);
     // CAN-2: cancellable only now that the arguments are decoded.

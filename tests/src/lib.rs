@@ -273,6 +273,18 @@ pub async fn all_reduce_in_background(
     Ok(sum.to_vec1()?)
 }
 
+/// Bytes carried in a call's payload (not as a blob).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Bytes(#[serde(with = "serde_bytes")] pub Vec<u8>);
+
+/// Waits `ms` milliseconds holding `data`, then returns its length: a call that keeps its
+/// arguments' memory while it waits.
+#[remote]
+pub async fn wait_holding(_ctx: CallContext, data: Bytes, ms: u64) -> Result<u64, BoxError> {
+    tokio::time::sleep(Duration::from_millis(ms)).await;
+    Ok(data.0.len() as u64)
+}
+
 fn cancelled() -> &'static Mutex<HashSet<u64>> {
     static C: OnceLock<Mutex<HashSet<u64>>> = OnceLock::new();
     C.get_or_init(Default::default)
@@ -367,6 +379,7 @@ pub fn registry_builder() -> rpc_core::RegistryBuilder {
         .and_then(|r| r.register(remaining_ms))
         .and_then(|r| r.register(nested_remaining_ms))
         .and_then(|r| r.register(spawned_remaining_ms))
+        .and_then(|r| r.register(wait_holding))
         .and_then(|r| r.register(all_reduce_in_background))
         .and_then(|r| r.register(hang))
         .and_then(|r| r.register(burn))

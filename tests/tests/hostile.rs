@@ -139,6 +139,11 @@ impl Target {
     /// Asserts the worker still serves (also on a fresh authenticated connection) and its peak
     /// RSS grew by less than [`MAX_GROWTH_KB`].
     fn survived(&self, attack: &str) {
+        self.survived_within(attack, MAX_GROWTH_KB);
+    }
+
+    /// [`Target::survived`], with a peak RSS growth limit of `max_kb`.
+    fn survived_within(&self, attack: &str, max_kb: u64) {
         assert!(self.procs_alive(), "{attack}: the worker process is gone");
         self.healthy(41);
         let reply = self.rt.block_on(async {
@@ -155,8 +160,8 @@ impl Target {
         let grown = status_kb(self.pid(), "VmHWM:").saturating_sub(self.base_hwm_kb);
         eprintln!("{attack}: peak RSS grew {grown} kB");
         assert!(
-            grown < MAX_GROWTH_KB,
-            "{attack}: peak RSS grew {grown} kB (limit {MAX_GROWTH_KB} kB)"
+            grown < max_kb,
+            "{attack}: peak RSS grew {grown} kB (limit {max_kb} kB)"
         );
     }
 
@@ -411,6 +416,44 @@ fn unauthenticated_connections_are_capped_and_dropped_fast() {
     );
     drop(flood);
     t.survived("300 unauthenticated connections");
+    t.finish();
+}
+
+/// MUX-4: 800 calls of 1 MiB each on one connection, all to a function that holds its
+/// arguments for 20 s, marked nested (depth 1) so that no admission permit holds them back:
+/// the calls in flight stop at `max_in_flight_bytes` (256 MiB by default), the rest are refused
+/// at once naming the limit, and the worker's peak RSS grows by less than that bound plus
+/// 100 MB (it grew by the whole 800 MiB before the bound).
+#[test]
+fn a_flood_of_waiting_calls_is_refused_past_the_in_flight_bound() {
+    let t = Target::start();
+    const CALLS: u64 = 800;
+    let refused = t.rt.block_on(async {
+        let mut c = t.dial(false).await;
+        let data = integration_tests::Bytes(vec![7u8; 1 << 20]);
+        for id in 1..=CALLS {
+            let mut req =
+                RawRequest::call::<integration_tests::wait_holding, _>(&(data.clone(), 20_000u64));
+            req.depth = 1;
+            req.id = id;
+            c.write_all(&req.frame()).await.unwrap();
+        }
+        c.flush().await.unwrap();
+        testing::read_reply::<integration_tests::wait_holding>(
+            &mut c,
+            CALLS,
+            Duration::from_secs(30),
+        )
+        .await
+        .expect("the last call is answered at once")
+        .expect_err("the last call is refused")
+    });
+    assert_eq!(refused.kind, rpc_core::RemoteErrorKind::Busy, "{refused}");
+    assert!(
+        refused.message.contains("max_in_flight_bytes = 268435456"),
+        "{refused}"
+    );
+    t.survived_within("800 waiting calls of 1 MiB", MAX_GROWTH_KB + (256 << 10));
     t.finish();
 }
 

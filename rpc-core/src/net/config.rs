@@ -25,6 +25,8 @@ pub(crate) struct NetConfig {
     pub handshake_timeout: Duration,
     pub max_frame_bytes: usize,
     pub max_queued_bytes: usize,
+    /// Calls and argument bytes of one connection that may wait at once (MUX-4).
+    pub max_in_flight: (usize, usize),
     pub max_blob_bytes: usize,
     pub bulk_threshold: usize,
     pub bulk_pool_bytes: usize,

@@ -392,7 +392,11 @@ impl Net {
                     service,
                     session.wrap(conn),
                     rank,
-                    (self.cfg.max_frame_bytes, self.cfg.max_queued_bytes),
+                    (
+                        self.cfg.max_frame_bytes,
+                        self.cfg.max_queued_bytes,
+                        self.cfg.max_in_flight,
+                    ),
                     &self.life,
                     &self.spin,
                     gone,

@@ -11,8 +11,14 @@
 //!   request past its deadline is dropped unanswered, as tarpc's server does; its caller gives
 //!   up at the same deadline), and counts a request that waits as a call in flight for the
 //!   shutdown drain ([`Lifecycle::calls`]).
+//! - MUX-4: the requests of one connection that wait at once, and their argument bytes, stay
+//!   within `max_in_flight` (calls, bytes): one more is refused before it runs ([`Serve::refuse`]),
+//!   whatever its depth (nested calls skip the admission permits, not this); a request alone
+//!   is never refused for its size. The framework's own functions (`rpc_core::*`: cancels,
+//!   the shutdown barrier) are never refused, so a cancel can always free room.
 
 use std::io;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::Instant;
@@ -22,20 +28,88 @@ use super::serve::{callers_deadline, Serve};
 use super::spin::Spin;
 use super::transport::Conn;
 use crate::lifecycle::Lifecycle;
-use crate::wire::{CallReply, CallRequest};
+use crate::wire::{CallReply, CallRequest, WireBlob};
 use tokio_util::sync::CancellationToken;
+
+/// The requests of one connection that wait, and their bytes (MUX-4).
+#[derive(Default)]
+struct InFlight {
+    calls: AtomicUsize,
+    bytes: AtomicUsize,
+}
+
+impl InFlight {
+    /// Why a request of `size` bytes cannot wait beside those that do, if it cannot.
+    fn full(&self, (max_calls, max_bytes): (usize, usize), size: usize) -> Option<String> {
+        let (calls, bytes) = (
+            self.calls.load(Ordering::Relaxed),
+            self.bytes.load(Ordering::Relaxed),
+        );
+        if calls >= max_calls {
+            return Some(format!(
+                "{calls} calls from this caller are in flight here (limit max_in_flight_calls \
+                 = {max_calls})"
+            ));
+        }
+        if bytes > 0 && bytes.saturating_add(size) > max_bytes {
+            return Some(format!(
+                "{bytes} bytes of this caller's calls are in flight here and this one has \
+                 {size} (limit max_in_flight_bytes = {max_bytes})"
+            ));
+        }
+        None
+    }
+}
+
+/// Counts one waiting request until dropped.
+struct Waiting {
+    of: Arc<InFlight>,
+    size: usize,
+}
+
+impl Waiting {
+    fn new(of: &Arc<InFlight>, size: usize) -> Self {
+        of.calls.fetch_add(1, Ordering::Relaxed);
+        of.bytes.fetch_add(size, Ordering::Relaxed);
+        Self {
+            of: Arc::clone(of),
+            size,
+        }
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.of.calls.fetch_sub(1, Ordering::Relaxed);
+        self.of.bytes.fetch_sub(self.size, Ordering::Relaxed);
+    }
+}
+
+/// The bytes a request's arguments take (or will, once its bulk blobs arrive).
+fn request_bytes(req: &CallRequest) -> usize {
+    let blobs: u64 = req
+        .blobs
+        .iter()
+        .map(|b| match b {
+            WireBlob::Inline(v) => v.len() as u64,
+            WireBlob::Bulk { len, .. } => *len,
+        })
+        .sum();
+    req.payload.len().saturating_add(blobs as usize)
+}
 
 /// Serves a control connection from `caller` until it ends.
 pub(crate) async fn serve<S: Serve>(
     service: Arc<S>,
     conn: Conn,
     caller: u32,
-    (max_frame, max_queued): (usize, usize),
+    (max_frame, max_queued, max_in_flight): (usize, usize, (usize, usize)),
     life: &Lifecycle,
     spin: &Spin,
     gone: &CancellationToken,
 ) -> io::Result<()> {
     let out = Arc::new(Outbox::new(max_frame, max_queued));
+    let in_flight = Arc::new(InFlight::default());
     let (r, w) = tokio::io::split(conn);
     let mut requests = frame::reader(r, max_frame);
     let read = async {
@@ -53,6 +127,12 @@ pub(crate) async fn serve<S: Serve>(
                 continue;
             }
             let id = req.id;
+            let size = request_bytes(&req.message);
+            let internal = req.message.fn_name.starts_with("rpc_core::");
+            if let Some(why) = in_flight.full(max_in_flight, size).filter(|_| !internal) {
+                respond(&out, id, service.refuse(caller, &req.message, why));
+                continue;
+            }
             let run = service.serve(caller, callers_deadline(deadline, now), req.message);
             let mut call = Box::pin(tokio::time::timeout_at(deadline.into(), run));
             match futures::poll!(call.as_mut()) {
@@ -61,7 +141,9 @@ pub(crate) async fn serve<S: Serve>(
                 Poll::Pending => {
                     let (stop, gone) = (life.stop.clone(), gone.clone());
                     let out = Arc::clone(&out);
+                    let waiting = Waiting::new(&in_flight, size);
                     life.calls.spawn(async move {
+                        let _waiting = waiting;
                         tokio::select! {
                             _ = stop.cancelled() => {}
                             // The caller was declared failed: nobody waits for the reply.
@@ -133,6 +215,32 @@ mod tests {
                 })
             }
         }
+
+        fn refuse(self: &Arc<Self>, _caller: u32, _req: &CallRequest, why: String) -> CallReply {
+            Err(crate::RemoteError::new_protocol("nap", "test", why))
+        }
+    }
+
+    /// Serves `Nap` on one end of a pipe with `max_in_flight`; the other end.
+    fn nap_server(
+        max_in_flight: (usize, usize),
+    ) -> (
+        tokio::io::DuplexStream,
+        Arc<Lifecycle>,
+        tokio::task::JoinHandle<io::Result<()>>,
+    ) {
+        let life = Arc::new(Lifecycle::new());
+        let spin = Arc::new(Spin::new(Duration::ZERO));
+        let (a, peer) = tokio::io::duplex(1 << 16);
+        let serving = {
+            let (life, spin) = (Arc::clone(&life), Arc::clone(&spin));
+            tokio::spawn(async move {
+                let gone = CancellationToken::new();
+                let limits = (1 << 20, 1 << 20, max_in_flight);
+                serve(Arc::new(Nap), Box::new(a), 0, limits, &life, &spin, &gone).await
+            })
+        };
+        (peer, life, serving)
     }
 
     async fn send(peer: &mut tokio::io::DuplexStream, id: u64, ms: u64, deadline: Instant) {
@@ -167,25 +275,7 @@ mod tests {
     /// deadline, is dropped unanswered; a handler that waits does not hold up the next request.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn requests_are_answered_once_and_never_after_their_deadline() {
-        let life = Arc::new(Lifecycle::new());
-        let spin = Arc::new(Spin::new(Duration::ZERO));
-        let (a, mut peer) = tokio::io::duplex(1 << 16);
-        let serving = {
-            let (life, spin) = (Arc::clone(&life), Arc::clone(&spin));
-            tokio::spawn(async move {
-                let gone = CancellationToken::new();
-                serve(
-                    Arc::new(Nap),
-                    Box::new(a),
-                    0,
-                    (1 << 20, 1 << 20),
-                    &life,
-                    &spin,
-                    &gone,
-                )
-                .await
-            })
-        };
+        let (mut peer, life, serving) = nap_server((usize::MAX, usize::MAX));
         let now = Instant::now();
         send(&mut peer, 1, 0, now).await; // already expired
         send(&mut peer, 2, 600, now + Duration::from_millis(150)).await; // outlives it
@@ -214,5 +304,40 @@ mod tests {
             .expect("the connection ended with its peer")
             .expect("joined");
         assert!(ended.is_ok(), "{ended:?}");
+    }
+
+    /// MUX-4: with two calls allowed to wait, a third and a fourth are refused at once, and
+    /// once the two are answered the next waits again; a request's bytes count too.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn waiting_requests_past_the_limit_are_refused_at_once() {
+        let (mut peer, _life, _serving) = nap_server((2, usize::MAX));
+        let later = Instant::now() + Duration::from_secs(20);
+        for id in 1..=4 {
+            send(&mut peer, id, 300, later).await;
+        }
+        let mut got = Vec::new();
+        for _ in 0..4 {
+            let r = tokio::time::timeout(Duration::from_secs(10), recv(&mut peer))
+                .await
+                .expect("answered");
+            let refused = r.message.expect("a reply").is_err();
+            got.push((r.request_id, refused));
+        }
+        got[2..].sort();
+        assert_eq!(got, [(3, true), (4, true), (1, false), (2, false)]);
+        send(&mut peer, 5, 0, later).await;
+        let r = recv(&mut peer).await;
+        assert_eq!(r.request_id, 5);
+        assert!(r.message.expect("a reply").is_ok(), "room again");
+
+        // Bytes: 8 bytes each, 12 allowed: the second waiting request does not fit.
+        let (mut peer, _life, _serving) = nap_server((usize::MAX, 12));
+        send(&mut peer, 1, 300, later).await;
+        send(&mut peer, 2, 300, later).await;
+        let r = recv(&mut peer).await;
+        assert_eq!(r.request_id, 2);
+        let e = r.message.expect("a reply").unwrap_err();
+        assert!(e.message.contains("max_in_flight_bytes = 12"), "{e}");
+        assert_eq!(recv(&mut peer).await.request_id, 1);
     }
 }

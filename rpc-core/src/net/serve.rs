@@ -26,6 +26,9 @@ pub(crate) trait Serve: Send + Sync + 'static {
         deadline: Option<Instant>,
         req: CallRequest,
     ) -> impl Future<Output = CallReply> + Send + 'static;
+
+    /// The answer to request `req` from `caller`, refused before it ran because `why`.
+    fn refuse(self: &Arc<Self>, caller: u32, req: &CallRequest, why: String) -> CallReply;
 }
 
 /// The deadline a request's caller set, if any (one without sends [`NO_DEADLINE`] from its
