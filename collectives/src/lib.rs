@@ -72,7 +72,10 @@ pub use elastic::{ElasticDdp, Rejoin};
 pub use group::{
     new_group, new_group_tagged, world, CollectiveError, Element, ProcessGroup, ReduceOp, Work,
 };
-pub use mailbox::{irecv, isend, recv, send, Handle, P2pError};
+pub use mailbox::{
+    irecv, isend, mailbox_stats, recv, send, set_mailbox_limits, Handle, MailboxLimits,
+    MailboxStats, P2pError,
+};
 pub use ps::{serve_replica, serve_shard, shard_stats, Consistency, PsClient, Replica, ShardStats};
 
 /// Adds the collectives' functions to a worker's registry.

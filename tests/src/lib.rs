@@ -285,6 +285,25 @@ pub async fn wait_holding(_ctx: CallContext, data: Bytes, ms: u64) -> Result<u64
     Ok(data.0.len() as u64)
 }
 
+/// Bounds this worker's mailbox: `max_bytes` per sender, messages kept `max_age_ms`.
+#[remote]
+pub async fn limit_mailbox(
+    ctx: CallContext,
+    max_bytes: usize,
+    max_age_ms: u64,
+) -> Result<(), BoxError> {
+    let limits = collectives::MailboxLimits::new(max_bytes, Duration::from_millis(max_age_ms));
+    collectives::set_mailbox_limits(ctx.agent(), limits);
+    Ok(())
+}
+
+/// This worker's mailbox: messages and bytes waiting for a receive, messages expired.
+#[remote]
+pub async fn mailbox_held(ctx: CallContext) -> Result<(usize, usize, u64), BoxError> {
+    let s = collectives::mailbox_stats(ctx.agent());
+    Ok((s.queued_messages, s.queued_bytes, s.expired_messages))
+}
+
 fn cancelled() -> &'static Mutex<HashSet<u64>> {
     static C: OnceLock<Mutex<HashSet<u64>>> = OnceLock::new();
     C.get_or_init(Default::default)
@@ -380,6 +399,8 @@ pub fn registry_builder() -> rpc_core::RegistryBuilder {
         .and_then(|r| r.register(nested_remaining_ms))
         .and_then(|r| r.register(spawned_remaining_ms))
         .and_then(|r| r.register(wait_holding))
+        .and_then(|r| r.register(limit_mailbox))
+        .and_then(|r| r.register(mailbox_held))
         .and_then(|r| r.register(all_reduce_in_background))
         .and_then(|r| r.register(hang))
         .and_then(|r| r.register(burn))

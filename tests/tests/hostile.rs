@@ -80,7 +80,8 @@ impl Target {
             .with_serve_rendezvous(false)
             .with_secret(secret.clone())
             .with_shutdown_timeout(Duration::from_secs(20));
-        let registry = autograd_fns::register(rref_fns::register(registry_builder())).build();
+        let registry = collectives::install(registry_builder()).unwrap();
+        let registry = autograd_fns::register(rref_fns::register(registry)).build();
         let agent = rt
             .block_on(async {
                 let agent = rpc_core::init(cfg, registry).await;
@@ -454,6 +455,57 @@ fn a_flood_of_waiting_calls_is_refused_past_the_in_flight_bound() {
         "{refused}"
     );
     t.survived_within("800 waiting calls of 1 MiB", MAX_GROWTH_KB + (256 << 10));
+    t.finish();
+}
+
+/// MB-1, MB-2: rank 0 sends 64 tensors of 16 MiB under a tag the worker never receives, its
+/// mailbox bounded at 64 MiB per sender: the fifth and later sends fail naming the worker and
+/// the limit, the worker's peak RSS grows by less than the bound plus 100 MB (by the whole
+/// 1 GiB before the bound), and once the messages are older than the mailbox keeps them they
+/// are dropped.
+#[test]
+fn messages_nobody_receives_are_bounded() {
+    let t = Target::start();
+    let bound = 64 << 20;
+    t.rt.block_on(
+        t.agent
+            .rpc_async(1u32, integration_tests::limit_mailbox, (bound, 600_000)),
+    )
+    .unwrap();
+    let x = candle_core::Tensor::zeros(4 << 20, candle_core::DType::F32, &candle_core::Device::Cpu)
+        .unwrap();
+    let mut sent = 0;
+    let mut refusal = None;
+    for _ in 0..64 {
+        match t.rt.block_on(collectives::send(&t.agent, 1u32, 99, &x)) {
+            Ok(()) => sent += 1,
+            Err(e) => refusal = Some(rpc_core::error_chain(&e)),
+        }
+    }
+    assert_eq!(sent, 4, "64 MiB of 16 MiB messages");
+    let refusal = refusal.expect("refused past the bound");
+    assert!(
+        refusal.contains("the mailbox of `worker1` refused a message from `worker0`")
+            && refusal.contains("max_bytes_per_sender = 67108864"),
+        "{refusal}"
+    );
+    let held =
+        t.rt.block_on(t.agent.rpc_async(1u32, integration_tests::mailbox_held, ()));
+    assert_eq!(held.unwrap(), (4, 64 << 20, 0));
+    t.survived_within(
+        "64 unreceived messages of 16 MiB",
+        MAX_GROWTH_KB + (64 << 10),
+    );
+    // Kept 300 ms from now on: what waits is dropped.
+    t.rt.block_on(
+        t.agent
+            .rpc_async(1u32, integration_tests::limit_mailbox, (bound, 300)),
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    let held =
+        t.rt.block_on(t.agent.rpc_async(1u32, integration_tests::mailbox_held, ()));
+    assert_eq!(held.unwrap(), (0, 0, 4));
     t.finish();
 }
 

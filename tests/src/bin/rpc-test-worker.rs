@@ -50,7 +50,7 @@ fn main() -> anyhow::Result<()> {
             .config(Duration::from_secs(shutdown))
             .with_serve_rendezvous(rank == 0 && args.has("--serve-rendezvous"));
         let registry = integration_tests::autograd_fns::register(
-            integration_tests::rref_fns::register(registry_builder()),
+            integration_tests::rref_fns::register(collectives::install(registry_builder())?),
         )
         .build();
         let agent = rpc_core::init(cfg, registry).await?;

@@ -7,10 +7,13 @@
 //! - COL-3: a verdict dooms the incarnation it names and older ones: once a replacement of the
 //!   worker has joined, groups created with it (and point-to-point messages from it) work, and
 //!   what the failed incarnation left queued is dropped.
+//!
+//! What arrives before its receive waits in a bounded queue (`queue.rs`, MB-1, MB-2); the
+//! public point-to-point API is `p2p.rs`.
 
 use candle_core::Tensor;
 use rpc_core::ext::AgentExt;
-use rpc_core::{Agent, BoxError, CallContext, RemoteFn, ToWorker};
+use rpc_core::{Agent, BoxError, CallContext, RemoteFn};
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -18,6 +21,14 @@ use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
 use autograd_dist::RTensor;
+
+mod p2p;
+mod queue;
+
+pub(crate) use p2p::effective_timeout;
+pub use p2p::{irecv, isend, recv, send, Handle, P2pError};
+use queue::Queued;
+pub use queue::{MailboxLimits, MailboxStats};
 
 /// Names a message: its operation (group and sequence number, or the user's p2p tag) and step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -77,10 +88,14 @@ type Members = (Arc<Vec<u32>>, Arc<Vec<u64>>);
 
 #[derive(Default)]
 struct Inner {
-    queued: HashMap<(u32, Tag), VecDeque<(Header, Body)>>,
+    queued: Queued,
+    limits: MailboxLimits,
+    /// When the queue and the aborted operations are next checked for age (MB-2).
+    next_sweep: Option<Instant>,
     waiting: HashMap<(u32, Tag), VecDeque<oneshot::Sender<Msg>>>,
-    /// Aborted operations; kept after they end so that their late messages are dropped.
-    aborted: HashMap<(u64, u64), String>,
+    /// Aborted operations, and when; kept after they end so that their late messages are
+    /// dropped, until they are as old as a queued message may be (MB-2).
+    aborted: HashMap<(u64, u64), (String, Instant)>,
     /// Next sequence number per group, shared by every handle on the group.
     next_seq: HashMap<u64, u64>,
     /// Members of every group created here and their incarnations, by group id.
@@ -92,6 +107,28 @@ struct Inner {
 }
 
 impl Inner {
+    /// MB-2: drops queued messages and aborted operations older than the limit, at most once
+    /// a second.
+    fn sweep(&mut self, now: Instant) {
+        if self.next_sweep.is_some_and(|t| now < t) {
+            return;
+        }
+        let max_age = self.limits.max_age;
+        self.next_sweep =
+            Some(now + (max_age / 4).clamp(Duration::from_millis(10), Duration::from_secs(1)));
+        for ((from, tag), bytes, age) in self.queued.expire(now, max_age) {
+            tracing::warn!(
+                from,
+                ?tag,
+                bytes,
+                age_s = age.as_secs_f64(),
+                "dropped a message nobody received (older than the mailbox's max_age)"
+            );
+        }
+        self.aborted
+            .retain(|_, (_, at)| now.duration_since(*at) <= max_age);
+    }
+
     /// The verdict that dooms a receive from `from` of an operation of `group`, if any.
     fn doomed(&self, from: u32, group: u64) -> Option<TakeError> {
         // Whether incarnation `inc` of `rank` is covered by a verdict (COL-3).
@@ -165,7 +202,7 @@ impl Mailbox {
     pub(crate) fn peer_rejoined(&self, rank: u32, incarnation: u64) {
         let mut m = self.lock();
         m.current.insert(rank, incarnation);
-        m.queued.retain(|(from, _), _| *from != rank);
+        m.queued.retain(|(from, _)| *from != rank);
     }
 
     /// Incarnation `incarnation` of worker `rank` was declared failed: fails every receive
@@ -194,10 +231,13 @@ impl Mailbox {
         *s - 1
     }
 
-    fn deliver(&self, from: u32, tag: Tag, header: Header, t: Body) {
+    /// Hands a message to its receive, or queues it (refused past the sender's bound, MB-1).
+    fn deliver(&self, from: u32, tag: Tag, header: Header, t: Body) -> Result<(), String> {
         let mut m = self.lock();
+        let now = Instant::now();
+        m.sweep(now);
         if m.aborted.contains_key(&(tag.group, tag.seq)) {
-            return;
+            return Ok(());
         }
         let key = (from, tag);
         let mut item = Some((header, t));
@@ -212,14 +252,31 @@ impl Mailbox {
                 m.waiting.remove(&key);
             }
         }
-        if let Some(item) = item {
-            m.queued.entry(key).or_default().push_back(item);
+        match item {
+            Some((header, body)) => {
+                let limits = m.limits;
+                m.queued.push(key, header, body, &limits, now)
+            }
+            None => Ok(()),
         }
+    }
+
+    fn set_limits(&self, limits: MailboxLimits) {
+        let mut m = self.lock();
+        m.limits = limits;
+        m.next_sweep = None;
+    }
+
+    fn stats(&self) -> MailboxStats {
+        let mut m = self.lock();
+        m.sweep(Instant::now());
+        m.queued.stats()
     }
 
     pub(crate) fn abort(&self, group: u64, seq: u64, why: String) {
         let mut m = self.lock();
-        m.aborted.insert((group, seq), why.clone());
+        m.aborted
+            .insert((group, seq), (why.clone(), Instant::now()));
         let keys: Vec<_> = m
             .waiting
             .keys()
@@ -237,23 +294,19 @@ impl Mailbox {
     pub(crate) fn finish(&self, group: u64, seq: u64) {
         let mut m = self.lock();
         m.queued
-            .retain(|(_, t), _| !(t.group == group && t.seq == seq));
+            .retain(|(_, t)| !(t.group == group && t.seq == seq));
     }
 
     pub(crate) async fn take(&self, from: u32, tag: Tag, timeout: Duration) -> Msg {
         let rx = {
             let mut m = self.lock();
-            if let Some(why) = m.aborted.get(&(tag.group, tag.seq)) {
+            m.sweep(Instant::now());
+            if let Some((why, _)) = m.aborted.get(&(tag.group, tag.seq)) {
                 return Err(TakeError::Other(why.clone()));
             }
             let key = (from, tag);
-            if let Some(q) = m.queued.get_mut(&key) {
-                if let Some(item) = q.pop_front() {
-                    if q.is_empty() {
-                        m.queued.remove(&key);
-                    }
-                    return Ok(item);
-                }
+            if let Some(item) = m.queued.pop(key) {
+                return Ok(item);
             }
             // Whatever was delivered before a verdict is still taken; nothing more will come.
             if let Some(e) = m.doomed(from, tag.group) {
@@ -274,6 +327,32 @@ impl Mailbox {
     }
 }
 
+/// Delivers a message from the caller of `cx`: an error naming both workers past MB-1.
+fn delivered(cx: &CallContext, tag: Tag, header: Header, body: Body) -> Result<(), BoxError> {
+    let from = cx.caller();
+    mailbox(cx.agent())
+        .deliver(from.id.0, tag, header, body)
+        .map_err(|why| {
+            format!(
+                "the mailbox of `{}` refused a message from `{}` ({tag:?}): {why}",
+                cx.agent().name(),
+                from.name
+            )
+            .into()
+        })
+}
+
+/// Sets the bounds of `agent`'s mailbox (MB-1, MB-2); they apply to what arrives from now on.
+pub fn set_mailbox_limits(agent: &Agent, limits: MailboxLimits) {
+    mailbox(agent).set_limits(limits);
+}
+
+/// What `agent`'s mailbox holds: messages delivered and not received yet, and how many were
+/// dropped for their age.
+pub fn mailbox_stats(agent: &Agent) -> MailboxStats {
+    mailbox(agent).stats()
+}
+
 /// Sender → receiver: one tensor message.
 pub(crate) struct Deliver;
 
@@ -282,8 +361,7 @@ impl RemoteFn for Deliver {
     type Args = (Tag, Header, RTensor);
     type Output = ();
     async fn call(cx: CallContext, (tag, header, t): Self::Args) -> Result<(), BoxError> {
-        mailbox(cx.agent()).deliver(cx.caller().id.0, tag, header, Body::Tensor(t.0));
-        Ok(())
+        delivered(&cx, tag, header, Body::Tensor(t.0))
     }
 }
 
@@ -295,8 +373,7 @@ impl RemoteFn for DeliverRaw {
     type Args = (Tag, Header, rpc_core::Blob);
     type Output = ();
     async fn call(cx: CallContext, (tag, header, data): Self::Args) -> Result<(), BoxError> {
-        mailbox(cx.agent()).deliver(cx.caller().id.0, tag, header, Body::Raw(data.into_bytes()));
-        Ok(())
+        delivered(&cx, tag, header, Body::Raw(data.into_bytes()))
     }
 }
 
@@ -344,35 +421,6 @@ impl RemoteFn for Abort {
     }
 }
 
-/// Why a point-to-point operation failed.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum P2pError {
-    /// The message could not be delivered.
-    #[error("send to worker `{worker}` failed")]
-    Send {
-        /// The receiver.
-        worker: String,
-        /// The cause.
-        #[source]
-        source: Box<rpc_core::RpcError>,
-    },
-    /// No message arrived in time, or the operation was aborted.
-    #[error("receive failed: {0}")]
-    Recv(String),
-    /// The sender was declared failed (COL-2).
-    #[error("receive failed: worker `{worker}` failed: {cause}")]
-    PeerFailed {
-        /// The failed worker.
-        worker: String,
-        /// Why it was declared failed.
-        cause: String,
-    },
-    /// The background task failed.
-    #[error("the operation's task failed: {0}")]
-    Task(String),
-}
-
 pub(crate) async fn send_tagged(
     agent: &Agent,
     to: u32,
@@ -381,91 +429,4 @@ pub(crate) async fn send_tagged(
     t: Tensor,
 ) -> Result<(), P2pError> {
     deliver(agent, to, Deliver, (tag, header, RTensor(t))).await
-}
-
-fn header(t: &Tensor) -> Header {
-    Header {
-        dims: t.dims().to_vec(),
-        dtype: t.dtype().as_str().to_owned(),
-    }
-}
-
-fn rank_of(agent: &Agent, w: impl ToWorker) -> Result<u32, P2pError> {
-    agent
-        .get_worker_info(w)
-        .map(|i| i.id.0)
-        .map_err(|e| P2pError::Recv(e.to_string()))
-}
-
-/// Sends `t` to `to` under `tag`; returns once it is in the receiver's mailbox.
-pub async fn send(agent: &Agent, to: impl ToWorker, tag: u64, t: &Tensor) -> Result<(), P2pError> {
-    let to = rank_of(agent, to)?;
-    send_tagged(
-        agent,
-        to,
-        Tag {
-            group: P2P,
-            seq: tag,
-            step: 0,
-        },
-        header(t),
-        t.clone(),
-    )
-    .await
-}
-
-/// Receives the next tensor `from` sent under `tag` (within the group's call timeout).
-pub async fn recv(agent: &Agent, from: impl ToWorker, tag: u64) -> Result<Tensor, P2pError> {
-    let from = rank_of(agent, from)?;
-    let timeout = effective_timeout(agent);
-    let tag = Tag {
-        group: P2P,
-        seq: tag,
-        step: 0,
-    };
-    match mailbox(agent).take(from, tag, timeout).await {
-        Ok((_, Body::Tensor(t))) => Ok(t),
-        Ok((_, Body::Raw(_))) => Err(P2pError::Recv(
-            "got raw elements where a tensor was expected".into(),
-        )),
-        Err(e) => Err(e.into()),
-    }
-}
-
-pub(crate) fn effective_timeout(agent: &Agent) -> Duration {
-    let t = agent.rpc_timeout();
-    if t.is_zero() {
-        Duration::from_secs(365 * 24 * 3600)
-    } else {
-        t
-    }
-}
-
-/// A running operation; `wait` for its result.
-#[must_use = "an operation's outcome is only known by waiting for it"]
-pub struct Handle<T>(tokio::task::JoinHandle<Result<T, P2pError>>);
-
-impl<T> Handle<T> {
-    /// Waits for the operation.
-    pub async fn wait(self) -> Result<T, P2pError> {
-        self.0.await.map_err(|e| P2pError::Task(e.to_string()))?
-    }
-}
-
-/// Non-blocking [`send`].
-pub fn isend(agent: &Agent, to: u32, tag: u64, t: &Tensor) -> Handle<()> {
-    let (a, t) = (agent.clone(), t.clone());
-    Handle(
-        rpc_core::CallScope::current()
-            .spawn_on(agent.runtime(), async move { send(&a, to, tag, &t).await }),
-    )
-}
-
-/// Non-blocking [`recv`].
-pub fn irecv(agent: &Agent, from: u32, tag: u64) -> Handle<Tensor> {
-    let a = agent.clone();
-    Handle(
-        rpc_core::CallScope::current()
-            .spawn_on(agent.runtime(), async move { recv(&a, from, tag).await }),
-    )
 }
