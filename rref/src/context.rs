@@ -28,7 +28,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::id::{ForkId, RRefId};
-use crate::owner::{Lookup, OwnerTable, Value};
+use crate::owner::{Limits, Lookup, OwnerTable, Value};
 
 /// A pending child is given up on after this long.
 pub(crate) const CHILD_TTL: Duration = Duration::from_secs(600);
@@ -78,6 +78,9 @@ pub(crate) struct Ctx {
     pub owner: Mutex<OwnerTable>,
     pending_children: Mutex<HashMap<ForkId, Child>>,
     last_sweep: Mutex<Instant>,
+    /// The owner table's bounds (OWN-6) and when its pending entries were last swept.
+    limits: Mutex<Limits>,
+    last_pending_sweep: Mutex<Instant>,
     pub user_refs: AtomicUsize,
     pub unconfirmed: AtomicUsize,
     inflight: AtomicUsize,
@@ -98,6 +101,8 @@ pub(crate) fn ctx(agent: &Agent) -> Arc<Ctx> {
             owner: Mutex::new(OwnerTable::default()),
             pending_children: Mutex::new(HashMap::new()),
             last_sweep: Mutex::new(Instant::now()),
+            limits: Mutex::new(Limits::default()),
+            last_pending_sweep: Mutex::new(Instant::now()),
             user_refs: AtomicUsize::new(0),
             unconfirmed: AtomicUsize::new(0),
             inflight: AtomicUsize::new(0),
@@ -148,6 +153,70 @@ impl Ctx {
     pub(crate) fn owner_add(&self, id: RRefId, fork: ForkId, delta: i64, holder: u32) {
         let removed = lock(&self.owner).add(id, fork, delta, holder);
         drop(removed);
+    }
+
+    /// A fork count change sent by peer `holder`: refused, naming the limit, when it would
+    /// make one pending entry more than `max_pending` (OWN-6).
+    pub(crate) fn owner_add_from_peer(
+        &self,
+        id: RRefId,
+        fork: ForkId,
+        delta: i64,
+        holder: u32,
+    ) -> Result<(), String> {
+        self.sweep_pending();
+        let max = lock(&self.limits).max_pending;
+        let removed = {
+            let mut t = lock(&self.owner);
+            if !t.contains(id) && t.pending() >= max {
+                return Err(too_many_pending(id, max));
+            }
+            t.add(id, fork, delta, holder)
+        };
+        drop(removed);
+        Ok(())
+    }
+
+    /// Whether a peer may wait for `id` here (OWN-6: a wait for an unknown id makes a pending
+    /// entry); an error naming the limit if not.
+    pub(crate) fn may_wait_for(&self, id: RRefId) -> Result<(), String> {
+        self.sweep_pending();
+        let max = lock(&self.limits).max_pending;
+        let t = lock(&self.owner);
+        if !t.contains(id) && t.pending() >= max {
+            return Err(too_many_pending(id, max));
+        }
+        Ok(())
+    }
+
+    /// OWN-6: gives up the entries pending longer than the limit's ttl (at most once a
+    /// second), dropping them outside the lock.
+    fn sweep_pending(&self) {
+        let now = Instant::now();
+        {
+            let mut last = lock(&self.last_pending_sweep);
+            if now.duration_since(*last) < Duration::from_secs(1) {
+                return;
+            }
+            *last = now;
+        }
+        let ttl = lock(&self.limits).pending_ttl;
+        let gone = lock(&self.owner).expire_pending(now, ttl);
+        if !gone.is_empty() {
+            tracing::warn!(
+                count = gone.len(),
+                ttl_s = ttl.as_secs_f64(),
+                first = %gone[0].0,
+                "gave up owner entries whose value never came"
+            );
+        }
+        drop(gone);
+    }
+
+    pub(crate) fn set_limits(&self, limits: Limits) {
+        *lock(&self.limits) = limits;
+        // The next change sweeps with the new ttl.
+        *lock(&self.last_pending_sweep) = Instant::now() - Duration::from_secs(2);
     }
 
     /// Worker `rank` was declared failed: the values only it held are released (OWN-5), and
@@ -323,6 +392,19 @@ impl Ctx {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
+}
+
+fn too_many_pending(id: RRefId, max: usize) -> String {
+    format!(
+        "refused {id}: {max} values named by peers have not been created here yet (limit \
+         max_pending = {max})"
+    )
+}
+
+/// Sets the bounds of `agent`'s owner table (OWN-6): how long an entry whose value never
+/// comes is kept, and how many such entries peers may make.
+pub fn set_limits(agent: &Agent, limits: Limits) {
+    ctx(agent).set_limits(limits);
 }
 
 /// The RRef counters of `agent`'s worker.

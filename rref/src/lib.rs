@@ -68,10 +68,30 @@ mod owner;
 mod protocol;
 mod rref;
 
-pub use context::{clear_owned, debug_info, set_message_jitter, DebugInfo};
+pub use context::{clear_owned, debug_info, set_limits, set_message_jitter, DebugInfo};
 pub use error::RRefError;
 pub use id::{ForkId, RRefId};
+pub use owner::Limits;
 pub use rref::{remote, LocalValue, PrependArg, RRef};
+
+/// What a hostile or broken peer could send, for the tests of the owner table's bounds.
+#[doc(hidden)]
+pub mod testing {
+    use crate::id::{ForkId, RRefId};
+    use rpc_core::{Agent, RpcError};
+
+    /// Registers, with `owner`, a fork of the value `id` (which it may never have made), as a
+    /// peer's `rref::add_fork` would.
+    pub async fn register_fork(agent: &Agent, owner: u32, id: RRefId) -> Result<(), RpcError> {
+        let fork = ForkId {
+            created_on: agent.rank(),
+            local: id.local,
+        };
+        agent
+            .rpc_async(owner, crate::protocol::AddFork, (id, fork, owner))
+            .await
+    }
+}
 
 /// Adds the RRef protocol's functions and keep sink to a worker's registry.
 pub fn install(

@@ -18,11 +18,18 @@
 //! - OWN-5: every fork count is kept with the worker that holds the fork (who registered or
 //!   deleted it); when that worker is declared failed, its forks are dropped, so a value kept
 //!   only by a failed worker is released ([`OwnerTable::drop_holder`]).
+//! - OWN-6: an entry still pending (its value never set: an id no constructor will settle,
+//!   as a peer may name) is given up [`Limits::pending_ttl`] after it was made
+//!   ([`OwnerTable::expire_pending`]): removed, its id remembered (the most recent 65,536) so
+//!   that a value set for it later is refused rather than kept uncounted. Peers cannot make
+//!   more than [`Limits::max_pending`] pending entries at once (`context.rs` refuses, naming
+//!   the limit).
 
 use rpc_core::ext::KeptValue;
 use rpc_core::RemoteError;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
 use crate::id::{ForkId, RRefId};
@@ -41,6 +48,8 @@ pub(crate) struct Entry {
     /// Each fork's signed count and the worker holding it.
     forks: HashMap<ForkId, (i64, u32)>,
     settled: watch::Sender<bool>,
+    /// When the entry was made.
+    since: Instant,
 }
 
 impl Entry {
@@ -49,9 +58,43 @@ impl Entry {
             slot: Slot::Pending,
             forks: HashMap::new(),
             settled: watch::channel(false).0,
+            since: Instant::now(),
         }
     }
 }
+
+/// The bounds of a worker's owner table (OWN-6), set with [`set_limits`](crate::set_limits).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Limits {
+    /// How long an entry may stay pending (a fork or a fetch named it, its value never came)
+    /// before it is given up. Default: one hour.
+    pub pending_ttl: Duration,
+    /// Pending entries peers may make at once; one more is refused. Default: 100,000.
+    pub max_pending: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            pending_ttl: Duration::from_secs(3600),
+            max_pending: 100_000,
+        }
+    }
+}
+
+impl Limits {
+    /// Limits with `pending_ttl` and `max_pending`.
+    pub fn new(pending_ttl: Duration, max_pending: usize) -> Self {
+        Self {
+            pending_ttl,
+            max_pending,
+        }
+    }
+}
+
+/// Ids given up while pending, remembered at most this many (OWN-6).
+const GIVEN_UP_KEPT: usize = 65_536;
 
 /// What a lookup found.
 pub(crate) enum Lookup {
@@ -65,6 +108,11 @@ pub(crate) enum Lookup {
 #[derive(Default)]
 pub(crate) struct OwnerTable {
     entries: HashMap<RRefId, Entry>,
+    /// Entries whose slot is pending.
+    pending: usize,
+    /// Ids given up while pending, most recent last (OWN-6).
+    given_up: VecDeque<RRefId>,
+    given_up_set: HashSet<RRefId>,
 }
 
 /// Something removed from the table, to be dropped outside its lock (OWN-4).
@@ -73,7 +121,7 @@ pub(crate) type Removed = Option<Entry>;
 impl OwnerTable {
     /// Applies `delta` to `fork`'s count; `holder` is the worker holding the fork.
     pub(crate) fn add(&mut self, id: RRefId, fork: ForkId, delta: i64, holder: u32) -> Removed {
-        let entry = self.entries.entry(id).or_insert_with(Entry::new);
+        let entry = Self::entry(&mut self.entries, &mut self.pending, id);
         let c = entry.forks.entry(fork).or_insert((0, holder));
         c.0 += delta;
         c.1 = holder;
@@ -100,19 +148,49 @@ impl OwnerTable {
             .collect()
     }
 
-    /// Settles the slot (OWN-3).
+    /// `id`'s entry, made pending (and counted) if new.
+    fn entry<'a>(
+        entries: &'a mut HashMap<RRefId, Entry>,
+        pending: &mut usize,
+        id: RRefId,
+    ) -> &'a mut Entry {
+        entries.entry(id).or_insert_with(|| {
+            *pending += 1;
+            Entry::new()
+        })
+    }
+
+    /// Whether `id` has an entry.
+    pub(crate) fn contains(&self, id: RRefId) -> bool {
+        self.entries.contains_key(&id)
+    }
+
+    /// Entries whose value has not been set yet.
+    pub(crate) fn pending(&self) -> usize {
+        self.pending
+    }
+
+    /// Settles the slot (OWN-3); a value for an id given up while pending is refused too
+    /// (OWN-6), and returned.
     pub(crate) fn set(
         &mut self,
         id: RRefId,
         result: Result<KeptValue, RemoteError>,
     ) -> Result<Removed, KeptValue> {
-        let entry = self.entries.entry(id).or_insert_with(Entry::new);
+        if self.given_up_set.contains(&id) && !self.entries.contains_key(&id) {
+            return match result {
+                Ok(v) => Err(v),
+                Err(_) => Ok(None),
+            };
+        }
+        let entry = Self::entry(&mut self.entries, &mut self.pending, id);
         if !matches!(entry.slot, Slot::Pending) {
             return match result {
                 Ok(v) => Err(v),
                 Err(_) => Ok(None),
             };
         }
+        self.pending -= 1;
         entry.slot = match result {
             Ok(v) => Slot::Ready(Arc::new(tokio::sync::Mutex::new(v))),
             Err(e) => Slot::Failed(e),
@@ -124,7 +202,7 @@ impl OwnerTable {
     /// Looks a value up; an unknown id gets a pending entry (its creation may still be on its
     /// way). Call [`OwnerTable::forget_if_idle`] if the wait is abandoned.
     pub(crate) fn lookup(&mut self, id: RRefId) -> Lookup {
-        let entry = self.entries.entry(id).or_insert_with(Entry::new);
+        let entry = Self::entry(&mut self.entries, &mut self.pending, id);
         match &entry.slot {
             Slot::Ready(v) => Lookup::Ready(v.clone()),
             Slot::Failed(e) => Lookup::Failed(e.clone()),
@@ -136,10 +214,38 @@ impl OwnerTable {
     pub(crate) fn forget_if_idle(&mut self, id: RRefId) -> Removed {
         match self.entries.get(&id) {
             Some(e) if matches!(e.slot, Slot::Pending) && e.forks.is_empty() => {
+                self.pending -= 1;
                 self.entries.remove(&id)
             }
             _ => None,
         }
+    }
+
+    /// OWN-6: gives up the entries pending for longer than `ttl` as of `now`; returns them,
+    /// to be dropped outside the lock (their waiters then find no value).
+    pub(crate) fn expire_pending(&mut self, now: Instant, ttl: Duration) -> Vec<(RRefId, Entry)> {
+        let old: Vec<RRefId> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| matches!(e.slot, Slot::Pending) && now.duration_since(e.since) > ttl)
+            .map(|(id, _)| *id)
+            .collect();
+        let mut out = Vec::with_capacity(old.len());
+        for id in old {
+            if let Some(e) = self.entries.remove(&id) {
+                self.pending -= 1;
+                if self.given_up_set.insert(id) {
+                    self.given_up.push_back(id);
+                }
+                out.push((id, e));
+            }
+        }
+        while self.given_up.len() > GIVEN_UP_KEPT {
+            if let Some(id) = self.given_up.pop_front() {
+                self.given_up_set.remove(&id);
+            }
+        }
+        out
     }
 
     /// OWN-1/OWN-2: remove the entry once nothing counts on it.
@@ -159,6 +265,7 @@ impl OwnerTable {
 
     /// Removes everything (shutdown), returning it to be dropped outside the lock.
     pub(crate) fn drain(&mut self) -> Vec<Entry> {
+        self.pending = 0;
         self.entries.drain().map(|(_, e)| e).collect()
     }
 
@@ -258,6 +365,27 @@ mod tests {
             "its overtaken delete goes too"
         );
         assert!(t.drop_holder(2).is_empty());
+    }
+
+    /// OWN-6: only pending entries older than the ttl go; a value set for one given up is
+    /// refused; the pending count follows.
+    #[test]
+    fn entries_pending_too_long_are_given_up() {
+        let mut t = OwnerTable::default();
+        t.add(rid(1), fid(5, 1), 1, 5); // a fork of a value that never comes
+        t.add(rid(2), fid(5, 2), 1, 5);
+        assert!(t.set(rid(2), Ok(KeptValue::new(1u8))).unwrap().is_none());
+        assert_eq!((t.len(), t.pending()), (2, 1));
+        let now = Instant::now();
+        assert!(t.expire_pending(now, Duration::from_secs(60)).is_empty());
+        let gone = t.expire_pending(now + Duration::from_secs(61), Duration::from_secs(60));
+        assert_eq!(gone.iter().map(|(id, _)| *id).collect::<Vec<_>>(), [rid(1)]);
+        assert_eq!((t.len(), t.pending()), (1, 0), "the settled value stays");
+        match t.set(rid(1), Ok(KeptValue::new(9u8))) {
+            Err(v) => assert_eq!(v.downcast_ref::<u8>(), Some(&9)),
+            Ok(_) => panic!("a value for an id given up is refused"),
+        }
+        assert_eq!(t.len(), 1);
     }
 
     #[test]

@@ -24,7 +24,7 @@ impl RemoteFn for AddFork {
     ) -> Result<(), BoxError> {
         let agent = cx.agent().clone();
         let c = ctx(&agent);
-        c.owner_add(id, child, 1, cx.caller().id.0);
+        c.owner_add_from_peer(id, child, 1, cx.caller().id.0)?;
         if parent == c.me {
             c.release_child(child);
         } else {
@@ -60,7 +60,7 @@ impl RemoteFn for DeleteFork {
     type Args = (RRefId, ForkId);
     type Output = ();
     async fn call(cx: CallContext, (id, fork): (RRefId, ForkId)) -> Result<(), BoxError> {
-        ctx(cx.agent()).owner_add(id, fork, -1, cx.caller().id.0);
+        ctx(cx.agent()).owner_add_from_peer(id, fork, -1, cx.caller().id.0)?;
         Ok(())
     }
 }
@@ -75,6 +75,7 @@ impl RemoteFn for Fetch {
     async fn call(cx: CallContext, (id,): (RRefId,)) -> Result<Result<Payload, String>, BoxError> {
         let agent = cx.agent().clone();
         let c = ctx(&agent);
+        c.may_wait_for(id)?;
         let deadline = cx
             .deadline()
             .unwrap_or_else(|| Instant::now() + std::time::Duration::from_secs(365 * 24 * 3600));
@@ -140,6 +141,9 @@ pub(crate) fn keep_sink() -> KeepSink {
                 let set = t.set(id, result);
                 (added, set)
             };
+            if outcome.1.is_err() {
+                tracing::warn!(%id, "a value came for an id already given up (OWN-3/OWN-6); dropped");
+            }
             drop(outcome);
             Ok(())
         },

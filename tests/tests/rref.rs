@@ -604,3 +604,41 @@ fn references_cannot_be_serialized_outside_rpc() {
 fn serde_json_like(r: &RRef<u32>) -> String {
     serde_json::to_string(r).unwrap_err().to_string()
 }
+
+/// OWN-6: a peer names values the owner never made (forks of fabricated ids): past
+/// `max_pending` its registrations are refused, naming the limit; once the entries are older
+/// than `pending_ttl` they are given up, and the owner's table is back to what it holds.
+#[test]
+fn entries_for_values_that_never_come_are_bounded_and_given_up() {
+    run(60, async {
+        let a = group(
+            2,
+            Transport::Memory(rpc_core::MemoryNetwork::new()),
+            Duration::ZERO,
+        )
+        .await;
+        rref::set_limits(&a[0], rref::Limits::new(Duration::from_millis(300), 1000));
+        let fabricated = |n: u64| rref::RRefId {
+            created_on: 1,
+            local: 1 << 40 | n,
+        };
+        let mut refused = None;
+        for n in 0..1500 {
+            if let Err(e) = rref::testing::register_fork(&a[1], 0, fabricated(n)).await {
+                refused.get_or_insert(rpc_core::error_chain(&e));
+            }
+        }
+        let refused = refused.expect("refused past the limit");
+        assert!(refused.contains("limit max_pending = 1000"), "{refused}");
+        assert_eq!(rref::debug_info(&a[0]).owner_values, 1000);
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        // The next registration sweeps: what waited 300 ms is gone.
+        rref::testing::register_fork(&a[1], 0, fabricated(5000))
+            .await
+            .unwrap();
+        assert_eq!(rref::debug_info(&a[0]).owner_values, 1);
+        for agent in &a {
+            agent.shutdown_within(Duration::from_secs(2)).await;
+        }
+    });
+}
