@@ -26,6 +26,9 @@
 //!   `backward` still returns only when all the work is done.
 //! - AD-5: releasing a context removes its state on this worker and forwards the release to
 //!   every peer it exchanged tensors with; a worker without state for it stops the cascade.
+//!   A peer that was declared failed (or left) cannot forward it to the workers its state
+//!   reached: the worker that finds it so sends the release to every other live worker
+//!   instead, and the release succeeds (AD-9).
 //! - AD-7: a worker declared failed releases nothing any more: every other worker drops the
 //!   state of the contexts it started on its own (`record.rs`), and a backward pass that
 //!   reaches it fails with its `PeerFailed` error.
@@ -382,15 +385,52 @@ fn release_from<'a>(
             .filter(|p| Some(*p) != from && *p != c.me)
             .collect();
         drop(state);
-        let calls = peers.into_iter().map(|p| async move {
-            with_call_meta(CTX_KEY, None, agent.rpc_async(p, ReleaseContext, (ctx,)))
-                .await
-                .map_err(|source| AutogradError::Rpc {
-                    worker: agent.name_of(p),
-                    source: Box::new(source),
-                })
-        });
-        futures::future::try_join_all(calls).await?;
+        let gone = release_on(agent, ctx, &peers).await?;
+        if gone.is_empty() {
+            return Ok(());
+        }
+        // AD-9: the failed peers may have forwarded tensors of this context to workers this
+        // one never heard of; every other live worker is told (those without state for it
+        // answer at once).
+        let others: Vec<u32> = agent
+            .worker_infos()
+            .into_iter()
+            .map(|w| w.id.0)
+            .filter(|r| *r != c.me && Some(*r) != from && !peers.contains(r))
+            .filter(|r| agent.is_live(*r).unwrap_or(false))
+            .collect();
+        tracing::debug!(
+            ctx,
+            ?gone,
+            ?others,
+            "context release: peers failed; telling every live worker"
+        );
+        release_on(agent, ctx, &others).await?;
         Ok(())
     })
+}
+
+/// Sends the release of `ctx` to `peers`; the peers that were declared failed or left (they
+/// have nothing left to release), or an error naming the first other failure.
+async fn release_on(agent: &Agent, ctx: u64, peers: &[u32]) -> Result<Vec<u32>, AutogradError> {
+    let calls = peers.iter().map(|&p| async move {
+        match with_call_meta(CTX_KEY, None, agent.rpc_async(p, ReleaseContext, (ctx,))).await {
+            Ok(()) => Ok(None),
+            Err(e) if gone(agent, p, &e) => Ok(Some(p)),
+            Err(source) => Err(AutogradError::Rpc {
+                worker: agent.name_of(p),
+                source: Box::new(source),
+            }),
+        }
+    });
+    let out = futures::future::try_join_all(calls).await?;
+    Ok(out.into_iter().flatten().collect())
+}
+
+/// Whether the call to `p` failed because the group declared `p` failed or it left.
+fn gone(agent: &Agent, p: u32, e: &rpc_core::RpcError) -> bool {
+    matches!(
+        e,
+        rpc_core::RpcError::PeerFailed { .. } | rpc_core::RpcError::PeerLeft { .. }
+    ) || !agent.is_live(p).unwrap_or(true)
 }

@@ -438,6 +438,49 @@ fn a_nested_call_from_a_spawned_task_is_recorded_in_the_context() {
     });
 }
 
+/// AD-9: a context whose state reached worker 2 only through worker 1 (master → worker 1 →
+/// worker 2, a nested call), worker 1 then declared failed: the master's release succeeds
+/// and worker 2's state goes (the release used to stop at the failed worker with an error,
+/// leaving worker 2's state for good).
+#[test]
+fn a_context_reached_through_a_failed_worker_is_released() {
+    run(60, async {
+        let a = group(3, Transport::Memory(rpc_core::MemoryNetwork::new())).await;
+        init(&a[0], 1, "f.w1", 3, 4).await;
+        init(&a[0], 2, "f.w2", 4, 2).await;
+        let ctx = autograd_dist::context(&a[0]);
+        ctx.run(async {
+            a[0].rpc_async(
+                1u32,
+                linear_then,
+                ("f.w1".into(), RTensor(input(2, 3)), 2, "f.w2".into()),
+            )
+            .await
+            .unwrap()
+        })
+        .await;
+        assert_eq!(a[0].rpc_async(2u32, live_contexts, ()).await.unwrap(), 1);
+        rpc_core::testing::silence(&a[1], true);
+        let by = std::time::Instant::now() + Duration::from_secs(10);
+        while a[0].is_live(1u32).unwrap() || a[2].is_live(1u32).unwrap() {
+            assert!(std::time::Instant::now() < by, "worker 1 declared failed");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        ctx.release()
+            .await
+            .expect("released despite the failed worker");
+        assert_eq!(
+            a[0].rpc_async(2u32, live_contexts, ()).await.unwrap(),
+            0,
+            "released on worker 2"
+        );
+        for r in futures::future::join_all([&a[0], &a[2]].map(|a| a.shutdown())).await {
+            assert_eq!(r.aborted, 0, "{r:?}");
+        }
+        a[1].shutdown_within(Duration::from_secs(1)).await;
+    });
+}
+
 #[test]
 fn to_here_inside_a_context_and_concurrent_contexts() {
     each_transport(60, |t| async move {
