@@ -8,9 +8,9 @@
 
 pub mod canvas;
 pub mod checkpoint;
+pub mod lang;
 pub mod recovery;
 pub mod resume;
-pub mod wordlang;
 
 use std::process::{Child, Command};
 use std::time::Duration;
@@ -36,6 +36,12 @@ impl std::error::Error for Fatal {}
 /// Whether `e` is, or was caused by, a [`Fatal`] error.
 pub fn is_fatal(e: &anyhow::Error) -> bool {
     e.downcast_ref::<Fatal>().is_some() || e.chain().any(|c| c.is::<Fatal>())
+}
+
+/// `x` rounded to `digits` decimals (for the JSON lines).
+pub fn round(x: f64, digits: i32) -> f64 {
+    let f = 10f64.powi(digits);
+    (x * f).round() / f
 }
 
 /// Logs to stderr: `RUST_LOG` if set, else warnings.

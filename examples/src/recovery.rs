@@ -168,6 +168,26 @@ impl Tracker {
     }
 }
 
+/// What the final JSON line of a training example says of `r`, this run's recoveries:
+/// `recoveries`, `recovered_in_place`, and per recovery `time_lost_s`, `restart_s` and
+/// `replayed_steps`.
+pub fn report(r: &[Recovery]) -> serde_json::Map<String, serde_json::Value> {
+    let v = serde_json::json!({
+        "recoveries": r.len(),
+        "recovered_in_place": r.iter().filter(|r| r.in_place).count(),
+        "time_lost_s": r.iter().map(|r| crate::round(r.time_lost_s, 2)).collect::<Vec<_>>(),
+        "restart_s": r.iter().map(|r| crate::round(r.restart_s, 2)).collect::<Vec<_>>(),
+        "replayed_steps": r
+            .iter()
+            .map(|r| r.failed_after_step - r.resumed_from_step)
+            .collect::<Vec<_>>(),
+    });
+    match v {
+        serde_json::Value::Object(m) => m,
+        _ => unreachable!("an object"),
+    }
+}
+
 /// How long a master waits, after an error in training, for the verdict that a worker failed
 /// (a killed one is found at once, a frozen one within the failure timeout); with none, the
 /// error is not a worker's failure and ends the run.

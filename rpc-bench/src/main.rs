@@ -36,7 +36,10 @@ use serde_json::json;
 mod soak;
 
 const USAGE: &str =
-    "usage: rpc-bench [all|latency|throughput|tensor|rref|allreduce|overhead|soak] \
+    "rpc-bench: benchmarks of rpc-core against raw TCP and each other on 127.0.0.1, in peer \
+processes it starts itself; one JSON object per line.
+
+usage: rpc-bench [all|latency|throughput|tensor|rref|allreduce|overhead|soak] \
 [--threads N] [--busy-poll-us N] [--no-shm] [--wire-protection P] [--heartbeat-ms N] [--calls N]
   --threads N        runtime worker threads of every process (default 1: two processes
                      on a 2-core machine; 0: current-thread runtime)

@@ -20,7 +20,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::Optimizer;
 use collectives::{DistributedSampler, ElasticDdp, ReduceOp, Rejoin};
-use examples::wordlang::{dense, logits, DIM, LANGS};
+use examples::lang::wordlang::{dense, logits, DIM, LANGS};
 use rpc_core::{Agent, Config, Registry};
 
 const WORLD: u32 = 4;
@@ -37,7 +37,10 @@ struct Args {
 }
 
 const USAGE: &str =
-    "elastic-ddp [--steps N] [--commit-every K] [--kill-at STEP] [--wait-for-replacement]";
+    "elastic-ddp: data parallelism that survives a lost replica: four replica processes train \
+with a ring all-reduce, commit every K steps, and, when a replica is killed, roll back to the \
+commit and go on with three (or with a replacement process).\n\n\
+usage: elastic-ddp [--steps N] [--commit-every K] [--kill-at STEP] [--wait-for-replacement]";
 
 fn parse_args() -> Result<Args> {
     let mut a = Args {
@@ -122,7 +125,7 @@ async fn replica(
     args: &Args,
     mut workers: Option<&mut examples::Workers>,
 ) -> Result<serde_json::Value> {
-    let data = examples::wordlang::load(&examples::wordlang::data_dir(), "train.tsv")?;
+    let data = examples::lang::wordlang::load(&examples::lang::wordlang::data_dir(), "train.tsv")?;
     let vars = vec![
         Var::from_tensor(&Tensor::zeros(
             (DIM, LANGS.len()),
@@ -214,7 +217,7 @@ async fn replica(
     if agent.rank() != 0 {
         return Ok(serde_json::Value::Null);
     }
-    let test = examples::wordlang::load(&examples::wordlang::data_dir(), "test.tsv")?;
+    let test = examples::lang::wordlang::load(&examples::lang::wordlang::data_dir(), "test.tsv")?;
     let v = el.ddp().vars();
     let mut correct = 0usize;
     for chunk in test.chunks(1000) {

@@ -141,8 +141,18 @@ fn main() -> Result<()> {
             Duration::from_secs(120),
         ));
     }
-    if std::env::args().len() > 1 {
-        anyhow::bail!("grad-check takes no arguments");
+    match std::env::args().nth(1).as_deref() {
+        None => {}
+        Some("-h" | "--help") => {
+            println!(
+                "grad-check: distributed autograd against one process: each case (an MLP split \
+                 over three workers, round trips, unused outputs, a parameter server, 20 \
+                 optimizer steps) prints a JSON line with its largest gradient difference.\n\n\
+                 usage: grad-check (no arguments)"
+            );
+            return Ok(());
+        }
+        Some(a) => anyhow::bail!("grad-check takes no arguments, not {a:?}"),
     }
     let workers = examples::Workers::spawn(3)?;
     let all_ok = rt.block_on(async {

@@ -82,6 +82,19 @@ fn main() -> Result<()> {
             Ok(())
         });
     }
+    if let Some(a) = std::env::args().nth(1) {
+        if a == "-h" || a == "--help" {
+            println!(
+                "hello-group: a tour of the RPC API: this process and two workers it starts on \
+                 127.0.0.1 call functions on each other (concurrent calls, an 8 MiB blob on the \
+                 bulk path, nested calls around the ring, errors, a timeout), then shut down.\n\n\
+                 usage: hello-group (no arguments; with RANK, WORLD_SIZE, MASTER_ADDR, \
+                 MASTER_PORT and RPC_SECRET set it joins that group instead)"
+            );
+            return Ok(());
+        }
+        anyhow::bail!("hello-group takes no arguments, not {a:?}");
+    }
     let workers = examples::Workers::spawn(3)?;
     rt.block_on(async {
         let cfg = workers.rank0_config("master", Duration::from_secs(60));

@@ -25,14 +25,14 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use collectives::{Consistency, PsClient, Replica};
-use examples::wordlang::{dense, logits, DIM, LANGS};
+use examples::lang::wordlang::{dense, logits, DIM, LANGS};
 use rpc_core::{remote, Agent, BoxError, CallContext, Registry};
 
 const HALF: usize = DIM / 2;
 const BATCH: usize = 64;
 const LR: f64 = 0.5;
 fn load(name: &str) -> Result<Vec<(String, usize)>> {
-    examples::wordlang::load(&examples::wordlang::data_dir(), name)
+    examples::lang::wordlang::load(&examples::lang::wordlang::data_dir(), name)
 }
 
 /// The trainers' shards: `(primary rank, shard id)`, and each one's backup.
@@ -164,7 +164,11 @@ struct Args {
     replace_trainer: bool,
 }
 
-const USAGE: &str = "param-server [--slow-factor F] [--steps N] [--staleness S] \
+const USAGE: &str =
+    "param-server: a parameter server over RPC, trained on the word-language data: two \
+server processes hold two shards (each the other's backup), three trainer processes pull and push \
+under BSP, SSP or ASP; optionally a server and a trainer are killed and recovered.\n\n\
+usage: param-server [--slow-factor F] [--steps N] [--staleness S] \
      [--mode bsp|ssp|asp|all] [--no-backup] [--kill-server-at STEP] [--kill-trainer-at STEP] \
      [--no-replacement]";
 

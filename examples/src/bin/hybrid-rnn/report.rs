@@ -1,7 +1,9 @@
-//! What the user sees: the training history, the confusion matrix and the PNG plot.
+//! What the user sees: the training history, the confusion matrix, the PNG plot and the final
+//! JSON line.
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 use anyhow::{Context, Result};
 use candle_core::{Device, Tensor};
@@ -12,6 +14,100 @@ use embedded_graphics::prelude::*;
 use embedded_graphics::primitives::{Line, Polyline, PrimitiveStyle, Rectangle};
 use embedded_graphics::text::Text;
 use examples::canvas::Canvas;
+use examples::lang::model::Dims;
+use examples::lang::wordlang::LANGS;
+use examples::recovery::Recovery;
+use examples::round;
+use rpc_core::Agent;
+use serde_json::json;
+
+use crate::args::Args;
+use crate::hybrid::Hybrid;
+use crate::shard;
+
+/// Steps excluded from step-time medians.
+const WARMUP: usize = 10;
+
+/// What a finished run reports.
+pub struct Summary<'a> {
+    pub args: &'a Args,
+    pub dims: &'a Dims,
+    /// The test set's labels and the model's predictions.
+    pub labels: &'a [u32],
+    pub preds: &'a [u32],
+    pub history: &'a History,
+    pub steps: u64,
+    /// Milliseconds per step: distributed, one process.
+    pub step_times: Vec<f64>,
+    pub local_times: Vec<f64>,
+    pub max_loss_diff: Option<f64>,
+    pub recoveries: Vec<Recovery>,
+    pub checkpoint: Option<PathBuf>,
+    pub start: Instant,
+}
+
+impl Summary<'_> {
+    /// Prints the confusion matrix, draws the plot, and prints the JSON line (the last line of
+    /// the output).
+    pub async fn print(self, agent: &Agent, model: &Hybrid) -> Result<()> {
+        let test_acc = accuracy(self.preds, self.labels);
+        println!(
+            "\nconfusion matrix (test set):\n{}",
+            confusion_matrix(self.labels, self.preds, &LANGS)
+        );
+        let plot_path = self.args.out_dir.join("training.png");
+        plot(self.history, &plot_path)?;
+        println!("plot: {}", plot_path.display());
+
+        let replica_diff = model.replica_diff().await?;
+        let params_sha256 = model.params_sha256(self.dims).await?;
+        let rss = futures::try_join!(
+            agent.rpc_async(shard::SHARD_RANKS[0], shard::peak_rss_mb, ()),
+            agent.rpc_async(shard::SHARD_RANKS[1], shard::peak_rss_mb, ())
+        )?;
+        let dist = median_ms(self.step_times);
+        let local = median_ms(self.local_times);
+        let mut line = json!({
+            "test_accuracy": round(test_acc, 4),
+            "epochs": self.args.epochs,
+            "steps": self.steps,
+            "ms_per_step_median": dist.map(|x| round(x, 2)),
+            "local_ms_per_step_median": local.map(|x| round(x, 2)),
+            "distributed_over_local": dist.zip(local).map(|(d, l)| round(d / l, 3)),
+            "max_loss_diff": self.max_loss_diff,
+            "replica_max_diff": replica_diff,
+            "params_sha256": params_sha256,
+            "languages": LANGS.len(),
+            "encoder": if self.dims.bidirectional { "bilstm" } else { "lstm" },
+            "master_peak_rss_mb": round(examples::peak_rss_mb(), 1),
+            "worker_peak_rss_mb": [round(rss.0, 1), round(rss.1, 1)],
+            "wall_s": round(self.start.elapsed().as_secs_f64(), 1),
+            "checkpoint": self.checkpoint.map(|p| p.display().to_string()),
+            "plot": plot_path.display().to_string(),
+        });
+        line.as_object_mut()
+            .expect("an object")
+            .extend(examples::recovery::report(&self.recoveries));
+        println!("{line}");
+        Ok(())
+    }
+}
+
+/// The median of `v` after the warm-up steps.
+fn median_ms(mut v: Vec<f64>) -> Option<f64> {
+    let skip = if v.len() > WARMUP { WARMUP } else { 0 };
+    v.drain(..skip);
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    Some(v[v.len() / 2])
+}
+
+/// The share of `preds` equal to `labels`.
+pub fn accuracy(preds: &[u32], labels: &[u32]) -> f64 {
+    preds.iter().zip(labels).filter(|(p, y)| p == y).count() as f64 / labels.len().max(1) as f64
+}
 
 /// Loss and accuracy curves.
 #[derive(Clone, Debug, Default)]

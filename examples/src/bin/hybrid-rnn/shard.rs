@@ -18,7 +18,7 @@ use rpc_core::{remote, BoxError, CallContext};
 use rref::RRef;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::model::{Dims, Head};
+use examples::lang::model::{Dims, Head};
 
 /// The ranks of the two head replicas.
 pub const SHARD_RANKS: [u32; 2] = [1, 2];

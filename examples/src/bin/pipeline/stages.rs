@@ -12,7 +12,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
-use crate::model::{Dims, Encoder, EncoderInput};
+use examples::lang::model::{Dims, Encoder, EncoderInput};
 
 /// The first stage. Its input is `[words, T + 1]` u32: each row a word's character ids,
 /// right-padded with 0, then the position of its last character.

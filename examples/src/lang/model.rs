@@ -14,7 +14,7 @@ use candle_core::{DType, Device, Module, Tensor, Var, D};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::lstm::lstm_last;
+use super::lstm::lstm_last;
 use std::sync::Arc;
 
 /// Sizes of the model.

@@ -8,9 +8,9 @@ use std::sync::Arc;
 
 use std::path::Path;
 
+use super::wordlang;
 use anyhow::{ensure, Result};
 use candle_core::{Device, Tensor};
-use examples::wordlang;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -35,6 +35,11 @@ impl Vocab {
     /// Ids including padding and unknown.
     pub fn len(&self) -> usize {
         self.0.len() + 2
+    }
+
+    /// Never: padding and unknown always have ids.
+    pub fn is_empty(&self) -> bool {
+        false
     }
 
     fn ids(&self, word: &str) -> Vec<u32> {
@@ -63,6 +68,11 @@ impl Split {
     /// Number of words.
     pub fn len(&self) -> usize {
         self.words.len()
+    }
+
+    /// Whether it has no word.
+    pub fn is_empty(&self) -> bool {
+        self.words.is_empty()
     }
 
     /// Labels, in order.
@@ -161,7 +171,7 @@ impl Data {
             "{} training words are fewer than one batch of {batch}",
             tr.len(),
         );
-        ensure!(te.len() > 0, "the test set is empty");
+        ensure!(!te.is_empty(), "the test set is empty");
         Ok(Self {
             train: tr,
             test: te,
