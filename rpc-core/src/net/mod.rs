@@ -34,11 +34,13 @@ mod bulk;
 mod bulk_conn;
 mod config;
 mod dial;
+mod events;
 mod failure;
 mod frame;
 #[cfg(any(test, feature = "fuzzing"))]
 pub(crate) mod fuzz;
 mod liveness;
+mod membership;
 mod mux_client;
 mod mux_server;
 mod peer;
@@ -47,6 +49,7 @@ mod serve;
 pub(crate) mod shm;
 mod spin;
 pub(crate) mod transport;
+mod watch;
 
 use std::sync::Arc;
 
@@ -58,12 +61,10 @@ pub use bulk::BulkStats;
 pub(crate) use bulk::{inline_bytes, Bulk};
 pub(crate) use config::NetConfig;
 pub(crate) use dial::{DialError, Directory, Endpoint};
+pub use events::{MembershipChange, MembershipEvent, WorkerFailed};
 pub(crate) use failure::CallFailed;
 pub(crate) use frame::{decode as decode_frame, encode as encode_frame, fits};
-pub use liveness::{
-    FailureWatch, MembershipChange, MembershipEvent, MembershipWatch, WorkerFailed,
-};
-pub(crate) use liveness::{Membership, PeerState, Standing};
+pub(crate) use membership::{Membership, PeerState, Standing};
 pub(crate) use mux_client::{MuxClient, Waiter};
 pub(crate) use peer::Peer;
 pub use seal::WireProtection;
@@ -71,6 +72,7 @@ pub(crate) use serve::{Serve, NO_DEADLINE};
 pub(crate) use spin::{block_on, Spin};
 pub(crate) use transport::{Conn, Detached, Listener};
 pub use transport::{Io, MemoryNetwork, Transport};
+pub use watch::{FailureWatch, MembershipWatch};
 
 use blocking::Blocking;
 use dial::Dialer;
