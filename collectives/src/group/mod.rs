@@ -1,0 +1,312 @@
+//! Process groups and their collectives.
+//!
+//! Layout: this file the API ([`ProcessGroup`] and its operations); `op.rs` one operation's
+//! messages (tags, sends, receives, aborts); `ring.rs` the ring algorithms; `element.rs` the
+//! element kernels of the fast ring (`f32`, `f64` folded straight from received bytes).
+
+mod element;
+mod op;
+mod ring;
+
+use candle_core::{DType, Tensor};
+use rpc_core::Agent;
+use std::sync::Arc;
+
+use crate::mailbox::{mailbox, P2pError};
+
+pub use element::Element;
+
+/// How values combine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ReduceOp {
+    /// Element-wise sum.
+    Sum,
+    /// Element-wise mean over the group's members.
+    Mean,
+    /// Element-wise maximum.
+    Max,
+    /// Element-wise minimum.
+    Min,
+}
+
+/// Why a collective failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CollectiveError {
+    /// This worker is not a member of the group.
+    #[error("rank {rank} is not a member of group {members:?}")]
+    NotMember {
+        /// This worker's rank.
+        rank: u32,
+        /// The group's ranks.
+        members: Vec<u32>,
+    },
+    /// The group's members disagree (COL-1) or the call is invalid.
+    #[error("{op} on group {members:?} failed: {message}")]
+    Failed {
+        /// The collective.
+        op: &'static str,
+        /// The group's ranks.
+        members: Vec<u32>,
+        /// What went wrong (the same on every member for a mismatch).
+        message: String,
+    },
+    /// Sending or receiving failed.
+    #[error("{op} on group {members:?}: message exchange failed")]
+    Exchange {
+        /// The collective.
+        op: &'static str,
+        /// The group's ranks.
+        members: Vec<u32>,
+        /// The cause.
+        #[source]
+        source: P2pError,
+    },
+    /// Local tensor computation failed.
+    #[error("tensor operation failed")]
+    Candle(#[from] candle_core::Error),
+}
+
+/// A set of ranks that run collectives together. Handles on the same ranks share one sequence
+/// of operations per worker, so creating the group again continues where the last handle was.
+#[derive(Clone)]
+pub struct ProcessGroup {
+    agent: Agent,
+    ranks: Arc<Vec<u32>>,
+    /// The incarnation of each member when the group was created.
+    incarnations: Arc<Vec<u64>>,
+    id: u64,
+}
+
+impl std::fmt::Debug for ProcessGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProcessGroup")
+            .field("ranks", &self.ranks)
+            .finish()
+    }
+}
+
+/// The group of every worker that has joined (in a group that grows, the vacant ranks are
+/// not in it).
+pub fn world(agent: &Agent) -> ProcessGroup {
+    let ranks: Vec<u32> = agent.worker_infos().iter().map(|w| w.id.0).collect();
+    new_group(agent, &ranks).expect("the world is a valid group")
+}
+
+/// A group of `ranks` (every member must create it with the same ranks). The group is of the
+/// members' current incarnations: once a member has been replaced, creating the group again
+/// makes a new one (fresh sequence numbers), with the replacement in it (COL-3).
+pub fn new_group(agent: &Agent, ranks: &[u32]) -> Result<ProcessGroup, CollectiveError> {
+    new_group_tagged(agent, ranks, 0)
+}
+
+/// Like [`new_group`], one of several independent groups over the same ranks, told apart by
+/// `tag` (every member must give the same one; [`new_group`] is tag 0). Groups with other tags
+/// share no sequence numbers and no messages, so a group re-created for a new instance of a
+/// model (after a failure abandoned the previous one in the middle of a collective) cannot
+/// meet the previous one's leftovers, even when no member was replaced.
+pub fn new_group_tagged(
+    agent: &Agent,
+    ranks: &[u32],
+    tag: u64,
+) -> Result<ProcessGroup, CollectiveError> {
+    let mut r = ranks.to_vec();
+    r.sort_unstable();
+    r.dedup();
+    if r.is_empty() || r.iter().any(|&x| x as usize >= agent.world_size()) {
+        return Err(CollectiveError::Failed {
+            op: "new_group",
+            members: r,
+            message: format!(
+                "ranks must be non-empty and below the world size {}",
+                agent.world_size()
+            ),
+        });
+    }
+    if let Some(e) = r.iter().find_map(|&x| agent.get_worker_info(x).err()) {
+        return Err(CollectiveError::Failed {
+            op: "new_group",
+            members: r,
+            message: e.to_string(),
+        });
+    }
+    let incs: Vec<u64> = r
+        .iter()
+        .map(|&x| agent.incarnation_of(x).unwrap_or(0))
+        .collect();
+    // FNV-1a over the members, their incarnations and the tag: the same id on every member
+    // that has heard of the same incarnations; never 0 (point to point). Incarnations 0 and
+    // tag 0 add nothing, so a group of first incarnations keeps the id of its ranks alone.
+    let nonzero = |v: u64| (v > 0).then(|| v.to_le_bytes()).into_iter().flatten();
+    let id = r
+        .iter()
+        .zip(&incs)
+        .flat_map(|(x, &i)| x.to_le_bytes().into_iter().chain(nonzero(i)))
+        // Masked, so that a tag never hashes like the last member's incarnation.
+        .chain(nonzero(tag).map(|b| b ^ 0x5a))
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+        })
+        | 1;
+    let ranks = Arc::new(r);
+    let incarnations = Arc::new(incs);
+    mailbox(agent).register_group(id, Arc::clone(&ranks), Arc::clone(&incarnations));
+    Ok(ProcessGroup {
+        agent: agent.clone(),
+        ranks,
+        incarnations,
+        id,
+    })
+}
+
+/// A collective running in the background; `wait` for its result.
+#[must_use = "a collective's outcome is only known by waiting for it"]
+pub struct Work<T>(tokio::task::JoinHandle<Result<T, CollectiveError>>);
+
+impl<T> Work<T> {
+    /// Waits for the collective.
+    pub async fn wait(self) -> Result<T, CollectiveError> {
+        self.0.await.map_err(|e| CollectiveError::Exchange {
+            op: "task",
+            members: Vec::new(),
+            source: P2pError::Task(e.to_string()),
+        })?
+    }
+}
+
+impl ProcessGroup {
+    /// The group's ranks, sorted.
+    pub fn ranks(&self) -> &[u32] {
+        &self.ranks
+    }
+
+    /// The incarnation of each member (in the order of [`ProcessGroup::ranks`]) when the
+    /// group was created.
+    pub fn incarnations(&self) -> &[u64] {
+        &self.incarnations
+    }
+
+    /// The worker this handle belongs to.
+    pub(crate) fn agent(&self) -> &Agent {
+        &self.agent
+    }
+
+    /// The number of members.
+    pub fn size(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// Reduces `t` element-wise over the group; every member gets the same result.
+    ///
+    /// The ring: `n - 1` reduce-scatter steps, then `n - 1` all-gather steps, each sending one
+    /// `1/n` chunk to the next rank while receiving one from the previous.
+    pub async fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor, CollectiveError> {
+        let o = self.begin("all_reduce", t)?;
+        let out = self.ring_all_reduce(&o, t, op).await;
+        self.end(&o);
+        out
+    }
+
+    /// Reduces `t` over the group and returns this member's `1/n` chunk of the flattened
+    /// result (member `i` gets chunk `i`; chunk sizes differ by at most one element).
+    pub async fn reduce_scatter(
+        &self,
+        t: &Tensor,
+        op: ReduceOp,
+    ) -> Result<Tensor, CollectiveError> {
+        let seq = mailbox(&self.agent).next_seq(self.id);
+        self.reduce_scatter_at(t, op, seq).await
+    }
+
+    /// Every member's `t`, in member order (all must have the same shape and dtype).
+    pub async fn all_gather(&self, t: &Tensor) -> Result<Vec<Tensor>, CollectiveError> {
+        let seq = mailbox(&self.agent).next_seq(self.id);
+        self.all_gather_at(t, seq).await
+    }
+
+    /// `root`'s `t` on every member (`t` gives the shape and dtype on the others).
+    pub async fn broadcast(&self, t: &Tensor, root: u32) -> Result<Tensor, CollectiveError> {
+        let seq = mailbox(&self.agent).next_seq(self.id);
+        self.broadcast_at(t, root, seq).await
+    }
+
+    /// Returns once every member has called it.
+    pub async fn barrier(&self) -> Result<(), CollectiveError> {
+        let token = Tensor::zeros(1, DType::U8, &candle_core::Device::Cpu)?;
+        self.all_reduce(&token, ReduceOp::Max).await.map(|_| ())
+    }
+
+    /// Reduces `data` element-wise over the group, in place: the ring runs on the caller's
+    /// buffer, with no copy of the input or the result (every member passes a buffer of the
+    /// same length and element type).
+    pub async fn all_reduce_in_place<T: Element>(
+        &self,
+        data: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
+        let seq = mailbox(&self.agent).next_seq(self.id);
+        let o = self.begin_header(
+            "all_reduce_in_place",
+            vec![data.len()],
+            T::DTYPE.as_str(),
+            seq,
+        )?;
+        let out = if o.n() == 1 {
+            Ok(())
+        } else {
+            self.ring_slice(&o, data, op).await
+        };
+        self.end(&o);
+        out
+    }
+
+    /// [`ProcessGroup::broadcast`] in the background.
+    pub fn broadcast_async(&self, t: &Tensor, root: u32) -> Work<Tensor> {
+        let (g, t) = (self.clone(), t.clone());
+        let seq = mailbox(&self.agent).next_seq(self.id);
+        Work(
+            rpc_core::CallScope::current().spawn_on(self.agent.runtime(), async move {
+                g.broadcast_at(&t, root, seq).await
+            }),
+        )
+    }
+
+    /// [`ProcessGroup::all_gather`] in the background.
+    pub fn all_gather_async(&self, t: &Tensor) -> Work<Vec<Tensor>> {
+        let (g, t) = (self.clone(), t.clone());
+        let seq = mailbox(&self.agent).next_seq(self.id);
+        Work(
+            rpc_core::CallScope::current().spawn_on(self.agent.runtime(), async move {
+                g.all_gather_at(&t, seq).await
+            }),
+        )
+    }
+
+    /// [`ProcessGroup::reduce_scatter`] in the background.
+    pub fn reduce_scatter_async(&self, t: &Tensor, op: ReduceOp) -> Work<Tensor> {
+        let (g, t) = (self.clone(), t.clone());
+        let seq = mailbox(&self.agent).next_seq(self.id);
+        Work(
+            rpc_core::CallScope::current().spawn_on(self.agent.runtime(), async move {
+                g.reduce_scatter_at(&t, op, seq).await
+            }),
+        )
+    }
+
+    /// [`ProcessGroup::all_reduce`] in the background, so communication overlaps computation.
+    pub fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Work<Tensor> {
+        let (g, t) = (self.clone(), t.clone());
+        // The sequence number is taken now, in call order, not when the task first runs:
+        // every member must pair this call with the same call on the others.
+        let seq = mailbox(&self.agent).next_seq(self.id);
+        Work(
+            rpc_core::CallScope::current().spawn_on(self.agent.runtime(), async move {
+                let o = g.begin_at("all_reduce", &t, seq)?;
+                let out = g.ring_all_reduce(&o, &t, op).await;
+                g.end(&o);
+                out
+            }),
+        )
+    }
+}
