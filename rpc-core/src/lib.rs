@@ -95,8 +95,10 @@ pub use agent::{init, Agent};
 pub use blob::Blob;
 pub use call::wait_all;
 pub use config::{
-    launched_rank, launched_restart_count, Config, MAX_WORLD_SIZE_ENV, RANK_ENV, RESTART_COUNT_ENV,
-    RESTART_MODE_ENV, SERVE_RENDEZVOUS_ENV, TORCHRUN_AGENT_STORE_ENV, WORLD_SIZE_ENV,
+    launched_rank, launched_restart_count, Config, FAILURE_TIMEOUT_ENV, HEARTBEAT_INTERVAL_ENV,
+    MASTER_ADDR_ENV, MASTER_PORT_ENV, MAX_WORLD_SIZE_ENV, RANK_ENV, RESTART_COUNT_ENV,
+    RESTART_MODE_ENV, SERVE_RENDEZVOUS_ENV, TORCHRUN_AGENT_STORE_ENV, WIRE_PROTECTION_ENV,
+    WORLD_SIZE_ENV,
 };
 pub use context::{spawn, spawn_blocking, CallContext, CallScope};
 pub use error::{

@@ -11,82 +11,23 @@
 //! workers with the ranks after them join the running group, each when it starts. With a
 //! maximum and no world size at all, the group is dynamic (PyTorch's `init_rpc` without a
 //! world size): it forms at once and every worker joins and leaves when it likes.
+//!
+//! Layout: this file [`Config`] and its setters; `env.rs` every environment variable read;
+//! `resolve.rs` the resolution into what each part of the worker uses.
+
+mod env;
+mod resolve;
 
 use std::time::Duration;
 
-use crate::error::InitError;
-use crate::net::{NetConfig, Secret, Transport, WireProtection, SECRET_ENV, SECRET_FILE_ENV};
-use crate::rendezvous::GroupSize;
+use crate::net::{Secret, Transport, WireProtection};
 
-/// The variables a launcher names a worker's rank in, the first one set winning: torchrun's
-/// (and this project's launchers'), Slurm's, Open MPI's, then MPICH's and Intel MPI's.
-pub const RANK_ENV: [&str; 4] = ["RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"];
-/// The variables a launcher names the world size in, in the order of [`RANK_ENV`].
-pub const WORLD_SIZE_ENV: [&str; 4] = [
-    "WORLD_SIZE",
-    "SLURM_NTASKS",
-    "OMPI_COMM_WORLD_SIZE",
-    "PMI_SIZE",
-];
-
-/// The first of `keys` set in `env`, as a number; an error naming the variable if it is not one.
-fn env_number(
-    env: &dyn Fn(&str) -> Option<String>,
-    keys: &[&str],
-    what: &str,
-) -> Result<Option<u32>, InitError> {
-    for k in keys {
-        if let Some(v) = env(k) {
-            return v
-                .trim()
-                .parse()
-                .map(Some)
-                .map_err(|_| InitError::Config(format!("{k}={v:?} is not a valid {what}")));
-        }
-    }
-    Ok(None)
-}
-
-/// The rank a launcher started this process as (see [`RANK_ENV`]), as [`Config`] will read
-/// it; `None` when no launcher did (a program then usually launches its workers itself).
-pub fn launched_rank() -> Result<Option<u32>, InitError> {
-    env_number(&|k| std::env::var(k).ok(), &RANK_ENV, "rank")
-}
-
-/// Set (to `True`) by torchrun in its workers' environment when its agent's own store listens
-/// at `MASTER_ADDR:MASTER_PORT`; the rendezvous then uses `MASTER_PORT + 1` on that host.
-pub const TORCHRUN_AGENT_STORE_ENV: &str = "TORCHELASTIC_USE_AGENT_STORE";
-
-/// The variables a launcher counts its restarts in (how many times this process's group, or
-/// this process, was started again after a failure): this project's `rpcrun`, then torchrun's.
-pub const RESTART_COUNT_ENV: [&str; 2] = ["RPC_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"];
-
-/// The variable that says whether rank 0 hosts the rendezvous (`0` or `1`; see
-/// [`Config::serve_rendezvous`]): a launcher that hosts a standalone one sets `0`.
-pub const SERVE_RENDEZVOUS_ENV: &str = "RPC_SERVE_RENDEZVOUS";
-
-/// The variable a launcher sets to say what it restarts after a failure: `worker` (each
-/// failed process alone, into the running group) or `group` (every process); see
-/// [`Config::replaced_on_failure`].
-pub const RESTART_MODE_ENV: &str = "RPC_RESTART_MODE";
-
-/// How many times a launcher has restarted this process after a failure (see
-/// [`RESTART_COUNT_ENV`]); 0 on the first start or without a launcher. A program resumes from
-/// its latest checkpoint when this is positive.
-pub fn launched_restart_count() -> Result<u32, InitError> {
-    Ok(env_number(
-        &|k| std::env::var(k).ok(),
-        &RESTART_COUNT_ENV,
-        "restart count",
-    )?
-    .unwrap_or(0))
-}
-
-/// The variable that gives a group's maximum world size (see [`Config::max_world_size`]).
-pub const MAX_WORLD_SIZE_ENV: &str = "RPC_MAX_WORLD_SIZE";
-
-/// The shortest group secret init accepts: a shorter one is guessable.
-const MIN_SECRET_BYTES: usize = 16;
+pub use env::{
+    launched_rank, launched_restart_count, FAILURE_TIMEOUT_ENV, HEARTBEAT_INTERVAL_ENV,
+    MASTER_ADDR_ENV, MASTER_PORT_ENV, MAX_WORLD_SIZE_ENV, RANK_ENV, RESTART_COUNT_ENV,
+    RESTART_MODE_ENV, SERVE_RENDEZVOUS_ENV, TORCHRUN_AGENT_STORE_ENV, WIRE_PROTECTION_ENV,
+    WORLD_SIZE_ENV,
+};
 
 /// How a worker joins its group. Build with [`Config::new`] and the `with_*` setters.
 ///
@@ -347,253 +288,12 @@ impl Config {
         /// Sets [`Config::wire_protection`].
         with_wire_protection(wire_protection: WireProtection) => Some(wire_protection);
     }
-
-    pub(crate) fn resolve(self) -> Result<Resolved, InitError> {
-        self.resolve_with(&|k| std::env::var(k).ok())
-    }
-
-    pub(crate) fn resolve_with(
-        self,
-        env: &dyn Fn(&str) -> Option<String>,
-    ) -> Result<Resolved, InitError> {
-        let num = |keys: &[&str], what: &str| env_number(env, keys, what);
-        let rank = match self.rank {
-            Some(r) => r,
-            None => num(&RANK_ENV, "rank")?.ok_or_else(|| {
-                InitError::Config(format!("no rank: set Config::rank or one of {RANK_ENV:?}"))
-            })?,
-        };
-        let world_size = match self.world_size {
-            Some(w) => Some(w),
-            None => num(&WORLD_SIZE_ENV, "world size")?,
-        };
-        let max_world_size = match self.max_world_size {
-            Some(m) => Some(m),
-            None => num(&[MAX_WORLD_SIZE_ENV], "maximum world size")?,
-        };
-        let size = match (world_size, max_world_size) {
-            (Some(0), _) => return Err(InitError::Config("world size 0".into())),
-            (Some(w), m) => GroupSize::growing(w, m.unwrap_or(w)),
-            (None, Some(m)) => GroupSize::dynamic(m),
-            (None, None) => {
-                return Err(InitError::Config(format!(
-                    "no world size: set Config::world_size or one of {WORLD_SIZE_ENV:?} (or \
-                     only Config::max_world_size or {MAX_WORLD_SIZE_ENV} for a dynamic group)"
-                )))
-            }
-        };
-        size.check().map_err(InitError::Config)?;
-        if rank >= size.capacity() {
-            return Err(InitError::Config(format!("rank {rank} is outside {size}")));
-        }
-        let rendezvous = match &self.init_method {
-            Some(m) => m
-                .strip_prefix("tcp://")
-                .ok_or_else(|| InitError::Config(format!("init method {m:?} must look like tcp://host:port")))?
-                .to_owned(),
-            None => match (env("MASTER_ADDR"), env("MASTER_PORT")) {
-                // Under torchrun the launcher's own store listens at MASTER_PORT on node 0:
-                // the rendezvous takes the next port there.
-                (Some(a), Some(p)) if env(TORCHRUN_AGENT_STORE_ENV).as_deref() == Some("True") => {
-                    let port: u16 = p.trim().parse().map_err(|_| {
-                        InitError::Config(format!("MASTER_PORT={p:?} is not a port"))
-                    })?;
-                    let next = port.checked_add(1).ok_or_else(|| {
-                        InitError::Config(format!(
-                            "MASTER_PORT={port} under torchrun leaves no next port for the rendezvous"
-                        ))
-                    })?;
-                    format!("{a}:{next}")
-                }
-                (Some(a), Some(p)) => format!("{a}:{p}"),
-                _ => {
-                    return Err(InitError::Config(
-                        "no rendezvous: set Config::init_method (tcp://host:port) or MASTER_ADDR and MASTER_PORT".into(),
-                    ))
-                }
-            },
-        };
-        if rendezvous
-            .rsplit_once(':')
-            .is_none_or(|(h, p)| h.is_empty() || p.parse::<u16>().is_err())
-        {
-            return Err(InitError::Config(format!(
-                "rendezvous address {rendezvous:?} is not host:port"
-            )));
-        }
-        let secret = match self.secret {
-            Some(s) => s,
-            None => Secret::from_env_with(env)?.ok_or(InitError::MissingSecret {
-                env: SECRET_ENV,
-                file_env: SECRET_FILE_ENV,
-            })?,
-        };
-        if secret.len() < MIN_SECRET_BYTES {
-            return Err(InitError::Config(format!(
-                "the group secret is {} bytes; at least {MIN_SECRET_BYTES} are required \
-                 (Secret::generate makes 64 random hex digits)",
-                secret.len()
-            )));
-        }
-        let listen_addr = self.listen_addr.unwrap_or_else(|| {
-            let host = rendezvous.rsplit_once(':').map_or("", |(h, _)| h);
-            match &self.transport {
-                Transport::Memory(_) => "mem:0".to_owned(),
-                Transport::Tcp if is_loopback(host) => "127.0.0.1:0".to_owned(),
-                Transport::Tcp => "0.0.0.0:0".to_owned(),
-            }
-        });
-        if self.max_frame_bytes < 1024 {
-            return Err(InitError::Config(
-                "max_frame_bytes must be at least 1024".into(),
-            ));
-        }
-        if self.max_concurrent_calls == 0 {
-            return Err(InitError::Config(
-                "max_concurrent_calls must be positive".into(),
-            ));
-        }
-        let millis = |key: &str, given: Option<Duration>, default: Duration| {
-            if let Some(d) = given {
-                return Ok(d);
-            }
-            match env(key) {
-                None => Ok(default),
-                Some(v) => v
-                    .trim()
-                    .parse::<u64>()
-                    .map(Duration::from_millis)
-                    .map_err(|_| {
-                        InitError::Config(format!("{key}={v:?} is not a number of milliseconds"))
-                    }),
-            }
-        };
-        let heartbeat_interval = millis(
-            "RPC_HEARTBEAT_INTERVAL_MS",
-            self.heartbeat_interval,
-            Duration::from_millis(250),
-        )?;
-        let failure_timeout = millis(
-            "RPC_FAILURE_TIMEOUT_MS",
-            self.failure_timeout,
-            Duration::from_millis(1500),
-        )?;
-        if !heartbeat_interval.is_zero() && failure_timeout < heartbeat_interval * 2 {
-            return Err(InitError::Config(format!(
-                "failure_timeout ({failure_timeout:?}) must be at least twice the heartbeat \
-                 interval ({heartbeat_interval:?})"
-            )));
-        }
-        let serve_rendezvous = match (self.serve_rendezvous, env(SERVE_RENDEZVOUS_ENV)) {
-            (Some(s), _) => s,
-            (None, Some(v)) => match v.trim() {
-                "1" | "true" => true,
-                "0" | "false" => false,
-                other => {
-                    return Err(InitError::Config(format!(
-                        "{SERVE_RENDEZVOUS_ENV}={other:?}: expected 0 or 1"
-                    )))
-                }
-            },
-            (None, None) => rank == 0,
-        };
-        let replace = match self.replace {
-            Some(r) => r,
-            None => num(&RESTART_COUNT_ENV, "restart count")?.unwrap_or(0) > 0,
-        };
-        let replaced_on_failure = match (self.replaced_on_failure, env(RESTART_MODE_ENV)) {
-            (Some(r), _) => r,
-            (None, Some(v)) => match v.trim() {
-                "worker" => true,
-                "group" | "" => false,
-                other => {
-                    return Err(InitError::Config(format!(
-                        "{RESTART_MODE_ENV}={other:?}: expected `worker` or `group`"
-                    )))
-                }
-            },
-            (None, None) => false,
-        };
-        let protection = match (self.wire_protection, env("RPC_WIRE_PROTECTION")) {
-            (Some(p), _) => p,
-            (None, Some(v)) => v
-                .parse()
-                .map_err(|e| InitError::Config(format!("RPC_WIRE_PROTECTION: {e}")))?,
-            (None, None) => WireProtection::Auto,
-        };
-        Ok(Resolved {
-            size,
-            name: self.name.unwrap_or_else(|| format!("worker{rank}")),
-            serve_rendezvous,
-            replace,
-            replaced_on_failure,
-            rendezvous,
-            listen_addr,
-            init_timeout: self.init_timeout,
-            rpc_timeout: self.rpc_timeout,
-            shutdown_timeout: self.shutdown_timeout,
-            max_concurrent_calls: self.max_concurrent_calls,
-            sync_connections: self.sync_connections,
-            net: NetConfig {
-                transport: self.transport,
-                secret,
-                protection,
-                rank,
-                incarnation: 0,
-                capacity: size.capacity(),
-                connect_timeout: self.connect_timeout,
-                handshake_timeout: self.handshake_timeout,
-                max_frame_bytes: self.max_frame_bytes,
-                max_blob_bytes: self.max_blob_bytes,
-                max_queued_bytes: self.max_queued_bytes,
-                max_in_flight: (self.max_in_flight_calls, self.max_in_flight_bytes),
-                bulk_threshold: self.bulk_threshold,
-                bulk_pool_bytes: self.bulk_pool_bytes,
-                shm_arena_bytes: self.shm_arena_bytes,
-                busy_poll: self.busy_poll,
-                max_sync_connections: self.max_sync_connections,
-                heartbeat_interval,
-                failure_timeout,
-            },
-        })
-    }
-}
-
-fn is_loopback(host: &str) -> bool {
-    host == "localhost"
-        || host
-            .trim_matches(|c| c == '[' || c == ']')
-            .parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| ip.is_loopback())
-}
-
-/// A configuration with every default and environment variable applied, split by who uses
-/// it: group formation, the caller and callee, and the network layer ([`NetConfig`], which
-/// holds the rank, world size, secret and transport).
-#[derive(Clone, Debug)]
-pub(crate) struct Resolved {
-    /// The group's size as this worker says it at the rendezvous.
-    pub size: GroupSize,
-    pub name: String,
-    /// `host:port` of the rendezvous.
-    pub rendezvous: String,
-    pub serve_rendezvous: bool,
-    /// It replaces the holder of its rank (see [`Config::replace`]).
-    pub replace: bool,
-    /// A launcher replaces failed processes one by one (see [`Config::replaced_on_failure`]).
-    pub replaced_on_failure: bool,
-    pub listen_addr: String,
-    pub init_timeout: Duration,
-    pub rpc_timeout: Duration,
-    pub shutdown_timeout: Duration,
-    pub max_concurrent_calls: usize,
-    pub sync_connections: bool,
-    pub net: NetConfig,
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::rendezvous::GroupSize;
     use std::collections::HashMap;
 
     fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {

@@ -1,0 +1,87 @@
+//! The environment variables a worker reads when its program leaves a setting unset, named
+//! once here: the launchers' (torchrun, Slurm, Open MPI, MPICH and Intel MPI, this project's
+//! `rpcrun`) and this framework's own.
+
+use crate::error::InitError;
+
+/// The environment as a lookup (tests pass their own).
+pub(crate) type Env<'a> = &'a dyn Fn(&str) -> Option<String>;
+
+/// The variables a launcher names a worker's rank in, the first one set winning: torchrun's
+/// (and this project's launchers'), Slurm's, Open MPI's, then MPICH's and Intel MPI's.
+pub const RANK_ENV: [&str; 4] = ["RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"];
+/// The variables a launcher names the world size in, in the order of [`RANK_ENV`].
+pub const WORLD_SIZE_ENV: [&str; 4] = [
+    "WORLD_SIZE",
+    "SLURM_NTASKS",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_SIZE",
+];
+
+/// The first of `keys` set in `env`, as a number; an error naming the variable if it is not one.
+pub(crate) fn env_number(
+    env: Env<'_>,
+    keys: &[&str],
+    what: &str,
+) -> Result<Option<u32>, InitError> {
+    for k in keys {
+        if let Some(v) = env(k) {
+            return v
+                .trim()
+                .parse()
+                .map(Some)
+                .map_err(|_| InitError::Config(format!("{k}={v:?} is not a valid {what}")));
+        }
+    }
+    Ok(None)
+}
+
+/// The rank a launcher started this process as (see [`RANK_ENV`]), as `Config` will read
+/// it; `None` when no launcher did (a program then usually launches its workers itself).
+pub fn launched_rank() -> Result<Option<u32>, InitError> {
+    env_number(&|k| std::env::var(k).ok(), &RANK_ENV, "rank")
+}
+
+/// Set (to `True`) by torchrun in its workers' environment when its agent's own store listens
+/// at `MASTER_ADDR:MASTER_PORT`; the rendezvous then uses `MASTER_PORT + 1` on that host.
+pub const TORCHRUN_AGENT_STORE_ENV: &str = "TORCHELASTIC_USE_AGENT_STORE";
+
+/// The variables a launcher counts its restarts in (how many times this process's group, or
+/// this process, was started again after a failure): this project's `rpcrun`, then torchrun's.
+pub const RESTART_COUNT_ENV: [&str; 2] = ["RPC_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"];
+
+/// The variable that says whether rank 0 hosts the rendezvous (`0` or `1`; see
+/// [`Config::serve_rendezvous`](crate::Config::serve_rendezvous)): a launcher that hosts a standalone one sets `0`.
+pub const SERVE_RENDEZVOUS_ENV: &str = "RPC_SERVE_RENDEZVOUS";
+
+/// The variable a launcher sets to say what it restarts after a failure: `worker` (each
+/// failed process alone, into the running group) or `group` (every process); see
+/// [`Config::replaced_on_failure`](crate::Config::replaced_on_failure).
+pub const RESTART_MODE_ENV: &str = "RPC_RESTART_MODE";
+
+/// How many times a launcher has restarted this process after a failure (see
+/// [`RESTART_COUNT_ENV`]); 0 on the first start or without a launcher. A program resumes from
+/// its latest checkpoint when this is positive.
+pub fn launched_restart_count() -> Result<u32, InitError> {
+    Ok(env_number(
+        &|k| std::env::var(k).ok(),
+        &RESTART_COUNT_ENV,
+        "restart count",
+    )?
+    .unwrap_or(0))
+}
+
+/// The variable that gives a group's maximum world size (see [`Config::max_world_size`](crate::Config::max_world_size)).
+pub const MAX_WORLD_SIZE_ENV: &str = "RPC_MAX_WORLD_SIZE";
+
+/// The rendezvous's host when `Config::init_method` is unset (torchrun's convention).
+pub const MASTER_ADDR_ENV: &str = "MASTER_ADDR";
+/// The rendezvous's port when `Config::init_method` is unset (torchrun's convention).
+pub const MASTER_PORT_ENV: &str = "MASTER_PORT";
+/// [`Config::heartbeat_interval`](crate::Config::heartbeat_interval), in milliseconds.
+pub const HEARTBEAT_INTERVAL_ENV: &str = "RPC_HEARTBEAT_INTERVAL_MS";
+/// [`Config::failure_timeout`](crate::Config::failure_timeout), in milliseconds.
+pub const FAILURE_TIMEOUT_ENV: &str = "RPC_FAILURE_TIMEOUT_MS";
+/// [`Config::wire_protection`](crate::Config::wire_protection): `auto`, `mac`, `encrypt` or
+/// `off`.
+pub const WIRE_PROTECTION_ENV: &str = "RPC_WIRE_PROTECTION";
