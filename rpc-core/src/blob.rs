@@ -18,8 +18,8 @@ use std::cell::RefCell;
 use std::fmt;
 use std::ops::Deref;
 
-use crate::agent::Agent;
 use crate::error::CodecError;
+use crate::state::{Agent, Inner, MessageContext, MessageKind};
 use crate::wire::WorkerId;
 
 /// An immutable, cheaply cloneable byte buffer that crosses RPCs on the fastest path.
@@ -80,24 +80,6 @@ impl From<&'static [u8]> for Blob {
     }
 }
 
-/// Which way a message travels.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MessageKind {
-    /// Caller to callee.
-    Request,
-    /// Callee to caller.
-    Reply,
-}
-
-/// The message being encoded or decoded on this thread: lets a value that cares (a remote
-/// reference registering a fork) learn which worker the message goes to or comes from.
-#[derive(Clone)]
-pub struct MessageContext {
-    agent: Agent,
-    peer: WorkerId,
-    kind: MessageKind,
-}
-
 impl fmt::Debug for MessageContext {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MessageContext")
@@ -112,6 +94,17 @@ impl MessageContext {
     /// A context for encoding to, or decoding from, `peer`.
     pub fn new(agent: Agent, peer: WorkerId, kind: MessageKind) -> Self {
         Self { agent, peer, kind }
+    }
+
+    /// [`MessageContext::new`] for the worker `w`.
+    pub(crate) fn for_worker(w: &std::sync::Arc<Inner>, peer: WorkerId, kind: MessageKind) -> Self {
+        Self::new(
+            Agent {
+                inner: std::sync::Arc::clone(w),
+            },
+            peer,
+            kind,
+        )
     }
 
     /// The context of the message being encoded or decoded on this thread, if any.
@@ -210,24 +203,15 @@ impl Payload {
         value: &T,
         ctx: Option<MessageContext>,
     ) -> Result<Self, CodecError> {
-        // Its receiver may decode it long after answering the request that carried it, so no
-        // value inside may count on the answer (see `MessageContext::on_answered`).
-        LENT.with(|u| {
-            if let Some(lent) = u.borrow_mut().as_mut() {
-                lent.opaque += 1;
-            }
-        });
-        let out = encode(value, ctx);
-        LENT.with(|u| {
-            if let Some(lent) = u.borrow_mut().as_mut() {
-                lent.opaque -= 1;
-            }
-        });
-        let (bytes, blobs) = out.map_err(CodecError)?;
-        Ok(Self {
+        encode_opaque(value, ctx).map(Self::from_encoded)
+    }
+
+    /// A payload of encoded bytes and their side table.
+    pub(crate) fn from_encoded((bytes, blobs): crate::state::Encoded) -> Self {
+        Self {
             bytes,
             blobs: blobs.into_iter().map(Blob).collect(),
-        })
+        }
     }
 
     /// Decodes a `T`, as a message from `ctx.peer()` would be.
@@ -239,6 +223,27 @@ impl Payload {
         )
         .map_err(CodecError)
     }
+}
+
+/// Encodes `value` as a message to `ctx.peer()` would be, opaque to the request that may
+/// carry it: its receiver may decode it long after answering that request, so no value inside
+/// may count on the answer (see `MessageContext::on_answered`).
+pub(crate) fn encode_opaque<T: Serialize + ?Sized>(
+    value: &T,
+    ctx: Option<MessageContext>,
+) -> Result<crate::state::Encoded, CodecError> {
+    LENT.with(|u| {
+        if let Some(lent) = u.borrow_mut().as_mut() {
+            lent.opaque += 1;
+        }
+    });
+    let out = encode(value, ctx);
+    LENT.with(|u| {
+        if let Some(lent) = u.borrow_mut().as_mut() {
+            lent.opaque -= 1;
+        }
+    });
+    out.map_err(CodecError)
 }
 
 thread_local! {

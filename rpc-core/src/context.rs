@@ -12,7 +12,11 @@ use std::time::{Duration, Instant};
 
 use tokio::task::JoinHandle;
 
-use crate::agent::Agent;
+use std::sync::Arc;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::state::{Agent, CallContext, Inner};
 use crate::wire::{CallMeta, WorkerInfo};
 
 #[derive(Clone, Copy, Debug)]
@@ -54,17 +58,6 @@ pub(crate) fn current_scope() -> Option<Scope> {
     SCOPE.try_with(|s| *s).ok()
 }
 
-/// What a handler knows about the call it is serving.
-#[derive(Clone)]
-pub struct CallContext {
-    pub(crate) agent: Agent,
-    /// The caller's rank (its [`WorkerInfo`] is the agent's: nothing is copied per call).
-    pub(crate) caller: u32,
-    pub(crate) deadline: Option<Instant>,
-    /// Cancelled when the caller cancels this call by message (`call/cancel.rs`).
-    pub(crate) cancel: Option<tokio_util::sync::CancellationToken>,
-}
-
 impl std::fmt::Debug for CallContext {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CallContext")
@@ -76,6 +69,23 @@ impl std::fmt::Debug for CallContext {
 }
 
 impl CallContext {
+    /// The context of a call from `caller` that worker `inner` serves.
+    pub(crate) fn new(
+        inner: &Arc<Inner>,
+        caller: u32,
+        deadline: Option<Instant>,
+        cancel: Option<CancellationToken>,
+    ) -> Self {
+        Self {
+            agent: Agent {
+                inner: Arc::clone(inner),
+            },
+            caller,
+            deadline,
+            cancel,
+        }
+    }
+
     /// The agent serving this call; use it for nested calls (they inherit the deadline).
     pub fn agent(&self) -> &Agent {
         &self.agent

@@ -16,12 +16,7 @@
 //! same connection, as any blocking code on an async runtime would: move such work to
 //! `spawn_blocking`.
 //!
-//! Cancellation (the callee's side of `call/cancel.rs`):
-//! - CAN-1: a cancel names `(caller, id)`; ids are unique per caller, and a cancel for a call
-//!   that is not running (it finished, or never arrived) does nothing. A request is registered
-//!   for cancellation when its first poll leaves it pending, before the next frame of its
-//!   connection is read, so a cancel sent after the request finds it.
-//! - CAN-2: a call is cancelled only between the decoding of its arguments and its end.
+//! Cancellation, both sides of it, is `cancel.rs`'s (CAN-1, CAN-2).
 
 use futures::FutureExt;
 use std::collections::HashMap;
@@ -29,40 +24,28 @@ use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
+
 use std::time::Instant;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
-use crate::agent::{Agent, Inner};
-use crate::context::{CallContext, Scope, META, SCOPE};
+use crate::cancel::Cancellable;
+use crate::context::{Scope, META, SCOPE};
 use crate::error::{BoxError, RemoteError, RemoteErrorKind};
 use crate::net::{self, Serve};
-use crate::registry::{sig_of, Entry, KeepSink, KeptValue, Registry, RemoteFn};
+use crate::registry::{sig_of, RemoteFn};
+use crate::state::Registry;
+use crate::state::{CallContext, Callee, Entry, Inner, KeepSink, KeptValue};
 use crate::wire::{CallMeta, CallOk, CallReply, CallRequest};
 
-type RunningMap = HashMap<(u32, u64), CancellationToken, foldhash::fast::RandomState>;
-
-/// The callee's state: what it serves, how many root calls at once, which calls can be
-/// cancelled.
-pub(crate) struct Callee {
-    pub registry: Registry,
-    admission: Arc<Semaphore>,
-    running: Mutex<RunningMap>,
-    /// Delays injected before handlers by name (`testing::delay_calls`); `any_delay` keeps
-    /// the common path to one load.
-    delays: Mutex<HashMap<String, std::time::Duration>>,
-    any_delay: std::sync::atomic::AtomicBool,
-}
-
 impl Callee {
-    pub(crate) fn new(mut registry: Registry, max_concurrent_calls: usize) -> Self {
-        registry.insert_internal::<CancelCall>();
-        registry.insert_internal::<crate::shutdown::ShutdownBarrier>();
+    /// The callee's state for `registry` (the framework's own functions already in it),
+    /// admitting `max_concurrent_calls` root calls at once.
+    pub(crate) fn new(registry: Registry, max_concurrent_calls: usize) -> Self {
         Self {
             registry,
             admission: Arc::new(Semaphore::new(max_concurrent_calls)),
-            running: Mutex::new(HashMap::default()),
+            running: Arc::default(),
             delays: Mutex::new(HashMap::new()),
             any_delay: std::sync::atomic::AtomicBool::new(false),
         }
@@ -92,10 +75,6 @@ impl Callee {
     pub(crate) fn close_admission(&self) {
         self.admission.close();
     }
-
-    fn running(&self) -> std::sync::MutexGuard<'_, RunningMap> {
-        self.running.lock().unwrap_or_else(|p| p.into_inner())
-    }
 }
 
 impl Serve for Inner {
@@ -105,16 +84,14 @@ impl Serve for Inner {
         deadline: Option<Instant>,
         req: CallRequest,
     ) -> impl Future<Output = CallReply> + Send + 'static {
-        let agent = Agent {
-            inner: Arc::clone(self),
-        };
+        let worker = Arc::clone(self);
         let cancel = req.cancel_id.map(|id| (id, CancellationToken::new()));
         let token = cancel.as_ref().map(|(_, t)| t.clone());
-        Cancellable {
-            run: handle(agent, deadline, req, caller, token),
-            register: cancel.map(|(id, t)| (Arc::clone(self), caller, id, t)),
-            running: None,
-        }
+        let calls = &self.callee.running;
+        Cancellable::new(
+            handle(worker, deadline, req, caller, token),
+            cancel.map(|(id, t)| (Arc::clone(calls), (caller, id), t)),
+        )
     }
 
     fn refuse(self: &Arc<Self>, caller: u32, req: &CallRequest, why: String) -> CallReply {
@@ -137,56 +114,6 @@ impl Inner {
     }
 }
 
-pin_project_lite::pin_project! {
-    /// A request from the wire that becomes cancellable (CAN-1) if its first poll leaves it
-    /// pending: one that ends in its first poll cannot have been cancelled (the cancel would
-    /// come in a later frame), so it costs no registration.
-    struct Cancellable<F> {
-        #[pin]
-        run: F,
-        register: Option<(Arc<Inner>, u32, u64, CancellationToken)>,
-        running: Option<Running>,
-    }
-}
-
-impl<F: Future> Future for Cancellable<F> {
-    type Output = F::Output;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
-        let this = self.project();
-        let r = this.run.poll(cx);
-        if r.is_pending() {
-            if let Some((inner, caller, id, token)) = this.register.take() {
-                // Registered before the next frame of the connection is read.
-                *this.running = Some(Running::register(inner, caller, id, token));
-            }
-        }
-        r
-    }
-}
-
-/// An incoming cancellable call, registered while it runs.
-struct Running {
-    inner: Arc<Inner>,
-    key: (u32, u64),
-}
-
-impl Running {
-    fn register(inner: Arc<Inner>, caller: u32, id: u64, token: CancellationToken) -> Self {
-        inner.callee.running().insert((caller, id), token);
-        Self {
-            inner,
-            key: (caller, id),
-        }
-    }
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        self.inner.callee.running().remove(&self.key);
-    }
-}
-
 /// Internal: the caller dropped call `id`.
 pub(crate) struct CancelCall;
 
@@ -195,10 +122,7 @@ impl RemoteFn for CancelCall {
     type Args = (u64,);
     type Output = ();
     async fn call(ctx: CallContext, (id,): (u64,)) -> Result<(), BoxError> {
-        let running = ctx.agent.inner.callee.running();
-        if let Some(t) = running.get(&(ctx.caller, id)) {
-            t.cancel();
-        }
+        ctx.agent.inner.callee.running.cancel(ctx.caller, id);
         Ok(())
     }
 }
@@ -226,18 +150,18 @@ struct Checked<'a> {
 /// framework-internal calls (the shutdown barrier, cancels) never wait for one:
 /// they must not queue behind the user calls whose completion they wait for.
 fn check<'a>(
-    agent: &'a Agent,
+    w: &'a Arc<Inner>,
     origin: Origin,
     fn_name: &str,
     sig: u64,
     depth: u32,
     sink: Option<&str>,
 ) -> Result<Checked<'a>, RemoteError> {
-    let callee = &agent.inner.callee;
-    let fail = |kind, msg: String| RemoteError::new(kind, fn_name, agent.name(), msg);
+    let callee = &w.callee;
+    let fail = |kind, msg: String| RemoteError::new(kind, fn_name, w.name(), msg);
     let wire_root = origin == Origin::Wire && depth == 0;
-    if wire_root && agent.inner.life.is_stopping() {
-        return Err(shutting_down(agent, fn_name));
+    if wire_root && w.life.is_stopping() {
+        return Err(shutting_down(w, fn_name));
     }
     let Some(entry) = callee.registry.get(fn_name) else {
         let names = callee.registry.names();
@@ -258,7 +182,7 @@ fn check<'a>(
             RemoteError::new(
                 RemoteErrorKind::UnknownFunction,
                 &format!("keep sink `{name}`"),
-                agent.name(),
+                w.name(),
                 format!("no keep sink `{name}` is registered here"),
             )
         })?),
@@ -276,11 +200,11 @@ fn check<'a>(
     })
 }
 
-fn shutting_down(agent: &Agent, fn_name: &str) -> RemoteError {
+fn shutting_down(w: &Inner, fn_name: &str) -> RemoteError {
     RemoteError::new(
         RemoteErrorKind::ShuttingDown,
         fn_name,
-        agent.name(),
+        w.name(),
         "worker is shutting down",
     )
 }
@@ -290,7 +214,7 @@ fn shutting_down(agent: &Agent, fn_name: &str) -> RemoteError {
 fn guarded<'a, T: 'a>(
     scope: Scope,
     fut: impl Future<Output = Result<T, RemoteError>> + 'a,
-    agent: &'a Agent,
+    w: &'a Arc<Inner>,
     fn_name: &'a str,
     caller: u32,
 ) -> impl Future<Output = Result<T, RemoteError>> + 'a {
@@ -300,11 +224,11 @@ fn guarded<'a, T: 'a>(
             Ok(r) => r,
             Err(p) => {
                 let msg = panic_message(&*p);
-                tracing::error!(worker = %agent.name(), %fn_name, caller, panic = %msg, "handler panicked");
+                tracing::error!(worker = %w.name(), %fn_name, caller, panic = %msg, "handler panicked");
                 Err(RemoteError::new(
                     RemoteErrorKind::Panic,
                     fn_name,
-                    agent.name(),
+                    w.name(),
                     msg,
                 ))
             }
@@ -332,7 +256,7 @@ fn hand_to_sink(
 /// thousands); the failures are logged with the function and caller instead. (Not an `async
 /// fn`: it would hold the request twice, as a parameter and as the local it is moved into.)
 fn handle(
-    agent: Agent,
+    w: Arc<Inner>,
     deadline: Option<Instant>,
     req: CallRequest,
     caller: u32,
@@ -350,23 +274,23 @@ fn handle(
     } = req;
     async move {
         let fn_name = &*fn_name;
-        let fail = |kind, msg: String| RemoteError::new(kind, fn_name, agent.name(), msg);
+        let fail = |kind, msg: String| RemoteError::new(kind, fn_name, w.name(), msg);
         let sink_name = keep.as_ref().map(|k| &*k.sink);
-        let checked = check(&agent, Origin::Wire, fn_name, sig, depth, sink_name)?;
-        let callee = &agent.inner.callee;
+        let checked = check(&w, Origin::Wire, fn_name, sig, depth, sink_name)?;
+        let callee = &w.callee;
         let _permit = match checked.needs_permit {
             true => Some(
                 Arc::clone(&callee.admission)
                     .acquire_owned()
                     .await
-                    .map_err(|_| shutting_down(&agent, fn_name))?,
+                    .map_err(|_| shutting_down(&w, fn_name))?,
             ),
             false => None,
         };
         if let Some(d) = callee.delay_of(fn_name) {
             Box::pin(tokio::time::sleep(d)).await;
         }
-        let net = &agent.inner.net;
+        let net = &w.net;
         // Boxed where there are blobs, here and below: a request's future stays small.
         let blobs = if blobs.is_empty() {
             Vec::new()
@@ -375,12 +299,7 @@ fn handle(
                 .await
                 .map_err(|e| fail(RemoteErrorKind::Protocol, e))?
         };
-        let ctx = CallContext {
-            agent: agent.clone(),
-            caller,
-            deadline,
-            cancel,
-        };
+        let ctx = CallContext::new(&w, caller, deadline, cancel);
         let scope = Scope {
             deadline,
             depth: depth.saturating_add(1),
@@ -390,7 +309,7 @@ fn handle(
             // Boxed: creating a value is the rarer request, and its state is the larger.
             let fut = async {
                 let run = (entry.keep)(ctx.clone(), payload, blobs);
-                let result = guarded(scope, run, &agent, fn_name, caller).await;
+                let result = guarded(scope, run, &w, fn_name, caller).await;
                 hand_to_sink(sink, ctx, keep.token, result)
             };
             Box::pin(META.scope(meta, fut)).await?;
@@ -400,7 +319,7 @@ fn handle(
             });
         }
         let run = META.scope(meta, (entry.handler)(ctx, payload, blobs));
-        let (payload, blobs) = guarded(scope, run, &agent, fn_name, caller).await?;
+        let (payload, blobs) = guarded(scope, run, &w, fn_name, caller).await?;
         let blobs = if blobs.is_empty() {
             Vec::new()
         } else {
@@ -423,31 +342,26 @@ fn handle(
 /// `F` run here for this worker itself, typed (AG-1): the checks and guards of a request
 /// from the wire, with `meta` as its call metadata. The checks are made now.
 pub(crate) fn call_local<'a, F: RemoteFn>(
-    agent: &'a Agent,
+    w: &'a Arc<Inner>,
     args: F::Args,
     deadline: Option<Instant>,
     depth: u32,
     meta: CallMeta,
 ) -> Result<impl Future<Output = Result<F::Output, RemoteError>> + Send + 'a, RemoteError> {
-    check(agent, Origin::Local, F::NAME, sig_of::<F>(), depth, None)?;
-    Ok(run_typed::<F>(agent, args, deadline, depth, meta))
+    check(w, Origin::Local, F::NAME, sig_of::<F>(), depth, None)?;
+    Ok(run_typed::<F>(w, args, deadline, depth, meta))
 }
 
 /// `F` run here under its scope and `meta`, panics caught.
 fn run_typed<'a, F: RemoteFn>(
-    agent: &'a Agent,
+    w: &'a Arc<Inner>,
     args: F::Args,
     deadline: Option<Instant>,
     depth: u32,
     meta: CallMeta,
 ) -> impl Future<Output = Result<F::Output, RemoteError>> + Send + 'a {
-    let me = agent.rank();
-    let ctx = CallContext {
-        agent: agent.clone(),
-        caller: me,
-        deadline,
-        cancel: None,
-    };
+    let me = w.rank();
+    let ctx = CallContext::new(w, me, deadline, None);
     let scope = Scope {
         deadline,
         depth: depth.saturating_add(1),
@@ -457,17 +371,16 @@ fn run_typed<'a, F: RemoteFn>(
         // would otherwise have an infinitely sized future.
         let fut: Pin<Box<dyn Future<Output = Result<F::Output, BoxError>> + Send>> =
             Box::pin(F::call(ctx, args));
-        fut.await.map_err(|e| {
-            RemoteError::from_error(RemoteErrorKind::Handler, F::NAME, agent.name(), &*e)
-        })
+        fut.await
+            .map_err(|e| RemoteError::from_error(RemoteErrorKind::Handler, F::NAME, w.name(), &*e))
     });
-    guarded(scope, run, agent, F::NAME, me)
+    guarded(scope, run, w, F::NAME, me)
 }
 
 /// A keep-call to this worker itself: `F` run here as [`call_local`] runs it, its result
 /// handed to the keep sink `sink` with `token`. The checks are made now.
 pub(crate) fn keep_local<'a, F: RemoteFn>(
-    agent: &'a Agent,
+    w: &'a Arc<Inner>,
     args: F::Args,
     deadline: Option<Instant>,
     depth: u32,
@@ -475,22 +388,10 @@ pub(crate) fn keep_local<'a, F: RemoteFn>(
     sink: &str,
     token: Vec<u8>,
 ) -> Result<impl Future<Output = Result<(), RemoteError>> + Send + 'a, RemoteError> {
-    let checked = check(
-        agent,
-        Origin::Local,
-        F::NAME,
-        sig_of::<F>(),
-        depth,
-        Some(sink),
-    )?;
+    let checked = check(w, Origin::Local, F::NAME, sig_of::<F>(), depth, Some(sink))?;
     let sink = checked.sink.expect("checked with a sink");
-    let ctx = CallContext {
-        agent: agent.clone(),
-        caller: agent.rank(),
-        deadline,
-        cancel: None,
-    };
-    let run = run_typed::<F>(agent, args, deadline, depth, meta.clone());
+    let ctx = CallContext::new(w, w.rank(), deadline, None);
+    let run = run_typed::<F>(w, args, deadline, depth, meta.clone());
     Ok(run.map(move |result| {
         let result = result.map(KeptValue::new);
         META.sync_scope(meta, || hand_to_sink(sink, ctx, token, result))

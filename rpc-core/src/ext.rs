@@ -25,59 +25,21 @@
 //! # Ok(()) }
 //! ```
 
-use std::any::{Any, TypeId};
-use std::collections::HashMap;
 use std::future::Future;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::Arc;
 
-use crate::agent::Agent;
-pub use crate::agent::WeakAgent;
 use crate::error::RpcError;
 use crate::group::ToWorker;
 use crate::registry::RemoteFn;
-use crate::wire::WorkerId;
+use crate::state::Agent;
+pub use crate::state::WeakAgent;
 
-pub use crate::blob::{MessageContext, MessageKind, Payload};
+pub use crate::blob::Payload;
 pub use crate::context::{call_meta, with_call_meta};
+pub use crate::layers::{MetaProvider, ShutdownHook};
 pub use crate::net::large_vec;
-pub use crate::registry::{KeepSink, KeptValue};
+pub use crate::state::{KeepSink, KeptValue, MessageContext, MessageKind};
 pub use crate::wire::CallMeta;
-
-/// Computes a call-metadata value for each outgoing call from its destination (see
-/// [`AgentExt::set_meta_provider`]); `None` removes the key for that call.
-pub type MetaProvider = Arc<dyn Fn(WorkerId) -> Option<Vec<u8>> + Send + Sync>;
-
-/// Work to finish before the shutdown barrier (see [`AgentExt::on_shutdown`]).
-pub type ShutdownHook = Box<dyn Fn() -> futures::future::BoxFuture<'static, ()> + Send + Sync>;
-
-/// What layers attached to one agent.
-#[derive(Default)]
-pub(crate) struct Layers {
-    extensions: Mutex<HashMap<TypeId, Arc<dyn Any + Send + Sync>>>,
-    hooks: Mutex<Vec<ShutdownHook>>,
-    providers: RwLock<Vec<(&'static str, MetaProvider)>>,
-}
-
-impl Layers {
-    /// The caller's metadata as the providers adjust it for a call to `to`.
-    pub(crate) fn outgoing_meta(&self, to: u32) -> CallMeta {
-        let mut meta = crate::context::current_meta();
-        let p = self.providers.read().unwrap_or_else(|e| e.into_inner());
-        for (key, provider) in p.iter() {
-            meta = match provider(WorkerId(to)) {
-                Some(v) => meta.with(key, v),
-                None => meta.without(key),
-            };
-        }
-        meta
-    }
-
-    /// Starts every shutdown hook.
-    pub(crate) fn shutdown_hooks(&self) -> Vec<futures::future::BoxFuture<'static, ()>> {
-        let hooks = self.hooks.lock().unwrap_or_else(|p| p.into_inner());
-        hooks.iter().map(|h| h()).collect()
-    }
-}
 
 mod sealed {
     pub trait Sealed {}
@@ -147,37 +109,15 @@ pub trait AgentExt: sealed::Sealed {
 
 impl AgentExt for Agent {
     fn extension<T: Send + Sync + 'static>(&self, init: impl FnOnce() -> T) -> Arc<T> {
-        let mut ext = self
-            .inner
-            .layers
-            .extensions
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        let any = ext
-            .entry(TypeId::of::<T>())
-            .or_insert_with(|| Arc::new(init()))
-            .clone();
-        any.downcast::<T>().expect("keyed by TypeId")
+        self.inner.layers.extension(init)
     }
 
     fn on_shutdown(&self, hook: ShutdownHook) {
-        self.inner
-            .layers
-            .hooks
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(hook);
+        self.inner.layers.on_shutdown(hook);
     }
 
     fn set_meta_provider(&self, key: &'static str, provider: MetaProvider) {
-        let mut p = self
-            .inner
-            .layers
-            .providers
-            .write()
-            .unwrap_or_else(|e| e.into_inner());
-        p.retain(|(k, _)| *k != key);
-        p.push((key, provider));
+        self.inner.layers.set_provider(key, provider);
     }
 
     fn downgrade(&self) -> WeakAgent {
@@ -204,6 +144,6 @@ impl AgentExt for Agent {
         sink: &'static str,
         token: Vec<u8>,
     ) -> impl Future<Output = Result<(), RpcError>> + Send + 'static {
-        crate::call::rpc_keep::<F>(self, to, args, sink, token)
+        crate::call::rpc_keep::<F>(&self.inner, to, args, sink, token)
     }
 }

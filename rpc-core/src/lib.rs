@@ -74,6 +74,7 @@ mod agent;
 mod blob;
 mod bounded;
 mod call;
+mod cancel;
 mod config;
 mod context;
 mod dispatch;
@@ -83,15 +84,17 @@ pub mod ext;
 #[doc(hidden)]
 pub mod fuzz;
 mod group;
+mod init;
+mod layers;
 mod lifecycle;
 mod net;
 mod registry;
 mod rendezvous;
 mod shutdown;
+mod state;
 pub mod testing;
 mod wire;
 
-pub use agent::{init, Agent};
 pub use blob::Blob;
 pub use call::wait_all;
 pub use config::{
@@ -100,20 +103,24 @@ pub use config::{
     RESTART_MODE_ENV, SERVE_RENDEZVOUS_ENV, TORCHRUN_AGENT_STORE_ENV, WIRE_PROTECTION_ENV,
     WORLD_SIZE_ENV,
 };
-pub use context::{spawn, spawn_blocking, CallContext, CallScope};
+pub use context::{spawn, spawn_blocking, CallScope};
 pub use error::{
     error_chain, BoxError, CodecError, InitError, LeaveError, RemoteError, RemoteErrorKind,
     RpcError,
 };
 pub use group::{ToWorker, WorkerRef};
+pub use init::init;
 pub use net::{
     BulkStats, FailureWatch, MembershipChange, MembershipEvent, MembershipWatch, MemoryNetwork,
     Secret, Transport, WireProtection, WorkerFailed, SECRET_ENV, SECRET_FILE_ENV,
 };
-pub use registry::{Registry, RegistryBuilder, RegistryError, RemoteFn};
+pub use registry::{RegistryBuilder, RegistryError, RemoteFn};
 pub use rendezvous::{GroupSize, RendezvousServer};
 pub use rpc_macros::remote;
 pub use shutdown::ShutdownReport;
+pub use state::Agent;
+pub use state::CallContext;
+pub use state::Registry;
 pub use wire::{WorkerId, WorkerInfo};
 
 /// Support for the [`remote`] attribute's expansion; not an API.

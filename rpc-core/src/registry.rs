@@ -12,13 +12,15 @@ use futures::future::BoxFuture;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use std::any::{type_name, Any};
-use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
 
-use crate::blob::{self, MessageContext, MessageKind, Payload};
-use crate::context::CallContext;
+use crate::blob;
 use crate::error::{BoxError, CodecError, RemoteError, RemoteErrorKind};
+use crate::state::{
+    CallContext, Encoded, Entry, ErasedHandler, ErasedKeep, KeepSink, KeptValue, MessageContext,
+    MessageKind, Registry,
+};
 use crate::wire::signature;
 
 /// A function that can be called remotely.
@@ -75,28 +77,6 @@ impl<T, E: Into<BoxError>> IntoHandlerResult for Result<T, E> {
     }
 }
 
-/// Encoded result: payload and blob side table.
-pub(crate) type Encoded = (Vec<u8>, Vec<Bytes>);
-
-type ErasedHandler = Arc<
-    dyn Fn(CallContext, Vec<u8>, Vec<Bytes>) -> BoxFuture<'static, Result<Encoded, RemoteError>>
-        + Send
-        + Sync,
->;
-type ErasedKeep = Arc<
-    dyn Fn(CallContext, Vec<u8>, Vec<Bytes>) -> BoxFuture<'static, Result<KeptValue, RemoteError>>
-        + Send
-        + Sync,
->;
-
-/// A function's result kept on the callee as a typed value instead of being sent back (see
-/// [`AgentExt::rpc_keep`](crate::ext::AgentExt::rpc_keep)); it remembers how to encode itself.
-pub struct KeptValue {
-    value: Box<dyn Any + Send>,
-    type_name: &'static str,
-    encode: fn(&(dyn Any + Send), Option<MessageContext>) -> Result<Payload, CodecError>,
-}
-
 impl std::fmt::Debug for KeptValue {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "KeptValue({})", self.type_name)
@@ -109,11 +89,11 @@ impl KeptValue {
         fn enc<T: Serialize + 'static>(
             v: &(dyn Any + Send),
             ctx: Option<MessageContext>,
-        ) -> Result<Payload, CodecError> {
+        ) -> Result<Encoded, CodecError> {
             let v = v
                 .downcast_ref::<T>()
                 .expect("KeptValue holds the type it was made with");
-            Payload::encode(v, ctx)
+            blob::encode_opaque(v, ctx)
         }
         Self {
             value: Box::new(value),
@@ -138,27 +118,9 @@ impl KeptValue {
     }
 
     /// Encodes the value for a message to `ctx.peer()`.
-    pub fn encode(&self, ctx: Option<MessageContext>) -> Result<Payload, CodecError> {
-        (self.encode)(&*self.value, ctx)
+    pub fn encode(&self, ctx: Option<MessageContext>) -> Result<blob::Payload, CodecError> {
+        (self.encode)(&*self.value, ctx).map(blob::Payload::from_encoded)
     }
-}
-
-/// Receives the typed results of keep-calls on the callee: `(ctx, token, result)`; the token is
-/// the caller's opaque bytes. An `Err` it returns is reported to the caller.
-pub type KeepSink = Arc<
-    dyn Fn(CallContext, Vec<u8>, Result<KeptValue, RemoteError>) -> Result<(), RemoteError>
-        + Send
-        + Sync,
->;
-
-/// One registered function.
-#[derive(Clone)]
-pub(crate) struct Entry {
-    pub handler: ErasedHandler,
-    pub keep: ErasedKeep,
-    pub sig: u64,
-    pub args_ty: &'static str,
-    pub output_ty: &'static str,
 }
 
 impl Entry {
@@ -192,20 +154,17 @@ async fn run_typed<F: RemoteFn>(
     let handler_error =
         |e: BoxError| RemoteError::from_error(RemoteErrorKind::Handler, F::NAME, &worker, &*e);
     // CAN-2: cancellable only now that the arguments are decoded.
-    match ctx.cancel.clone() {
-        None => F::call(ctx, args).await.map_err(handler_error),
-        Some(cancel) => tokio::select! {
-            // A call cancelled before it could start does not start.
-            biased;
-            () = cancel.cancelled() => Err(RemoteError::new(
-                RemoteErrorKind::Handler,
-                F::NAME,
-                &worker,
-                "cancelled by the caller".to_owned(),
-            )),
-            out = F::call(ctx, args) => out.map_err(handler_error),
-        },
-    }
+    let cancel = ctx.cancel.clone();
+    let run = async move { F::call(ctx, args).await.map_err(handler_error) };
+    crate::cancel::until_cancelled(cancel, run, || {
+        RemoteError::new(
+            RemoteErrorKind::Handler,
+            F::NAME,
+            &worker,
+            "cancelled by the caller".to_owned(),
+        )
+    })
+    .await
 }
 
 fn erase<F: RemoteFn>() -> Entry {
@@ -254,25 +213,6 @@ pub enum RegistryError {
     /// Another keep sink is already registered under this name.
     #[error("a keep sink named `{0}` is already registered")]
     DuplicateSink(&'static str),
-}
-
-/// The set of functions a worker serves. Build with [`Registry::builder`].
-///
-/// ```
-/// #[rpc_core::remote]
-/// async fn add(_ctx: rpc_core::CallContext, a: i32, b: i32) -> Result<i32, rpc_core::BoxError> {
-///     Ok(a + b)
-/// }
-/// let registry = rpc_core::Registry::builder().register(add)?.build();
-/// assert!(registry.contains(add));
-/// # Ok::<(), rpc_core::RegistryError>(())
-/// ```
-#[derive(Clone, Default)]
-pub struct Registry {
-    // Looked up by name on every request: a fast hash (names come from authenticated peers,
-    // who could run any registered function anyway).
-    entries: HashMap<&'static str, Entry, foldhash::fast::RandomState>,
-    sinks: HashMap<&'static str, KeepSink, foldhash::fast::RandomState>,
 }
 
 impl std::fmt::Debug for Registry {

@@ -7,14 +7,15 @@
 use std::io;
 use std::time::Duration;
 
-use crate::agent::{init, Agent};
 use crate::config::Config;
 use crate::error::InitError;
+use crate::init::init;
 use crate::net::auth::{self, ConnKind, Secret};
 pub use crate::net::Io;
 use crate::net::{MemoryNetwork, Transport, WireProtection};
-use crate::registry::Registry;
 use crate::rendezvous::RendezvousServer;
+use crate::state::Agent;
+use crate::state::Registry;
 
 /// One TCP transport and one fresh in-memory network.
 pub fn transports() -> Vec<Transport> {

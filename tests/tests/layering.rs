@@ -1,7 +1,9 @@
 //! The architecture, checked from the sources: the network layer of `rpc-core` never names
-//! the agent or anything above it, and the modules of the network layer, of `rref` and of
-//! `autograd-dist` import each other one way only (no circle). A module's imports are the
-//! `crate::…` and `super::…` paths in its code (comments and `#[cfg(test)]` modules aside).
+//! the agent or anything above it; the caller's and the callee's paths (`call/`,
+//! `dispatch.rs`) see the worker's state, never the `Agent` API; and in every crate the
+//! modules import each other one way only (no circle anywhere in the tree). A module's imports
+//! are the `crate::…` and `super::…` paths in its code (comments and `#[cfg(test)]` modules
+//! aside).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -145,6 +147,7 @@ fn the_network_layer_never_names_the_agent_or_anything_above_it() {
     let above = [
         "agent",
         "blob",
+        "cancel",
         "call",
         "config",
         "context",
@@ -153,7 +156,10 @@ fn the_network_layer_never_names_the_agent_or_anything_above_it() {
         "group",
         "registry",
         "rendezvous",
+        "init",
+        "layers",
         "shutdown",
+        "state",
         "testing",
     ];
     let net: Vec<_> = mods.keys().filter(|m| m.starts_with("net")).collect();
@@ -164,16 +170,42 @@ fn the_network_layer_never_names_the_agent_or_anything_above_it() {
             .filter(|d| above.iter().any(|a| d.split("::").next() == Some(a)))
             .collect();
         assert!(wrong.is_empty(), "`{m}` imports {wrong:?}");
-        let named = code(&mods[m])
-            .split(|c: char| !(c.is_alphanumeric() || c == '_'))
-            .any(|w| w == "Agent");
-        assert!(!named, "`{m}` names `Agent`");
+        assert!(!names_agent(&mods[m]), "`{m}` names `Agent`");
+    }
+}
+
+/// The `Agent` named as a word in a module's code.
+fn names_agent(src: &str) -> bool {
+    code(src)
+        .split(|c: char| !(c.is_alphanumeric() || c == '_'))
+        .any(|w| w == "Agent")
+}
+
+#[test]
+fn the_callers_and_callees_paths_see_the_workers_state_not_the_agent() {
+    let mods = modules(&src("rpc-core"));
+    let paths: Vec<_> = mods
+        .keys()
+        .filter(|m| m.starts_with("call") || *m == "dispatch")
+        .collect();
+    assert!(paths.len() >= 5, "call/ and dispatch: {paths:?}");
+    for m in paths {
+        assert!(!names_agent(&mods[m]), "`{m}` names `Agent`");
+        let deps = imports(&mods);
+        assert!(!deps[m].contains("agent"), "`{m}` imports the agent module");
     }
 }
 
 #[test]
 fn layers_import_one_way() {
-    for (krate, within) in [("rpc-core", "net"), ("rref", ""), ("autograd-dist", "")] {
+    for (krate, within) in [
+        ("rpc-core", ""),
+        ("rref", ""),
+        ("autograd-dist", ""),
+        ("collectives", ""),
+        ("rpcrun", ""),
+        ("examples", ""),
+    ] {
         let deps = imports(&modules(&src(krate)));
         assert!(
             circle(&deps, within).is_none(),

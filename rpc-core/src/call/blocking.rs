@@ -6,21 +6,23 @@ use tokio::runtime::RuntimeFlavor;
 
 use super::plan::{self, Timing};
 use super::reply;
-use crate::agent::Agent;
+use std::sync::Arc;
+
 use crate::context::{current_meta, current_scope};
 use crate::error::RpcError;
 use crate::group::ToWorker;
 use crate::net::{self, SyncConn};
 use crate::registry::RemoteFn;
+use crate::state::Inner;
 
 /// Calls `F` on `to` and blocks this thread until it ends (see `Agent::rpc_sync`).
 pub(crate) fn rpc_sync<F: RemoteFn>(
-    agent: &Agent,
+    w: &Arc<Inner>,
     to: impl ToWorker,
     args: F::Args,
     timeout: std::time::Duration,
 ) -> Result<F::Output, RpcError> {
-    let rt = &agent.inner.net.runtime;
+    let rt = &w.net.runtime;
     if rt.runtime_flavor() != RuntimeFlavor::MultiThread {
         return Err(RpcError::CannotBlock {
             reason: "the agent runs on a current-thread runtime, which blocking would stall",
@@ -35,27 +37,26 @@ pub(crate) fn rpc_sync<F: RemoteFn>(
             })
         }
     };
-    let spin = agent.inner.net.cfg.busy_poll;
+    let spin = w.net.cfg.busy_poll;
     let run = move || {
-        let rank = agent.inner.group.resolve(&to)?;
-        if let Some(e) = reply::peer_failed::<F>(agent, rank) {
+        let rank = w.group.resolve(&to)?;
+        if let Some(e) = plan::peer_failed::<F>(w, rank) {
             return Err(e);
         }
-        if applies(agent, rank) {
+        if applies(w, rank) {
             // The thread writes and reads its own connection (see `net/blocking.rs`).
-            let timing = plan::timing::<F>(agent, timeout, current_scope())?;
-            let conn = agent.inner.net.sync_conn(rank, timing.deadline);
-            let conn =
-                conn.map_err(|e| reply::peer_failed::<F>(agent, rank).unwrap_or(e.into()))?;
+            let timing = plan::timing::<F>(w, timeout, current_scope())?;
+            let conn = w.net.sync_conn(rank, timing.deadline);
+            let conn = conn.map_err(|e| plan::peer_failed::<F>(w, rank).unwrap_or(e.into()))?;
             if let Some(conn) = conn {
-                return on_thread::<F>(agent, conn, rank, args, timing);
+                return on_thread::<F>(w, conn, rank, args, timing);
             }
             // Every place for a sync connection is taken: through the runtime.
         }
         net::block_on(
             rt,
             spin,
-            super::call_fut::<F>(agent, rank, args, timeout, false),
+            super::call_fut::<F>(w, rank, args, timeout, false),
         )
     };
     if in_runtime {
@@ -66,26 +67,24 @@ pub(crate) fn rpc_sync<F: RemoteFn>(
 }
 
 /// Whether `rpc_sync` to `to` takes this thread's own connection.
-fn applies(agent: &Agent, to: u32) -> bool {
-    let cfg = &agent.inner.net.cfg;
-    agent.inner.caller.sync_connections
-        && to != cfg.rank
-        && matches!(cfg.transport, crate::Transport::Tcp)
+fn applies(w: &Arc<Inner>, to: u32) -> bool {
+    let cfg = &w.net.cfg;
+    w.caller.sync_connections && to != cfg.rank && matches!(cfg.transport, crate::Transport::Tcp)
 }
 
 /// A blocking call to `to` (another worker, over TCP) on `conn`, this thread's connection to
 /// it. Must not be called from async code: it blocks the thread.
 fn on_thread<F: RemoteFn>(
-    agent: &Agent,
+    w: &Arc<Inner>,
     conn: SyncConn,
     to: u32,
     args: F::Args,
     timing: Timing,
 ) -> Result<F::Output, RpcError> {
-    let net = &agent.inner.net;
+    let net = &w.net;
     let rt = &net.runtime;
     let prepared = (|| {
-        let (payload, blobs, unsent) = plan::encode_args::<F>(agent, to, &args)?;
+        let (payload, blobs, unsent) = plan::encode_args::<F>(w, to, &args)?;
         let blobs = if blobs.is_empty() {
             Vec::new()
         } else if let Some(inline) = net.bulk.all_inline(&blobs) {
@@ -97,14 +96,14 @@ fn on_thread<F: RemoteFn>(
                 None => rt.block_on(send),
                 Some(d) => rt
                     .block_on(async { tokio::time::timeout_at(d.into(), send).await })
-                    .map_err(|_| reply::deadline_exceeded::<F>(agent, to, timing))?,
+                    .map_err(|_| reply::deadline_exceeded::<F>(w, to, timing))?,
             };
             sent.map_err(|e| RpcError::Transport {
                 worker: net.directory().name(to).to_owned(),
                 source: e.into(),
             })?
         };
-        plan::check_frame::<F>(agent, &payload, &blobs)?;
+        plan::check_frame::<F>(w, &payload, &blobs)?;
         Ok((payload, blobs, unsent))
     })();
     // Nothing was written: the connection stays this thread's.
@@ -115,7 +114,7 @@ fn on_thread<F: RemoteFn>(
             return Err(e);
         }
     };
-    let meta = agent.inner.layers.outgoing_meta(to);
+    let meta = w.layers.outgoing_meta(crate::context::current_meta(), to);
     let req = plan::envelope::<F>(timing.depth, payload, blobs, None, meta, None);
     let lent = unsent.sent();
     // DIR-1: `conn` goes back only after a whole round trip; on failure it is dropped.
@@ -124,11 +123,11 @@ fn on_thread<F: RemoteFn>(
         .as_ref()
         .is_err_and(crate::net::CallFailed::broke_connection)
     {
-        rt.block_on(reply::verdict(agent, to));
+        rt.block_on(reply::verdict(w, to));
     }
-    let ok = reply::settle::<F>(agent, to, replied, timing, lent)?;
+    let ok = reply::settle::<F>(w, to, replied, timing, lent)?;
     rt.block_on(reply::read_result::<F, F::Output>(
-        agent,
+        w,
         to,
         ok,
         timing.deadline,

@@ -5,14 +5,12 @@
 //! send      queued on the peer's connection now, or at the first poll (dial, bulk blobs)
 //! reply     the wait, the one mapping of what came back to the caller's result, decoding
 //! blocking  rpc_sync on the calling thread's own connection
-//! cancel    a dropped call still reads its reply and tells the callee to stop
 //! ```
 //!
 //! A call to this worker itself is planned the same way and then run by the callee's path
 //! (`dispatch.rs`) with its typed arguments, without serialization (AG-1).
 
 mod blocking;
-mod cancel;
 mod plan;
 mod reply;
 mod send;
@@ -25,21 +23,14 @@ pub(crate) use blocking::rpc_sync;
 use plan::Plan;
 use send::Started;
 
-use crate::agent::Agent;
+use std::sync::Arc;
+
 use crate::dispatch;
 use crate::error::RpcError;
 use crate::group::ToWorker;
 use crate::registry::RemoteFn;
+use crate::state::{Caller, Inner};
 use crate::wire::KeepTarget;
-
-/// The caller's settings and state.
-pub(crate) struct Caller {
-    /// The default call timeout (`Duration::ZERO`: none).
-    pub rpc_timeout: Duration,
-    /// Whether blocking calls take the calling thread's own connection.
-    pub sync_connections: bool,
-    next_cancel_id: AtomicU64,
-}
 
 impl Caller {
     pub(crate) fn new(rpc_timeout: Duration, sync_connections: bool) -> Self {
@@ -51,7 +42,7 @@ impl Caller {
     }
 
     /// A fresh id for an outgoing cancellable call (unique per caller: CAN-1).
-    fn next_cancel_id(&self) -> u64 {
+    pub(crate) fn next_cancel_id(&self) -> u64 {
         self.next_cancel_id.fetch_add(1, Ordering::Relaxed)
     }
 }
@@ -64,23 +55,23 @@ impl Caller {
 /// the future only waits for the reply. Anything else (dialling, bulk blobs, a call to this
 /// worker) runs when the future is polled, boxed, so the future stays small.
 pub(crate) fn call_fut<F: RemoteFn>(
-    agent: &Agent,
+    w: &Arc<Inner>,
     to: impl ToWorker,
     args: F::Args,
     timeout: Duration,
     droppable: bool,
 ) -> impl Future<Output = Result<F::Output, RpcError>> + Send + 'static {
-    let call = match plan::plan::<F>(agent, &to, args, timeout) {
+    let call = match plan::plan::<F>(w, &to, args, timeout) {
         Plan::Remote(Err(e), _) => Started::Failed(e),
         Plan::Remote(Ok(out), args) => {
-            send::start_remote::<F, F::Output>(agent, out, args, None, droppable)
+            send::start_remote::<F, F::Output>(w, out, args, None, droppable)
         }
         Plan::Local(planned, args, meta) => {
-            let agent = agent.clone();
+            let w = Arc::clone(w);
             Started::Later(Box::pin(async move {
                 let (to, t) = planned?;
-                let run = dispatch::call_local::<F>(&agent, args, t.deadline, t.depth, meta);
-                reply::local::<F, _>(&agent, to, t, run).await
+                let run = dispatch::call_local::<F>(&w, args, t.deadline, t.depth, meta);
+                reply::local::<F, _>(&w, to, t, run).await
             }))
         }
     };
@@ -92,7 +83,7 @@ pub(crate) fn call_fut<F: RemoteFn>(
 /// [`call_fut`]; everything but the wait for a queued call is boxed, since thousands of these
 /// may be waiting at once (one per new remote reference).
 pub(crate) fn rpc_keep<F: RemoteFn>(
-    agent: &Agent,
+    w: &Arc<Inner>,
     to: impl ToWorker,
     args: F::Args,
     sink: &'static str,
@@ -102,23 +93,33 @@ pub(crate) fn rpc_keep<F: RemoteFn>(
         sink: sink.into(),
         token,
     };
-    let call = match plan::plan::<F>(agent, &to, args, agent.inner.caller.rpc_timeout) {
+    let call = match plan::plan::<F>(w, &to, args, w.caller.rpc_timeout) {
         Plan::Remote(Err(e), _) => Started::Failed(e),
-        Plan::Remote(Ok(out), args) => {
-            send::start_remote::<F, ()>(agent, out, args, Some(keep), true)
-        }
+        Plan::Remote(Ok(out), args) => send::start_remote::<F, ()>(w, out, args, Some(keep), true),
         Plan::Local(planned, args, meta) => {
-            let agent = agent.clone();
+            let w = Arc::clone(w);
             Started::Later(Box::pin(async move {
                 let (to, t) = planned?;
                 let run = dispatch::keep_local::<F>(
-                    &agent, args, t.deadline, t.depth, meta, sink, keep.token,
+                    &w, args, t.deadline, t.depth, meta, sink, keep.token,
                 );
-                reply::local::<F, _>(&agent, to, t, run).await
+                reply::local::<F, _>(&w, to, t, run).await
             }))
         }
     };
     call.run()
+}
+
+/// Tells `to` that this worker dropped call `id` (`cancel.rs`): in a task of its own, since a
+/// dropped call's future is what asks for it.
+fn send_cancel(w: &Arc<Inner>, to: u32, id: u64) {
+    let cancel = call_fut::<dispatch::CancelCall>(w, to, (id,), w.caller.rpc_timeout, true);
+    let name = w.name().to_owned();
+    w.net.runtime.spawn(async move {
+        if let Err(e) = cancel.await {
+            tracing::debug!(worker = %name, to, id, cause = %crate::error_chain(&e), "cancel not delivered");
+        }
+    });
 }
 
 /// Awaits every future; returns all results in order, or the first error.

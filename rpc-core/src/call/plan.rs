@@ -3,13 +3,16 @@
 
 use std::time::{Duration, Instant};
 
-use crate::agent::Agent;
-use crate::blob::{self, MessageContext, MessageKind};
+use std::sync::Arc;
+
+use crate::blob;
 use crate::context::{current_meta, current_scope, Scope};
 use crate::error::RpcError;
 use crate::group::ToWorker;
 use crate::net::{self, NO_DEADLINE};
 use crate::registry::{sig_of, RemoteFn};
+use crate::state::Inner;
+use crate::state::{MessageContext, MessageKind};
 use crate::wire::{CallMeta, CallRequest, KeepTarget, WireBlob, WorkerId};
 
 /// When a call must end, how deeply it is nested, and when it was made.
@@ -53,30 +56,29 @@ pub(super) enum Plan<A> {
 /// context (its call metadata, the moment of the call), so its future only sends and waits;
 /// its arguments stay alive in it until the call ends, as they would in the caller.
 pub(super) fn plan<F: RemoteFn>(
-    agent: &Agent,
+    w: &Arc<Inner>,
     to: &impl ToWorker,
     args: F::Args,
     timeout: Duration,
 ) -> Plan<F::Args> {
-    let planned = agent
-        .inner
+    let planned = w
         .group
         .resolve(to)
-        .and_then(|to| Ok((to, timing::<F>(agent, timeout, current_scope())?)));
+        .and_then(|to| Ok((to, timing::<F>(w, timeout, current_scope())?)));
     match planned {
-        Ok((to, _)) if agent.inner.net.membership.is_failed(to) => {
-            let e = super::reply::peer_failed::<F>(agent, to);
+        Ok((to, _)) if w.net.membership.is_failed(to) => {
+            let e = peer_failed::<F>(w, to);
             Plan::Remote(Err(e.expect("declared failed")), args)
         }
-        Ok((to, _)) if agent.inner.net.membership.has_left(to) => {
+        Ok((to, _)) if w.net.membership.has_left(to) => {
             let e = RpcError::PeerLeft {
-                worker: agent.inner.group.worker(to).name.clone(),
+                worker: w.group.worker(to).name.clone(),
                 fn_name: F::NAME.to_owned(),
             };
             Plan::Remote(Err(e), args)
         }
-        Ok((to, timing)) if to != agent.rank() => {
-            Plan::Remote(prepare::<F>(agent, to, &args, timing), args)
+        Ok((to, timing)) if to != w.rank() => {
+            Plan::Remote(prepare::<F>(w, to, &args, timing), args)
         }
         other => Plan::Local(other, args, current_meta()),
     }
@@ -84,18 +86,18 @@ pub(super) fn plan<F: RemoteFn>(
 
 /// A call to another worker (`to`), its arguments encoded.
 fn prepare<F: RemoteFn>(
-    agent: &Agent,
+    w: &Arc<Inner>,
     to: u32,
     args: &F::Args,
     timing: Timing,
 ) -> Result<Outgoing, RpcError> {
-    let (payload, blobs, unsent) = encode_args::<F>(agent, to, args)?;
+    let (payload, blobs, unsent) = encode_args::<F>(w, to, args)?;
     Ok(Outgoing {
         to,
         payload,
         blobs,
         unsent,
-        meta: agent.inner.layers.outgoing_meta(to),
+        meta: w.layers.outgoing_meta(crate::context::current_meta(), to),
         caller_meta: current_meta(),
         timing,
     })
@@ -104,7 +106,7 @@ fn prepare<F: RemoteFn>(
 /// A call's [`Timing`]; refused once the agent is closed, or for a root call once shutdown
 /// has begun (AG-3; the framework's own calls, the barrier and cancels, still go).
 pub(super) fn timing<F: RemoteFn>(
-    agent: &Agent,
+    w: &Arc<Inner>,
     timeout: Duration,
     scope: Option<Scope>,
 ) -> Result<Timing, RpcError> {
@@ -116,11 +118,11 @@ pub(super) fn timing<F: RemoteFn>(
         (a, b) => a.or(b),
     };
     let depth = scope.map_or(0, |s| s.depth);
-    let life = &agent.inner.life;
+    let life = &w.life;
     if life.is_closed() || (depth == 0 && life.is_stopping() && !F::NAME.starts_with("rpc_core::"))
     {
         return Err(RpcError::Shutdown {
-            worker: agent.name().to_owned(),
+            worker: w.name().to_owned(),
             fn_name: F::NAME.to_owned(),
         });
     }
@@ -134,11 +136,11 @@ pub(super) fn timing<F: RemoteFn>(
 /// Encodes a call's arguments for `to`: the payload, its blobs, and what they lent (given
 /// back unless the request is marked sent).
 pub(super) fn encode_args<F: RemoteFn>(
-    agent: &Agent,
+    w: &Arc<Inner>,
     to: u32,
     args: &F::Args,
 ) -> Result<(Vec<u8>, Vec<bytes::Bytes>, blob::Unsent), RpcError> {
-    let msg = MessageContext::new(agent.clone(), WorkerId(to), MessageKind::Request);
+    let msg = MessageContext::for_worker(w, WorkerId(to), MessageKind::Request);
     let (encoded, lent) = blob::encode_request(args, Some(msg));
     let unsent = blob::Unsent::new(lent);
     match encoded {
@@ -153,12 +155,12 @@ pub(super) fn encode_args<F: RemoteFn>(
 
 /// Refuses a request that would exceed the frame limit.
 pub(super) fn check_frame<F: RemoteFn>(
-    agent: &Agent,
+    w: &Arc<Inner>,
     payload: &[u8],
     blobs: &[WireBlob],
 ) -> Result<(), RpcError> {
     let size = payload.len() + net::inline_bytes(blobs) + F::NAME.len();
-    let limit = agent.inner.net.cfg.max_frame_bytes;
+    let limit = w.net.cfg.max_frame_bytes;
     if !net::fits(size, limit) {
         return Err(RpcError::TooLarge {
             fn_name: F::NAME.to_owned(),
@@ -188,4 +190,14 @@ pub(super) fn envelope<F: RemoteFn>(
         meta,
         cancel_id,
     }
+}
+
+/// The error of a call of `F` to `to` if `to` was declared failed.
+pub(super) fn peer_failed<F: RemoteFn>(w: &Arc<Inner>, to: u32) -> Option<RpcError> {
+    let f = w.net.membership.failure(to)?;
+    Some(RpcError::PeerFailed {
+        worker: f.name,
+        fn_name: F::NAME.to_owned(),
+        cause: f.cause,
+    })
 }

@@ -5,14 +5,17 @@
 use std::future::Future;
 use std::time::Instant;
 
-use super::cancel::Detach;
-use super::plan::Timing;
-use crate::agent::Agent;
-use crate::blob::{self, MessageContext, MessageKind};
+use super::plan::{peer_failed, Timing};
+use crate::cancel::Detach;
+use std::sync::Arc;
+
+use crate::blob;
 use crate::context::META;
 use crate::error::{RemoteError, RemoteErrorKind, RpcError};
 use crate::net::{CallFailed, Waiter};
 use crate::registry::RemoteFn;
+use crate::state::Inner;
+use crate::state::{MessageContext, MessageKind};
 use crate::wire::{CallMeta, CallOk, CallReply, WorkerId};
 
 /// A call on its way: what its arguments lent, its timing, its caller's metadata.
@@ -37,20 +40,24 @@ pub(super) struct InFlight {
 /// The wait for a queued call's reply and its reading, as a future. A call its caller may
 /// drop goes on as a task of its own if it is dropped first (`cancel.rs`).
 pub(super) fn await_reply<F: RemoteFn, O: serde::de::DeserializeOwned + Send + 'static>(
-    agent: &Agent,
+    w: &Arc<Inner>,
     q: InFlight,
 ) -> Detach<Result<O, RpcError>> {
     let (to, cancel_id) = (q.to, q.cancel_id);
     // Boxed: the wait and the reply's handling are most of a call's state, and a call's
     // future stays small (it is moved, and spawned by `remote`).
-    let work = Box::pin(wait_reply::<F, O>(agent.clone(), q));
-    Detach::new(agent.clone(), to, cancel_id, work)
+    let work = Box::pin(wait_reply::<F, O>(Arc::clone(w), q));
+    let abandon = cancel_id.map(|id| {
+        let w = Arc::clone(w);
+        Box::new(move || super::send_cancel(&w, to, id)) as Box<dyn FnOnce() + Send>
+    });
+    Detach::new(w.net.runtime.clone(), work, abandon)
 }
 
 /// Waits for `q`'s reply until its deadline, then reads it. (Not an `async fn`: it would hold
 /// `q` twice, as a parameter and as the locals it is taken apart into.)
 fn wait_reply<F: RemoteFn, O: serde::de::DeserializeOwned + Send + 'static>(
-    agent: Agent,
+    w: Arc<Inner>,
     q: InFlight,
 ) -> impl Future<Output = Result<O, RpcError>> + Send + 'static {
     let InFlight {
@@ -70,31 +77,31 @@ fn wait_reply<F: RemoteFn, O: serde::de::DeserializeOwned + Send + 'static>(
             },
         };
         if reply.as_ref().is_err_and(CallFailed::broke_connection) {
-            verdict(&agent, to).await;
+            verdict(&w, to).await;
         }
-        let (ok, deadline, caller_meta) = arrived::<F>(&agent, to, gen, reply, sent)?;
-        read_result::<F, O>(&agent, to, ok, deadline, caller_meta).await
+        let (ok, deadline, caller_meta) = arrived::<F>(&w, to, gen, reply, sent)?;
+        read_result::<F, O>(&w, to, ok, deadline, caller_meta).await
     }
 }
 
 /// A multiplexed call's reply as it arrived: forgets a connection the call found broken, then
 /// settles the reply. (A function of its own, so nothing of it stays in the waiting future.)
 fn arrived<F: RemoteFn>(
-    agent: &Agent,
+    w: &Arc<Inner>,
     to: u32,
     gen: u64,
     reply: Result<CallReply, CallFailed>,
     sent: Sent,
 ) -> Result<(CallOk, Option<Instant>, CallMeta), RpcError> {
     if reply.as_ref().is_err_and(CallFailed::broke_connection) {
-        agent.inner.net.peers[to as usize].invalidate(gen);
+        w.net.peers[to as usize].invalidate(gen);
     }
     let Sent {
         lent,
         timing,
         caller_meta,
     } = sent;
-    let ok = settle::<F>(agent, to, reply, timing, lent)?;
+    let ok = settle::<F>(w, to, reply, timing, lent)?;
     Ok((ok, timing.deadline, caller_meta))
 }
 
@@ -105,68 +112,118 @@ const VERDICT_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 /// A call to `to` found its connection broken: waits (bounded) for the failure detector's
 /// verdict, so that a peer whose process is gone is reported as failed, not as a lost
 /// connection, whichever of the two sockets noticed first.
-pub(super) async fn verdict(agent: &Agent, to: u32) {
-    let wait = VERDICT_WAIT.min(agent.inner.net.cfg.failure_timeout);
-    agent.inner.net.membership.verdict_within(to, wait).await;
-}
-
-/// The error of a call of `F` to `to` if `to` was declared failed.
-pub(super) fn peer_failed<F: RemoteFn>(agent: &Agent, to: u32) -> Option<RpcError> {
-    let f = agent.inner.net.membership.failure(to)?;
-    Some(RpcError::PeerFailed {
-        worker: f.name,
-        fn_name: F::NAME.to_owned(),
-        cause: f.cause,
-    })
+pub(super) async fn verdict(w: &Arc<Inner>, to: u32) {
+    let wait = VERDICT_WAIT.min(w.net.cfg.failure_timeout);
+    w.net.membership.verdict_within(to, wait).await;
 }
 
 /// What came back for a call to `to`, as the caller's result: the callee's answer, or the
 /// error that replaced it (a failure of the connection, the deadline, a remote error).
-/// Settles what the arguments lent: given back if the callee certainly never read them,
-/// released once it answered, kept (and given up by its lender's own timeout) if unknown.
+/// Settles what the arguments lent ([`decide`] says how).
 pub(super) fn settle<F: RemoteFn>(
-    agent: &Agent,
+    w: &Arc<Inner>,
     to: u32,
     reply: Result<CallReply, CallFailed>,
     timing: Timing,
     lent: blob::Lent,
 ) -> Result<CallOk, RpcError> {
-    let worker = || agent.inner.group.worker(to).name.clone();
+    let names = Names {
+        callee: &w.group.worker(to).name,
+        me: w.name(),
+    };
+    let failed = if reply.is_err() {
+        w.net.membership.failure(to)
+    } else {
+        None
+    };
+    let (result, fate) = decide::<F>(names, failed, reply, timing, Instant::now());
+    match fate {
+        Fate::Answered => lent.answered(),
+        Fate::NeverDecoded => lent.never_decoded(),
+        // Kept: given up by its lender's own timeout.
+        Fate::Unknown => drop(lent),
+    }
+    result
+}
+
+/// The workers a call's errors name.
+#[derive(Clone, Copy)]
+struct Names<'a> {
+    callee: &'a str,
+    me: &'a str,
+}
+
+/// What became of a call's arguments on the callee, as far as the caller can tell: what the
+/// values they lent are owed (see `MessageContext::on_undelivered`, `on_answered`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Fate {
+    /// The callee read them and answered.
+    Answered,
+    /// The callee certainly never read them.
+    NeverDecoded,
+    /// Nobody can tell.
+    Unknown,
+}
+
+/// The pure part of [`settle`]: the caller's result of a call of `F` from `names.me` to
+/// `names.callee`, and the fate of its arguments, from what came back, the verdict on the
+/// callee if it was declared failed, and the time.
+///
+/// - REP-1: an answer (a result, or an error the callee's function returned) means the
+///   arguments were read; a refusal before reading them (unknown function, signature
+///   mismatch, shutting down, busy) means they never were.
+/// - REP-2: whatever broke a call, a callee declared failed is reported as
+///   [`RpcError::PeerFailed`] with its verdict's cause.
+/// - REP-3: a request never written was never read; one lost after writing, timed out or
+///   ended by this worker's closing may or may not have been. A refusal that came at or
+///   after the deadline is the deadline's.
+fn decide<F: RemoteFn>(
+    names: Names<'_>,
+    failed: Option<crate::net::WorkerFailed>,
+    reply: Result<CallReply, CallFailed>,
+    timing: Timing,
+    now: Instant,
+) -> (Result<CallOk, RpcError>, Fate) {
+    let worker = || names.callee.to_owned();
     let lost = || RpcError::ConnectionLost {
         worker: worker(),
         fn_name: F::NAME.to_owned(),
     };
-    let failed = match reply {
-        Ok(Ok(ok)) => {
-            lent.answered();
-            return Ok(ok);
-        }
+    let failure = match reply {
+        Ok(Ok(ok)) => return (Ok(ok), Fate::Answered),
         Ok(Err(remote)) => {
-            // Refused before its arguments were read, or answered after.
-            if matches!(
+            let refused = matches!(
                 remote.kind,
                 RemoteErrorKind::UnknownFunction
                     | RemoteErrorKind::TypeMismatch
                     | RemoteErrorKind::ShuttingDown
-            ) {
-                lent.never_decoded();
+                    | RemoteErrorKind::Busy
+            );
+            let fate = if refused {
+                Fate::NeverDecoded
             } else {
-                lent.answered();
-            }
-            return Err(map_remote::<F>(remote));
+                Fate::Answered
+            };
+            return (Err(map_remote::<F>(remote)), fate);
         }
         Err(f) => f,
     };
-    if let Some(e) = peer_failed::<F>(agent, to) {
-        // Whatever broke the call, the peer is gone: say so.
-        if let CallFailed::NotSent { .. } = failed {
-            lent.never_decoded();
-        }
-        return Err(e);
+    let not_sent = matches!(failure, CallFailed::NotSent { .. });
+    if let Some(f) = failed {
+        let fate = if not_sent {
+            Fate::NeverDecoded
+        } else {
+            Fate::Unknown
+        };
+        let e = RpcError::PeerFailed {
+            worker: f.name,
+            fn_name: F::NAME.to_owned(),
+            cause: f.cause,
+        };
+        return (Err(e), fate);
     }
-    match failed {
+    let result = match failure {
         CallFailed::NotSent { cause, broken } => {
-            lent.never_decoded();
             if broken {
                 tracing::debug!(peer = %worker(), %cause, "connection failed");
                 Err(lost())
@@ -182,28 +239,34 @@ pub(super) fn settle<F: RemoteFn>(
             tracing::debug!(peer = %worker(), %cause, "connection failed");
             Err(lost())
         }
-        CallFailed::Deadline => Err(deadline_exceeded::<F>(agent, to, timing)),
+        CallFailed::Deadline => Err(deadline_error::<F>(names.callee, timing)),
         CallFailed::Refused(e)
             if e.kind == std::io::ErrorKind::TimedOut
-                || timing.deadline.is_some_and(|d| Instant::now() >= d) =>
+                || timing.deadline.is_some_and(|d| now >= d) =>
         {
-            Err(deadline_exceeded::<F>(agent, to, timing))
+            Err(deadline_error::<F>(names.callee, timing))
         }
         CallFailed::Refused(e) => Err(RpcError::Transport {
             worker: worker(),
             source: Box::new(e),
         }),
         CallFailed::Closed => Err(RpcError::Shutdown {
-            worker: agent.name().to_owned(),
+            worker: names.me.to_owned(),
             fn_name: F::NAME.to_owned(),
         }),
-    }
+    };
+    let fate = if not_sent {
+        Fate::NeverDecoded
+    } else {
+        Fate::Unknown
+    };
+    (result, fate)
 }
 
 /// A call to this worker itself (`to`), run by `run` (or refused by the callee's checks)
 /// within the call's deadline. (Not an `async fn`: it would hold `run` twice.)
 pub(super) fn local<'a, F: RemoteFn, T: 'a>(
-    agent: &'a Agent,
+    w: &'a Arc<Inner>,
     to: u32,
     timing: Timing,
     run: Result<impl Future<Output = Result<T, RemoteError>> + 'a, RemoteError>,
@@ -219,7 +282,7 @@ pub(super) fn local<'a, F: RemoteFn, T: 'a>(
         Some(d) => Either::Right(
             tokio::time::timeout_at(d.into(), run).map(move |r| match r {
                 Ok(r) => r.map_err(map_remote::<F>),
-                Err(_) => Err(deadline_exceeded::<F>(agent, to, timing)),
+                Err(_) => Err(deadline_exceeded::<F>(w, to, timing)),
             }),
         ),
     })
@@ -252,9 +315,13 @@ fn map_remote<F: RemoteFn>(r: RemoteError) -> RpcError {
 }
 
 /// The call of `F` to `to` ran out of time.
-pub(super) fn deadline_exceeded<F: RemoteFn>(agent: &Agent, to: u32, timing: Timing) -> RpcError {
+pub(super) fn deadline_exceeded<F: RemoteFn>(w: &Arc<Inner>, to: u32, timing: Timing) -> RpcError {
+    deadline_error::<F>(&w.group.worker(to).name, timing)
+}
+
+fn deadline_error<F: RemoteFn>(callee: &str, timing: Timing) -> RpcError {
     RpcError::DeadlineExceeded {
-        worker: agent.inner.group.worker(to).name.clone(),
+        worker: callee.to_owned(),
         fn_name: F::NAME.to_owned(),
         timeout: timing
             .deadline_or_far()
@@ -267,26 +334,26 @@ pub(super) fn deadline_exceeded<F: RemoteFn>(agent: &Agent, to: u32, timing: Tim
 /// blobs nothing is awaited, and the future stays small (many calls wait at once, each holding
 /// one).
 pub(super) async fn read_result<F: RemoteFn, O: serde::de::DeserializeOwned>(
-    agent: &Agent,
+    w: &Arc<Inner>,
     to: u32,
     ok: CallOk,
     deadline: Option<Instant>,
     caller_meta: CallMeta,
 ) -> Result<O, RpcError> {
-    let worker = || agent.inner.group.worker(to).name.clone();
+    let worker = || w.group.worker(to).name.clone();
     let blobs = if ok.blobs.is_empty() {
         Vec::new()
     } else {
-        Box::pin(agent.inner.net.bulk.receive(to, ok.blobs, deadline))
+        Box::pin(w.net.bulk.receive(to, ok.blobs, deadline))
             .await
             .map_err(|e| {
-                peer_failed::<F>(agent, to).unwrap_or_else(|| RpcError::Transport {
+                peer_failed::<F>(w, to).unwrap_or_else(|| RpcError::Transport {
                     worker: worker(),
                     source: e.into(),
                 })
             })?
     };
-    let msg = MessageContext::new(agent.clone(), WorkerId(to), MessageKind::Reply);
+    let msg = MessageContext::for_worker(w, WorkerId(to), MessageKind::Reply);
     let decoded = META.sync_scope(caller_meta, || {
         blob::decode::<O>(&ok.payload, blobs, Some(msg))
     });
@@ -298,4 +365,148 @@ pub(super) async fn read_result<F: RemoteFn, O: serde::de::DeserializeOwned>(
             std::any::type_name::<O>()
         ),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::BoxError;
+    use crate::state::CallContext;
+    use std::time::Duration;
+
+    struct Ping;
+
+    impl RemoteFn for Ping {
+        const NAME: &'static str = "test::ping";
+        type Args = ();
+        type Output = ();
+        async fn call(_: CallContext, (): ()) -> Result<(), BoxError> {
+            Ok(())
+        }
+    }
+
+    const NAMES: Names<'static> = Names {
+        callee: "worker1",
+        me: "worker0",
+    };
+
+    fn timing(deadline_in: Option<Duration>) -> (Timing, Instant) {
+        let now = Instant::now();
+        let t = Timing {
+            deadline: deadline_in.map(|d| now + d),
+            depth: 0,
+            started: now,
+        };
+        (t, now)
+    }
+
+    fn remote(kind: RemoteErrorKind) -> CallReply {
+        Err(RemoteError::new(kind, "test::ping", "worker1", "x"))
+    }
+
+    fn io(kind: std::io::ErrorKind) -> std::io::Error {
+        std::io::Error::new(kind, "x")
+    }
+
+    fn verdict() -> crate::net::WorkerFailed {
+        crate::net::WorkerFailed {
+            rank: 1,
+            name: "worker1".into(),
+            incarnation: 0,
+            cause: "no heartbeat".into(),
+            at: std::time::SystemTime::now(),
+        }
+    }
+
+    fn decide_now(
+        reply: Result<CallReply, CallFailed>,
+        failed: Option<crate::net::WorkerFailed>,
+    ) -> (Result<CallOk, RpcError>, Fate) {
+        let (t, now) = timing(Some(Duration::from_secs(10)));
+        decide::<Ping>(NAMES, failed, reply, t, now)
+    }
+
+    /// REP-1: answers read the arguments; refusals before reading them did not.
+    #[test]
+    fn answers_and_refusals_settle_what_the_arguments_lent() {
+        let ok = Ok(Ok(CallOk {
+            payload: vec![1],
+            blobs: Vec::new(),
+        }));
+        assert_eq!(decide_now(ok, None).1, Fate::Answered);
+        let (r, fate) = decide_now(Ok(remote(RemoteErrorKind::Handler)), None);
+        assert!(matches!(r, Err(RpcError::Remote(_))));
+        assert_eq!(fate, Fate::Answered);
+        for (kind, want) in [
+            (RemoteErrorKind::UnknownFunction, "UnknownFunction"),
+            (RemoteErrorKind::TypeMismatch, "TypeMismatch"),
+            (RemoteErrorKind::ShuttingDown, "PeerShuttingDown"),
+            (RemoteErrorKind::Busy, "Remote"),
+        ] {
+            let (r, fate) = decide_now(Ok(remote(kind)), None);
+            assert_eq!(fate, Fate::NeverDecoded, "{kind:?}");
+            assert!(
+                format!("{r:?}").starts_with(&format!("Err({want}")),
+                "{r:?}"
+            );
+        }
+    }
+
+    /// REP-2: a failed callee is named with its verdict, whatever broke the call.
+    #[test]
+    fn a_failed_callee_is_named_with_its_verdict() {
+        let lost = Err(CallFailed::Lost(io(std::io::ErrorKind::ConnectionReset)));
+        let (r, fate) = decide_now(lost, Some(verdict()));
+        match r {
+            Err(RpcError::PeerFailed { worker, cause, .. }) => {
+                assert_eq!(
+                    (worker.as_str(), cause.as_str()),
+                    ("worker1", "no heartbeat")
+                )
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(fate, Fate::Unknown);
+        let not_sent = Err(CallFailed::closed_connection());
+        assert_eq!(decide_now(not_sent, Some(verdict())).1, Fate::NeverDecoded);
+    }
+
+    /// REP-3: not sent is never read; lost, timed out or closed is unknown; a refusal at the
+    /// deadline is the deadline's.
+    #[test]
+    fn broken_calls_say_what_broke_and_what_the_callee_may_have_read() {
+        let (r, fate) = decide_now(Err(CallFailed::closed_connection()), None);
+        assert!(matches!(r, Err(RpcError::ConnectionLost { .. })), "{r:?}");
+        assert_eq!(fate, Fate::NeverDecoded);
+        let unencodable = CallFailed::NotSent {
+            cause: io(std::io::ErrorKind::InvalidData),
+            broken: false,
+        };
+        let (r, _) = decide_now(Err(unencodable), None);
+        assert!(matches!(r, Err(RpcError::Transport { .. })), "{r:?}");
+        let lost = CallFailed::Lost(io(std::io::ErrorKind::ConnectionReset));
+        let (r, fate) = decide_now(Err(lost), None);
+        assert!(matches!(r, Err(RpcError::ConnectionLost { .. })), "{r:?}");
+        assert_eq!(fate, Fate::Unknown);
+        let (r, fate) = decide_now(Err(CallFailed::Deadline), None);
+        assert!(matches!(r, Err(RpcError::DeadlineExceeded { .. })), "{r:?}");
+        assert_eq!(fate, Fate::Unknown);
+        let (r, _) = decide_now(Err(CallFailed::Closed), None);
+        assert!(
+            matches!(&r, Err(RpcError::Shutdown { worker, .. }) if worker == "worker0"),
+            "this worker closed: {r:?}"
+        );
+        let refused = || {
+            CallFailed::Refused(tarpc::ServerError::new(
+                std::io::ErrorKind::Other,
+                "x".into(),
+            ))
+        };
+        let (t, now) = timing(Some(Duration::from_secs(1)));
+        let (r, _) = decide::<Ping>(NAMES, None, Err(refused()), t, now);
+        assert!(matches!(r, Err(RpcError::Transport { .. })), "{r:?}");
+        let late = now + Duration::from_secs(2);
+        let (r, _) = decide::<Ping>(NAMES, None, Err(refused()), t, late);
+        assert!(matches!(r, Err(RpcError::DeadlineExceeded { .. })), "{r:?}");
+    }
 }

@@ -6,13 +6,15 @@
 use std::future::Future;
 use std::time::Instant;
 
-use super::cancel::Detach;
 use super::plan::{self, Outgoing};
 use super::reply::{self, InFlight, Sent};
-use crate::agent::Agent;
+use crate::cancel::Detach;
+use std::sync::Arc;
+
 use crate::error::RpcError;
 use crate::net::{MuxClient, NO_DEADLINE};
 use crate::registry::RemoteFn;
+use crate::state::Inner;
 use crate::wire::{KeepTarget, WireBlob};
 
 /// A call as it was made: refused, queued on its connection (its arguments kept alive until
@@ -53,21 +55,21 @@ enum Queued {
 /// the caller may drop the future before it ends (see `cancel.rs`); `rpc_sync` drives it to
 /// the end and says so, which spares a task.
 pub(super) fn start_remote<F: RemoteFn, O: serde::de::DeserializeOwned + Send + 'static>(
-    agent: &Agent,
+    w: &Arc<Inner>,
     out: Outgoing,
     args: F::Args,
     keep: Option<KeepTarget>,
     droppable: bool,
 ) -> Started<F::Args, O> {
-    agent.inner.net.spin.touch();
-    match queue_now::<F>(agent, out, keep, droppable) {
-        Queued::Now(Ok(q)) => Started::Queued(reply::await_reply::<F, O>(agent, q), args),
+    w.net.spin.touch();
+    match queue_now::<F>(w, out, keep, droppable) {
+        Queued::Now(Ok(q)) => Started::Queued(reply::await_reply::<F, O>(w, q), args),
         Queued::Now(Err(e)) => Started::Failed(e),
         Queued::Later(out, keep) => {
-            let agent = agent.clone();
+            let w = Arc::clone(w);
             Started::Later(Box::pin(async move {
-                let r = match queue_later::<F>(&agent, out, keep, droppable).await {
-                    Ok(q) => reply::await_reply::<F, O>(&agent, q).await,
+                let r = match queue_later::<F>(&w, out, keep, droppable).await {
+                    Ok(q) => reply::await_reply::<F, O>(&w, q).await,
                     Err(e) => Err(e),
                 };
                 drop(args);
@@ -81,12 +83,12 @@ pub(super) fn start_remote<F: RemoteFn, O: serde::de::DeserializeOwned + Send + 
 /// connection is up, every blob rides inside the envelope); otherwise gives it back
 /// (`Later`).
 fn queue_now<F: RemoteFn>(
-    agent: &Agent,
+    w: &Arc<Inner>,
     out: Outgoing,
     keep: Option<KeepTarget>,
     droppable: bool,
 ) -> Queued {
-    let net = &agent.inner.net;
+    let net = &w.net;
     let Some((gen, client)) = net.peers[out.to as usize].current() else {
         return Queued::Later(out, keep);
     };
@@ -100,25 +102,23 @@ fn queue_now<F: RemoteFn>(
     };
     // Until the request is queued, an error drops `out`, which gives back what its
     // arguments lent (`unsent`): the callee cannot have read them.
-    if let Err(e) = plan::check_frame::<F>(agent, &out.payload, &blobs) {
+    if let Err(e) = plan::check_frame::<F>(w, &out.payload, &blobs) {
         return Queued::Now(Err(e));
     }
-    Queued::Now(Ok(queue::<F>(
-        agent, out, blobs, gen, client, keep, droppable,
-    )))
+    Queued::Now(Ok(queue::<F>(w, out, blobs, gen, client, keep, droppable)))
 }
 
 /// [`queue_now`]'s other path: sends the bulk blobs and dials the connection if need be,
 /// bounded by the deadline too (a peer that stopped reading must not hold the caller past it),
 /// then queues the call.
 async fn queue_later<F: RemoteFn>(
-    agent: &Agent,
+    w: &Arc<Inner>,
     mut out: Outgoing,
     keep: Option<KeepTarget>,
     droppable: bool,
 ) -> Result<InFlight, RpcError> {
     let (to, timing) = (out.to, out.timing);
-    let net = &agent.inner.net;
+    let net = &w.net;
     let blobs = std::mem::take(&mut out.blobs);
     let payload = &out.payload;
     let setup = async {
@@ -130,7 +130,7 @@ async fn queue_later<F: RemoteFn>(
                 worker: net.directory().name(to).to_owned(),
                 source: e.into(),
             })?;
-        plan::check_frame::<F>(agent, payload, &blobs)?;
+        plan::check_frame::<F>(w, payload, &blobs)?;
         let (gen, client) = net.control(to).await?;
         Ok::<_, RpcError>((blobs, gen, client))
     };
@@ -138,19 +138,18 @@ async fn queue_later<F: RemoteFn>(
         None => setup.await,
         Some(d) => tokio::time::timeout_at(d.into(), setup)
             .await
-            .unwrap_or_else(|_| Err(reply::deadline_exceeded::<F>(agent, to, timing))),
+            .unwrap_or_else(|_| Err(reply::deadline_exceeded::<F>(w, to, timing))),
     };
     if let Err(RpcError::Unreachable { .. }) = &set_up {
-        reply::verdict(agent, to).await;
+        reply::verdict(w, to).await;
     }
-    let (blobs, gen, client) =
-        set_up.map_err(|e| reply::peer_failed::<F>(agent, to).unwrap_or(e))?;
-    Ok(queue::<F>(agent, out, blobs, gen, client, keep, droppable))
+    let (blobs, gen, client) = set_up.map_err(|e| plan::peer_failed::<F>(w, to).unwrap_or(e))?;
+    Ok(queue::<F>(w, out, blobs, gen, client, keep, droppable))
 }
 
 /// Queues `out` (its bulk blobs already sent, as `blobs`) on connection `gen`.
 fn queue<F: RemoteFn>(
-    agent: &Agent,
+    w: &Arc<Inner>,
     out: Outgoing,
     blobs: Vec<WireBlob>,
     gen: u64,
@@ -169,7 +168,7 @@ fn queue<F: RemoteFn>(
     } = out;
     // A call its caller may drop is cancelled by message, and its reply is always read, so
     // that what its arguments or its result lent is accounted for (see `cancel.rs`).
-    let cancel_id = droppable.then(|| agent.inner.caller.next_cancel_id());
+    let cancel_id = droppable.then(|| w.caller.next_cancel_id());
     let req = plan::envelope::<F>(timing.depth, payload, blobs, keep, meta, cancel_id);
     // Dropped from here on without a verdict (the outcome is unknown), `lent` runs nothing.
     let sent = Sent {

@@ -25,165 +25,91 @@
 //!   rank 0 failed waits, within the barrier's timeout, for rank 0's next incarnation and
 //!   arrives at its barrier instead.
 
+pub(crate) mod state;
+
 use std::collections::BTreeSet;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
-use tokio::sync::oneshot;
 
-use crate::agent::Agent;
-use crate::context::CallContext;
-use crate::error::{BoxError, RpcError};
+use crate::error::{BoxError, LeaveError, RpcError};
+use crate::net::PeerState;
 use crate::registry::RemoteFn;
+use crate::rendezvous::Report;
+use crate::state::{Agent, CallContext};
 
-/// What [`Agent::shutdown`] did.
-#[derive(Clone, Debug)]
-#[non_exhaustive]
-pub struct ShutdownReport {
-    /// `Ok` if every worker reached the shutdown barrier; otherwise why not (missing ranks,
-    /// unreachable rank 0).
-    pub barrier: Result<(), String>,
-    /// Incoming calls still running when draining began.
-    pub in_flight: usize,
-    /// Incoming calls aborted because draining timed out.
-    pub aborted: usize,
-    /// Total time taken.
-    pub elapsed: Duration,
-}
+pub use state::ShutdownReport;
 
-impl ShutdownReport {
-    /// The barrier completed and nothing was aborted.
-    pub fn is_clean(&self) -> bool {
-        self.barrier.is_ok() && self.aborted == 0
-    }
-}
-
-/// A worker's shutdown state: rank 0's barrier and the report of the first shutdown.
-pub(crate) struct State {
-    /// Bound on each phase unless a caller gives its own.
-    pub timeout: Duration,
-    /// A failed rank 0 is replaced by a launcher: wait for its replacement's barrier (AG-7).
-    follow_rank0: bool,
-    barrier: Mutex<Barrier>,
-    report: tokio::sync::OnceCell<ShutdownReport>,
-}
-
-#[derive(Default)]
-struct Barrier {
-    /// Ranks that reached the barrier.
-    arrived: BTreeSet<u32>,
-    /// Ranks declared failed before they did (they will not come; shutdown skips them).
-    excused: BTreeSet<u32>,
-    /// Ranks that left the running group (they will not come, and that is no failure).
-    departed: BTreeSet<u32>,
-    waiters: Vec<oneshot::Sender<Result<(), Vec<u32>>>>,
-    /// Set when rank 0 gave up waiting: the ranks that never arrived.
-    failed: Option<Vec<u32>>,
-}
-
-impl Barrier {
-    /// Every rank arrived or was excused: the waiters learn which were excused, if any.
-    fn release_if_complete(&mut self, world: usize) {
-        let done = (0..world as u32)
-            .filter(|r| {
-                self.arrived.contains(r) || self.excused.contains(r) || self.departed.contains(r)
-            })
-            .count();
-        if done < world {
-            return;
+impl Agent {
+    /// Leaves the running group gracefully while the others go on: the layers above finish
+    /// their protocol traffic (shutdown hooks), the rendezvous tells every member (their
+    /// calls to this worker are refused from then on with
+    /// [`RpcError::PeerLeft`], and their shutdown does not wait for it), calls in flight
+    /// drain, then connections close. Later calls of [`Agent::shutdown`] return this report.
+    /// Each step is bounded by the shutdown timeout.
+    ///
+    /// Rank 0 cannot leave (it hosts the shutdown barrier).
+    pub async fn leave(&self) -> Result<ShutdownReport, LeaveError> {
+        let worker = self.name().to_owned();
+        if self.rank() == 0 {
+            return Err(LeaveError::RankZero { worker });
         }
-        let excused: Vec<u32> = self.excused.iter().copied().collect();
-        for tx in self.waiters.drain(..) {
-            let _ = tx.send(if excused.is_empty() {
-                Ok(())
-            } else {
-                Err(excused.clone())
-            });
+        if self.is_shutting_down() {
+            return Err(LeaveError::ShuttingDown { worker });
         }
-    }
-}
-
-impl State {
-    pub(crate) fn new(timeout: Duration, follow_rank0: bool) -> Self {
-        Self {
-            timeout,
-            follow_rank0,
-            barrier: Mutex::new(Barrier::default()),
-            report: tokio::sync::OnceCell::new(),
+        let timeout = self.inner.shutdown.timeout;
+        let hooks = self.inner.layers.shutdown_hooks();
+        if tokio::time::timeout(timeout, futures::future::join_all(hooks))
+            .await
+            .is_err()
+        {
+            tracing::warn!(worker = %worker, "shutdown hooks did not finish in time");
         }
-    }
-
-    fn barrier(&self) -> std::sync::MutexGuard<'_, Barrier> {
-        self.barrier.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// The ranks of a group of `world` that have neither reached the barrier nor been
-    /// declared failed.
-    fn missing(&self, world: u32) -> Vec<u32> {
-        let b = self.barrier();
-        (0..world)
-            .filter(|r| !b.arrived.contains(r) && !b.excused.contains(r) && !b.departed.contains(r))
-            .collect()
-    }
-
-    /// Rank 0's side of the barrier: waits until all `world` ranks have arrived or been
-    /// declared failed (then fails naming those, AG-6), or until rank 0 gives up (then fails
-    /// with the missing ranks).
-    async fn arrive(&self, rank: u32, world: usize) -> Result<(), Vec<u32>> {
-        let rx = {
-            let mut b = self.barrier();
-            if let Some(missing) = &b.failed {
-                return Err(missing.clone());
+        // Peers' detectors first hear that this worker is leaving (they stop watching it), so
+        // none takes its departure for a failure before the rendezvous's word reaches it.
+        self.inner.net.leave().await;
+        if self.inner.reports.send(Report::Leaving).await.is_err() {
+            return Err(LeaveError::NoRendezvous { worker });
+        }
+        // The rendezvous's echo of the leave is its acknowledgement.
+        let membership = &self.inner.net.membership;
+        let me = self.rank();
+        let confirmed = tokio::time::timeout(timeout, async {
+            let mut changes = self.watch_membership();
+            while membership.state(me) != PeerState::Left {
+                if changes.next().await.is_none() {
+                    return false;
+                }
             }
-            b.arrived.insert(rank);
-            let (tx, rx) = oneshot::channel();
-            b.waiters.push(tx);
-            b.release_if_complete(world);
-            rx
-        };
-        rx.await.unwrap_or(Ok(()))
-    }
-
-    /// `rank` was declared failed: the barrier does not wait for it (AG-6).
-    pub(crate) fn excuse(&self, rank: u32, world: usize) {
-        let mut b = self.barrier();
-        if !b.arrived.contains(&rank) {
-            b.excused.insert(rank);
-            b.release_if_complete(world);
+            true
+        })
+        .await;
+        match confirmed {
+            Ok(true) => Ok(leave(self, timeout).await),
+            Ok(false) => Err(LeaveError::NoRendezvous { worker }),
+            Err(_) => Err(LeaveError::Unconfirmed { worker, timeout }),
         }
     }
 
-    /// `rank` left the running group: the barrier does not wait for it, and that is no
-    /// failure.
-    pub(crate) fn depart(&self, rank: u32, world: usize) {
-        let mut b = self.barrier();
-        if !b.arrived.contains(&rank) {
-            b.excused.remove(&rank);
-            b.departed.insert(rank);
-            b.release_if_complete(world);
-        }
+    /// Whether shutdown has begun.
+    pub fn is_shutting_down(&self) -> bool {
+        self.inner.life.is_stopping()
     }
 
-    /// A new incarnation holds `rank`: the barrier waits for it again (unless it already
-    /// released).
-    pub(crate) fn readmit(&self, rank: u32) {
-        let mut b = self.barrier();
-        b.excused.remove(&rank);
-        b.departed.remove(&rank);
-        // A previous incarnation that arrived and then failed does not stand in for it.
-        b.arrived.remove(&rank);
+    /// Leaves the group gracefully: a group-wide barrier (every worker has called shutdown),
+    /// then new calls are refused while calls in flight finish, then connections close.
+    /// Each phase is bounded by the shutdown timeout, so a worker whose peers vanished still
+    /// returns. Idempotent: later calls return the first call's report.
+    ///
+    /// # Cancel safety
+    /// Cancel safe in the sense that a later call resumes and finishes the same shutdown.
+    pub async fn shutdown(&self) -> ShutdownReport {
+        shutdown(self, self.inner.shutdown.timeout).await
     }
 
-    /// Rank 0 gives up on the barrier: every waiter learns which ranks never arrived.
-    fn fail(&self, world: u32) -> Vec<u32> {
-        let mut b = self.barrier();
-        let missing: Vec<u32> = (0..world)
-            .filter(|r| !b.arrived.contains(r) && !b.departed.contains(r))
-            .collect();
-        b.failed = Some(missing.clone());
-        for tx in b.waiters.drain(..) {
-            let _ = tx.send(Err(missing.clone()));
-        }
-        missing
+    /// [`Agent::shutdown`] with `timeout` per phase instead of the configured one: after a
+    /// failure, a worker leaves quickly instead of waiting out the group's generous timeout
+    /// for traffic with peers that are gone. Only the first call of either decides.
+    pub async fn shutdown_within(&self, timeout: Duration) -> ShutdownReport {
+        shutdown(self, timeout).await
     }
 }
 

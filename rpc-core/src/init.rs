@@ -1,0 +1,166 @@
+//! Forming the group: [`init`] binds this worker's listeners, meets every peer at the
+//! rendezvous, builds the worker's state ([`Inner`]) and starts serving.
+
+use std::sync::Arc;
+
+use tokio::sync::mpsc;
+
+use crate::config::Config;
+use crate::error::InitError;
+use crate::group::Group;
+use crate::layers::Layers;
+use crate::lifecycle::Lifecycle;
+use crate::net::{Directory, Net, Standing, WorkerFailed};
+use crate::rendezvous::{self, Join, RendezvousServer, Report};
+use crate::shutdown::state::State as ShutdownState;
+use crate::state::{Agent, Callee, Caller, Inner, Registry};
+
+/// Forms the group: binds this worker's listener, meets every peer at the rendezvous, and
+/// starts serving `registry`. Returns once every rank is known.
+///
+/// Must run inside a Tokio runtime; the agent's tasks run on it.
+///
+/// # Cancel safety
+/// Not cancel safe: dropping the future mid-way leaves this rank missing from the rendezvous,
+/// which then fails for the other ranks with this rank named.
+pub async fn init(config: Config, mut registry: Registry) -> Result<Agent, InitError> {
+    let cfg = config.resolve()?;
+    // The framework's own functions.
+    registry.insert_internal::<crate::dispatch::CancelCall>();
+    registry.insert_internal::<crate::shutdown::ShutdownBarrier>();
+    let net_cfg = &cfg.net;
+    let bind_error = |source| InitError::Bind {
+        addr: cfg.listen_addr.clone(),
+        source,
+    };
+    let listener = net_cfg
+        .transport
+        .bind(&cfg.listen_addr)
+        .await
+        .map_err(bind_error)?;
+    let my_addr = listener.local_addr().map_err(bind_error)?;
+    // The failure detector's own listener, on the same host, served by its own thread.
+    let heartbeats = if net_cfg.heartbeat_interval.is_zero() {
+        None
+    } else {
+        let host = cfg.listen_addr.rsplit_once(':').map_or("", |(h, _)| h);
+        let addr = format!("{host}:0");
+        let l = net_cfg
+            .transport
+            .bind_detached(&addr)
+            .map_err(|source| InitError::Bind { addr, source })?;
+        Some(l)
+    };
+    let heartbeat_addr = match &heartbeats {
+        Some(l) => l.local_addr().map_err(bind_error)?,
+        None => String::new(),
+    };
+    let server = if cfg.serve_rendezvous {
+        let (t, secret) = (&net_cfg.transport, net_cfg.secret.clone());
+        Some(RendezvousServer::start(t, &cfg.rendezvous, secret, cfg.size, cfg.init_timeout).await?)
+    } else {
+        None
+    };
+    let join = Join {
+        name: cfg.name.clone(),
+        rank: net_cfg.rank,
+        size: cfg.size,
+        addr: my_addr,
+        heartbeat: heartbeat_addr,
+        replace: cfg.replace,
+    };
+    let (view, link) = rendezvous::join(
+        &net_cfg.transport,
+        &cfg.rendezvous,
+        &net_cfg.secret,
+        net_cfg.protection,
+        join,
+        cfg.init_timeout,
+    )
+    .await?;
+    let me = net_cfg.rank;
+    let mut net_cfg = cfg.net;
+    net_cfg.incarnation = view.members[me as usize].endpoint.incarnation;
+    let standing: Vec<_> = view.members.iter().map(|m| m.standing.clone()).collect();
+    let directory = Arc::new(Directory::new(
+        view.members
+            .into_iter()
+            .map(|m| (m.standing != Standing::Vacant).then_some(m.endpoint))
+            .collect(),
+    ));
+    let life = Arc::new(Lifecycle::new());
+    // Bounded: reports are a worker's few verdicts and one leave; one that finds the queue
+    // full is dropped (the rendezvous hears of it from another member).
+    let (reports, reports_rx) = mpsc::channel(256);
+    let incarnation = net_cfg.incarnation;
+    let inner = Arc::new(Inner {
+        group: Group::new(me, Arc::clone(&directory)),
+        callee: Callee::new(registry, cfg.max_concurrent_calls),
+        caller: Caller::new(cfg.rpc_timeout, cfg.sync_connections),
+        layers: Layers::default(),
+        shutdown: ShutdownState::new(cfg.shutdown_timeout, cfg.replaced_on_failure),
+        net: Arc::new(Net::new(
+            net_cfg,
+            directory,
+            Arc::clone(&life),
+            view.generation,
+            &standing,
+        )),
+        life,
+        reports,
+        rendezvous: std::sync::Mutex::new(server),
+    });
+    {
+        let world = inner.group.size();
+        // The barrier waits for no rank that is vacant, left or failed as this worker joins.
+        for (r, st) in standing.iter().enumerate() {
+            match st {
+                Standing::Vacant | Standing::Left => inner.shutdown.depart(r as u32, world),
+                Standing::Failed(_) => inner.shutdown.excuse(r as u32, world),
+                Standing::Alive => {}
+            }
+        }
+        // AG-6: the shutdown barrier does not wait for a worker declared failed.
+        let weak = Arc::downgrade(&inner);
+        inner
+            .net
+            .membership
+            .on_failure(Arc::new(move |f: &WorkerFailed| {
+                if let Some(inner) = weak.upgrade() {
+                    inner.shutdown.excuse(f.rank, world);
+                    // The group hears of this worker's verdicts (RDV-3).
+                    if f.rank != me {
+                        let _ = inner.reports.try_send(Report::Failed {
+                            rank: f.rank,
+                            incarnation: f.incarnation,
+                            cause: f.cause.clone(),
+                        });
+                    }
+                }
+            }));
+        // A rank that left does not come to the barrier; a new incarnation of one does.
+        let weak = Arc::downgrade(&inner);
+        inner.net.membership.on_left(Arc::new(move |rank| {
+            if let Some(inner) = weak.upgrade() {
+                inner.shutdown.depart(rank, world);
+            }
+        }));
+        let weak = Arc::downgrade(&inner);
+        inner.net.membership.on_rejoin(Arc::new(move |rank| {
+            if let Some(inner) = weak.upgrade() {
+                inner.shutdown.readmit(rank);
+            }
+        }));
+    }
+    tokio::spawn(rendezvous::follow(
+        link,
+        Arc::clone(&inner.net.membership),
+        reports_rx,
+        Arc::clone(&inner.life),
+        me,
+    ));
+    inner.net.serve(listener, Arc::clone(&inner), heartbeats);
+    let agent = Agent { inner };
+    tracing::info!(worker = %agent.name(), rank = agent.rank(), incarnation, world = agent.world_size(), "joined group");
+    Ok(agent)
+}

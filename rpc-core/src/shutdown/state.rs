@@ -1,0 +1,160 @@
+//! A worker's shutdown state: rank 0's barrier (who arrived, who was excused for failing or
+//! leaving, who waits) and the report of the first shutdown. Plain state; the phases that
+//! drive it are in `shutdown/mod.rs`.
+
+use std::collections::BTreeSet;
+use std::sync::Mutex;
+use std::time::Duration;
+use tokio::sync::oneshot;
+
+/// What [`Agent::shutdown`] did.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct ShutdownReport {
+    /// `Ok` if every worker reached the shutdown barrier; otherwise why not (missing ranks,
+    /// unreachable rank 0).
+    pub barrier: Result<(), String>,
+    /// Incoming calls still running when draining began.
+    pub in_flight: usize,
+    /// Incoming calls aborted because draining timed out.
+    pub aborted: usize,
+    /// Total time taken.
+    pub elapsed: Duration,
+}
+
+impl ShutdownReport {
+    /// The barrier completed and nothing was aborted.
+    pub fn is_clean(&self) -> bool {
+        self.barrier.is_ok() && self.aborted == 0
+    }
+}
+
+/// A worker's shutdown state: rank 0's barrier and the report of the first shutdown.
+pub(crate) struct State {
+    /// Bound on each phase unless a caller gives its own.
+    pub timeout: Duration,
+    /// A failed rank 0 is replaced by a launcher: wait for its replacement's barrier (AG-7).
+    pub follow_rank0: bool,
+    barrier: Mutex<Barrier>,
+    pub report: tokio::sync::OnceCell<ShutdownReport>,
+}
+
+#[derive(Default)]
+struct Barrier {
+    /// Ranks that reached the barrier.
+    arrived: BTreeSet<u32>,
+    /// Ranks declared failed before they did (they will not come; shutdown skips them).
+    excused: BTreeSet<u32>,
+    /// Ranks that left the running group (they will not come, and that is no failure).
+    departed: BTreeSet<u32>,
+    waiters: Vec<oneshot::Sender<Result<(), Vec<u32>>>>,
+    /// Set when rank 0 gave up waiting: the ranks that never arrived.
+    failed: Option<Vec<u32>>,
+}
+
+impl Barrier {
+    /// Every rank arrived or was excused: the waiters learn which were excused, if any.
+    fn release_if_complete(&mut self, world: usize) {
+        let done = (0..world as u32)
+            .filter(|r| {
+                self.arrived.contains(r) || self.excused.contains(r) || self.departed.contains(r)
+            })
+            .count();
+        if done < world {
+            return;
+        }
+        let excused: Vec<u32> = self.excused.iter().copied().collect();
+        for tx in self.waiters.drain(..) {
+            let _ = tx.send(if excused.is_empty() {
+                Ok(())
+            } else {
+                Err(excused.clone())
+            });
+        }
+    }
+}
+
+impl State {
+    pub(crate) fn new(timeout: Duration, follow_rank0: bool) -> Self {
+        Self {
+            timeout,
+            follow_rank0,
+            barrier: Mutex::new(Barrier::default()),
+            report: tokio::sync::OnceCell::new(),
+        }
+    }
+
+    fn barrier(&self) -> std::sync::MutexGuard<'_, Barrier> {
+        self.barrier.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The ranks of a group of `world` that have neither reached the barrier nor been
+    /// declared failed.
+    pub(crate) fn missing(&self, world: u32) -> Vec<u32> {
+        let b = self.barrier();
+        (0..world)
+            .filter(|r| !b.arrived.contains(r) && !b.excused.contains(r) && !b.departed.contains(r))
+            .collect()
+    }
+
+    /// Rank 0's side of the barrier: waits until all `world` ranks have arrived or been
+    /// declared failed (then fails naming those, AG-6), or until rank 0 gives up (then fails
+    /// with the missing ranks).
+    pub(crate) async fn arrive(&self, rank: u32, world: usize) -> Result<(), Vec<u32>> {
+        let rx = {
+            let mut b = self.barrier();
+            if let Some(missing) = &b.failed {
+                return Err(missing.clone());
+            }
+            b.arrived.insert(rank);
+            let (tx, rx) = oneshot::channel();
+            b.waiters.push(tx);
+            b.release_if_complete(world);
+            rx
+        };
+        rx.await.unwrap_or(Ok(()))
+    }
+
+    /// `rank` was declared failed: the barrier does not wait for it (AG-6).
+    pub(crate) fn excuse(&self, rank: u32, world: usize) {
+        let mut b = self.barrier();
+        if !b.arrived.contains(&rank) {
+            b.excused.insert(rank);
+            b.release_if_complete(world);
+        }
+    }
+
+    /// `rank` left the running group: the barrier does not wait for it, and that is no
+    /// failure.
+    pub(crate) fn depart(&self, rank: u32, world: usize) {
+        let mut b = self.barrier();
+        if !b.arrived.contains(&rank) {
+            b.excused.remove(&rank);
+            b.departed.insert(rank);
+            b.release_if_complete(world);
+        }
+    }
+
+    /// A new incarnation holds `rank`: the barrier waits for it again (unless it already
+    /// released).
+    pub(crate) fn readmit(&self, rank: u32) {
+        let mut b = self.barrier();
+        b.excused.remove(&rank);
+        b.departed.remove(&rank);
+        // A previous incarnation that arrived and then failed does not stand in for it.
+        b.arrived.remove(&rank);
+    }
+
+    /// Rank 0 gives up on the barrier: every waiter learns which ranks never arrived.
+    pub(crate) fn fail(&self, world: u32) -> Vec<u32> {
+        let mut b = self.barrier();
+        let missing: Vec<u32> = (0..world)
+            .filter(|r| !b.arrived.contains(r) && !b.departed.contains(r))
+            .collect();
+        b.failed = Some(missing.clone());
+        for tx in b.waiters.drain(..) {
+            let _ = tx.send(Err(missing.clone()));
+        }
+        missing
+    }
+}
