@@ -52,11 +52,23 @@ impl<'de> Deserialize<'de> for Parameter {
 /// a [`DistributedOptimizer`] (PyTorch's `parameter_rrefs()`). The references share the
 /// variables: optimizer steps update the shard's model in place.
 ///
+/// Give the variables in an order that is the same on every run and every process (a data
+/// parallel replica's included): the optimizer's state, its checkpoints and the replicas'
+/// gradient buckets refer to parameters by position. `candle_nn::VarMap::all_vars` is in hash
+/// order, which is not; sort by name:
+///
 /// ```
-/// # async fn demo(agent: rpc_core::Agent) {
-/// let varmap = candle_nn::VarMap::new();
-/// let refs = autograd_dist::parameter_rrefs(&agent, varmap.all_vars());
-/// # }
+/// # async fn demo(agent: rpc_core::Agent) -> candle_core::Result<()> {
+/// use candle_nn::{linear, VarBuilder, VarMap};
+/// let varmap = VarMap::new();
+/// let vb = VarBuilder::from_varmap(&varmap, candle_core::DType::F32, &candle_core::Device::Cpu);
+/// let _fc1 = linear(64, 32, vb.pp("fc1"))?;
+/// let _fc2 = linear(32, 8, vb.pp("fc2"))?;
+/// let mut named: Vec<_> = varmap.data().lock().unwrap().clone().into_iter().collect();
+/// named.sort_by(|a, b| a.0.cmp(&b.0)); // fc1.bias, fc1.weight, fc2.bias, fc2.weight
+/// let refs = autograd_dist::parameter_rrefs(&agent, named.into_iter().map(|(_, v)| v));
+/// assert_eq!(refs.len(), 4);
+/// # Ok(()) }
 /// ```
 pub fn parameter_rrefs(agent: &Agent, vars: impl IntoIterator<Item = Var>) -> Vec<RRef<Parameter>> {
     vars.into_iter()

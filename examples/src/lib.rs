@@ -132,18 +132,25 @@ pub async fn serve_through_failures(registry: Registry, timeout: Duration) -> Re
     check_shutdown(&agent, &report)
 }
 
-/// Joins the group the environment describes and serves until it shuts down.
+/// Joins the group the environment describes and serves until the whole group shuts down
+/// (`Agent::wait_for_group`: however long the master trains).
 async fn serve(
     registry: Registry,
     timeout: Duration,
 ) -> Result<(rpc_core::Agent, rpc_core::ShutdownReport)> {
     let cfg = Config::new()
         .with_shutdown_timeout(timeout)
-        .with_rpc_timeout(timeout);
+        .with_rpc_timeout(timeout)
+        .with_signal_grace(SIGNAL_GRACE);
     let agent = rpc_core::init(cfg, registry).await?;
-    let report = agent.shutdown().await;
+    let report = agent.wait_for_group().await;
     Ok((agent, report))
 }
+
+/// How long a launched process of a training example goes on after its launcher's SIGTERM
+/// (`Config::signal_grace`): long enough for the master to report the failure that made the
+/// launcher stop the group, short of the launcher's 5 s before SIGKILL.
+pub const SIGNAL_GRACE: Duration = Duration::from_secs(3);
 
 /// Checks a shutdown report of a program that survives failures: nothing aborted, and a
 /// barrier that is incomplete only when the group has declared some worker failed.

@@ -349,6 +349,14 @@ fn a_failed_worker_ends_the_run(name: &str, sig: i32, within: Duration) {
         stderr.contains(named),
         "the failed worker is named: {stderr}"
     );
+    // The master reports the failure as its own error (it stops in order on the launcher's
+    // SIGTERM instead of dying of it), naming the worker.
+    assert!(
+        stderr
+            .lines()
+            .any(|l| l.starts_with("hybrid-rnn: error:") && l.contains("worker1")),
+        "the master's error names the worker: {stderr}"
+    );
     assert!(!stderr.contains("panicked"), "{stderr}");
     for (rank, pid) in ranks {
         assert!(!alive(pid), "rank {rank} (pid {pid}) outlived the run");

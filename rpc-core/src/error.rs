@@ -212,7 +212,36 @@ pub enum RpcError {
         /// The function called.
         fn_name: String,
     },
-    /// The connection to the peer closed while the call was in flight.
+    /// The callee shut down (it told the group so, with the rest of a group's shutdown or
+    /// when its own shutdown gave up waiting) and no longer serves: a call to it found its
+    /// connection closed. A worker that only serves should wait for the whole group with
+    /// [`Agent::wait_for_group`](crate::Agent::wait_for_group).
+    #[error(
+        "worker `{worker}` has shut down (it said so before closing), so `{fn_name}` cannot be \
+         called on it"
+    )]
+    PeerShutDown {
+        /// The worker that shut down.
+        worker: String,
+        /// The function called.
+        fn_name: String,
+    },
+    /// This worker is stopping on a signal (see
+    /// [`Config::signal_grace`](crate::Config::signal_grace)): a launcher stops every process
+    /// of a group once one has failed, so the call was not made.
+    #[error(
+        "worker `{worker}` is stopping on {signal} (its launcher stops the group once a process \
+         has failed), so `{fn_name}` was not called"
+    )]
+    Stopped {
+        /// This worker's name.
+        worker: String,
+        /// The function that was to be called.
+        fn_name: String,
+        /// The signal's name.
+        signal: String,
+    },
+    /// The connection to the callee closed while the call was in flight.
     #[error("connection to worker `{worker}` closed during call to `{fn_name}`")]
     ConnectionLost {
         /// Callee name.

@@ -160,6 +160,10 @@ pub async fn init(config: Config, mut registry: Registry) -> Result<Agent, InitE
         me,
     ));
     inner.net.serve(listener, Arc::clone(&inner), heartbeats);
+    if let Some(grace) = cfg.signal_grace {
+        crate::signals::watch(Arc::downgrade(&inner), grace)
+            .map_err(|source| InitError::Config(format!("cannot watch signals: {source}")))?;
+    }
     let agent = Agent { inner };
     tracing::info!(worker = %agent.name(), rank = agent.rank(), incarnation, world = agent.world_size(), "joined group");
     Ok(agent)

@@ -91,6 +91,7 @@ mod net;
 mod registry;
 mod rendezvous;
 mod shutdown;
+mod signals;
 mod state;
 pub mod testing;
 mod wire;
@@ -100,8 +101,8 @@ pub use call::wait_all;
 pub use config::{
     launched_rank, launched_restart_count, Config, FAILURE_TIMEOUT_ENV, HEARTBEAT_INTERVAL_ENV,
     MASTER_ADDR_ENV, MASTER_PORT_ENV, MAX_WORLD_SIZE_ENV, RANK_ENV, RESTART_COUNT_ENV,
-    RESTART_MODE_ENV, SERVE_RENDEZVOUS_ENV, TORCHRUN_AGENT_STORE_ENV, WIRE_PROTECTION_ENV,
-    WORLD_SIZE_ENV,
+    RESTART_MODE_ENV, SERVE_RENDEZVOUS_ENV, SIGNAL_GRACE_ENV, TORCHRUN_AGENT_STORE_ENV,
+    WIRE_PROTECTION_ENV, WORLD_SIZE_ENV,
 };
 pub use context::{spawn, spawn_blocking, CallScope};
 pub use error::{

@@ -3,6 +3,7 @@
 //! serving, and to count what is in flight; the agent moves it from one state to the next.
 
 use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::OnceLock;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -21,6 +22,8 @@ pub(crate) struct Lifecycle {
     pub calls: TaskTracker,
     /// Connection tasks (waited for in phase 3).
     pub conns: TaskTracker,
+    /// The signal this worker is stopping on, once its grace is over (see `signals.rs`).
+    pub signalled: OnceLock<&'static str>,
 }
 
 impl Lifecycle {
@@ -31,6 +34,7 @@ impl Lifecycle {
             stop: CancellationToken::new(),
             calls: TaskTracker::new(),
             conns: TaskTracker::new(),
+            signalled: OnceLock::new(),
         }
     }
 

@@ -123,8 +123,6 @@ pub struct Failure {
     pub what: String,
 }
 
-/// A group of processes to start and supervise. Build it with [`Launch::new`] and the
-/// setters, then [`Launch::run`] it.
 /// What is restarted after a failure.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -149,6 +147,9 @@ impl std::str::FromStr for Restart {
     }
 }
 
+/// A group of processes to start and supervise. Build it with [`Launch::new`] and the
+/// setters, then [`Launch::run`] it (not from inside an async runtime: it blocks, and it
+/// runs a runtime of its own for the rendezvous when it hosts one).
 #[derive(Clone, Debug)]
 pub struct Launch {
     program: PathBuf,

@@ -47,7 +47,7 @@ pub(crate) fn rpc_sync<F: RemoteFn>(
             // The thread writes and reads its own connection (see `net/blocking.rs`).
             let timing = plan::timing::<F>(w, timeout, current_scope())?;
             let conn = w.net.sync_conn(rank, timing.deadline);
-            let conn = conn.map_err(|e| plan::peer_failed::<F>(w, rank).unwrap_or(e.into()))?;
+            let conn = conn.map_err(|e| plan::peer_gone::<F>(w, rank).unwrap_or(e.into()))?;
             if let Some(conn) = conn {
                 return on_thread::<F>(w, conn, rank, args, timing);
             }

@@ -119,6 +119,15 @@ pub(super) fn timing<F: RemoteFn>(
     };
     let depth = scope.map_or(0, |s| s.depth);
     let life = &w.life;
+    if let Some(signal) = life.signalled.get() {
+        if depth == 0 && !F::NAME.starts_with("rpc_core::") {
+            return Err(RpcError::Stopped {
+                worker: w.name().to_owned(),
+                fn_name: F::NAME.to_owned(),
+                signal: (*signal).to_owned(),
+            });
+        }
+    }
     if life.is_closed() || (depth == 0 && life.is_stopping() && !F::NAME.starts_with("rpc_core::"))
     {
         return Err(RpcError::Shutdown {
@@ -199,5 +208,18 @@ pub(super) fn peer_failed<F: RemoteFn>(w: &Arc<Inner>, to: u32) -> Option<RpcErr
         worker: f.name,
         fn_name: F::NAME.to_owned(),
         cause: f.cause,
+    })
+}
+
+/// The error of a call of `F` to `to` whose connection failed, if the group knows why: `to`
+/// was declared failed, or it shut down (its detector said it was leaving).
+pub(super) fn peer_gone<F: RemoteFn>(w: &Arc<Inner>, to: u32) -> Option<RpcError> {
+    peer_failed::<F>(w, to).or_else(|| {
+        (w.net.membership.state(to) == crate::net::PeerState::Quiet).then(|| {
+            RpcError::PeerShutDown {
+                worker: w.group.worker(to).name.clone(),
+                fn_name: F::NAME.to_owned(),
+            }
+        })
     })
 }

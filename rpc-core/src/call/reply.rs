@@ -131,12 +131,21 @@ pub(super) fn settle<F: RemoteFn>(
         callee: &w.group.worker(to).name,
         me: w.name(),
     };
-    let failed = if reply.is_err() {
-        w.net.membership.failure(to)
-    } else {
-        None
+    let standing = match &reply {
+        Ok(_) => Standing::Live,
+        Err(_) => match w.net.membership.failure(to) {
+            Some(f) => Standing::Failed(f),
+            None if w.net.membership.state(to) == crate::net::PeerState::Quiet => {
+                Standing::ShutDown
+            }
+            None => Standing::Live,
+        },
     };
-    let (result, fate) = decide::<F>(names, failed, reply, timing, Instant::now());
+    let standing = match (standing, w.life.signalled.get()) {
+        (Standing::Live, Some(signal)) => Standing::Stopping(signal),
+        (s, _) => s,
+    };
+    let (result, fate) = decide::<F>(names, standing, reply, timing, Instant::now());
     match fate {
         Fate::Answered => lent.answered(),
         Fate::NeverDecoded => lent.never_decoded(),
@@ -151,6 +160,17 @@ pub(super) fn settle<F: RemoteFn>(
 struct Names<'a> {
     callee: &'a str,
     me: &'a str,
+}
+
+/// How the callee stands in the group's view, when its call broke.
+enum Standing {
+    Live,
+    /// Declared failed, with the verdict.
+    Failed(crate::net::WorkerFailed),
+    /// It said it was shutting down.
+    ShutDown,
+    /// This worker is stopping on this signal (`signals.rs`).
+    Stopping(&'static str),
 }
 
 /// What became of a call's arguments on the callee, as far as the caller can tell: what the
@@ -173,13 +193,14 @@ enum Fate {
 ///   arguments were read; a refusal before reading them (unknown function, signature
 ///   mismatch, shutting down, busy) means they never were.
 /// - REP-2: whatever broke a call, a callee declared failed is reported as
-///   [`RpcError::PeerFailed`] with its verdict's cause.
+///   [`RpcError::PeerFailed`] with its verdict's cause; a callee that shut down, whose
+///   connection broke, as [`RpcError::PeerShutDown`].
 /// - REP-3: a request never written was never read; one lost after writing, timed out or
 ///   ended by this worker's closing may or may not have been. A refusal that came at or
 ///   after the deadline is the deadline's.
 fn decide<F: RemoteFn>(
     names: Names<'_>,
-    failed: Option<crate::net::WorkerFailed>,
+    standing: Standing,
     reply: Result<CallReply, CallFailed>,
     timing: Timing,
     now: Instant,
@@ -209,12 +230,34 @@ fn decide<F: RemoteFn>(
         Err(f) => f,
     };
     let not_sent = matches!(failure, CallFailed::NotSent { .. });
-    if let Some(f) = failed {
-        let fate = if not_sent {
-            Fate::NeverDecoded
-        } else {
-            Fate::Unknown
-        };
+    let fate = if not_sent {
+        Fate::NeverDecoded
+    } else {
+        Fate::Unknown
+    };
+    let broken = matches!(
+        failure,
+        CallFailed::Lost(_) | CallFailed::NotSent { broken: true, .. }
+    );
+    match standing {
+        Standing::ShutDown if broken => {
+            let e = RpcError::PeerShutDown {
+                worker: worker(),
+                fn_name: F::NAME.to_owned(),
+            };
+            return (Err(e), fate);
+        }
+        Standing::Stopping(signal) if broken => {
+            let e = RpcError::Stopped {
+                worker: names.me.to_owned(),
+                fn_name: F::NAME.to_owned(),
+                signal: signal.to_owned(),
+            };
+            return (Err(e), fate);
+        }
+        _ => {}
+    }
+    if let Standing::Failed(f) = standing {
         let e = RpcError::PeerFailed {
             worker: f.name,
             fn_name: F::NAME.to_owned(),
@@ -254,11 +297,6 @@ fn decide<F: RemoteFn>(
             worker: names.me.to_owned(),
             fn_name: F::NAME.to_owned(),
         }),
-    };
-    let fate = if not_sent {
-        Fate::NeverDecoded
-    } else {
-        Fate::Unknown
     };
     (result, fate)
 }
@@ -423,7 +461,8 @@ mod tests {
         failed: Option<crate::net::WorkerFailed>,
     ) -> (Result<CallOk, RpcError>, Fate) {
         let (t, now) = timing(Some(Duration::from_secs(10)));
-        decide::<Ping>(NAMES, failed, reply, t, now)
+        let standing = failed.map_or(Standing::Live, Standing::Failed);
+        decide::<Ping>(NAMES, standing, reply, t, now)
     }
 
     /// REP-1: answers read the arguments; refusals before reading them did not.
@@ -469,6 +508,11 @@ mod tests {
         assert_eq!(fate, Fate::Unknown);
         let not_sent = Err(CallFailed::closed_connection());
         assert_eq!(decide_now(not_sent, Some(verdict())).1, Fate::NeverDecoded);
+        // A callee that shut down, whose connection broke, is named as such.
+        let (t, now) = timing(None);
+        let lost = Err(CallFailed::Lost(io(std::io::ErrorKind::ConnectionReset)));
+        let (r, _) = decide::<Ping>(NAMES, Standing::ShutDown, lost, t, now);
+        assert!(matches!(r, Err(RpcError::PeerShutDown { .. })), "{r:?}");
     }
 
     /// REP-3: not sent is never read; lost, timed out or closed is unknown; a refusal at the
@@ -503,10 +547,10 @@ mod tests {
             ))
         };
         let (t, now) = timing(Some(Duration::from_secs(1)));
-        let (r, _) = decide::<Ping>(NAMES, None, Err(refused()), t, now);
+        let (r, _) = decide::<Ping>(NAMES, Standing::Live, Err(refused()), t, now);
         assert!(matches!(r, Err(RpcError::Transport { .. })), "{r:?}");
         let late = now + Duration::from_secs(2);
-        let (r, _) = decide::<Ping>(NAMES, None, Err(refused()), t, late);
+        let (r, _) = decide::<Ping>(NAMES, Standing::Live, Err(refused()), t, late);
         assert!(matches!(r, Err(RpcError::DeadlineExceeded { .. })), "{r:?}");
     }
 }

@@ -143,7 +143,7 @@ async fn queue_later<F: RemoteFn>(
     if let Err(RpcError::Unreachable { .. }) = &set_up {
         reply::verdict(w, to).await;
     }
-    let (blobs, gen, client) = set_up.map_err(|e| plan::peer_failed::<F>(w, to).unwrap_or(e))?;
+    let (blobs, gen, client) = set_up.map_err(|e| plan::peer_gone::<F>(w, to).unwrap_or(e))?;
     Ok(queue::<F>(w, out, blobs, gen, client, keep, droppable))
 }
 

@@ -82,6 +82,8 @@ pub const MASTER_PORT_ENV: &str = "MASTER_PORT";
 pub const HEARTBEAT_INTERVAL_ENV: &str = "RPC_HEARTBEAT_INTERVAL_MS";
 /// [`Config::failure_timeout`](crate::Config::failure_timeout), in milliseconds.
 pub const FAILURE_TIMEOUT_ENV: &str = "RPC_FAILURE_TIMEOUT_MS";
+/// [`Config::signal_grace`](crate::Config::signal_grace), in milliseconds.
+pub const SIGNAL_GRACE_ENV: &str = "RPC_SIGNAL_GRACE_MS";
 /// [`Config::wire_protection`](crate::Config::wire_protection): `auto`, `mac`, `encrypt` or
 /// `off`.
 pub const WIRE_PROTECTION_ENV: &str = "RPC_WIRE_PROTECTION";

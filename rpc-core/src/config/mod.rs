@@ -25,8 +25,8 @@ use crate::net::{Secret, Transport, WireProtection};
 pub use env::{
     launched_rank, launched_restart_count, FAILURE_TIMEOUT_ENV, HEARTBEAT_INTERVAL_ENV,
     MASTER_ADDR_ENV, MASTER_PORT_ENV, MAX_WORLD_SIZE_ENV, RANK_ENV, RESTART_COUNT_ENV,
-    RESTART_MODE_ENV, SERVE_RENDEZVOUS_ENV, TORCHRUN_AGENT_STORE_ENV, WIRE_PROTECTION_ENV,
-    WORLD_SIZE_ENV,
+    RESTART_MODE_ENV, SERVE_RENDEZVOUS_ENV, SIGNAL_GRACE_ENV, TORCHRUN_AGENT_STORE_ENV,
+    WIRE_PROTECTION_ENV, WORLD_SIZE_ENV,
 };
 
 /// How a worker joins its group. Build with [`Config::new`] and the `with_*` setters.
@@ -166,12 +166,21 @@ pub struct Config {
     /// loopback, with room for a loaded machine's scheduling delays.
     pub failure_timeout: Option<Duration>,
     /// What protects connections' bytes after the handshake that authenticates each one: a
-    /// MAC on every record (AES-256-GCM tags, keys of that connection alone), authenticated
-    /// encryption, or nothing. Each side's setting is the least it accepts, and a connection
+    /// MAC on every record (keyed BLAKE3 tags, keys of that connection alone), authenticated
+    /// encryption (AES-256-GCM), or nothing. Each side's setting is the least it accepts, and a connection
     /// uses the stronger of its two sides'. Default: `RPC_WIRE_PROTECTION` (`auto`, `mac`,
     /// `encrypt`, `off`) if set, else [`WireProtection::Auto`]: a MAC between hosts, nothing
     /// within one.
     pub wire_protection: Option<WireProtection>,
+    /// Opt-in: an orderly end on SIGTERM or SIGINT (`signals.rs`). A launcher stops every
+    /// process of a group with SIGTERM once one failed; with a grace, this worker refuses new
+    /// calls ([`RpcError::Stopped`](crate::RpcError::Stopped), naming the signal) and lets
+    /// those in flight end (a call to the failed worker then fails naming it), so the program
+    /// can report its own error; after the grace its outgoing calls fail naming the signal and
+    /// the process exits with 128 + the signal. Keep it below the launcher's own grace
+    /// before SIGKILL (`rpcrun --stop-grace-secs`, 5 s). Installs a process-wide handler.
+    /// Default: `RPC_SIGNAL_GRACE_MS` if set, else none (the signal's default action).
+    pub signal_grace: Option<Duration>,
 }
 
 impl Default for Config {
@@ -208,6 +217,7 @@ impl Default for Config {
             heartbeat_interval: None,
             failure_timeout: None,
             wire_protection: None,
+            signal_grace: None,
         }
     }
 }
@@ -285,6 +295,8 @@ impl Config {
         with_heartbeat_interval(heartbeat_interval: Duration) => Some(heartbeat_interval);
         /// Sets [`Config::failure_timeout`].
         with_failure_timeout(failure_timeout: Duration) => Some(failure_timeout);
+        /// Sets [`Config::signal_grace`].
+        with_signal_grace(signal_grace: Duration) => Some(signal_grace);
         /// Sets [`Config::wire_protection`].
         with_wire_protection(wire_protection: WireProtection) => Some(wire_protection);
     }

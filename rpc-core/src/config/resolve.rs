@@ -8,7 +8,7 @@ use std::time::Duration;
 use super::env::{
     env_number, Env, FAILURE_TIMEOUT_ENV, HEARTBEAT_INTERVAL_ENV, MASTER_ADDR_ENV, MASTER_PORT_ENV,
     MAX_WORLD_SIZE_ENV, RANK_ENV, RESTART_COUNT_ENV, RESTART_MODE_ENV, SERVE_RENDEZVOUS_ENV,
-    TORCHRUN_AGENT_STORE_ENV, WIRE_PROTECTION_ENV, WORLD_SIZE_ENV,
+    SIGNAL_GRACE_ENV, TORCHRUN_AGENT_STORE_ENV, WIRE_PROTECTION_ENV, WORLD_SIZE_ENV,
 };
 use super::Config;
 use crate::error::InitError;
@@ -39,6 +39,8 @@ pub(crate) struct Resolved {
     pub shutdown_timeout: Duration,
     pub max_concurrent_calls: usize,
     pub sync_connections: bool,
+    /// See [`Config::signal_grace`].
+    pub signal_grace: Option<Duration>,
     pub net: NetConfig,
 }
 
@@ -62,6 +64,21 @@ impl Config {
         let serve_rendezvous = self.serves_rendezvous(env, rank)?;
         let (replace, replaced_on_failure) = self.restarts(env)?;
         let protection = self.protection(env)?;
+        let signal_grace = match self.signal_grace {
+            Some(g) => Some(g),
+            None => env(SIGNAL_GRACE_ENV)
+                .map(|v| {
+                    v.trim()
+                        .parse::<u64>()
+                        .map(Duration::from_millis)
+                        .map_err(|_| {
+                            config_error(format!(
+                                "{SIGNAL_GRACE_ENV}={v:?} is not a number of milliseconds"
+                            ))
+                        })
+                })
+                .transpose()?,
+        };
         Ok(Resolved {
             size,
             name: self.name.unwrap_or_else(|| format!("worker{rank}")),
@@ -75,6 +92,7 @@ impl Config {
             shutdown_timeout: self.shutdown_timeout,
             max_concurrent_calls: self.max_concurrent_calls,
             sync_connections: self.sync_connections,
+            signal_grace,
             net: NetConfig {
                 transport: self.transport,
                 secret,

@@ -111,7 +111,45 @@ impl Agent {
     pub async fn shutdown_within(&self, timeout: Duration) -> ShutdownReport {
         shutdown(self, timeout).await
     }
+
+    /// Serves the group until every member has called shutdown, then shuts down (PyTorch's
+    /// `rpc.shutdown()`): the barrier waits for the group as long as the group's failure
+    /// detection keeps the members it waits for (a member declared failed or that left is not
+    /// waited for), whatever the shutdown timeout; the other phases are bounded by it. This is
+    /// how a worker that only serves (its master drives the job) waits for the job's end:
+    ///
+    /// ```no_run
+    /// # async fn demo(
+    /// #     cfg: rpc_core::Config,
+    /// #     registry: rpc_core::Registry,
+    /// # ) -> Result<(), Box<dyn std::error::Error>> {
+    /// let agent = rpc_core::init(cfg, registry).await?;
+    /// let report = agent.wait_for_group().await; // returns once the master shuts down too
+    /// assert!(report.is_clean(), "{report:?}");
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// Without a failure detector ([`Config::heartbeat_interval`](crate::Config) zero) a
+    /// member that hung would hold the barrier for good, so the barrier is then bounded by the
+    /// shutdown timeout, as [`Agent::shutdown`]'s is. Idempotent with `shutdown`: only the
+    /// first call of either decides.
+    ///
+    /// # Cancel safety
+    /// As [`Agent::shutdown`].
+    pub async fn wait_for_group(&self) -> ShutdownReport {
+        let t = self.inner.shutdown.timeout;
+        let barrier = if self.inner.net.cfg.heartbeat_interval.is_zero() {
+            t
+        } else {
+            UNTIL_THE_GROUP_IS_DONE
+        };
+        once(self, t, Some(barrier)).await
+    }
 }
+
+/// The barrier's bound for [`Agent::wait_for_group`]: none in practice (the group's failure
+/// detection ends the wait for a member that failed).
+const UNTIL_THE_GROUP_IS_DONE: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
 
 /// Internal: rank 0's shutdown barrier, served like any registered function.
 pub(crate) struct ShutdownBarrier;
@@ -139,31 +177,30 @@ impl RemoteFn for ShutdownBarrier {
 
 /// Shuts `agent` down with `t` per phase, once (AG-4).
 pub(crate) async fn shutdown(agent: &Agent, t: Duration) -> ShutdownReport {
-    agent
-        .inner
-        .shutdown
-        .report
-        .get_or_init(|| run(agent.clone(), t, true))
-        .await
-        .clone()
+    once(agent, t, Some(t)).await
 }
 
 /// Stops `agent`, which left the running group (its hooks ran and the group was told): the
 /// phases after the barrier, with `t` per phase, once (AG-4).
 pub(crate) async fn leave(agent: &Agent, t: Duration) -> ShutdownReport {
+    once(agent, t, None).await
+}
+
+/// The shutdown, once (AG-4): `t` per phase, the barrier (`None`: none) bounded by its own.
+async fn once(agent: &Agent, t: Duration, barrier: Option<Duration>) -> ShutdownReport {
     agent
         .inner
         .shutdown
         .report
-        .get_or_init(|| run(agent.clone(), t, false))
+        .get_or_init(|| run(agent.clone(), t, barrier))
         .await
         .clone()
 }
 
-async fn run(agent: Agent, t: Duration, with_group: bool) -> ShutdownReport {
+async fn run(agent: Agent, t: Duration, group_barrier: Option<Duration>) -> ShutdownReport {
     let inner = &agent.inner;
     let start = Instant::now();
-    let barrier = if with_group {
+    let barrier = if let Some(bt) = group_barrier {
         // Phase 0: layers above finish their protocol traffic while every peer still serves.
         let hooks = inner.layers.shutdown_hooks();
         if tokio::time::timeout(t, futures::future::join_all(hooks))
@@ -173,7 +210,7 @@ async fn run(agent: Agent, t: Duration, with_group: bool) -> ShutdownReport {
             tracing::warn!(worker = %agent.name(), "shutdown hooks did not finish in time");
         }
         // Phase 1: the barrier.
-        let barrier = barrier(&agent, t).await;
+        let barrier = barrier(&agent, bt).await;
         if let Err(why) = &barrier {
             tracing::warn!(worker = %agent.name(), %why, "shutdown barrier incomplete");
         }
@@ -215,6 +252,7 @@ async fn run(agent: Agent, t: Duration, with_group: bool) -> ShutdownReport {
         barrier,
         in_flight,
         aborted,
+        failed: inner.net.membership.failures(),
         elapsed: start.elapsed(),
     };
     tracing::info!(worker = %agent.name(), ?report, "shut down");

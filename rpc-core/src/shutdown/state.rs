@@ -18,12 +18,16 @@ pub struct ShutdownReport {
     pub in_flight: usize,
     /// Incoming calls aborted because draining timed out.
     pub aborted: usize,
+    /// Every worker the group declared failed while this worker was a member (a replaced
+    /// one included), in the order of the verdicts: the barrier did not wait for them.
+    pub failed: Vec<crate::net::WorkerFailed>,
     /// Total time taken.
     pub elapsed: Duration,
 }
 
 impl ShutdownReport {
-    /// The barrier completed and nothing was aborted.
+    /// The barrier completed and nothing was aborted (workers that failed on the way are in
+    /// [`ShutdownReport::failed`]; the barrier names those it did not wait for).
     pub fn is_clean(&self) -> bool {
         self.barrier.is_ok() && self.aborted == 0
     }

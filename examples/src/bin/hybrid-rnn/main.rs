@@ -91,6 +91,7 @@ fn run() -> Result<i32> {
     };
     let timeout = Duration::from_secs(args.timeout_secs);
     let cfg = Config::new()
+        .with_signal_grace(examples::SIGNAL_GRACE)
         .with_name("master")
         .with_rpc_timeout(timeout)
         .with_shutdown_timeout(timeout)

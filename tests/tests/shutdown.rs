@@ -1,0 +1,95 @@
+//! Ending a group: workers that only serve wait for the whole group (`Agent::wait_for_group`),
+//! however long the master works; a worker that shut down on its own is named as such by the
+//! calls that find it gone; failed workers are named in the shutdown report.
+
+use std::time::Duration;
+
+use integration_tests::*;
+use rpc_core::testing::start_group;
+use rpc_core::{Agent, RpcError, Secret, Transport};
+
+/// A group of three whose shutdown timeout is 1 s.
+async fn group(t: Transport) -> Vec<Agent> {
+    start_group(
+        3,
+        t,
+        Secret::generate(),
+        |_| registry(),
+        |_, c| c.with_shutdown_timeout(Duration::from_secs(1)),
+    )
+    .await
+    .expect("group starts")
+}
+
+/// The workers call `wait_for_group` as soon as they have joined; the master works for 3 s
+/// (three times the shutdown timeout) and calls them throughout, then shuts down: every
+/// call is served and the three end cleanly together.
+#[test]
+fn workers_that_wait_for_the_group_serve_a_master_that_works_long() {
+    each_transport(60, |t| async move {
+        let a = group(t).await;
+        let waiting: Vec<_> = a[1..]
+            .iter()
+            .map(|w| {
+                let w = w.clone();
+                tokio::spawn(async move { w.wait_for_group().await })
+            })
+            .collect();
+        for i in 0..6 {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            for r in 1..3u32 {
+                assert_eq!(a[0].rpc_async(r, add, (i, 1)).await.unwrap(), i + 1);
+            }
+        }
+        let master = a[0].shutdown().await;
+        assert!(master.is_clean(), "{master:?}");
+        for w in waiting {
+            let r = w.await.unwrap();
+            assert!(r.is_clean(), "{r:?}");
+        }
+    });
+}
+
+/// A worker that shuts down by itself (its 1 s barrier gives up while the master still
+/// works): the master's later call says that worker shut down, not only that its address
+/// refuses connections.
+#[test]
+fn a_call_to_a_worker_that_shut_down_says_so() {
+    run(60, async {
+        let a = group(Transport::Tcp).await;
+        let gone = a[1].shutdown().await;
+        assert!(gone.barrier.is_err(), "the others never came: {gone:?}");
+        let e = a[0].rpc_async(1u32, add, (1, 1)).await.unwrap_err();
+        assert!(matches!(e, RpcError::PeerShutDown { .. }), "{e:?}");
+        let msg = e.to_string();
+        assert!(msg.contains("worker `worker1` has shut down"), "{msg}");
+        for r in futures::future::join_all(
+            [&a[0], &a[2]].map(|a| a.shutdown_within(Duration::from_secs(2))),
+        )
+        .await
+        {
+            assert_eq!(r.aborted, 0, "{r:?}");
+        }
+    });
+}
+
+/// A worker declared failed is named in the survivors' shutdown reports.
+#[test]
+fn the_shutdown_report_names_the_workers_that_failed() {
+    run(60, async {
+        let a = group(Transport::Memory(rpc_core::MemoryNetwork::new())).await;
+        rpc_core::testing::silence(&a[2], true);
+        let by = std::time::Instant::now() + Duration::from_secs(10);
+        while a[0].is_live(2u32).unwrap() || a[1].is_live(2u32).unwrap() {
+            assert!(std::time::Instant::now() < by, "worker 2 declared failed");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let reports = futures::future::join_all([&a[0], &a[1]].map(|a| a.shutdown())).await;
+        for r in reports {
+            assert_eq!(r.failed.len(), 1, "{r:?}");
+            assert_eq!(r.failed[0].name, "worker2");
+            assert!(r.barrier.unwrap_err().contains("[2]"));
+        }
+        a[2].shutdown_within(Duration::from_secs(1)).await;
+    });
+}
