@@ -97,7 +97,7 @@ impl Agent {
     ///
     /// A call to another worker over TCP goes on the calling thread's own connection to it,
     /// which the callee serves on a thread of its own: no runtime thread is involved at either
-    /// end of the round trip (see [`Config::sync_connections`]).
+    /// end of the round trip (see [`Config::sync_connections`](crate::Config::sync_connections)).
     pub fn rpc_sync<F: RemoteFn>(
         &self,
         to: impl ToWorker,
@@ -121,7 +121,7 @@ impl Agent {
     /// A blob of `len` bytes written by `fill`, built where sending it to `to` costs least.
     ///
     /// Where `to` runs on the same host and has mapped this worker's shared-memory arena (see
-    /// [`Config::shm_arena_bytes`]), the blob is built in the arena: `fill` writes shared memory
+    /// [`Config::shm_arena_bytes`](crate::Config::shm_arena_bytes)), the blob is built in the arena: `fill` writes shared memory
     /// directly and sending the blob to `to` copies nothing. Otherwise (another host, no room,
     /// a small blob, no large blob sent to `to` yet) it is an ordinary blob. Either way it is an
     /// immutable [`Blob`](crate::Blob) that can be sent anywhere, any number of times.
@@ -144,7 +144,7 @@ impl Agent {
     }
 
     /// The workers this worker's failure detector declared failed so far (frozen, hung, cut
-    /// off, or their process gone; see [`Config::failure_timeout`]), by rank. Every wait on
+    /// off, or their process gone; see [`Config::failure_timeout`](crate::Config::failure_timeout)), by rank. Every wait on
     /// them has ended with [`RpcError::PeerFailed`].
     pub fn failed_workers(&self) -> Vec<WorkerFailed> {
         self.inner.net.membership.failures()

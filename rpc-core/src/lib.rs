@@ -41,28 +41,29 @@
 //! in [`ext`]; a program that only makes calls needs none of them.
 //!
 //! # Layout
-//! The crate is a pipeline; each module depends only on those above it in this list, except
-//! that the agent names its parts and they name the agent back (handlers get it in their
-//! context). See `docs/ARCHITECTURE.md` for one call's path through it.
+//! Each module depends only on those before it in this list (no circle: `tests/tests/
+//! layering.rs` checks it). See `docs/architecture.md` for one call's path through them.
 //!
-//! - `error`, `bounded`, `wire`, `lifecycle`: the error types, bounded decoding, what travels on the wire ([`WorkerInfo`],
-//!   the envelope, [`ext::CallMeta`]), running/stopping/closed.
+//! - `error`, `bounded`, `wire`, `lifecycle`: the error types, bounded decoding, what travels on
+//!   the wire ([`WorkerInfo`], the envelope, [`ext::CallMeta`]), running/stopping/closed.
 //! - `net`: the network layer. Transports, the handshake ([`Secret`]), the directory and the
 //!   one dialer, tarpc's frames, the multiplexed connection's two ends, blocking connections,
-//!   the bulk path and shared memory, busy polling. It never names the agent: it hands each
-//!   request it reads to the `Serve` seam.
-//! - `config`: [`Config`] and its resolution from the environment.
-//! - `rendezvous`: group formation, then the group's membership service (failures decided
-//!   once for all, graceful leaves, replacements by a new incarnation), [`RendezvousServer`].
-//! - `context`: [`CallContext`], inherited deadlines and depth, call metadata.
-//! - `blob`: [`Blob`], bytes in a side table beside the serde payload; the message context.
-//! - `registry`: [`RemoteFn`], [`Registry`].
-//! - `group`: this worker and the group by rank and name, [`ToWorker`].
+//!   the bulk path and shared memory, busy polling, the failure detector and the membership
+//!   view. It never names the agent: it hands each request it reads to the `Serve` seam.
+//! - `config`: [`Config`], every environment variable it reads, its resolution.
+//! - `group`, `rendezvous`: the group by rank and name ([`ToWorker`]); group formation, then
+//!   the membership service ([`RendezvousServer`]).
+//! - `cancel`, `layers`, `shutdown::state`: cancellation's two sides; what layers attach; the
+//!   shutdown barrier's state.
+//! - `state`: the worker's state as data: [`Agent`], `Inner`, [`CallContext`], the
+//!   registry's types ([`Registry`]).
+//! - `blob`, `context`, `registry`: [`Blob`] and encoding with side tables; scopes
+//!   ([`CallScope`], [`spawn`]); [`RemoteFn`] and the erasure of handlers.
 //! - `dispatch`: the callee, one path for requests from the wire, calls to oneself and
-//!   blocking connections (admission, panics, keep-calls, cancellation's callee side).
-//! - `call`: the caller, plan, send, reply, blocking, cancel.
-//! - `shutdown`: the barrier and the phases of [`Agent::shutdown`].
-//! - `agent`: [`Agent`], [`init`]: identity, group and lifecycle tied together.
+//!   blocking connections (admission, panics, keep-calls).
+//! - `call`: the caller, plan, send, reply, blocking.
+//! - `agent`, `shutdown`, `signals`, `init`: the [`Agent`] API; leaving the group
+//!   ([`Agent::shutdown`], [`Agent::wait_for_group`]); an orderly end on SIGTERM; [`init`].
 //! - [`ext`]: the layer-author API. [`testing`]: whole groups in one process, crafted
 //!   frames, fuzz-target replay. `fuzz` (tests and the `fuzzing` feature only): the entry
 //!   points of the fuzz targets in `fuzz/`.

@@ -7,7 +7,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 use tokio::sync::oneshot;
 
-/// What [`Agent::shutdown`] did.
+/// What [`Agent::shutdown`](crate::Agent::shutdown) did.
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct ShutdownReport {
