@@ -190,7 +190,8 @@ impl ElasticDdp {
             return Err(CollectiveError::Failed {
                 op: "join",
                 members: group.ranks().to_vec(),
-                message: "the group's first rank sends the committed state, so a replacement of                           it cannot join this way"
+                message: "the group's first rank sends the committed state, so a replacement of \
+                          it cannot join this way"
                     .into(),
             });
         }

@@ -162,7 +162,12 @@ pub fn check_shutdown(agent: &rpc_core::Agent, report: &rpc_core::ShutdownReport
         agent.name()
     );
     for f in failed {
-        tracing::info!(worker = %f.name, incarnation = f.incarnation, cause = %f.cause, "the group lost a worker on the way");
+        tracing::info!(
+            worker = %f.name,
+            incarnation = f.incarnation,
+            cause = %f.cause,
+            "the group lost a worker on the way",
+        );
     }
     Ok(())
 }

@@ -73,7 +73,12 @@ pub fn newest_verified(dir: &Path) -> Result<Option<Tensors>> {
             Ok(t) => return Ok(Some(t)),
             Err(e) => {
                 let aside = damaged_name(&path);
-                tracing::warn!(checkpoint = %path.display(), cause = %format!("{e:#}"), moved_to = %aside.display(), "skipping a damaged checkpoint");
+                tracing::warn!(
+                    checkpoint = %path.display(),
+                    cause = %format!("{e:#}"),
+                    moved_to = %aside.display(),
+                    "skipping a damaged checkpoint",
+                );
                 eprintln!(
                     "warning: skipping the damaged checkpoint {} ({e:#}); kept as {}",
                     path.display(),

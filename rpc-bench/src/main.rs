@@ -553,7 +553,12 @@ fn drive(mode: &str, threads: usize) -> Result<()> {
     } else {
         format!("multi_thread({threads})")
     };
-    let ctx = json!({ "runtime": runtime_name, "transport": "tcp", "bulk": bulk_path(), "busy_poll_us": BUSY_POLL_US.get().copied().unwrap_or(0) });
+    let ctx = json!({
+        "runtime": runtime_name,
+        "transport": "tcp",
+        "bulk": bulk_path(),
+        "busy_poll_us": BUSY_POLL_US.get().copied().unwrap_or(0),
+    });
     let tag = |mut v: serde_json::Value| {
         if let (Some(o), Some(c)) = (v.as_object_mut(), ctx.as_object()) {
             for (k, x) in c {
@@ -581,12 +586,18 @@ fn drive(mode: &str, threads: usize) -> Result<()> {
     }
     // Footprint of the RPC machinery itself, before any bulk payload is held.
     let peer_rss = rt.block_on(agent.rpc_async(1u32, peak_rss, ()))?;
-    emit(tag(
-        json!({ "metric": "peak_rss_mb", "phase": "control", "process": "bench", "median": peak_rss_mb() }),
-    ));
-    emit(tag(
-        json!({ "metric": "peak_rss_mb", "phase": "control", "process": "peer", "median": peer_rss }),
-    ));
+    emit(tag(json!({
+        "metric": "peak_rss_mb",
+        "phase": "control",
+        "process": "bench",
+        "median": peak_rss_mb(),
+    })));
+    emit(tag(json!({
+        "metric": "peak_rss_mb",
+        "phase": "control",
+        "process": "peer",
+        "median": peer_rss,
+    })));
     if mode == "all" || mode == "tensor" {
         emit(tag(raw_stream(sink_port)?));
         for (name, bytes, iters) in [
@@ -604,12 +615,18 @@ fn drive(mode: &str, threads: usize) -> Result<()> {
         // Includes the payloads themselves (the bench holds a 64 MiB argument, a 64 MiB reply
         // and a 64 MiB raw-stream buffer; the peer one 64 MiB blob).
         let peer_rss = rt.block_on(agent.rpc_async(1u32, peak_rss, ()))?;
-        emit(tag(
-            json!({ "metric": "peak_rss_mb", "phase": "after_64MiB_echo", "process": "bench", "median": peak_rss_mb() }),
-        ));
-        emit(tag(
-            json!({ "metric": "peak_rss_mb", "phase": "after_64MiB_echo", "process": "peer", "median": peer_rss }),
-        ));
+        emit(tag(json!({
+            "metric": "peak_rss_mb",
+            "phase": "after_64MiB_echo",
+            "process": "bench",
+            "median": peak_rss_mb(),
+        })));
+        emit(tag(json!({
+            "metric": "peak_rss_mb",
+            "phase": "after_64MiB_echo",
+            "process": "peer",
+            "median": peer_rss,
+        })));
     }
     let report = rt.block_on(agent.shutdown());
     if !report.is_clean() {
@@ -677,14 +694,22 @@ fn latency(
         }
     }
     let raw = stats(raw);
-    let mut out = vec![
-        json!({ "metric": "raw_tcp_pingpong_64B_rtt_us", "median": raw.median, "p99": raw.p99, "n": 5000 }),
-    ];
+    let mut out = vec![json!({
+        "metric": "raw_tcp_pingpong_64B_rtt_us",
+        "median": raw.median,
+        "p99": raw.p99,
+        "n": 5000,
+    })];
     let mut floor = raw.median;
     if !raw_polled.is_empty() {
         let st = stats(raw_polled);
         floor = floor.min(st.median);
-        out.push(json!({ "metric": "raw_tcp_pingpong_64B_polled_rtt_us", "median": st.median, "p99": st.p99, "n": 5000 }));
+        out.push(json!({
+            "metric": "raw_tcp_pingpong_64B_polled_rtt_us",
+            "median": st.median,
+            "p99": st.p99,
+            "n": 5000,
+        }));
     }
     for (name, xs) in [
         ("rpc_sync_noop_rtt_us", sync),
@@ -735,9 +760,14 @@ async fn throughput(agent: &Agent) -> Result<serde_json::Value> {
         rates.push(CALLS as f64 / t.elapsed().as_secs_f64());
     }
     let st = stats(rates[1..].to_vec());
-    Ok(
-        json!({ "metric": "rpc_async_noop_calls_per_s", "median": st.median, "calls_per_s": st.median, "in_flight": IN_FLIGHT, "calls": CALLS, "runs": 6 }),
-    )
+    Ok(json!({
+        "metric": "rpc_async_noop_calls_per_s",
+        "median": st.median,
+        "calls_per_s": st.median,
+        "in_flight": IN_FLIGHT,
+        "calls": CALLS,
+        "runs": 6,
+    }))
 }
 
 async fn echo_bench(
@@ -762,9 +792,14 @@ async fn echo_bench(
     }
     let st = stats(xs);
     let gbps = 2.0 * bytes as f64 / (st.median / 1e6) / 1e9;
-    Ok(
-        json!({ "metric": name, "median": st.median, "p99": st.p99, "effective_GBps": gbps, "bytes": bytes, "n": iters }),
-    )
+    Ok(json!({
+        "metric": name,
+        "median": st.median,
+        "p99": st.p99,
+        "effective_GBps": gbps,
+        "bytes": bytes,
+        "n": iters,
+    }))
 }
 
 /// Rounds of the RRef benchmarks (the first `RREF_WARM` are warm-up), each a batch of raw
@@ -1115,9 +1150,12 @@ fn allreduce_bench(n: u32, threads: usize) -> Result<()> {
     let (_, sink_port) = rt.block_on(agent.rpc_async(1u32, raw_servers, ()))?;
     let tcp = raw_stream(sink_port)?;
     let tcp_gbps = tcp["median"].as_f64().unwrap_or(f64::NAN);
-    emit(
-        json!({ "metric": "raw_tcp_stream_GBps", "processes": n, "median": tcp_gbps, "p99": tcp["p99"] }),
-    );
+    emit(json!({
+        "metric": "raw_tcp_stream_GBps",
+        "processes": n,
+        "median": tcp_gbps,
+        "p99": tcp["p99"],
+    }));
     let a = agent.clone();
     let results = rt.block_on(rt.spawn(async move { allreduce_loop(&a).await }))??;
     for (name, bytes, times) in results {
@@ -1128,13 +1166,26 @@ fn allreduce_bench(n: u32, threads: usize) -> Result<()> {
         } else {
             "in_place"
         };
-        emit(
-            json!({ "metric": name, "api": api, "processes": n, "median": st.median, "p99": st.p99, "busbw_GBps": busbw, "busbw_over_tcp_stream": busbw / tcp_gbps, "n": ALLREDUCE_ITERS, "transport": "tcp", "bulk": bulk_path() }),
-        );
+        emit(json!({
+            "metric": name,
+            "api": api,
+            "processes": n,
+            "median": st.median,
+            "p99": st.p99,
+            "busbw_GBps": busbw,
+            "busbw_over_tcp_stream": busbw / tcp_gbps,
+            "n": ALLREDUCE_ITERS,
+            "transport": "tcp",
+            "bulk": bulk_path(),
+        }));
     }
-    emit(
-        json!({ "metric": "peak_rss_mb", "phase": "allreduce", "processes": n, "process": "rank0", "median": peak_rss_mb() }),
-    );
+    emit(json!({
+        "metric": "peak_rss_mb",
+        "phase": "allreduce",
+        "processes": n,
+        "process": "rank0",
+        "median": peak_rss_mb(),
+    }));
     rt.block_on(agent.shutdown());
     Ok(())
 }
@@ -1234,7 +1285,11 @@ fn overhead(threads: usize) -> Result<()> {
                 protection: Some(*p),
                 heartbeat_ms: base.heartbeat_ms,
             });
-            let tags = json!({ "wire_protection": protection_name(Some(*p)), "bulk": "tcp", "round": round });
+            let tags = json!({
+                "wire_protection": protection_name(Some(*p)),
+                "bulk": "tcp",
+                "round": round,
+            });
             by_protection[i].push(overhead_group(threads, &tags, true, false)?);
         }
         for (i, (name, ms)) in detectors.iter().enumerate() {
@@ -1272,7 +1327,12 @@ fn overhead(threads: usize) -> Result<()> {
     let off = merged(&by_protection[0]);
     for (i, p) in protections.iter().enumerate().skip(1) {
         ratios(
-            json!({ "metric": "wire_protection_cost", "wire_protection": protection_name(Some(*p)), "baseline": "off", "rounds": ROUNDS }),
+            json!({
+                "metric": "wire_protection_cost",
+                "wire_protection": protection_name(Some(*p)),
+                "baseline": "off",
+                "rounds": ROUNDS,
+            }),
             &merged(&by_protection[i]),
             &off,
         );
@@ -1280,7 +1340,13 @@ fn overhead(threads: usize) -> Result<()> {
     let no_detector = merged(&by_detector[0]);
     let with = merged(&by_detector[1]);
     ratios(
-        json!({ "metric": "failure_detector_cost", "detector": "on", "heartbeat_ms": detectors[1].1, "baseline": "off", "rounds": ROUNDS }),
+        json!({
+            "metric": "failure_detector_cost",
+            "detector": "on",
+            "heartbeat_ms": detectors[1].1,
+            "baseline": "off",
+            "rounds": ROUNDS,
+        }),
         &with,
         &no_detector,
     );

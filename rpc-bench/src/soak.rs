@@ -276,8 +276,17 @@ pub(crate) async fn drive(agent: Agent, calls: u64) -> Result<()> {
     let settled = infos.iter().all(|i| i.iter().all(|&n| n == 0));
     emit(json!({
         "metric": "soak_rref_end",
-        "fields": ["owner_values", "user_refs", "pending_children", "pending_confirmations", "messages_in_flight"],
-        "bench": infos[0], "soak1": infos[1], "soak2": infos[2], "all_zero": settled,
+        "fields": [
+            "owner_values",
+            "user_refs",
+            "pending_children",
+            "pending_confirmations",
+            "messages_in_flight",
+        ],
+        "bench": infos[0],
+        "soak1": infos[1],
+        "soak2": infos[2],
+        "all_zero": settled,
     }));
     emit(json!({
         "metric": "soak_summary", "calls": total, "operations": ops,

@@ -224,7 +224,9 @@ fn guarded<'a, T: 'a>(
             Ok(r) => r,
             Err(p) => {
                 let msg = panic_message(&*p);
-                tracing::error!(worker = %w.name(), %fn_name, caller, panic = %msg, "handler panicked");
+                tracing::error!(
+                    worker = %w.name(), %fn_name, caller, panic = %msg, "handler panicked"
+                );
                 Err(RemoteError::new(
                     RemoteErrorKind::Panic,
                     fn_name,

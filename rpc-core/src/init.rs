@@ -165,6 +165,12 @@ pub async fn init(config: Config, mut registry: Registry) -> Result<Agent, InitE
             .map_err(|source| InitError::Config(format!("cannot watch signals: {source}")))?;
     }
     let agent = Agent { inner };
-    tracing::info!(worker = %agent.name(), rank = agent.rank(), incarnation, world = agent.world_size(), "joined group");
+    tracing::info!(
+        worker = %agent.name(),
+        rank = agent.rank(),
+        incarnation,
+        world = agent.world_size(),
+        "joined group",
+    );
     Ok(agent)
 }

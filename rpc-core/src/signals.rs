@@ -37,11 +37,20 @@ pub(crate) fn watch(w: Weak<Inner>, grace: Duration) -> std::io::Result<()> {
             let Some(inner) = w.upgrade() else {
                 std::process::exit(128 + sig)
             };
-            tracing::warn!(worker = %inner.name(), signal = name, ?grace, "got a signal; stopping after the grace");
+            tracing::warn!(
+                worker = %inner.name(),
+                signal = name,
+                ?grace,
+                "got a signal; stopping after the grace",
+            );
             drop(inner);
             std::thread::sleep(grace);
             if let Some(inner) = w.upgrade() {
-                tracing::warn!(worker = %inner.name(), signal = name, "the grace after the signal is over; stopping");
+                tracing::warn!(
+                    worker = %inner.name(),
+                    signal = name,
+                    "the grace after the signal is over; stopping",
+                );
                 let _ = inner.life.signalled.set(name);
                 inner.net.close_outgoing();
             }

@@ -121,7 +121,8 @@ fn expand(func: ItemFn, name_override: Option<LitStr>) -> syn::Result<proc_macro
                 #[allow(clippy::too_many_arguments)]
                 async fn #inner(#ctx_pat: #ctx_ty, (#(#pats,)*): (#(#tys,)*)) -> #ret #body
                 async move {
-                    ::rpc_core::__private::IntoHandlerResult::into_handler_result(#inner(ctx, args).await)
+                    let result = #inner(ctx, args).await;
+                    ::rpc_core::__private::IntoHandlerResult::into_handler_result(result)
                 }
             }
         }

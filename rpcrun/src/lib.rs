@@ -279,7 +279,8 @@ impl Launch {
         }
         if self.nnodes > 1 && self.rdzv.is_none() {
             return bad(format!(
-                "--nnodes {} needs --rdzv HOST:PORT, the address of node 0 (rank 0 serves the rendezvous there)",
+                "--nnodes {} needs --rdzv HOST:PORT, the address of node 0 \
+                 (rank 0 serves the rendezvous there)",
                 self.nnodes
             ));
         }

@@ -44,7 +44,8 @@ impl SecretFile {
             Ok(s) if !s.is_empty() => s,
             _ if launch.nnodes > 1 => {
                 return Err(LaunchError::Invalid(format!(
-                    "--nnodes {} needs a secret every node shares: --secret-file PATH (or {SECRET_FILE_ENV})",
+                    "--nnodes {} needs a secret every node shares: \
+                     --secret-file PATH (or {SECRET_FILE_ENV})",
                     launch.nnodes
                 )))
             }

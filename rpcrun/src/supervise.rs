@@ -101,7 +101,8 @@ pub(crate) fn run(launch: &Launch) -> Result<Exit, LaunchError> {
                 } else if attempt >= launch.max_restarts {
                     if launch.max_restarts > 0 {
                         tracing::warn!(
-                            "out of restarts ({} used); exiting with the last failure's status {code}",
+                            "out of restarts ({} used); \
+                             exiting with the last failure's status {code}",
                             launch.max_restarts
                         );
                     }

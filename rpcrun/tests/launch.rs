@@ -99,7 +99,10 @@ fn every_rank_gets_its_variables_a_private_secret_and_prefixed_lines() {
     let mut r = start(
         &dir,
         &["--nproc", "3"],
-        r#"echo "rank=$RANK local=$LOCAL_RANK world=$WORLD_SIZE lw=$LOCAL_WORLD_SIZE restart=$RPC_RESTART_COUNT master=$MASTER_ADDR:$MASTER_PORT secret=$(wc -c < "$RPC_SECRET_FILE") file=$RPC_SECRET_FILE"; echo "err $RANK" >&2"#,
+        r#"echo "rank=$RANK local=$LOCAL_RANK world=$WORLD_SIZE lw=$LOCAL_WORLD_SIZE \
+restart=$RPC_RESTART_COUNT master=$MASTER_ADDR:$MASTER_PORT \
+secret=$(wc -c < "$RPC_SECRET_FILE") file=$RPC_SECRET_FILE"
+echo "err $RANK" >&2"#,
     );
     assert_eq!(r.wait(Duration::from_secs(20)), Some(0), "{}", r.stderr());
     let out = r.stdout();
@@ -217,7 +220,9 @@ fn sigterm_is_forwarded_to_every_rank() {
     let mut r = start(
         &dir,
         &["--nproc", "2"],
-        r#"trap 'echo "rank $RANK got TERM"; exit 0' TERM; echo ready; while :; do sleep 0.05; done"#,
+        r#"trap 'echo "rank $RANK got TERM"; exit 0' TERM
+echo ready
+while :; do sleep 0.05; done"#,
     );
     r.await_lines("ready", 2);
     let t0 = Instant::now();
@@ -250,7 +255,9 @@ fn a_frozen_rank_is_stopped_when_another_fails() {
     let mut r = start(
         &dir,
         &["--nproc", "2", "--stop-grace-secs", "1"],
-        r#"if [ "$RANK" = 0 ]; then echo $$ > pid0; kill -STOP $$; sleep 60; fi; sleep 0.5; exit 1"#,
+        r#"if [ "$RANK" = 0 ]; then echo $$ > pid0; kill -STOP $$; sleep 60; fi
+sleep 0.5
+exit 1"#,
     );
     assert_eq!(r.wait(Duration::from_secs(20)), Some(1), "{}", r.stderr());
     let pid: u32 = std::fs::read_to_string(dir.join("pid0"))
@@ -330,7 +337,9 @@ fn a_fatal_exit_is_not_restarted() {
             &dir,
             &["--nproc", "2", "--max-restarts", "3", "--restart", mode],
             &format!(
-                r#"echo "start $RANK $RPC_RESTART_COUNT"; if [ "$RANK" = 1 ]; then exit {code}; fi; sleep 30"#
+                r#"echo "start $RANK $RPC_RESTART_COUNT"
+if [ "$RANK" = 1 ]; then exit {code}; fi
+sleep 30"#
             ),
         );
         assert_eq!(

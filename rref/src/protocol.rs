@@ -31,7 +31,9 @@ impl RemoteFn for AddFork {
             let a = agent.clone();
             c.background(&agent, async move {
                 if let Err(e) = a.rpc_async(parent, ChildAccepted, (child,)).await {
-                    tracing::debug!(%child, cause = %rpc_core::error_chain(&e), "child acceptance not delivered");
+                    tracing::debug!(
+                        %child, cause = %rpc_core::error_chain(&e), "child acceptance not delivered"
+                    );
                 }
             });
         }
@@ -142,7 +144,9 @@ pub(crate) fn keep_sink() -> KeepSink {
                 (added, set)
             };
             if outcome.1.is_err() {
-                tracing::warn!(%id, "a value came for an id already given up (OWN-3/OWN-6); dropped");
+                tracing::warn!(
+                    %id, "a value came for an id already given up (OWN-3/OWN-6); dropped"
+                );
             }
             drop(outcome);
             Ok(())

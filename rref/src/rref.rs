@@ -116,7 +116,9 @@ impl<'de, T> Deserialize<'de> for RRef<T> {
             let a = agent.clone();
             c.background(&agent, async move {
                 if let Err(e) = a.rpc_async(parent, ChildAccepted, (child,)).await {
-                    tracing::debug!(%child, cause = %rpc_core::error_chain(&e), "child acceptance not delivered");
+                    tracing::debug!(
+                        %child, cause = %rpc_core::error_chain(&e), "child acceptance not delivered"
+                    );
                 }
             });
             return Ok(Self::from_handle(h));

@@ -82,7 +82,11 @@ fn a_failed_worker_is_replaced_and_its_old_incarnation_is_fenced() {
         // differ).
         let err = gone.to_here().await.unwrap_err();
         assert!(
-            matches!(&err, rref::RRefError::OwnerReplaced { owner, incarnation: 0, now: 1, .. } if owner == "worker2"),
+            matches!(
+                &err,
+                rref::RRefError::OwnerReplaced { owner, incarnation: 0, now: 1, .. }
+                    if owner == "worker2"
+            ),
             "{err:?}"
         );
         assert!(
@@ -257,7 +261,10 @@ fn a_group_that_grows_admits_new_ranks_while_it_runs() {
             .await
             .unwrap_err();
         assert!(
-            matches!(&err, InitError::Refused(why) if why.contains("`worker3` already taken by rank 3")),
+            matches!(
+                &err,
+                InitError::Refused(why) if why.contains("`worker3` already taken by rank 3")
+            ),
             "{err:?}"
         );
         let err = g.start_rank(4, false).await.unwrap_err();

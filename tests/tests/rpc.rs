@@ -1057,9 +1057,12 @@ fn calls_to_a_shut_down_peer_fail_cleanly() {
         for _ in 0..2 {
             let err = a[0].rpc_async(1u32, add, (1, 1)).await.unwrap_err();
             assert!(
-                matches!(&err,
-                    RpcError::PeerShutDown { worker, .. } | RpcError::PeerShuttingDown { worker, .. }
-                    if worker == "worker1"),
+                matches!(
+                    &err,
+                    RpcError::PeerShutDown { worker, .. }
+                        | RpcError::PeerShuttingDown { worker, .. }
+                        if worker == "worker1"
+                ),
                 "{err:?}"
             );
         }

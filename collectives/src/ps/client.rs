@@ -97,7 +97,13 @@ impl PsClient {
             if !self.primary_lost(r.server, &e).await {
                 return Err(e);
             }
-            tracing::warn!(shard = r.shard, primary = r.server, backup, cause = %e, "failing over to the shard's backup");
+            tracing::warn!(
+                shard = r.shard,
+                primary = r.server,
+                backup,
+                cause = %e,
+                "failing over to the shard's backup",
+            );
             self.failed_over[i].store(true, Ordering::Relaxed);
         }
         let backup = r.backup.expect("failed over only with a backup");

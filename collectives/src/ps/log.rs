@@ -132,11 +132,19 @@ fn worker_failed(s: &Shards, f: &rpc_core::WorkerFailed) -> Vec<(u64, Change)> {
     for (&id, Hosted { state: shard, .. }) in shards.iter_mut() {
         match shard.replica {
             Replica::Backup { primary } if primary == f.rank => {
-                tracing::warn!(shard = id, primary = %f.name, "the shard's primary failed; its backup here serves the shard now");
+                tracing::warn!(
+                    shard = id,
+                    primary = %f.name,
+                    "the shard's primary failed; its backup here serves the shard now",
+                );
                 shard.replica = Replica::Sole;
             }
             Replica::Primary { backup } if backup == f.rank => {
-                tracing::warn!(shard = id, backup = %f.name, "the shard's backup failed; the primary here goes on alone");
+                tracing::warn!(
+                    shard = id,
+                    backup = %f.name,
+                    "the shard's backup failed; the primary here goes on alone",
+                );
                 shard.replica = Replica::Sole;
             }
             // The primary decides departures and forwards them (PS-5).
@@ -250,7 +258,9 @@ async fn replicate(
         if gone {
             s.with(agent, shard, |sh| {
                 if sh.replica == (Replica::Primary { backup }) {
-                    tracing::warn!(shard, cause = %e, "the shard's backup failed; the primary goes on alone");
+                    tracing::warn!(
+                        shard, cause = %e, "the shard's backup failed; the primary goes on alone"
+                    );
                     sh.replica = Replica::Sole;
                 }
             })?;

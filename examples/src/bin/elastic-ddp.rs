@@ -184,7 +184,9 @@ async fn replica(
                 failures += 1;
                 anyhow::ensure!(failures <= 3, "recovering again and again: {e}");
                 let at = Instant::now();
-                tracing::warn!(step, cause = %rpc_core::error_chain(&e), "an all-reduce failed; recovering");
+                tracing::warn!(
+                    step, cause = %rpc_core::error_chain(&e), "an all-reduce failed; recovering"
+                );
                 if let (Some(w), true) = (workers.as_deref_mut(), args.wait) {
                     wait_declared(agent, VICTIM, Duration::from_secs(30)).await?;
                     w.respawn(VICTIM)?;

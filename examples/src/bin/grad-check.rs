@@ -552,6 +552,10 @@ async fn train_case(a: &Agent, case: &str, kind: OptimizerKind) -> Result<bool> 
         case,
         diff,
         1e-5,
-        serde_json::json!({ "steps": 20, "min_param_change": moved, "params_updated_per_step": updated }),
+        serde_json::json!({
+            "steps": 20,
+            "min_param_change": moved,
+            "params_updated_per_step": updated,
+        }),
     ))
 }

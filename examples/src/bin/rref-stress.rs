@@ -299,7 +299,8 @@ fn parse_args() -> Result<Args> {
                 println!(
                     "rref-stress: random remote-reference traffic among worker processes (create, \
 fork, fetch, drop; optional message jitter and a killed worker), then a check that every \
-value was released everywhere.\n\nusage: rref-stress [--workers N] [--ops N] [--seed S] [--jitter-us N] [--kill-rank R --kill-at K]"
+value was released everywhere.\n\nusage: rref-stress [--workers N] [--ops N] [--seed S] \
+[--jitter-us N] [--kill-rank R --kill-at K]"
                 );
                 std::process::exit(0);
             }

@@ -117,7 +117,9 @@ fn send_cancel(w: &Arc<Inner>, to: u32, id: u64) {
     let name = w.name().to_owned();
     w.net.runtime.spawn(async move {
         if let Err(e) = cancel.await {
-            tracing::debug!(worker = %name, to, id, cause = %crate::error_chain(&e), "cancel not delivered");
+            tracing::debug!(
+                worker = %name, to, id, cause = %crate::error_chain(&e), "cancel not delivered"
+            );
         }
     });
 }

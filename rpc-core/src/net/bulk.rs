@@ -293,8 +293,10 @@ impl Bulk {
         self.life.conns.spawn(async move {
             tokio::select! {
                 _ = stop.cancelled() => {}
-                r = write_loop(conn, rx, state, arena_bytes, &name, &counters) => if let Err(e) = r {
-                    tracing::warn!(peer = %name, cause = %e, "bulk connection failed");
+                r = write_loop(conn, rx, state, arena_bytes, &name, &counters) => {
+                    if let Err(e) = r {
+                        tracing::warn!(peer = %name, cause = %e, "bulk connection failed");
+                    }
                 }
             }
         });

@@ -290,8 +290,11 @@ async fn read_records(
                 });
                 let Some(bytes) = leased else {
                     tracing::warn!(
-                        from, off, len,
-                        "refused a shared blob outside the mapped arena; closing that bulk connection"
+                        from,
+                        off,
+                        len,
+                        "refused a shared blob outside the mapped arena; \
+                         closing that bulk connection"
                     );
                     return;
                 };

@@ -124,7 +124,9 @@ impl Detector {
             {
                 Ok(rt) => rt,
                 Err(e) => {
-                    tracing::error!(cause = %e, "no runtime for the failure detector; peers are not watched");
+                    tracing::error!(
+                        cause = %e, "no runtime for the failure detector; peers are not watched"
+                    );
                     return;
                 }
             };
@@ -171,7 +173,9 @@ async fn run(ctx: Arc<Ctx>, listener: Detached, mut rejoined: tokio::sync::mpsc:
     let listener = match listener.attach() {
         Ok(l) => l,
         Err(e) => {
-            tracing::error!(cause = %e, "the failure detector cannot listen; peers are not watched");
+            tracing::error!(
+                cause = %e, "the failure detector cannot listen; peers are not watched"
+            );
             return;
         }
     };
@@ -192,7 +196,9 @@ async fn run(ctx: Arc<Ctx>, listener: Detached, mut rejoined: tokio::sync::mpsc:
                 // A new incarnation: watched from now on, with the grace a starting peer gets.
                 let first = Instant::now() + ctx.grace - ctx.cfg.failure_timeout;
                 let incarnation = ctx.dialer.directory().incarnation(rank);
-                ctx.heard.lock().unwrap_or_else(|p| p.into_inner())[rank as usize] = (first, incarnation);
+                let mut heard = ctx.heard.lock().unwrap_or_else(|p| p.into_inner());
+                heard[rank as usize] = (first, incarnation);
+                drop(heard);
                 if !ctx.dialer.directory().heartbeat(rank).is_empty() {
                     tokio::spawn(beat_to(Arc::clone(&ctx), rank, incarnation));
                 }
@@ -276,7 +282,9 @@ async fn accept(ctx: Arc<Ctx>, mut listener: Listener) {
                     }
                 }
                 Ok(a) => {
-                    tracing::warn!(kind = ?a.kind, rank = a.rank, "refused a connection on the heartbeat port")
+                    tracing::warn!(
+                        kind = ?a.kind, rank = a.rank, "refused a connection on the heartbeat port"
+                    )
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {}
                 Err(e) => tracing::warn!(cause = %e, "refused a heartbeat connection"),

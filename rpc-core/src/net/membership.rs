@@ -372,7 +372,9 @@ impl Membership {
                 MembershipChange::Left,
             )
         };
-        tracing::info!(worker = %e.name, rank, incarnation = e.incarnation, "worker left the group");
+        tracing::info!(
+            worker = %e.name, rank, incarnation = e.incarnation, "worker left the group"
+        );
         let hooks = self
             .left_hooks
             .read()
@@ -418,7 +420,13 @@ impl Membership {
             let e = Self::record(&mut v, &name, rank, MembershipChange::Failed { cause });
             (verdict, e, gone)
         };
-        tracing::warn!(worker = %verdict.name, rank, incarnation = verdict.incarnation, cause = %verdict.cause, "worker declared failed");
+        tracing::warn!(
+            worker = %verdict.name,
+            rank,
+            incarnation = verdict.incarnation,
+            cause = %verdict.cause,
+            "worker declared failed",
+        );
         gone.cancel();
         let hooks = self.hooks.read().unwrap_or_else(|p| p.into_inner()).clone();
         for h in hooks {
@@ -468,7 +476,13 @@ impl Membership {
                 MembershipChange::Joined { addr },
             )
         };
-        tracing::info!(worker = %event.name, rank, incarnation = e.incarnation, addr = %e.addr, "a new incarnation joined");
+        tracing::info!(
+            worker = %event.name,
+            rank,
+            incarnation = e.incarnation,
+            addr = %e.addr,
+            "a new incarnation joined",
+        );
         let hooks = self
             .rejoin_hooks
             .read()

@@ -409,7 +409,9 @@ impl Net {
                         tracing::debug!(rank = me, caller = rank, "control connection closed")
                     }
                     Err(e) => {
-                        tracing::warn!(rank = me, caller = rank, cause = %e, "control connection failed")
+                        tracing::warn!(
+                            rank = me, caller = rank, cause = %e, "control connection failed"
+                        )
                     }
                 }
             }

@@ -226,6 +226,11 @@ fn framed(conn: Conn) -> Framed_ {
     )
 }
 
+/// A membership update from the rendezvous, decoded.
+fn decode_update(frame: &[u8]) -> io::Result<Update> {
+    bincode::deserialize::<Update>(frame).map_err(proto)
+}
+
 fn proto(e: impl std::fmt::Display) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, e.to_string())
 }
@@ -521,14 +526,15 @@ pub(crate) async fn follow(
             () = stop.cancelled() => return,
             r = reports.recv() => match r {
                 Some(r) => {
-                    let sent = tokio::time::timeout(Duration::from_secs(10), send_sink(&mut sink, &r)).await;
+                    let send = send_sink(&mut sink, &r);
+                    let sent = tokio::time::timeout(Duration::from_secs(10), send).await;
                     if !matches!(sent, Ok(Ok(()))) {
                         break;
                     }
                 }
                 None => return,
             },
-            frame = stream.next() => match frame.map(|f| f.and_then(|f| bincode::deserialize::<Update>(&f).map_err(proto))) {
+            frame = stream.next() => match frame.map(|f| f.and_then(|f| decode_update(&f))) {
                 Some(Ok(u)) => apply(&membership, me, u),
                 Some(Err(e)) => {
                     tracing::warn!(cause = %e, "bad message from the rendezvous");

@@ -48,6 +48,18 @@ struct Slot {
     out: Option<mpsc::Sender<Update>>,
 }
 
+impl Slot {
+    /// The slot of a rank's first incarnation, alive, before its connection is up.
+    fn first(join: Join) -> Self {
+        Self {
+            join,
+            incarnation: 0,
+            standing: Standing::Alive,
+            out: None,
+        }
+    }
+}
+
 struct State {
     size: GroupSize,
     /// The ranks some worker has joined (the others are vacant).
@@ -101,12 +113,13 @@ pub(super) async fn serve(
                     state.early.push((join, *f));
                 }
                 Event::Join(join, f) if !formed => {
-                    let restarted = state.slots.get(&join.rank).is_some_and(|s| s.join.name == join.name);
+                    let restarted =
+                        state.slots.get(&join.rank).is_some_and(|s| s.join.name == join.name);
                     if join.replace && restarted {
                         // Restarted before the group formed: the new process takes the place of
                         // the one that joined first (whose connection is dropped).
                         let rank = join.rank;
-                        state.slots.insert(rank, Slot { join, incarnation: 0, standing: Standing::Alive, out: None });
+                        state.slots.insert(rank, Slot::first(join));
                         state.pending.insert(rank, *f);
                         continue;
                     }
@@ -116,7 +129,7 @@ pub(super) async fn serve(
                         continue;
                     }
                     let rank = join.rank;
-                    state.slots.insert(rank, Slot { join, incarnation: 0, standing: Standing::Alive, out: None });
+                    state.slots.insert(rank, Slot::first(join));
                     state.pending.insert(rank, *f);
                     if state.slots.len() == initial as usize {
                         formed = true;
@@ -132,7 +145,8 @@ pub(super) async fn serve(
                 Event::Closed(rank, inc) => state.closed(rank, inc),
             },
             _ = tokio::time::sleep_until(deadline), if !formed => {
-                let missing: Vec<u32> = (0..initial).filter(|r| !state.slots.contains_key(r)).collect();
+                let missing: Vec<u32> =
+                    (0..initial).filter(|r| !state.slots.contains_key(r)).collect();
                 tracing::warn!(?missing, "rendezvous timed out");
                 let v = Verdict::Missing(missing);
                 let early = std::mem::take(&mut state.early).into_iter().map(|(_, f)| f);
@@ -364,7 +378,12 @@ impl State {
             heartbeat: slot.join.heartbeat.clone(),
             incarnation: slot.incarnation,
         };
-        tracing::info!(rank, incarnation = endpoint.incarnation, addr = %endpoint.addr, "a new incarnation joined");
+        tracing::info!(
+            rank,
+            incarnation = endpoint.incarnation,
+            addr = %endpoint.addr,
+            "a new incarnation joined",
+        );
         self.announce(rank, Update::Joined { rank, endpoint }, Some(rank));
         let view = self.view();
         self.admit(rank, f, Verdict::Table(view));

@@ -72,7 +72,10 @@ async fn drive(agent: &Agent) -> anyhow::Result<serde_json::Value> {
             "serving_incarnation": new_inc,
             "failed_after_ms": failed_after.as_millis() as u64,
             "joined_after_ms": joined_after.as_millis() as u64,
-            "cause": match failed.change { MembershipChange::Failed { cause } => cause, _ => String::new() },
+            "cause": match failed.change {
+                MembershipChange::Failed { cause } => cause,
+                _ => String::new(),
+            },
         }));
     }
     // The survivor and the replacements reach each other too.

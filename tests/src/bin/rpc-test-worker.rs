@@ -57,7 +57,7 @@ fn main() -> anyhow::Result<()> {
         say(format!("READY {} {}", agent.name(), agent.local_addr()));
         match scenario.as_str() {
             "serve" => {}
-                        "watch" => {
+            "watch" => {
                 if rank == 0 {
                     let blob = Blob::from(vec![5u8; 1 << 20]);
                     for peer in 1..world {
@@ -76,11 +76,14 @@ fn main() -> anyhow::Result<()> {
                     let failed: Vec<u32> = agent.failed_workers().iter().map(|f| f.rank).collect();
                     for peer in (0..world).filter(|p| *p != rank && !failed.contains(p)) {
                         let r = agent.rpc_async(peer, add, (1, 2)).await;
-                        say(format!("REACH {peer} {}", match r {
-                            Ok(3) => "ok".to_owned(),
-                            Ok(v) => format!("wrong:{v}"),
-                            Err(e) => rpc_core::error_chain(&e),
-                        }));
+                        say(format!(
+                            "REACH {peer} {}",
+                            match r {
+                                Ok(3) => "ok".to_owned(),
+                                Ok(v) => format!("wrong:{v}"),
+                                Err(e) => rpc_core::error_chain(&e),
+                            }
+                        ));
                     }
                 }
                 return Ok(());
@@ -96,7 +99,11 @@ fn main() -> anyhow::Result<()> {
                         "rank": e.rank,
                         "name": e.name,
                         "incarnation": e.incarnation,
-                        "change": format!("{:?}", e.change).split([' ', '{']).next().unwrap_or_default().to_owned(),
+                        "change": format!("{:?}", e.change)
+                            .split([' ', '{'])
+                            .next()
+                            .unwrap_or_default()
+                            .to_owned(),
                     }));
                     match e.change {
                         rpc_core::MembershipChange::Joined { .. } => {
@@ -133,7 +140,8 @@ fn main() -> anyhow::Result<()> {
             "drive" => {
                 let sum = agent.rpc_async("worker1", add, (40, 2)).await?;
                 let hops = agent.rpc_async(2u32, chain, (50, 1, 2)).await?;
-                let big = Blob::from((0..(4 << 20)).map(|i: u32| (i % 253) as u8).collect::<Vec<_>>());
+                let bytes: Vec<u8> = (0..(4 << 20)).map(|i: u32| (i % 253) as u8).collect();
+                let big = Blob::from(bytes);
                 let echoed = agent.rpc_async(1u32, echo, (big.clone(),)).await?;
                 // Between processes on one host, blobs switch to shared memory once the peer has
                 // mapped our arena; a blob built there for the peer travels without a copy.
@@ -146,9 +154,18 @@ fn main() -> anyhow::Result<()> {
                 let staged = agent.blob_for(1u32, big.len(), |b| b.copy_from_slice(&big))?;
                 let staged_echo = agent.rpc_async(1u32, echo, (staged.clone(),)).await?;
                 let who = agent.rpc_async(2u32, whoami, ()).await?;
-                let err = agent.rpc_async(1u32, fail, ("p".into(),)).await.unwrap_err();
-                let remote = err.as_remote().cloned().context("expected a remote error")?;
-                let panic = agent.rpc_async(2u32, boom, ("oops".into(),)).await.unwrap_err();
+                let err = agent
+                    .rpc_async(1u32, fail, ("p".into(),))
+                    .await
+                    .unwrap_err();
+                let remote = err
+                    .as_remote()
+                    .cloned()
+                    .context("expected a remote error")?;
+                let panic = agent
+                    .rpc_async(2u32, boom, ("oops".into(),))
+                    .await
+                    .unwrap_err();
                 let after_panic = agent.rpc_async(2u32, add, (1, 1)).await?;
                 say(format!(
                     "RESULT {}",
@@ -177,7 +194,10 @@ fn main() -> anyhow::Result<()> {
                 let read_by_2 = agent.rpc_async(2u32, f::read_id, (r.clone(),)).await?;
                 let method = r.rpc_async(f::id_of, ()).await?;
                 // A reference in a result, from rank 2 back to rank 0.
-                let back = agent.rpc_async(2u32, f::give, (1,)).await?.context("kept on rank 2")?;
+                let back = agent
+                    .rpc_async(2u32, f::give, (1,))
+                    .await?
+                    .context("kept on rank 2")?;
                 let fetched = back.to_here().await?.id;
                 drop((r, back));
                 for w in 0..3u32 {
@@ -197,22 +217,37 @@ fn main() -> anyhow::Result<()> {
                 };
                 say(format!(
                     "RESULT {}",
-                    serde_json::json!({ "read_by_2": read_by_2, "method": method, "fetched": fetched, "quiescent": quiet })
+                    serde_json::json!({
+                        "read_by_2": read_by_2,
+                        "method": method,
+                        "fetched": fetched,
+                        "quiescent": quiet,
+                    })
                 ));
             }
             "drive-autograd" => {
                 use autograd_dist::RTensor;
                 use integration_tests::autograd_fns as f;
-                for (w, name, r, c) in [(0u32, "p.w0", 4, 8), (1, "p.w1", 8, 6), (2, "p.w2", 6, 3)] {
-                    agent.rpc_async(w, f::init_param, (name.to_string(), r, c)).await?;
+                let shapes = [(0u32, "p.w0", 4, 8), (1, "p.w1", 8, 6), (2, "p.w2", 6, 3)];
+                for (w, name, r, c) in shapes {
+                    agent
+                        .rpc_async(w, f::init_param, (name.to_string(), r, c))
+                        .await?;
                 }
                 let x = f::input(5, 4);
                 let ctx = autograd_dist::context(&agent);
                 let loss = ctx
                     .run(async {
-                        let h0 = agent.rpc_async(0u32, f::linear, ("p.w0".into(), RTensor(x.clone()), true)).await?;
-                        let h1 = agent.rpc_async(1u32, f::linear, ("p.w1".into(), h0, true)).await?;
-                        let h2 = agent.rpc_async(2u32, f::linear, ("p.w2".into(), h1, false)).await?;
+                        let x = RTensor(x.clone());
+                        let h0 = agent
+                            .rpc_async(0u32, f::linear, ("p.w0".into(), x, true))
+                            .await?;
+                        let h1 = agent
+                            .rpc_async(1u32, f::linear, ("p.w1".into(), h0, true))
+                            .await?;
+                        let h2 = agent
+                            .rpc_async(2u32, f::linear, ("p.w2".into(), h1, false))
+                            .await?;
                         anyhow::Ok(h2.0.sqr()?.mean_all()?)
                     })
                     .await?;
@@ -244,7 +279,10 @@ fn main() -> anyhow::Result<()> {
                     worst = worst.max(d);
                 }
                 ctx.release().await?;
-                say(format!("RESULT {}", serde_json::json!({ "max_abs_diff": worst })));
+                say(format!(
+                    "RESULT {}",
+                    serde_json::json!({ "max_abs_diff": worst })
+                ));
             }
             "drive-kill" => {
                 // One call from a task, and one blocking call from a plain thread (on the
@@ -256,11 +294,17 @@ fn main() -> anyhow::Result<()> {
                 let start = Instant::now();
                 let describe = |err: &RpcError| {
                     let kind = match err {
-                        RpcError::ConnectionLost { worker, .. } => format!("ConnectionLost:{worker}"),
+                        RpcError::ConnectionLost { worker, .. } => {
+                            format!("ConnectionLost:{worker}")
+                        }
                         RpcError::PeerFailed { worker, .. } => format!("PeerFailed:{worker}"),
                         e => format!("{e:?}"),
                     };
-                    serde_json::json!({ "kind": kind, "message": rpc_core::error_chain(err), "after_ms": start.elapsed().as_millis() as u64 })
+                    serde_json::json!({
+                        "kind": kind,
+                        "message": rpc_core::error_chain(err),
+                        "after_ms": start.elapsed().as_millis() as u64,
+                    })
                 };
                 let err = match call.await {
                     Ok(()) => bail!("the call to a killed worker succeeded"),
@@ -277,7 +321,11 @@ fn main() -> anyhow::Result<()> {
             other => bail!("unknown scenario {other}"),
         }
         let report = agent.shutdown().await;
-        say(format!("SHUTDOWN clean={} barrier={:?}", report.is_clean(), report.barrier));
+        say(format!(
+            "SHUTDOWN clean={} barrier={:?}",
+            report.is_clean(),
+            report.barrier
+        ));
         Ok(())
     })
 }

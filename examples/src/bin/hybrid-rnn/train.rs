@@ -200,7 +200,8 @@ impl Trainer<'_> {
         self.at.history.test_acc.push(test_acc);
         let path = self.checkpoint(epoch + 1).await?;
         println!(
-            "epoch {}/{}: train loss {:.4}, train accuracy {:.4}, test accuracy {:.4}, {:.1} s, checkpoint {}",
+            "epoch {}/{}: train loss {:.4}, train accuracy {:.4}, test accuracy {:.4}, {:.1} s, \
+             checkpoint {}",
             epoch + 1,
             args.epochs,
             done.loss_sum / batches.len().max(1) as f64,
