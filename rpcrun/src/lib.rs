@@ -87,6 +87,13 @@ pub enum LaunchError {
         /// The cause.
         source: std::io::Error,
     },
+    /// [`Launch::run`] was called from async code: it blocks its thread for the whole job (and
+    /// may start a runtime of its own), so it belongs in `main` or on a thread of its own.
+    #[error(
+        "Launch::run blocks until the group ends and cannot run inside an async runtime: \
+         call it from main before starting one, or from a std::thread"
+    )]
+    InsideRuntime,
     /// Another system call the launcher needs failed (signal handlers, a free port).
     #[error("{what}: {source}")]
     System {
@@ -293,9 +300,42 @@ impl Launch {
         Ok(())
     }
 
-    /// Starts the group and supervises it until it ends (see the crate docs); blocks.
+    /// Starts the group and supervises it until it ends (see the crate docs); blocks. Refused
+    /// ([`LaunchError::InsideRuntime`]) from inside an async runtime, `spawn_blocking`'s
+    /// threads included.
     pub fn run(&self) -> Result<Exit, LaunchError> {
+        if tokio::runtime::Handle::try_current().is_ok() {
+            return Err(LaunchError::InsideRuntime);
+        }
         self.validate()?;
         supervise::run(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Called from async code, `run` says why it cannot run there, before it starts anything
+    /// (it used to panic in the rendezvous's `block_on` with `Restart::Worker`, and block a
+    /// runtime thread for the whole job with `Restart::Group`).
+    #[test]
+    fn run_is_refused_inside_a_runtime() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let launch = Launch::new("/bin/true").nproc(1).restart(Restart::Worker);
+        let err = rt.block_on(async { launch.run() }).unwrap_err();
+        assert!(matches!(err, LaunchError::InsideRuntime), "{err}");
+        let err = rt
+            .block_on(async {
+                let l = launch.clone();
+                tokio::task::spawn_blocking(move || l.run()).await.unwrap()
+            })
+            .unwrap_err();
+        assert!(matches!(err, LaunchError::InsideRuntime), "{err}");
+        // Outside a runtime it runs.
+        assert_eq!(launch.run().unwrap().code, 0);
     }
 }
