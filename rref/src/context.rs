@@ -164,12 +164,17 @@ impl Ctx {
         delta: i64,
         holder: u32,
     ) -> Result<(), String> {
-        self.sweep_pending();
-        let max = lock(&self.limits).max_pending;
         let removed = {
             let mut t = lock(&self.owner);
-            if !t.contains(id) && t.pending() >= max {
-                return Err(too_many_pending(id, max));
+            if !t.contains(id) {
+                // A new entry: the rare path sweeps and checks the bound.
+                drop(t);
+                self.sweep_pending();
+                let max = lock(&self.limits).max_pending;
+                t = lock(&self.owner);
+                if !t.contains(id) && t.pending() >= max {
+                    return Err(too_many_pending(id, max));
+                }
             }
             t.add(id, fork, delta, holder)
         };
@@ -180,6 +185,9 @@ impl Ctx {
     /// Whether a peer may wait for `id` here (OWN-6: a wait for an unknown id makes a pending
     /// entry); an error naming the limit if not.
     pub(crate) fn may_wait_for(&self, id: RRefId) -> Result<(), String> {
+        if lock(&self.owner).contains(id) {
+            return Ok(());
+        }
         self.sweep_pending();
         let max = lock(&self.limits).max_pending;
         let t = lock(&self.owner);
