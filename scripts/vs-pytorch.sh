@@ -37,7 +37,7 @@ trap 'rm -rf "$out"' EXIT
 
 for round in $(seq 1 "$rounds"); do
     target/release/hybrid-rnn --unidirectional --dropout 0 --lr 1e-3 --epochs 1 \
-        --train-limit 16000 --local-steps 200 >"$out/ours.txt" 2>"$out/ours.err"
+        --train-limit 16000 --local-steps 200 --out-dir "$out/ours-$round" >"$out/ours.txt" 2>"$out/ours.err"
     tail -1 "$out/ours.txt" | python3 -c '
 import json, sys
 v = json.loads(sys.stdin.read())

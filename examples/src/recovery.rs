@@ -71,11 +71,15 @@ fn now_ms() -> u64 {
 
 impl Tracker {
     /// A tracker for a run starting fresh (`resumed_from` is `None`: earlier records are
-    /// removed) or resuming from a checkpoint at step `resumed_from`.
+    /// removed) or resuming from a checkpoint at step `resumed_from`. Only a launcher's restart
+    /// (`restart` > 0) is a recovery whose time is measured: a run started again by hand goes
+    /// on from its checkpoint, but the time since the earlier run stopped is not the
+    /// framework's to report (nor is there any when the earlier run had finished).
     pub fn open(dir: &Path, restart: u32, resumed_from: Option<u64>) -> Result<Self> {
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
         let path = dir.join(PROGRESS);
         let pending = match resumed_from {
+            Some(_) if restart == 0 => None,
             Some(_) => read_progress(&path),
             None => {
                 for f in [PROGRESS, RECOVERIES] {
@@ -345,6 +349,32 @@ mod tests {
         // A fresh run forgets them.
         let t = Tracker::open(&d, 0, None).unwrap();
         assert!(t.recoveries().unwrap().is_empty());
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// A run started again by hand (restart count 0) goes on from its checkpoint without
+    /// counting a recovery: it used to report one whose `time_lost_s` was the whole time
+    /// since the earlier run stopped (728 s for a finished run run again 12 minutes later).
+    #[test]
+    fn a_run_started_again_by_hand_is_no_recovery() {
+        let d = scratch("byhand");
+        let mut t = Tracker::open(&d, 0, None).unwrap();
+        for s in 1..=7 {
+            t.completed(s).unwrap();
+        }
+        drop(t);
+        let mut t = Tracker::open(&d, 0, Some(5)).unwrap();
+        for s in 5..=9 {
+            t.completed(s).unwrap();
+        }
+        assert!(t.recoveries().unwrap().is_empty());
+        drop(t);
+        // A launcher's restart of that run is one, measured from its last step.
+        let mut t = Tracker::open(&d, 1, Some(8)).unwrap();
+        t.completed(8).unwrap();
+        t.completed(9).unwrap();
+        let r = t.recoveries().unwrap();
+        assert_eq!((r.len(), r[0].failed_after_step), (1, 9), "{r:?}");
         std::fs::remove_dir_all(&d).unwrap();
     }
 }

@@ -165,6 +165,18 @@ pub fn set_aside(dir: &Path) -> Result<Option<(usize, PathBuf)>> {
     Ok(Some((files.len(), to)))
 }
 
+/// Says so when a run resumed from its checkpoint has nothing left to train (`done` of
+/// `epochs` epochs): the same command run again after a run finished only evaluates.
+pub fn say_if_complete(dir: &Path, done: u64, epochs: u64) {
+    if done >= epochs {
+        println!(
+            "the run in {} is complete ({done} of {epochs} epochs): nothing to train; \
+             --fresh starts over, --epochs N trains on",
+            dir.display()
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

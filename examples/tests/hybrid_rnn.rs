@@ -520,8 +520,9 @@ fn long_run(out: &Path, extra: &[&str]) -> Vec<String> {
 /// RES-1, CKPT-1: the run killed (the launcher and its processes, SIGKILL, as a crash or a
 /// requeue ends it), its newest checkpoint then damaged by one flipped byte and the one before
 /// cut short; the same command run again skips both (naming them, keeping them aside),
-/// resumes from the third newest and ends bit-identical to an uninterrupted run. Run once
-/// more, it goes on from its final checkpoint; with other flags it is refused, naming them.
+/// resumes from the third newest and ends bit-identical to an uninterrupted run, counting no
+/// recovery (the launcher restarted nothing). Run once more, it says the run is complete and
+/// only evaluates; with other flags it is refused, naming them.
 #[test]
 fn running_the_same_command_again_resumes_from_the_newest_verified_checkpoint() {
     let dir = scratch("rerun");
@@ -585,6 +586,8 @@ fn running_the_same_command_again_resumes_from_the_newest_verified_checkpoint() 
         again.stdout
     );
     assert_eq!(again.json()["params_sha256"], want, "bit-identical");
+    // Started again by hand, not restarted by the launcher: no recovery to time.
+    assert_eq!(again.json()["recoveries"], 0, "{}", again.stdout);
 
     let once_more = run(&strs(&args), &[], &dir, limit);
     assert_eq!(once_more.code, Some(0), "stderr:\n{}", once_more.stderr);
@@ -594,6 +597,14 @@ fn running_the_same_command_again_resumes_from_the_newest_verified_checkpoint() 
         once_more.stdout
     );
     assert_eq!(once_more.json()["params_sha256"], want);
+    assert!(
+        once_more
+            .stdout
+            .contains("is complete (1 of 1 epochs): nothing to train"),
+        "{}",
+        once_more.stdout
+    );
+    assert_eq!(once_more.json()["recoveries"], 0, "{}", once_more.stdout);
 
     let mut other = args.clone();
     let at = other.iter().position(|x| x == "--head-hidden").unwrap();

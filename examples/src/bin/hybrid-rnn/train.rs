@@ -100,6 +100,7 @@ pub async fn master(
             at.epoch,
             at.step
         );
+        examples::resume::say_if_complete(&args.out_dir, at.epoch, args.epochs);
     }
     if args.check_equivalence {
         return local::check_equivalence(&model, args, &dims, data, &local_losses).await;

@@ -64,6 +64,7 @@ pub async fn train(agent: &Agent, args: &Args, data: &Data, restart: u32) -> Res
             progress.epoch,
             progress.step
         );
+        examples::resume::say_if_complete(&args.out_dir, progress.epoch, args.epochs);
     }
     let resumed = resume_from.is_some() || restart > 0;
     let mut tracker = Tracker::open(&args.out_dir, restart, resumed.then_some(progress.step))?;
