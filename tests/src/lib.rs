@@ -20,6 +20,35 @@ pub mod rref_fns;
 #[cfg(doctest)]
 pub struct ReadmeSnippets;
 
+/// The Rust of every page under `docs/`, compiled (and run where it can be) as doc tests.
+#[cfg(doctest)]
+pub mod doc_pages {
+    /// `docs/use-in-your-crate.md`.
+    #[doc = include_str!("../../docs/use-in-your-crate.md")]
+    pub struct UseInYourCrate;
+    /// `docs/guide.md`.
+    #[doc = include_str!("../../docs/guide.md")]
+    pub struct Guide;
+    /// `docs/failures.md`.
+    #[doc = include_str!("../../docs/failures.md")]
+    pub struct Failures;
+    /// `docs/recovery.md`.
+    #[doc = include_str!("../../docs/recovery.md")]
+    pub struct Recovery;
+    /// `docs/pipelines.md`.
+    #[doc = include_str!("../../docs/pipelines.md")]
+    pub struct Pipelines;
+    /// `docs/data-parallelism.md`.
+    #[doc = include_str!("../../docs/data-parallelism.md")]
+    pub struct DataParallelism;
+    /// `docs/benchmarks.md`.
+    #[doc = include_str!("../../docs/benchmarks.md")]
+    pub struct Benchmarks;
+    /// `docs/architecture.md`.
+    #[doc = include_str!("../../docs/architecture.md")]
+    pub struct Architecture;
+}
+
 use rpc_core::ext::AgentExt;
 use rpc_core::{remote, Blob, BoxError, CallContext, Registry};
 use serde::{Deserialize, Serialize};
