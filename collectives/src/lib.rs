@@ -42,17 +42,22 @@
 //! - [`ProcessGroup::all_reduce`]: the bandwidth-optimal ring (reduce-scatter, then
 //!   all-gather), so each rank sends `2(n-1)/n` of the data whatever `n` is. Each chunk is
 //!   reduced on exactly one rank and then copied, so every rank gets bit-identical results.
-//!   Also `broadcast`, `all_gather`, `reduce_scatter`, `barrier`, and `*_async` variants.
-//! - COL-1: a rank that finds a mismatch (shape, dtype) aborts the operation on every member,
-//!   so the others fail with the same clear error instead of waiting for messages that will
-//!   not come. Every wait is bounded by the group's call timeout.
+//!   Also `broadcast`, `all_gather`, `reduce_scatter`, `barrier`, `reduce`, `gather`,
+//!   `scatter`, `all_to_all` (equal or unequal splits), and `*_async` variants; reductions
+//!   by [`ReduceOp`] (sum, mean, max, min, product).
+//! - COL-1: a rank that finds a mismatch (shape, dtype) reports it to the group's first
+//!   member, which aborts the operation on every member with the first report it got: every
+//!   member fails with the same message instead of waiting for messages that will not come.
+//!   Every wait is bounded by the group's call timeout.
 //!
 //! Install the functions in every worker's registry with [`install`].
 //!
 //! # Layout
 //! - `mailbox`: per-worker matching of messages by (source, tag), aborts.
 //! - `group`: [`ProcessGroup`], the ring algorithms, [`ReduceOp`].
-//! - `ddp`: [`DistributedDataParallel`] (bucketed gradient averaging), [`DistributedSampler`].
+//! - `ddp`: [`DistributedDataParallel`] (bucketed gradient averaging after backward, or
+//!   overlapped with it through a [`Pass`]; [`CommHook`]s), [`DdpOptimizer`],
+//!   [`DistributedSampler`].
 //! - `elastic`: [`ElasticDdp`]: commits, and survivors that re-form their ring after a
 //!   member's failure, without it or with its replacement (EL-1..3). Groups are of member
 //!   incarnations (COL-3 in `mailbox`).
@@ -67,7 +72,10 @@ mod mailbox;
 mod ps;
 
 pub use autograd_dist::RTensor;
-pub use ddp::{DistributedDataParallel, DistributedSampler};
+pub use ddp::{
+    AllReduceHook, CommHook, CompressHook, DdpOptimizer, DistributedDataParallel,
+    DistributedSampler, Pass,
+};
 pub use elastic::{ElasticDdp, Rejoin};
 pub use group::{
     new_group, new_group_tagged, world, CollectiveError, Element, ProcessGroup, ReduceOp, Work,
@@ -85,6 +93,7 @@ pub fn install(
     b.register(mailbox::Deliver)?
         .register(mailbox::DeliverRaw)?
         .register(mailbox::Abort)?
+        .register(group::Verdict)?
         .register(ps::Pull)?
         .register(ps::Push)?
         .register(ps::Join)?

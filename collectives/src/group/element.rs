@@ -16,6 +16,7 @@ pub trait Element:
     + PartialOrd
     + std::ops::Add<Output = Self>
     + std::ops::AddAssign
+    + std::ops::Mul<Output = Self>
 {
     /// `self / n`.
     fn div_by(self, n: usize) -> Self;
@@ -41,6 +42,7 @@ pub trait Element:
                     a
                 }
             }
+            ReduceOp::Product => a * b,
         }
     }
 

@@ -1,12 +1,14 @@
 //! Process groups and their collectives.
 //!
 //! Layout: this file the API ([`ProcessGroup`] and its operations); `op.rs` one operation's
-//! messages (tags, sends, receives, aborts); `ring.rs` the ring algorithms; `element.rs` the
-//! element kernels of the fast ring (`f32`, `f64` folded straight from received bytes).
+//! messages (tags, sends, receives, the one verdict of a mismatch); `ring.rs` the ring
+//! algorithms; `rooted.rs` reduce, gather, scatter and all-to-all; `element.rs` the element
+//! kernels of the fast ring (`f32`, `f64` folded straight from received bytes).
 
 mod element;
 mod op;
 mod ring;
+mod rooted;
 
 use candle_core::{DType, Tensor};
 use rpc_core::Agent;
@@ -15,6 +17,7 @@ use std::sync::Arc;
 use crate::mailbox::{mailbox, P2pError};
 
 pub use element::Element;
+pub(crate) use op::Verdict;
 
 /// How values combine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -28,6 +31,8 @@ pub enum ReduceOp {
     Max,
     /// Element-wise minimum.
     Min,
+    /// Element-wise product.
+    Product,
 }
 
 /// Why a collective failed.
@@ -162,16 +167,40 @@ pub fn new_group_tagged(
 
 /// A collective running in the background; `wait` for its result.
 #[must_use = "a collective's outcome is only known by waiting for it"]
-pub struct Work<T>(tokio::task::JoinHandle<Result<T, CollectiveError>>);
+pub struct Work<T>(WorkState<T>);
 
-impl<T> Work<T> {
+enum WorkState<T> {
+    Running(tokio::task::JoinHandle<Result<T, CollectiveError>>),
+    Ready(Result<T, CollectiveError>),
+}
+
+impl<T: Send + 'static> Work<T> {
+    /// Work whose outcome is already known (a hook that failed before it could start).
+    pub fn ready(outcome: Result<T, CollectiveError>) -> Self {
+        Self(WorkState::Ready(outcome))
+    }
+
     /// Waits for the collective.
     pub async fn wait(self) -> Result<T, CollectiveError> {
-        self.0.await.map_err(|e| CollectiveError::Exchange {
-            op: "task",
-            members: Vec::new(),
-            source: P2pError::Task(e.to_string()),
-        })?
+        match self.0 {
+            WorkState::Ready(outcome) => outcome,
+            WorkState::Running(task) => task.await.map_err(|e| CollectiveError::Exchange {
+                op: "task",
+                members: Vec::new(),
+                source: P2pError::Task(e.to_string()),
+            })?,
+        }
+    }
+
+    /// Work that applies `f` to this one's result once it is there (in the background, in
+    /// the caller's scope).
+    pub fn map<U: Send + 'static>(
+        self,
+        f: impl FnOnce(T) -> Result<U, CollectiveError> + Send + 'static,
+    ) -> Work<U> {
+        Work(WorkState::Running(rpc_core::spawn(async move {
+            f(self.wait().await?)
+        })))
     }
 }
 
@@ -261,52 +290,160 @@ impl ProcessGroup {
         out
     }
 
-    /// [`ProcessGroup::broadcast`] in the background.
-    pub fn broadcast_async(&self, t: &Tensor, root: u32) -> Work<Tensor> {
-        let (g, t) = (self.clone(), t.clone());
+    /// Reduces `t` element-wise over the group onto `root`, which gets `Some(result)`; the
+    /// others get `None` (every member passes the same shape and dtype).
+    pub async fn reduce(
+        &self,
+        t: &Tensor,
+        op: ReduceOp,
+        root: u32,
+    ) -> Result<Option<Tensor>, CollectiveError> {
         let seq = mailbox(&self.agent).next_seq(self.id);
-        Work(
-            rpc_core::CallScope::current().spawn_on(self.agent.runtime(), async move {
-                g.broadcast_at(&t, root, seq).await
-            }),
-        )
+        self.reduce_at(t, op, root, seq).await
     }
 
-    /// [`ProcessGroup::all_gather`] in the background.
-    pub fn all_gather_async(&self, t: &Tensor) -> Work<Vec<Tensor>> {
-        let (g, t) = (self.clone(), t.clone());
+    /// Every member's `t` on `root`, in member order (`Some` there, `None` elsewhere; all
+    /// must have the same shape and dtype).
+    pub async fn gather(
+        &self,
+        t: &Tensor,
+        root: u32,
+    ) -> Result<Option<Vec<Tensor>>, CollectiveError> {
         let seq = mailbox(&self.agent).next_seq(self.id);
-        Work(
-            rpc_core::CallScope::current().spawn_on(self.agent.runtime(), async move {
-                g.all_gather_at(&t, seq).await
-            }),
-        )
+        self.gather_at(t, root, seq).await
     }
 
-    /// [`ProcessGroup::reduce_scatter`] in the background.
-    pub fn reduce_scatter_async(&self, t: &Tensor, op: ReduceOp) -> Work<Tensor> {
-        let (g, t) = (self.clone(), t.clone());
+    /// `root`'s `parts[i]` on the group's `i`-th member. The root passes `Some(parts)`, one
+    /// per member in member order (of any shapes); the others pass `None`.
+    pub async fn scatter(
+        &self,
+        parts: Option<Vec<Tensor>>,
+        root: u32,
+    ) -> Result<Tensor, CollectiveError> {
         let seq = mailbox(&self.agent).next_seq(self.id);
-        Work(
-            rpc_core::CallScope::current().spawn_on(self.agent.runtime(), async move {
-                g.reduce_scatter_at(&t, op, seq).await
-            }),
-        )
+        self.scatter_at(parts, root, seq).await
+    }
+
+    /// Each member sends its `parts[j]` to the group's `j`-th member and gets, in member
+    /// order, the part each member meant for it. Parts may differ in their first dimension
+    /// (unequal splits), not in element type or the rest of their shape.
+    pub async fn all_to_all(&self, parts: Vec<Tensor>) -> Result<Vec<Tensor>, CollectiveError> {
+        let seq = mailbox(&self.agent).next_seq(self.id);
+        self.all_to_all_at(parts, seq).await
+    }
+
+    /// [`ProcessGroup::all_to_all`] of one tensor split along its first dimension: rows
+    /// `splits[0]` go to the first member, the next `splits[1]` to the second, and so on
+    /// (`None`: equal splits); the parts received are concatenated in member order.
+    pub async fn all_to_all_single(
+        &self,
+        t: &Tensor,
+        splits: Option<&[usize]>,
+    ) -> Result<Tensor, CollectiveError> {
+        let parts = self.split_rows(t, splits)?;
+        let got = self.all_to_all(parts).await?;
+        Ok(Tensor::cat(&got, 0)?)
+    }
+
+    fn split_rows(
+        &self,
+        t: &Tensor,
+        splits: Option<&[usize]>,
+    ) -> Result<Vec<Tensor>, CollectiveError> {
+        let n = self.size();
+        let rows = t.dims().first().copied().unwrap_or(0);
+        let sizes: Vec<usize> = match splits {
+            Some(s) => s.to_vec(),
+            None if rows % n == 0 => vec![rows / n; n],
+            None => {
+                return Err(CollectiveError::Failed {
+                    op: "all_to_all",
+                    members: self.ranks.to_vec(),
+                    message: format!("{rows} rows do not split equally over {n} members"),
+                })
+            }
+        };
+        if sizes.len() != n || sizes.iter().sum::<usize>() != rows {
+            return Err(CollectiveError::Failed {
+                op: "all_to_all",
+                members: self.ranks.to_vec(),
+                message: format!("splits {sizes:?} for {rows} rows over {n} members"),
+            });
+        }
+        let mut at = 0;
+        sizes
+            .iter()
+            .map(|&k| {
+                let p = t.narrow(0, at, k);
+                at += k;
+                Ok(p?)
+            })
+            .collect()
+    }
+
+    /// Runs `op` in the background under the next sequence number, taken now (in call order,
+    /// not when the task first runs: every member pairs this call with the same call on the
+    /// others), in the caller's scope.
+    fn background<T, F>(&self, op: impl FnOnce(ProcessGroup, u64) -> F) -> Work<T>
+    where
+        T: Send + 'static,
+        F: std::future::Future<Output = Result<T, CollectiveError>> + Send + 'static,
+    {
+        let seq = mailbox(&self.agent).next_seq(self.id);
+        let fut = op(self.clone(), seq);
+        Work(WorkState::Running(
+            rpc_core::CallScope::current().spawn_on(self.agent.runtime(), fut),
+        ))
     }
 
     /// [`ProcessGroup::all_reduce`] in the background, so communication overlaps computation.
     pub fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Work<Tensor> {
-        let (g, t) = (self.clone(), t.clone());
-        // The sequence number is taken now, in call order, not when the task first runs:
-        // every member must pair this call with the same call on the others.
-        let seq = mailbox(&self.agent).next_seq(self.id);
-        Work(
-            rpc_core::CallScope::current().spawn_on(self.agent.runtime(), async move {
-                let o = g.begin_at("all_reduce", &t, seq)?;
-                let out = g.ring_all_reduce(&o, &t, op).await;
-                g.end(&o);
-                out
-            }),
-        )
+        let t = t.clone();
+        self.background(|g, seq| async move {
+            let o = g.begin_at("all_reduce", &t, seq)?;
+            let out = g.ring_all_reduce(&o, &t, op).await;
+            g.end(&o);
+            out
+        })
+    }
+
+    /// [`ProcessGroup::broadcast`] in the background.
+    pub fn broadcast_async(&self, t: &Tensor, root: u32) -> Work<Tensor> {
+        let t = t.clone();
+        self.background(|g, seq| async move { g.broadcast_at(&t, root, seq).await })
+    }
+
+    /// [`ProcessGroup::all_gather`] in the background.
+    pub fn all_gather_async(&self, t: &Tensor) -> Work<Vec<Tensor>> {
+        let t = t.clone();
+        self.background(|g, seq| async move { g.all_gather_at(&t, seq).await })
+    }
+
+    /// [`ProcessGroup::reduce_scatter`] in the background.
+    pub fn reduce_scatter_async(&self, t: &Tensor, op: ReduceOp) -> Work<Tensor> {
+        let t = t.clone();
+        self.background(|g, seq| async move { g.reduce_scatter_at(&t, op, seq).await })
+    }
+
+    /// [`ProcessGroup::reduce`] in the background.
+    pub fn reduce_async(&self, t: &Tensor, op: ReduceOp, root: u32) -> Work<Option<Tensor>> {
+        let t = t.clone();
+        self.background(|g, seq| async move { g.reduce_at(&t, op, root, seq).await })
+    }
+
+    /// [`ProcessGroup::gather`] in the background.
+    pub fn gather_async(&self, t: &Tensor, root: u32) -> Work<Option<Vec<Tensor>>> {
+        let t = t.clone();
+        self.background(|g, seq| async move { g.gather_at(&t, root, seq).await })
+    }
+
+    /// [`ProcessGroup::scatter`] in the background.
+    pub fn scatter_async(&self, parts: Option<Vec<Tensor>>, root: u32) -> Work<Tensor> {
+        self.background(|g, seq| async move { g.scatter_at(parts, root, seq).await })
+    }
+
+    /// [`ProcessGroup::all_to_all`] in the background.
+    pub fn all_to_all_async(&self, parts: Vec<Tensor>) -> Work<Vec<Tensor>> {
+        self.background(|g, seq| async move { g.all_to_all_at(parts, seq).await })
     }
 }

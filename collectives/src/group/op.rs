@@ -92,6 +92,41 @@ impl Op<'_> {
     }
 
     pub(super) async fn recv_body(&self, from: u32, step: u32) -> Result<Body, CollectiveError> {
+        let me = self.g.agent.rank();
+        self.recv_checked(from, step, |h| {
+            if *h == self.header {
+                return Ok(());
+            }
+            Err(format!(
+                "rank {from} has a {} tensor of shape {:?}, rank {me} has a {} tensor of shape {:?}",
+                h.dtype, h.dims, self.header.dtype, self.header.dims
+            ))
+        })
+        .await
+    }
+
+    /// Receives a tensor whose sender's header passes `check` (parts whose shapes differ by
+    /// design: scatter, all-to-all).
+    pub(super) async fn recv_part(
+        &self,
+        from: u32,
+        step: u32,
+        check: impl Fn(&Header) -> Result<(), String>,
+    ) -> Result<Tensor, CollectiveError> {
+        match self.recv_checked(from, step, check).await? {
+            Body::Tensor(t) => Ok(t),
+            Body::Raw(_) => Err(self.failed("got raw elements where a tensor was expected".into())),
+        }
+    }
+
+    /// Receives a message and checks its sender's header; a mismatch fails the operation on
+    /// every member with one verdict (COL-1).
+    async fn recv_checked(
+        &self,
+        from: u32,
+        step: u32,
+        check: impl Fn(&Header) -> Result<(), String>,
+    ) -> Result<Body, CollectiveError> {
         let timeout = effective_timeout(&self.g.agent);
         let got = mailbox(&self.g.agent)
             .take(from, self.tag(step), timeout)
@@ -108,41 +143,76 @@ impl Op<'_> {
                 message,
             },
         })?;
-        if h != self.header {
-            let why = format!(
-                "rank {from} has a {} tensor of shape {:?}, rank {} has a {} tensor of shape {:?}",
-                h.dtype,
-                h.dims,
-                self.g.agent.rank(),
-                self.header.dtype,
-                self.header.dims
-            );
-            self.abort_all(&why).await;
-            return Err(CollectiveError::Failed {
-                op: self.name,
-                members: self.g.ranks.to_vec(),
-                message: why,
-            });
+        if let Err(why) = check(&h) {
+            return Err(self.mismatch(why).await);
         }
         Ok(t)
     }
 
-    pub(super) async fn abort_all(&self, why: &str) {
+    /// COL-1, one verdict: a member that finds a mismatch reports it to the group's first
+    /// member, which aborts the operation on every member with the first report it got, so
+    /// every member fails with the same message whichever members found one. When the first
+    /// member cannot be reached, the finder aborts the others with its own finding.
+    pub(super) async fn mismatch(&self, why: String) -> CollectiveError {
         let agent = &self.g.agent;
-        mailbox(agent).abort(self.g.id, self.seq, why.to_owned());
-        let calls = self
-            .g
-            .ranks
+        let (group, seq) = (self.g.id, self.seq);
+        let leader = self.g.ranks[0];
+        let verdict = if leader == agent.rank() {
+            decide(agent, &self.g.ranks, group, seq, why).await
+        } else {
+            let call = agent.rpc_async(leader, Verdict, (group, seq, why.clone()));
+            match no_context(call).await {
+                Ok(verdict) => verdict,
+                // The first member is gone: this member's finding is the verdict here.
+                Err(_) => decide(agent, &self.g.ranks, group, seq, why).await,
+            }
+        };
+        self.failed(verdict)
+    }
+}
+
+/// A collective's control message never belongs to the caller's autograd context.
+fn no_context<F: std::future::Future>(f: F) -> impl std::future::Future<Output = F::Output> {
+    rpc_core::ext::with_call_meta(autograd_dist::CTX_KEY, None, f)
+}
+
+/// Decides operation `seq` of `group`'s failure here: the first decision wins (a later one
+/// returns the first's message) and aborts the operation on every other member of `ranks`.
+async fn decide(
+    agent: &rpc_core::Agent,
+    ranks: &[u32],
+    group: u64,
+    seq: u64,
+    why: String,
+) -> String {
+    let mb = mailbox(agent);
+    if mb.abort(group, seq, why.clone()) {
+        let calls = ranks
             .iter()
             .filter(|&&r| r != agent.rank())
-            .map(|&r| {
-                rpc_core::ext::with_call_meta(
-                    autograd_dist::CTX_KEY,
-                    None,
-                    agent.rpc_async(r, Abort, (self.g.id, self.seq, why.to_owned())),
-                )
-            });
+            .map(|&r| no_context(agent.rpc_async(r, Abort, (group, seq, why.clone()))));
         let _ = futures::future::join_all(calls).await;
+    }
+    mb.aborted_with(group, seq).unwrap_or(why)
+}
+
+/// A member → the group's first member: "operation `seq` of `group` does not match here, for
+/// this reason"; the answer is the operation's verdict, the first report's (COL-1).
+pub(crate) struct Verdict;
+
+impl rpc_core::RemoteFn for Verdict {
+    const NAME: &'static str = "collectives::verdict";
+    type Args = (u64, u64, String);
+    type Output = String;
+    async fn call(
+        cx: rpc_core::CallContext,
+        (group, seq, why): Self::Args,
+    ) -> Result<String, rpc_core::BoxError> {
+        let agent = cx.agent();
+        let ranks = mailbox(agent)
+            .group_ranks(group)
+            .ok_or_else(|| format!("group {group:#x} is unknown on `{}`", agent.name()))?;
+        Ok(decide(agent, &ranks, group, seq, why).await)
     }
 }
 

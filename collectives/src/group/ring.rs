@@ -14,6 +14,7 @@ fn combine(op: ReduceOp, a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> 
         ReduceOp::Sum | ReduceOp::Mean => a + b,
         ReduceOp::Max => a.maximum(b),
         ReduceOp::Min => a.minimum(b),
+        ReduceOp::Product => a * b,
     }
 }
 

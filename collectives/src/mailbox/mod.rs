@@ -48,6 +48,24 @@ pub(crate) struct Header {
     pub dtype: String,
 }
 
+impl Header {
+    /// A tensor's header.
+    pub(crate) fn of(t: &candle_core::Tensor) -> Self {
+        Self {
+            dims: t.dims().to_vec(),
+            dtype: t.dtype().as_str().to_owned(),
+        }
+    }
+
+    /// The header of a member that does not know what it will receive.
+    pub(crate) fn any() -> Self {
+        Self {
+            dims: Vec::new(),
+            dtype: String::new(),
+        }
+    }
+}
+
 /// A message's content: a tensor, or raw elements (the ring's fast path).
 pub(crate) enum Body {
     Tensor(Tensor),
@@ -273,8 +291,14 @@ impl Mailbox {
         m.queued.stats()
     }
 
-    pub(crate) fn abort(&self, group: u64, seq: u64, why: String) {
+    /// Aborts operation `seq` of `group` here: its receives fail with `why`. The first abort
+    /// of an operation decides its message (later ones change nothing); returns whether this
+    /// one was the first.
+    pub(crate) fn abort(&self, group: u64, seq: u64, why: String) -> bool {
         let mut m = self.lock();
+        if m.aborted.contains_key(&(group, seq)) {
+            return false;
+        }
         m.aborted
             .insert((group, seq), (why.clone(), Instant::now()));
         let keys: Vec<_> = m
@@ -288,6 +312,20 @@ impl Mailbox {
                 let _ = w.send(Err(TakeError::Other(why.clone())));
             }
         }
+        true
+    }
+
+    /// The message operation `seq` of `group` was aborted with here, if it was.
+    pub(crate) fn aborted_with(&self, group: u64, seq: u64) -> Option<String> {
+        self.lock()
+            .aborted
+            .get(&(group, seq))
+            .map(|(why, _)| why.clone())
+    }
+
+    /// The members of `group`, as registered here.
+    pub(crate) fn group_ranks(&self, group: u64) -> Option<Arc<Vec<u32>>> {
+        self.lock().groups.get(&group).map(|(r, _)| Arc::clone(r))
     }
 
     /// Drops what an operation left queued (messages of an aborted operation).

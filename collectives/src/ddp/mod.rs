@@ -1,21 +1,40 @@
 //! Data parallelism: [`DistributedDataParallel`] and [`DistributedSampler`].
 //!
 //! In the spirit of Horovod's `DistributedOptimizer` and PyTorch's DDP: parameters are
-//! broadcast from the group's first rank at construction, and after each local backward the
-//! gradients are averaged across the group with the ring all-reduce, in buckets (flattened and
-//! concatenated up to `bucket_bytes`) so that many small tensors cost few messages. With equal
-//! per-rank batches, the averaged gradient is the gradient of the global batch's mean loss.
-//! Used as an `autograd_dist::GradientHook`, the combination runs inside every
-//! `DistributedOptimizer` step on the replicas' workers.
+//! broadcast from the group's first rank at construction, and the replicas' gradients are
+//! averaged across the group with the ring all-reduce, in buckets (flattened and concatenated
+//! up to `bucket_bytes`) so that many small tensors cost few messages. With equal per-rank
+//! batches, the averaged gradient is the gradient of the global batch's mean loss.
+//!
+//! Two ways to run it:
+//! - after backward: [`DistributedDataParallel::reduce_gradients`] on a finished backward's
+//!   gradients (also as an `autograd_dist::GradientHook`, inside every `DistributedOptimizer`
+//!   step on the replicas' workers);
+//! - overlapped with backward ([`Pass`], `overlap.rs`): the model's forward marks a few cuts
+//!   (`let h = pass.cut(&h)?;`, one line each), and [`Pass::backward`] backpropagates segment
+//!   by segment from the loss, starting each bucket's all-reduce as soon as the segment that
+//!   completes its gradients is done, while the earlier segments' backward runs (DDP-1..3).
+//!
+//! Each bucket travels through a [`CommHook`] (`hooks.rs`): the all-reduce by default,
+//! [`CompressHook`] for bf16 / f16 on the wire, or the user's own.
+
+mod hooks;
+mod overlap;
+mod sampler;
 
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use autograd_dist::{GradientHook, Gradients};
 use candle_core::{Tensor, TensorId, Var};
 use futures::future::BoxFuture;
 use rpc_core::BoxError;
 
-use crate::group::{CollectiveError, ProcessGroup, ReduceOp};
+use crate::group::{CollectiveError, ProcessGroup, ReduceOp, Work};
+
+pub use hooks::{AllReduceHook, CommHook, CompressHook};
+pub use overlap::{DdpOptimizer, Pass};
+pub use sampler::DistributedSampler;
 
 /// Keeps a model's replicas identical across a group.
 pub struct DistributedDataParallel {
@@ -23,6 +42,9 @@ pub struct DistributedDataParallel {
     vars: Vec<Var>,
     bucket_bytes: usize,
     op: ReduceOp,
+    hook: Arc<dyn CommHook>,
+    /// The buckets of an overlapped pass, learnt from the first one (`overlap.rs`).
+    plan: Mutex<Option<overlap::Plan>>,
 }
 
 impl std::fmt::Debug for DistributedDataParallel {
@@ -32,6 +54,7 @@ impl std::fmt::Debug for DistributedDataParallel {
             .field("params", &self.vars.len())
             .field("bucket_bytes", &self.bucket_bytes)
             .field("op", &self.op)
+            .field("hook", &self.hook.name())
             .finish()
     }
 }
@@ -62,6 +85,8 @@ impl DistributedDataParallel {
             vars,
             bucket_bytes: bucket_bytes.max(1),
             op: ReduceOp::Mean,
+            hook: Arc::new(AllReduceHook),
+            plan: Mutex::new(None),
         })
     }
 
@@ -86,18 +111,26 @@ impl DistributedDataParallel {
         self
     }
 
+    /// Sends every bucket through `hook` (default: [`AllReduceHook`]).
+    pub fn with_hook(mut self, hook: impl CommHook) -> Self {
+        self.hook = Arc::new(hook);
+        self
+    }
+
     /// The wrapped parameters.
     pub fn vars(&self) -> &[Var] {
         &self.vars
     }
 
     /// Replaces each parameter's gradient in `grads` by its mean (or the operation set with
-    /// [`DistributedDataParallel::with_reduce_op`]) over the group. A parameter without a
-    /// gradient here counts as zero, so every member sends the same buckets.
+    /// [`DistributedDataParallel::with_reduce_op`]) over the group, after backward: buckets in
+    /// the parameters' order, all started at once and waited for in order. A parameter
+    /// without a gradient here counts as zero, so every member sends the same buckets.
     pub async fn reduce_gradients(
         &self,
         grads: &mut impl Gradients,
     ) -> Result<(), CollectiveError> {
+        let mut buckets = Vec::new();
         let mut bucket: Vec<usize> = Vec::new();
         let mut size = 0usize;
         for i in 0..self.vars.len() {
@@ -105,31 +138,49 @@ impl DistributedDataParallel {
             bucket.push(i);
             size += t.elem_count() * t.dtype().size_in_bytes();
             if size >= self.bucket_bytes || i + 1 == self.vars.len() {
-                self.reduce_bucket(&bucket, grads).await?;
-                bucket.clear();
+                buckets.push(std::mem::take(&mut bucket));
                 size = 0;
             }
+        }
+        let mut started = Vec::with_capacity(buckets.len());
+        for idx in buckets {
+            let flat = self.flatten(&idx, |v| grads.grad(v))?;
+            started.push((idx, self.hook.reduce(&self.group, flat, self.op)));
+        }
+        for (idx, work) in started {
+            self.unflatten(&idx, work, grads).await?;
         }
         Ok(())
     }
 
-    async fn reduce_bucket(
+    /// The gradients of parameters `idx`, flattened into one tensor (zeros where `grad` has
+    /// none).
+    fn flatten(
         &self,
         idx: &[usize],
-        grads: &mut impl Gradients,
-    ) -> Result<(), CollectiveError> {
+        grad: impl Fn(&Tensor) -> Option<Tensor>,
+    ) -> Result<Tensor, CollectiveError> {
         let flats: Vec<Tensor> = idx
             .iter()
             .map(|&i| {
                 let v = self.vars[i].as_tensor();
-                match grads.grad(v) {
+                match grad(v) {
                     Some(g) => g.flatten_all(),
                     None => v.zeros_like()?.flatten_all(),
                 }
             })
             .collect::<candle_core::Result<_>>()?;
-        let joined = Tensor::cat(&flats, 0)?;
-        let reduced = self.group.all_reduce(&joined, self.op).await?;
+        Ok(Tensor::cat(&flats, 0)?)
+    }
+
+    /// Waits for a bucket's combined gradients and puts them back, parameter by parameter.
+    async fn unflatten(
+        &self,
+        idx: &[usize],
+        work: Work<Tensor>,
+        grads: &mut impl Gradients,
+    ) -> Result<(), CollectiveError> {
+        let reduced = work.wait().await?;
         let mut at = 0;
         for &i in idx {
             let v = self.vars[i].as_tensor();
@@ -149,96 +200,5 @@ impl GradientHook for DistributedDataParallel {
         grads: &'a mut HashMap<TensorId, Tensor>,
     ) -> BoxFuture<'a, Result<(), BoxError>> {
         Box::pin(async move { Ok(self.reduce_gradients(grads).await?) })
-    }
-}
-
-/// Splits a dataset's indices across a group's members, reshuffled each epoch.
-///
-/// Like PyTorch's `DistributedSampler`: the permutation depends only on `seed` and the epoch,
-/// so every member computes the same one; it is padded (by repeating its start) to a multiple
-/// of the number of replicas, and member `rank` takes every `replicas`-th index from `rank`.
-///
-/// ```
-/// let s = collectives::DistributedSampler::new(10, 3, 1, 42);
-/// let mine = s.indices(0);
-/// assert_eq!(mine.len(), 4);
-/// ```
-#[derive(Clone, Debug)]
-pub struct DistributedSampler {
-    len: usize,
-    replicas: usize,
-    rank: usize,
-    seed: u64,
-}
-
-impl DistributedSampler {
-    /// A sampler over `len` items for member `rank` of `replicas`.
-    pub fn new(len: usize, replicas: usize, rank: usize, seed: u64) -> Self {
-        assert!(
-            replicas > 0 && rank < replicas,
-            "rank {rank} must be below replicas {replicas}"
-        );
-        Self {
-            len,
-            replicas,
-            rank,
-            seed,
-        }
-    }
-
-    /// The whole epoch's permutation (the same on every member).
-    pub fn permutation(&self, epoch: u64) -> Vec<usize> {
-        let mut p: Vec<usize> = (0..self.len).collect();
-        let mut s = (self.seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15)) | 1;
-        for i in (1..p.len()).rev() {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            p.swap(i, (s % (i as u64 + 1)) as usize);
-        }
-        p
-    }
-
-    /// This member's indices for `epoch`.
-    pub fn indices(&self, epoch: u64) -> Vec<usize> {
-        let mut p = self.permutation(epoch);
-        if p.is_empty() {
-            return p;
-        }
-        let total = p.len().div_ceil(self.replicas) * self.replicas;
-        let mut k = 0;
-        while p.len() < total {
-            p.push(p[k]);
-            k += 1;
-        }
-        p.into_iter()
-            .skip(self.rank)
-            .step_by(self.replicas)
-            .collect()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn sampler_partitions_the_epoch_and_reshuffles() {
-        let n = 3;
-        let parts: Vec<Vec<usize>> = (0..n)
-            .map(|r| DistributedSampler::new(10, n, r, 7).indices(0))
-            .collect();
-        assert!(parts.iter().all(|p| p.len() == 4));
-        let mut all: Vec<usize> = parts.concat();
-        all.sort_unstable();
-        all.dedup();
-        assert_eq!(all, (0..10).collect::<Vec<_>>(), "every item is served");
-        let s = DistributedSampler::new(10, n, 0, 7);
-        assert_ne!(s.permutation(0), s.permutation(1), "a new order each epoch");
-        assert_eq!(
-            s.permutation(3),
-            DistributedSampler::new(10, n, 2, 7).permutation(3),
-            "same on every rank"
-        );
     }
 }

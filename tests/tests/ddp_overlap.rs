@@ -1,0 +1,339 @@
+//! Data parallelism with the gradients' combination overlapped with backward (DDP-1..3):
+//! N replicas on B/N rows each track one process on B rows; the combination of a segment's
+//! buckets starts while an earlier segment's backward still runs; compressed buckets stay
+//! within their error bound; a pass that uses its parameters differently from the first fails
+//! naming the parameter.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use autograd_dist::{Optimizer, OptimizerKind};
+use candle_core::{CpuStorage, CustomOp1, Device, Layout, Shape, Tensor, Var};
+use collectives::{CommHook, CompressHook, DistributedDataParallel, ProcessGroup, ReduceOp, Work};
+use integration_tests::{max_abs_diff, run, shutdown_all};
+use rpc_core::testing::start_group;
+use rpc_core::{Agent, MemoryNetwork, Registry, Secret, Transport};
+
+async fn group(n: u32) -> Vec<Agent> {
+    start_group(
+        n,
+        Transport::Memory(MemoryNetwork::new()),
+        Secret::generate(),
+        |_| collectives::install(Registry::builder()).unwrap().build(),
+        |_, c| c.with_rpc_timeout(Duration::from_secs(20)),
+    )
+    .await
+    .expect("group starts")
+}
+
+const ROWS: usize = 32;
+
+/// 32 rows of 6 features and 3 targets.
+fn dataset() -> (Tensor, Tensor) {
+    let x: Vec<f64> = (0..ROWS * 6)
+        .map(|i| ((i * 37 % 101) as f64 / 101.0) - 0.5)
+        .collect();
+    let y: Vec<f64> = (0..ROWS * 3)
+        .map(|i| ((i * 53 % 97) as f64 / 97.0) - 0.5)
+        .collect();
+    (
+        Tensor::from_vec(x, (ROWS, 6), &Device::Cpu).unwrap(),
+        Tensor::from_vec(y, (ROWS, 3), &Device::Cpu).unwrap(),
+    )
+}
+
+/// Three layers (w0 b0, w1 b1, w2), a scale shared by the first and last segment, and a
+/// parameter the model never uses.
+fn init_params(offset: f64) -> Vec<Var> {
+    let mk = |r: usize, c: usize, salt: usize| {
+        let v: Vec<f64> = (0..r * c)
+            .map(|i| (((i * 31 + salt) % 17) as f64 / 17.0 - 0.5) * 0.5 + offset)
+            .collect();
+        Var::from_tensor(&Tensor::from_vec(v, (r, c), &Device::Cpu).unwrap()).unwrap()
+    };
+    vec![
+        mk(6, 8, 1),
+        mk(1, 8, 2),
+        mk(8, 8, 3),
+        mk(1, 8, 4),
+        mk(8, 3, 5),
+        mk(1, 1, 6),
+        mk(2, 2, 7),
+    ]
+}
+
+/// The model's forward, with `cut` at the segment ends (identity for one process).
+fn loss(p: &[Var], x: &Tensor, y: &Tensor, mut cut: impl FnMut(&Tensor) -> Tensor) -> Tensor {
+    let scale = p[5].as_tensor();
+    let h = x
+        .matmul(p[0].as_tensor())
+        .unwrap()
+        .broadcast_add(p[1].as_tensor())
+        .unwrap();
+    let h = h.tanh().unwrap().broadcast_mul(scale).unwrap();
+    let h = cut(&h);
+    let h = h
+        .matmul(p[2].as_tensor())
+        .unwrap()
+        .broadcast_add(p[3].as_tensor())
+        .unwrap();
+    let h = cut(&h.tanh().unwrap());
+    let out = h
+        .matmul(p[4].as_tensor())
+        .unwrap()
+        .broadcast_mul(scale)
+        .unwrap();
+    (out - y).unwrap().sqr().unwrap().mean_all().unwrap()
+}
+
+fn rows(t: &Tensor, idx: &[usize]) -> Tensor {
+    let ids: Vec<u32> = idx.iter().map(|&i| i as u32).collect();
+    t.index_select(&Tensor::new(ids.as_slice(), &Device::Cpu).unwrap(), 0)
+        .unwrap()
+}
+
+const B: usize = 8;
+const LR: f64 = 0.5;
+const STEPS: usize = 20;
+
+/// One process on batches of B rows.
+fn one_process() -> Vec<Var> {
+    let (x, y) = dataset();
+    let p = init_params(0.0);
+    let mut opt = Optimizer::new(OptimizerKind::sgd(LR), p.clone());
+    let sampler = collectives::DistributedSampler::new(ROWS, 1, 0, 99);
+    for step in 0..STEPS {
+        let (epoch, k) = ((step * B / ROWS) as u64, step % (ROWS / B));
+        let idx = &sampler.permutation(epoch)[k * B..(k + 1) * B];
+        let l = loss(&p, &rows(&x, idx), &rows(&y, idx), |h| h.clone());
+        opt.step(&l.backward().unwrap()).unwrap();
+    }
+    p
+}
+
+/// N replicas with `hook` (none: after backward, through reduce_gradients).
+async fn replicas(n: u32, overlap: bool, hook: Option<CompressHook>) -> Vec<Vec<Tensor>> {
+    let a = group(n).await;
+    let (x, y) = dataset();
+    let out = futures::future::join_all(a.iter().map(|w| {
+        let (x, y) = (x.clone(), y.clone());
+        async move {
+            let r = w.rank() as usize;
+            // Small buckets: several per segment.
+            let ddp = DistributedDataParallel::with_bucket_bytes(
+                collectives::world(w),
+                init_params(r as f64 * 0.3),
+                200,
+            )
+            .await
+            .unwrap();
+            let ddp = match hook {
+                Some(h) => ddp.with_hook(h),
+                None => ddp,
+            };
+            let opt = Optimizer::new(OptimizerKind::sgd(LR), ddp.vars().to_vec());
+            let mut opt = ddp.wrap(opt);
+            let sampler = collectives::DistributedSampler::new(ROWS, n as usize, r, 99);
+            let b = B / n as usize;
+            for step in 0..STEPS {
+                let (epoch, k) = ((step * B / ROWS) as u64, step % (ROWS / B));
+                let idx = &sampler.indices(epoch)[k * b..(k + 1) * b];
+                let (xs, ys) = (rows(&x, idx), rows(&y, idx));
+                if overlap {
+                    let mut pass = opt.pass();
+                    let l = loss(ddp.vars(), &xs, &ys, |h| pass.cut(h).unwrap());
+                    opt.backward_step(pass, &l).await.unwrap();
+                } else {
+                    let l = loss(ddp.vars(), &xs, &ys, |h| h.clone());
+                    let mut g = l.backward().unwrap();
+                    ddp.reduce_gradients(&mut g).await.unwrap();
+                    opt.optimizer().step(&g).unwrap();
+                }
+            }
+            ddp.vars()
+                .iter()
+                .map(|v| v.as_tensor().clone())
+                .collect::<Vec<_>>()
+        }
+    }))
+    .await;
+    shutdown_all(&a).await;
+    out
+}
+
+/// DDP-3: overlapped or not, N replicas on B/N rows end where one process on B rows does
+/// (20 SGD steps, within 1e-5), the unused parameter included (it stays where the first rank
+/// put it).
+#[test]
+fn replicas_track_one_process_overlapped_or_not() {
+    run(180, async {
+        let reference = one_process();
+        let moved = max_abs_diff(reference[4].as_tensor(), init_params(0.0)[4].as_tensor());
+        assert!(
+            moved > 1e-3,
+            "training moved the parameters by only {moved}"
+        );
+        for n in [2u32, 4] {
+            for overlap in [true, false] {
+                let finals = replicas(n, overlap, None).await;
+                for (rank, params) in finals.iter().enumerate() {
+                    for (i, (p, q)) in params.iter().zip(&reference).enumerate() {
+                        let d = max_abs_diff(p, q.as_tensor());
+                        assert!(d <= 1e-5, "n={n} overlap={overlap} rank {rank} p{i}: {d}");
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// Compressed buckets: the training stays within the 16-bit rounding of the exact one.
+#[test]
+fn compressed_buckets_stay_within_their_rounding() {
+    run(180, async {
+        let reference = one_process();
+        for (hook, bound) in [(CompressHook::bf16(), 1e-4), (CompressHook::f16(), 3e-5)] {
+            let finals = replicas(4, true, Some(hook)).await;
+            let mut worst = 0f64;
+            for params in &finals {
+                for (p, q) in params.iter().zip(&reference) {
+                    worst = worst.max(max_abs_diff(p, q.as_tensor()));
+                }
+            }
+            assert!(worst <= bound, "{}: {worst}", hook.name());
+            assert!(worst > 0.0, "{}: no rounding at all?", hook.name());
+            eprintln!(
+                "{}: parameters within {worst} of the exact run",
+                hook.name()
+            );
+        }
+    });
+}
+
+/// An op that is the identity forward and sleeps in its backward, noting when that began.
+struct SlowBackward(Arc<Mutex<Option<Instant>>>);
+
+impl CustomOp1 for SlowBackward {
+    fn name(&self) -> &'static str {
+        "slow-backward"
+    }
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let CpuStorage::F64(v) = s else {
+            candle_core::bail!("f64 only")
+        };
+        let Some((a, b)) = l.contiguous_offsets() else {
+            candle_core::bail!("contiguous only")
+        };
+        Ok((CpuStorage::F64(v[a..b].to_vec()), l.shape().clone()))
+    }
+    fn bwd(&self, _: &Tensor, _: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        *self.0.lock().unwrap() = Some(Instant::now());
+        std::thread::sleep(Duration::from_millis(400));
+        Ok(Some(g.clone()))
+    }
+}
+
+/// A hook that notes when each bucket was handed to it.
+struct Noting(Arc<Mutex<Vec<Instant>>>);
+
+impl CommHook for Noting {
+    fn reduce(&self, group: &ProcessGroup, bucket: Tensor, op: ReduceOp) -> Work<Tensor> {
+        self.0.lock().unwrap().push(Instant::now());
+        group.all_reduce_async(&bucket, op)
+    }
+    fn name(&self) -> &'static str {
+        "noting"
+    }
+}
+
+/// DDP-1: in the second pass (the first learns the buckets), the last segment's buckets are
+/// handed to the hook before the first segment's (slow) backward starts.
+#[test]
+fn buckets_leave_while_earlier_segments_backpropagate() {
+    run(60, async {
+        let a = group(2).await;
+        let (x, y) = dataset();
+        futures::future::join_all(a.iter().map(|w| {
+            let (x, y) = (x.clone(), y.clone());
+            async move {
+                let started = Arc::new(Mutex::new(Vec::new()));
+                let ddp = DistributedDataParallel::with_bucket_bytes(
+                    collectives::world(w),
+                    init_params(0.0),
+                    200,
+                )
+                .await
+                .unwrap()
+                .with_hook(Noting(Arc::clone(&started)));
+                for pass_no in 0..2 {
+                    started.lock().unwrap().clear();
+                    let slow_began = Arc::new(Mutex::new(None));
+                    let mut pass = ddp.pass();
+                    // The slow op's backward runs in the first segment: it needs a gradient
+                    // at its input, so the input is a variable here.
+                    let input = Var::from_tensor(&x).unwrap();
+                    let slow = input
+                        .as_tensor()
+                        .apply_op1(SlowBackward(Arc::clone(&slow_began)))
+                        .unwrap();
+                    let l = loss(ddp.vars(), &slow, &y, |h| pass.cut(h).unwrap());
+                    let _ = pass.backward(&l).await.unwrap();
+                    let began = slow_began.lock().unwrap().expect("the slow backward ran");
+                    let first = started.lock().unwrap()[0];
+                    if pass_no == 1 {
+                        assert!(
+                            first < began,
+                            "the first bucket left after the first segment's backward began"
+                        );
+                    } else {
+                        assert!(first > began, "the first pass combines at its end");
+                    }
+                }
+            }
+        }))
+        .await;
+        shutdown_all(&a).await;
+    });
+}
+
+/// DDP-2: a pass in which a parameter gets its gradient in an earlier segment than in the
+/// first pass (after its bucket left) fails, naming the parameter, on every member.
+#[test]
+fn a_pass_that_moves_a_parameter_fails_naming_it() {
+    run(60, async {
+        let a = group(2).await;
+        let (x, y) = dataset();
+        let outs = futures::future::join_all(a.iter().map(|w| {
+            let (x, y) = (x.clone(), y.clone());
+            async move {
+                let ddp = DistributedDataParallel::with_bucket_bytes(
+                    collectives::world(w),
+                    init_params(0.0),
+                    200,
+                )
+                .await
+                .unwrap();
+                // First pass: parameter 6 unused, then used in the first segment... (allowed:
+                // unused ones go last). Parameter 4 moves from the last segment to the first.
+                let mut pass = ddp.pass();
+                let l = loss(ddp.vars(), &x, &y, |h| pass.cut(h).unwrap());
+                pass.backward(&l).await.unwrap();
+                let mut pass = ddp.pass();
+                let p = ddp.vars();
+                let bent = (x.matmul(p[0].as_tensor()).unwrap().sum_all().unwrap()
+                    * p[4].as_tensor().sum_all().unwrap())
+                .unwrap();
+                let h = pass.cut(&bent.broadcast_as((1, 1)).unwrap()).unwrap();
+                let h = pass.cut(&h).unwrap();
+                let l = (h.sum_all().unwrap() + loss(p, &x, &y, |h| h.clone())).unwrap();
+                pass.backward(&l).await.map(|_| ())
+            }
+        }))
+        .await;
+        for o in outs {
+            let e = o.unwrap_err().to_string();
+            assert!(e.contains("parameter 4 got a gradient in segment 0"), "{e}");
+        }
+        shutdown_all(&a).await;
+    });
+}
