@@ -201,8 +201,10 @@ impl Optimizer {
             // step's forward pass (a variable used directly as a product's operand gets
             // `input.t() @ grad`), and `m` built on it would chain every step's to the next.
             let g = g.detach();
-            let new = update(self.kind, &p, &g, &mut self.m[i], &mut self.v[i], t)?;
-            var.set(&new)?;
+            if !sgd_in_place(self.kind, var, &g)? {
+                let new = update(self.kind, &p, &g, &mut self.m[i], &mut self.v[i], t)?;
+                var.set(&new)?;
+            }
             updated += 1;
         }
         Ok(updated)
@@ -253,6 +255,75 @@ impl Optimizer {
         self.m = m;
         self.v = v;
         self.steps = state.steps;
+        Ok(())
+    }
+}
+
+/// Plain SGD (no momentum, no weight decay) on a contiguous CPU `f32` / `f64` parameter, in
+/// one pass over its storage: `p = p - (g * lr + 0)`, the very operations (and bits) of
+/// [`update`]'s `p - (g * lr)`, without its two temporaries as large as the parameter (for a
+/// 25 M-parameter model, 200 MB of fresh pages a step). Returns whether it applied.
+fn sgd_in_place(kind: OptimizerKind, var: &Var, g: &Tensor) -> candle_core::Result<bool> {
+    let OptimizerKind::Sgd {
+        lr,
+        momentum,
+        weight_decay,
+    } = kind
+    else {
+        return Ok(false);
+    };
+    let p = var.as_tensor();
+    let fits = momentum == 0.0
+        && weight_decay == 0.0
+        && p.device().is_cpu()
+        && g.device().is_cpu()
+        && p.dtype() == g.dtype()
+        && matches!(p.dtype(), candle_core::DType::F32 | candle_core::DType::F64)
+        && p.dims() == g.dims()
+        && p.is_contiguous()
+        && g.is_contiguous();
+    if !fits {
+        return Ok(false);
+    }
+    p.inplace_op2(g, &SgdStep(lr))?;
+    Ok(true)
+}
+
+/// `p[i] = p[i] - (g[i] * lr + 0)` in place (see [`sgd_in_place`]).
+struct SgdStep(f64);
+
+impl candle_core::InplaceOp2 for SgdStep {
+    fn name(&self) -> &'static str {
+        "sgd-step"
+    }
+
+    fn cpu_fwd(
+        &self,
+        p: &mut candle_core::CpuStorage,
+        lp: &candle_core::Layout,
+        g: &candle_core::CpuStorage,
+        lg: &candle_core::Layout,
+    ) -> candle_core::Result<()> {
+        use candle_core::CpuStorage::{F32, F64};
+        let (Some((a, b)), Some((c, d))) = (lp.contiguous_offsets(), lg.contiguous_offsets())
+        else {
+            candle_core::bail!("sgd-step: not contiguous")
+        };
+        match (p, g) {
+            (F32(p), F32(g)) => {
+                let (lr, zero) = (self.0 as f32, 0f32);
+                for (p, g) in p[a..b].iter_mut().zip(&g[c..d]) {
+                    *p -= *g * lr + zero;
+                }
+            }
+            (F64(p), F64(g)) => {
+                let (lr, zero) = (self.0, 0f64);
+                for (p, g) in p[a..b].iter_mut().zip(&g[c..d]) {
+                    *p -= *g * lr + zero;
+                }
+            }
+            _ => candle_core::bail!("sgd-step: f32 or f64 only"),
+        }
         Ok(())
     }
 }
@@ -419,5 +490,56 @@ mod tests {
             p -= 0.01 * mh / (vh.sqrt() + 1e-8);
             assert!((get(&pt) - p).abs() < 1e-12, "step {t}");
         }
+    }
+
+    /// The in-place SGD step writes the bits the tensor operations write (f32 and f64, with
+    /// values that round differently: negative zeros, subnormals, large and tiny ones).
+    #[test]
+    fn sgd_in_place_matches_the_tensor_operations_bit_for_bit() {
+        let vals = |salt: u32| -> Vec<f64> {
+            (0..997u32)
+                .map(|i| {
+                    let x = f64::from((i.wrapping_mul(2_654_435_761) ^ salt) % 100_003);
+                    match i % 7 {
+                        0 => -0.0,
+                        1 => 1e-310,
+                        2 => -x * 1e12,
+                        _ => (x - 50_000.0) / 3_333.0,
+                    }
+                })
+                .collect()
+        };
+        for dtype in [candle_core::DType::F32, candle_core::DType::F64] {
+            let p0 = Tensor::new(vals(1), &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let g = Tensor::new(vals(2), &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let lr = 0.0123;
+            let want = (&p0 - (&g * lr).unwrap()).unwrap();
+            let var = Var::from_tensor(&p0).unwrap();
+            assert!(sgd_in_place(OptimizerKind::sgd(lr), &var, &g).unwrap());
+            let bits = |t: &Tensor| -> Vec<u64> {
+                let t = t.to_dtype(candle_core::DType::F64).unwrap();
+                t.to_vec1::<f64>()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect()
+            };
+            assert_eq!(bits(var.as_tensor()), bits(&want), "{dtype:?}");
+        }
+        // Momentum and weight decay take the tensor operations.
+        let var = Var::new(&[1f32, 2.0], &Device::Cpu).unwrap();
+        let g = Tensor::new(&[1f32, 1.0], &Device::Cpu).unwrap();
+        let momentum = OptimizerKind::Sgd {
+            lr: 0.1,
+            momentum: 0.9,
+            weight_decay: 0.0,
+        };
+        assert!(!sgd_in_place(momentum, &var, &g).unwrap());
     }
 }

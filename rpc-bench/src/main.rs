@@ -18,7 +18,8 @@
 //! one `*_cost` line per variant: its medians as ratios to the baseline's.
 //!
 //! `soak` runs a million mixed calls (`--calls`) among three processes and watches their
-//! memory and their remote references (see `soak.rs`).
+//! memory and their remote references (see `soak.rs`). `ddp [--world-sizes 2,4] [--steps N]`
+//! times the data-parallel step on the anchors' reference model (see `ddp.rs`).
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -33,14 +34,16 @@ use rpc_core::{
 };
 use serde_json::json;
 
+mod ddp;
 mod soak;
 
 const USAGE: &str =
     "rpc-bench: benchmarks of rpc-core against raw TCP and each other on 127.0.0.1, in peer \
 processes it starts itself; one JSON object per line.
 
-usage: rpc-bench [all|latency|throughput|tensor|rref|allreduce|overhead|soak] \
-[--threads N] [--busy-poll-us N] [--no-shm] [--wire-protection P] [--heartbeat-ms N] [--calls N]
+usage: rpc-bench [all|latency|throughput|tensor|rref|allreduce|overhead|soak|ddp] \
+[--threads N] [--busy-poll-us N] [--no-shm] [--wire-protection P] [--heartbeat-ms N] [--calls N] \
+[--world-sizes N,N] [--steps N]
   --threads N        runtime worker threads of every process (default 1: two processes
                      on a 2-core machine; 0: current-thread runtime)
   --busy-poll-us N   Config::busy_poll of every process, in microseconds (default: the
@@ -53,6 +56,8 @@ usage: rpc-bench [all|latency|throughput|tensor|rref|allreduce|overhead|soak] \
   --calls N          calls the soak makes (default 1000000)
   overhead           the cost of the wire protection and of the failure detector
   soak               mixed calls among three processes: memory slope and references
+  ddp                the data-parallel step (local, after, overlap, bf16) on the anchors'
+                     reference model, with --world-sizes (default 2,4) and --steps (30)
 Prints one JSON object per line.";
 
 /// Does nothing.
@@ -491,6 +496,51 @@ fn main() -> Result<()> {
         }
         "latency" | "throughput" | "tensor" | "rref" => drive(mode, threads),
         "overhead" => overhead(threads),
+        "ddp" => {
+            // One compute thread per process, like the anchor (set before any thread exists).
+            std::env::set_var("RAYON_NUM_THREADS", "1");
+            let steps: usize = value("--steps")?
+                .map(|v| v.parse())
+                .transpose()?
+                .unwrap_or(30);
+            let rt = runtime(threads)?;
+            emit(rt.block_on(ddp::local(steps))?);
+            for n in ddp::world_sizes(value("--world-sizes")?)? {
+                let (agent, _peers) = group(&rt, threads, n, "rank0", |rank, addr| {
+                    vec![
+                        "ddp-rank".into(),
+                        n.to_string(),
+                        rank.to_string(),
+                        addr.into(),
+                        steps.to_string(),
+                    ]
+                })?;
+                let a = agent.clone();
+                let lines =
+                    rt.block_on(rt.spawn(async move { ddp::rank_main(&a, steps).await }))??;
+                lines.into_iter().for_each(emit);
+                rt.block_on(agent.shutdown());
+            }
+            Ok(())
+        }
+        "ddp-rank" => {
+            // One member of a `ddp` group (started by `ddp`).
+            std::env::set_var("RAYON_NUM_THREADS", "1");
+            let n: u32 = args.get(1).context("world size")?.parse()?;
+            let rank: u32 = args.get(2).context("rank")?.parse()?;
+            let rendezvous = args.get(3).context("rendezvous address")?;
+            let steps: usize = args.get(4).context("steps")?.parse()?;
+            let rt = runtime(threads)?;
+            rt.block_on(async {
+                let cfg = config(rank, rendezvous, Secret::from_env()?.context("no secret")?)
+                    .with_world_size(n)
+                    .with_name(format!("rank{rank}"));
+                let agent = rpc_core::init(cfg, registry()).await?;
+                ddp::rank_main(&agent, steps).await?;
+                agent.wait_for_group().await;
+                Ok(())
+            })
+        }
         "soak" => {
             let calls = value("--calls")?.map(|v| v.parse()).transpose()?;
             soak_group(threads, calls.unwrap_or(1_000_000))

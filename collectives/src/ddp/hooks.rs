@@ -18,6 +18,17 @@ pub trait CommHook: Send + Sync + 'static {
 
     /// A short name, for reports.
     fn name(&self) -> &'static str;
+
+    /// When this hook is exactly the ring all-reduce of the bucket converted to some element
+    /// type (given the gradients' type), that type: the wrapper then copies the gradients
+    /// straight into one buffer of it and reduces the buffer in place, and `reduce` is not
+    /// called (for a mean in a narrower type than the gradients', each member divides before
+    /// converting and the ring sums). The default, for a hook of your own: `None`, and
+    /// `reduce` gets the bucket as a tensor.
+    fn ring_dtype(&self, grads: DType) -> Option<DType> {
+        let _ = grads;
+        None
+    }
 }
 
 /// The default: the ring all-reduce of the bucket as it is.
@@ -31,6 +42,10 @@ impl CommHook for AllReduceHook {
 
     fn name(&self) -> &'static str {
         "all_reduce"
+    }
+
+    fn ring_dtype(&self, grads: DType) -> Option<DType> {
+        Some(grads)
     }
 }
 
@@ -84,5 +99,9 @@ impl CommHook for CompressHook {
             DType::BF16 => "bf16",
             _ => "f16",
         }
+    }
+
+    fn ring_dtype(&self, _grads: DType) -> Option<DType> {
+        Some(self.dtype)
     }
 }

@@ -18,6 +18,7 @@
 //! Each bucket travels through a [`CommHook`] (`hooks.rs`): the all-reduce by default,
 //! [`CompressHook`] for bf16 / f16 on the wire, or the user's own.
 
+mod flat;
 mod hooks;
 mod overlap;
 mod sampler;
@@ -144,43 +145,69 @@ impl DistributedDataParallel {
         }
         let mut started = Vec::with_capacity(buckets.len());
         for idx in buckets {
-            let flat = self.flatten(&idx, |v| grads.grad(v))?;
-            started.push((idx, self.hook.reduce(&self.group, flat, self.op)));
+            let bucket = self.start(&idx, |v| grads.grad(v))?;
+            started.push((idx, bucket));
         }
-        for (idx, work) in started {
-            self.unflatten(&idx, work, grads).await?;
+        for (idx, bucket) in started {
+            self.unflatten(&idx, bucket, grads).await?;
         }
         Ok(())
     }
 
-    /// The gradients of parameters `idx`, flattened into one tensor (zeros where `grad` has
-    /// none).
-    fn flatten(
+    /// Starts combining the gradients of parameters `idx` (zeros where `grad` has none):
+    /// through the hook's fast path ([`CommHook::ring_dtype`], `flat.rs`) where it has one,
+    /// else as one concatenated tensor through [`CommHook::reduce`].
+    fn start(
         &self,
         idx: &[usize],
         grad: impl Fn(&Tensor) -> Option<Tensor>,
-    ) -> Result<Tensor, CollectiveError> {
-        let flats: Vec<Tensor> = idx
+    ) -> Result<Bucket, CollectiveError> {
+        let grads: Vec<(Option<Tensor>, usize)> = idx
             .iter()
             .map(|&i| {
                 let v = self.vars[i].as_tensor();
-                match grad(v) {
-                    Some(g) => g.flatten_all(),
-                    None => v.zeros_like()?.flatten_all(),
-                }
+                (grad(v), v.elem_count())
+            })
+            .collect();
+        let dtype = self.vars[idx[0]].dtype();
+        let same = idx.iter().all(|&i| self.vars[i].dtype() == dtype);
+        if let Some(ring) = self.hook.ring_dtype(dtype).filter(|_| same) {
+            let narrower = ring.size_in_bytes() < dtype.size_in_bytes();
+            let (scale, op) = match self.op {
+                ReduceOp::Mean if narrower => (1.0 / self.group.size() as f64, ReduceOp::Sum),
+                op => (1.0, op),
+            };
+            if let Some(w) = flat::start(&self.group, &grads, ring, scale, op)? {
+                return Ok(Bucket::Flat(w, dtype));
+            }
+        }
+        let flats: Vec<Tensor> = idx
+            .iter()
+            .zip(grads)
+            .map(|(&i, (g, _))| match g {
+                Some(g) => g.flatten_all(),
+                None => self.vars[i].as_tensor().zeros_like()?.flatten_all(),
             })
             .collect::<candle_core::Result<_>>()?;
-        Ok(Tensor::cat(&flats, 0)?)
+        let joined = Tensor::cat(&flats, 0)?;
+        Ok(Bucket::Tensor(self.hook.reduce(
+            &self.group,
+            joined,
+            self.op,
+        )))
     }
 
     /// Waits for a bucket's combined gradients and puts them back, parameter by parameter.
     async fn unflatten(
         &self,
         idx: &[usize],
-        work: Work<Tensor>,
+        bucket: Bucket,
         grads: &mut impl Gradients,
     ) -> Result<(), CollectiveError> {
-        let reduced = work.wait().await?;
+        let reduced = match bucket {
+            Bucket::Tensor(work) => work.wait().await?,
+            Bucket::Flat(work, dtype) => flat::finish(work, dtype).await?,
+        };
         let mut at = 0;
         for &i in idx {
             let v = self.vars[i].as_tensor();
@@ -190,6 +217,14 @@ impl DistributedDataParallel {
         }
         Ok(())
     }
+}
+
+/// A bucket on its way.
+enum Bucket {
+    /// Through the hook's `reduce`.
+    Tensor(Work<Tensor>),
+    /// Through the ring on a flat buffer; the parameters' type.
+    Flat(flat::FlatWork, candle_core::DType),
 }
 
 /// As a [`GradientHook`] (`autograd_dist::set_gradient_hook`), the replicas' gradients are

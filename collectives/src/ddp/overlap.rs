@@ -30,7 +30,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{Tensor, TensorId, Var};
 
 use super::DistributedDataParallel;
-use crate::group::{CollectiveError, Work};
+use crate::group::CollectiveError;
 
 /// The buckets of an overlapped pass (DDP-2).
 #[derive(Debug)]
@@ -115,7 +115,7 @@ impl Pass<'_> {
             .collect();
         let mut total: Option<GradStore> = None;
         let mut last_segment: HashMap<TensorId, usize> = HashMap::new();
-        let mut started: Vec<(Vec<usize>, Work<Tensor>)> = Vec::new();
+        let mut started: Vec<(Vec<usize>, super::Bucket)> = Vec::new();
         // The segments from the last to the first: what each is backpropagated from (the loss,
         // then the output before each cut, with the gradient at its leaf).
         let mut seed: Option<(Tensor, Option<Tensor>)> = Some((loss.clone(), None));
@@ -154,8 +154,8 @@ impl Pass<'_> {
                 let buckets = plan.as_ref().expect("planned").after[k].clone();
                 drop(plan);
                 for idx in buckets {
-                    let flat = ddp.flatten(&idx, |v| grads.get(v).cloned())?;
-                    started.push((idx, ddp.hook.reduce(&ddp.group, flat, ddp.op)));
+                    let bucket = ddp.start(&idx, |v| grads.get(v).cloned())?;
+                    started.push((idx, bucket));
                 }
             }
         }
@@ -163,8 +163,8 @@ impl Pass<'_> {
         if !planned {
             let plan = ddp.learn_plan(self.cuts.len(), &last_segment);
             for idx in plan.after.iter().rev().flatten().chain(&plan.unused) {
-                let flat = ddp.flatten(idx, |v| grads.get(v).cloned())?;
-                started.push((idx.clone(), ddp.hook.reduce(&ddp.group, flat, ddp.op)));
+                let bucket = ddp.start(idx, |v| grads.get(v).cloned())?;
+                started.push((idx.clone(), bucket));
             }
             *ddp.plan.lock().unwrap_or_else(|p| p.into_inner()) = Some(plan);
         } else {
@@ -172,8 +172,8 @@ impl Pass<'_> {
             let unused = plan.as_ref().expect("planned").unused.clone();
             drop(plan);
             for idx in unused {
-                let flat = ddp.flatten(&idx, |v| grads.get(v).cloned())?;
-                started.push((idx, ddp.hook.reduce(&ddp.group, flat, ddp.op)));
+                let bucket = ddp.start(&idx, |v| grads.get(v).cloned())?;
+                started.push((idx, bucket));
             }
         }
         for (idx, work) in started {

@@ -1,14 +1,20 @@
-//! The element types the fast ring reduces straight from received bytes, and their kernels.
+//! The element types the fast ring reduces straight from received bytes, and their kernels:
+//! `f32`, `f64`, and the 16-bit `bf16` and `f16` (summed in 16 bits at every hop, as the
+//! compressed buckets of data parallelism are).
 
 use super::ReduceOp;
+
+use half::{bf16, f16};
 
 mod sealed {
     pub trait Sealed {}
     impl Sealed for f32 {}
     impl Sealed for f64 {}
+    impl Sealed for half::bf16 {}
+    impl Sealed for half::f16 {}
 }
 
-/// Element types the ring reduces directly (`f32`, `f64`).
+/// Element types the ring reduces directly (`f32`, `f64`, `bf16`, `f16`).
 pub trait Element:
     sealed::Sealed
     + candle_core::WithDType
@@ -23,6 +29,9 @@ pub trait Element:
 
     /// Reads a little-endian element.
     fn from_le(b: &[u8]) -> Self;
+
+    /// An `f32`, rounded to this type.
+    fn from_f32(x: f32) -> Self;
 
     /// Combines two elements under `op` (`Mean` sums; the division comes at the end).
     fn combine(op: ReduceOp, a: Self, b: Self) -> Self {
@@ -48,7 +57,8 @@ pub trait Element:
 
     /// `dst[i] = combine(dst[i], src[i])`, reading `src` as little-endian elements.
     fn reduce_into(op: ReduceOp, dst: &mut [Self], src: &[u8]) {
-        // SAFETY: reinterpreting initialized bytes as f32/f64 is sound for any bit pattern;
+        // SAFETY: reinterpreting initialized bytes as f32/f64/bf16/f16 is sound for any bit
+        // pattern;
         // `align_to` only yields the aligned middle part.
         let (pre, mid, post) = unsafe { src.align_to::<Self>() };
         if pre.is_empty() && post.is_empty() && cfg!(target_endian = "little") {
@@ -75,7 +85,7 @@ pub trait Element:
 
     /// Writes `src` into `dst` as little-endian elements (`dst` is exactly as long).
     fn write_le(src: &[Self], dst: &mut [u8]) {
-        // SAFETY: f32/f64 are plain data without padding; on a little-endian target their
+        // SAFETY: the element types are plain data without padding; on a little-endian target their
         // in-memory bytes are their little-endian encoding.
         let bytes = unsafe {
             std::slice::from_raw_parts(src.as_ptr().cast::<u8>(), std::mem::size_of_val(src))
@@ -94,7 +104,7 @@ pub trait Element:
     /// Writes `combine(mine[i], theirs[i])` into `dst` as little-endian elements, reading
     /// `theirs` as little-endian elements (`theirs` and `dst` are as long as `mine`).
     fn fold_le(op: ReduceOp, mine: &[Self], theirs: &[u8], dst: &mut [u8]) {
-        // SAFETY: as in `reduce_into`; every bit pattern is a valid f32/f64 and `align_to_mut`
+        // SAFETY: as in `reduce_into`; every bit pattern is a valid element and `align_to_mut`
         // only yields the aligned middle part.
         let (tp, tm, tq) = unsafe { theirs.align_to::<Self>() };
         let (dp, dm, dq) = unsafe { dst.align_to_mut::<Self>() };
@@ -178,6 +188,10 @@ pub trait Element:
 }
 
 impl Element for f32 {
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+
     fn div_by(self, n: usize) -> Self {
         self / n as f32
     }
@@ -188,11 +202,43 @@ impl Element for f32 {
 }
 
 impl Element for f64 {
+    fn from_f32(x: f32) -> Self {
+        f64::from(x)
+    }
+
     fn div_by(self, n: usize) -> Self {
         self / n as f64
     }
 
     fn from_le(b: &[u8]) -> Self {
         f64::from_le_bytes(b.try_into().expect("8 bytes"))
+    }
+}
+
+impl Element for bf16 {
+    fn from_f32(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+
+    fn div_by(self, n: usize) -> Self {
+        bf16::from_f32(self.to_f32() / n as f32)
+    }
+
+    fn from_le(b: &[u8]) -> Self {
+        bf16::from_le_bytes(b.try_into().expect("2 bytes"))
+    }
+}
+
+impl Element for f16 {
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+
+    fn div_by(self, n: usize) -> Self {
+        f16::from_f32(self.to_f32() / n as f32)
+    }
+
+    fn from_le(b: &[u8]) -> Self {
+        f16::from_le_bytes(b.try_into().expect("2 bytes"))
     }
 }

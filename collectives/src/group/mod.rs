@@ -407,6 +407,30 @@ impl ProcessGroup {
         })
     }
 
+    /// [`ProcessGroup::all_reduce_in_place`] in the background, on a buffer it owns until
+    /// the work is done (then handed back, reduced).
+    pub fn all_reduce_vec_async<T: Element + Send + 'static>(
+        &self,
+        mut data: Vec<T>,
+        op: ReduceOp,
+    ) -> Work<Vec<T>> {
+        self.background(|g, seq| async move {
+            let o = g.begin_header(
+                "all_reduce_in_place",
+                vec![data.len()],
+                T::DTYPE.as_str(),
+                seq,
+            )?;
+            let out = if o.n() == 1 {
+                Ok(())
+            } else {
+                g.ring_slice(&o, &mut data, op).await
+            };
+            g.end(&o);
+            out.map(|()| data)
+        })
+    }
+
     /// [`ProcessGroup::broadcast`] in the background.
     pub fn broadcast_async(&self, t: &Tensor, root: u32) -> Work<Tensor> {
         let t = t.clone();

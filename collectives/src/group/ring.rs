@@ -57,6 +57,8 @@ impl ProcessGroup {
             match t.dtype() {
                 DType::F32 => return self.ring_flat::<f32>(o, t, op).await,
                 DType::F64 => return self.ring_flat::<f64>(o, t, op).await,
+                DType::BF16 => return self.ring_flat::<half::bf16>(o, t, op).await,
+                DType::F16 => return self.ring_flat::<half::f16>(o, t, op).await,
                 _ => {}
             }
         }

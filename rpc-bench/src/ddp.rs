@@ -1,0 +1,213 @@
+//! `ddp`: the data-parallel step on the reference model of `../shared/anchors/ddp/ddp_torch.py`
+//! (MLP 1024 → 4096 → ReLU → 4096 → ReLU → 1024, f32, biases; 25.2 M parameters; 16 rows of
+//! N(0, 1) inputs and targets per rank; MSE; SGD 0.01; one compute thread per process).
+//!
+//! Variants, one JSON line each (`{"metric":"ddp_step_ms","impl":"ours","variant":V,
+//! "world_size":N,"median":..,"p90":..}`): `local` (one process, no communication: the
+//! compute floor), `after` (backward, then the gradients' buckets combined:
+//! `DistributedDataParallel::reduce_gradients`), `overlap` (a `Pass` with a cut after each
+//! hidden layer: buckets combined while backward runs), `bf16` (the same with
+//! `CompressHook::bf16`). Then the all-reduce alone of the whole gradient (the communication
+//! floor, `ddp_allreduce_ms`). A step's time is the largest over the ranks (a barrier before
+//! each; 5 warm-up steps, then `--steps`, default 30).
+
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use autograd_dist::{Optimizer, OptimizerKind};
+use candle_core::{DType, Device, Tensor, Var};
+use collectives::{CompressHook, DistributedDataParallel, ProcessGroup, ReduceOp};
+use rpc_core::Agent;
+use serde_json::json;
+
+const DIMS: [usize; 4] = [1024, 4096, 4096, 1024];
+const BATCH: usize = 16;
+const LR: f64 = 0.01;
+const WARMUP: usize = 5;
+
+/// The reference model's parameters (the same on every rank: a fixed uniform pattern).
+fn model() -> Result<Vec<Var>> {
+    let mut vars = Vec::new();
+    for (i, w) in DIMS.windows(2).enumerate() {
+        let bound = 1.0 / (w[0] as f32).sqrt();
+        let n = w[0] * w[1];
+        let v: Vec<f32> = (0..n)
+            .map(|k| ((k.wrapping_mul(2_654_435_761) ^ i) % 2001) as f32 / 1000.0 - 1.0)
+            .map(|u| u * bound)
+            .collect();
+        vars.push(Var::from_tensor(&Tensor::from_vec(
+            v,
+            (w[0], w[1]),
+            &Device::Cpu,
+        )?)?);
+        vars.push(Var::zeros(w[1], DType::F32, &Device::Cpu)?);
+    }
+    Ok(vars)
+}
+
+/// The MLP's MSE loss on a fresh batch; `cut` ends a segment after each hidden layer.
+fn loss(p: &[Var], mut cut: impl FnMut(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+    let x = Tensor::randn(0f32, 1.0, (BATCH, DIMS[0]), &Device::Cpu)?;
+    let y = Tensor::randn(0f32, 1.0, (BATCH, DIMS[3]), &Device::Cpu)?;
+    let mut h = x;
+    for l in 0..3 {
+        h = h
+            .matmul(p[2 * l].as_tensor())?
+            .broadcast_add(p[2 * l + 1].as_tensor())?;
+        if l < 2 {
+            h = cut(&h.relu()?)?;
+        }
+    }
+    Ok((h - y)?.sqr()?.mean_all()?)
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Variant {
+    Local,
+    After,
+    Overlap,
+    Bf16,
+}
+
+impl Variant {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Local => "local",
+            Self::After => "after",
+            Self::Overlap => "overlap",
+            Self::Bf16 => "bf16",
+        }
+    }
+}
+
+/// One step of `v` on this rank.
+async fn step(
+    v: Variant,
+    ddp: Option<&DistributedDataParallel>,
+    opt: &mut Optimizer,
+    vars: &[Var],
+) -> Result<()> {
+    match (v, ddp) {
+        (Variant::Local, _) | (_, None) => {
+            let l = loss(vars, |h| Ok(h.clone()))?;
+            let g = l.backward()?;
+            opt.step(&g)?;
+        }
+        (Variant::After, Some(ddp)) => {
+            let l = loss(vars, |h| Ok(h.clone()))?;
+            let mut g = l.backward()?;
+            ddp.reduce_gradients(&mut g).await?;
+            opt.step(&g)?;
+        }
+        (Variant::Overlap | Variant::Bf16, Some(ddp)) => {
+            let mut pass = ddp.pass();
+            let l = loss(vars, |h| Ok(pass.cut(h)?))?;
+            let g = pass.backward(&l).await?;
+            opt.step(&g)?;
+        }
+    }
+    Ok(())
+}
+
+/// Times `steps` steps of `v` (after the warm-up); each step's time is the largest over the
+/// group's members when there is a group.
+async fn timed(v: Variant, group: Option<&ProcessGroup>, steps: usize) -> Result<Vec<f64>> {
+    let vars = model()?;
+    let ddp = match group {
+        Some(g) if v != Variant::Local => {
+            let d = DistributedDataParallel::new(g.clone(), vars.clone()).await?;
+            Some(match v {
+                Variant::Bf16 => d.with_hook(CompressHook::bf16()),
+                _ => d,
+            })
+        }
+        _ => None,
+    };
+    let mut opt = Optimizer::new(OptimizerKind::sgd(LR), vars.clone());
+    let mut times = Vec::new();
+    for i in 0..WARMUP + steps {
+        if let Some(g) = group {
+            g.barrier().await?;
+        }
+        let t = Instant::now();
+        step(v, ddp.as_ref(), &mut opt, &vars).await?;
+        if i >= WARMUP {
+            times.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    slowest(group, times).await
+}
+
+/// Each step's largest time over the group.
+async fn slowest(group: Option<&ProcessGroup>, times: Vec<f64>) -> Result<Vec<f64>> {
+    let Some(g) = group else { return Ok(times) };
+    let n = times.len();
+    let t = Tensor::from_vec(times, n, &Device::Cpu)?;
+    Ok(g.all_reduce(&t, ReduceOp::Max).await?.to_vec1()?)
+}
+
+/// The all-reduce of a buffer as large as the model's gradients, alone.
+async fn allreduce_alone(group: &ProcessGroup, steps: usize) -> Result<Vec<f64>> {
+    let len: usize = DIMS.windows(2).map(|w| w[0] * w[1] + w[1]).sum();
+    let mut buf = vec![1.0f32; len];
+    let mut times = Vec::new();
+    for i in 0..WARMUP + steps {
+        group.barrier().await?;
+        let t = Instant::now();
+        group.all_reduce_in_place(&mut buf, ReduceOp::Mean).await?;
+        if i >= WARMUP {
+            times.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    slowest(Some(group), times).await
+}
+
+fn line(metric: &str, variant: &str, n: usize, mut times: Vec<f64>) -> serde_json::Value {
+    times.sort_by(f64::total_cmp);
+    let at = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize];
+    json!({
+        "metric": metric,
+        "impl": "ours",
+        "variant": variant,
+        "world_size": n,
+        "median": at(0.5),
+        "p90": at(0.9),
+        "n": times.len(),
+    })
+}
+
+/// What every rank of a group runs; rank 0's lines are returned to print.
+pub async fn rank_main(agent: &Agent, steps: usize) -> Result<Vec<serde_json::Value>> {
+    let g = collectives::world(agent);
+    let n = g.size();
+    let mut out = Vec::new();
+    for v in [Variant::After, Variant::Overlap, Variant::Bf16] {
+        let times = timed(v, Some(&g), steps).await?;
+        out.push(line("ddp_step_ms", v.name(), n, times));
+    }
+    let times = allreduce_alone(&g, steps).await?;
+    out.push(line("ddp_allreduce_ms", "all_reduce", n, times));
+    Ok(out)
+}
+
+/// `local`: one process, no communication.
+pub async fn local(steps: usize) -> Result<serde_json::Value> {
+    let times = timed(Variant::Local, None, steps).await?;
+    Ok(line("ddp_step_ms", "local", 1, times))
+}
+
+/// Parses `--world-sizes 2,4`.
+pub fn world_sizes(arg: Option<&String>) -> Result<Vec<u32>> {
+    match arg {
+        None => Ok(vec![2, 4]),
+        Some(s) => s
+            .split(',')
+            .filter(|x| !x.trim().is_empty())
+            .map(|x| {
+                x.trim()
+                    .parse::<u32>()
+                    .context("--world-sizes takes N,N,...")
+            })
+            .collect(),
+    }
+}
