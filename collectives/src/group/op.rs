@@ -97,9 +97,11 @@ impl Op<'_> {
             if *h == self.header {
                 return Ok(());
             }
+            let (theirs, mine) = (&h.dims, &self.header.dims);
             Err(format!(
-                "rank {from} has a {} tensor of shape {:?}, rank {me} has a {} tensor of shape {:?}",
-                h.dtype, h.dims, self.header.dtype, self.header.dims
+                "rank {from} has a {} tensor of shape {theirs:?}, rank {me} has a {} tensor of \
+                 shape {mine:?}",
+                h.dtype, self.header.dtype
             ))
         })
         .await
