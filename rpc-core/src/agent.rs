@@ -137,6 +137,12 @@ impl Agent {
         ))
     }
 
+    /// This worker's trace recorder (see [`trace`](crate::trace)): off unless
+    /// [`Config::trace`](crate::Config::trace) is set; layers and programs add their spans to it.
+    pub fn tracer(&self) -> crate::trace::Tracer {
+        self.inner.net.tracer.clone()
+    }
+
     /// How this worker's large blobs have travelled so far: on the bulk connections' byte
     /// streams or through shared memory.
     pub fn bulk_stats(&self) -> BulkStats {

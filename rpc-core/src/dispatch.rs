@@ -273,7 +273,35 @@ fn handle(
         keep,
         meta,
         cancel_id: _,
+        trace,
     } = req;
+    let mut span = w.net.tracer.call_served(&fn_name, caller, trace);
+    span.bytes((payload.len() + net::inline_bytes(&blobs)) as u64);
+    let run = run_request(
+        w, deadline, fn_name, sig, depth, payload, blobs, keep, meta, caller, cancel,
+    );
+    async move {
+        let reply = run.await;
+        span.ok(reply.is_ok());
+        reply
+    }
+}
+
+/// [`handle`]'s body: the checks, the permit, the handler, the reply's blobs.
+#[allow(clippy::too_many_arguments)]
+fn run_request(
+    w: Arc<Inner>,
+    deadline: Option<Instant>,
+    fn_name: std::borrow::Cow<'static, str>,
+    sig: u64,
+    depth: u32,
+    payload: Vec<u8>,
+    blobs: Vec<crate::wire::WireBlob>,
+    keep: Option<crate::wire::KeepTarget>,
+    meta: crate::wire::CallMeta,
+    caller: u32,
+    cancel: Option<CancellationToken>,
+) -> impl Future<Output = CallReply> + Send + 'static {
     async move {
         let fn_name = &*fn_name;
         let fail = |kind, msg: String| RemoteError::new(kind, fn_name, w.name(), msg);

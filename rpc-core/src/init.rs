@@ -28,6 +28,7 @@ pub async fn init(config: Config, mut registry: Registry) -> Result<Agent, InitE
     // The framework's own functions.
     registry.insert_internal::<crate::dispatch::CancelCall>();
     registry.insert_internal::<crate::shutdown::ShutdownBarrier>();
+    registry.insert_internal::<crate::trace::TraceClock>();
     let net_cfg = &cfg.net;
     let bind_error = |source| InitError::Bind {
         addr: cfg.listen_addr.clone(),
@@ -93,6 +94,12 @@ pub async fn init(config: Config, mut registry: Registry) -> Result<Agent, InitE
     // full is dropped (the rendezvous hears of it from another member).
     let (reports, reports_rx) = mpsc::channel(256);
     let incarnation = net_cfg.incarnation;
+    let tracer = cfg.tracer;
+    tracer.set_who(crate::trace::Who {
+        rank: me,
+        name: cfg.name.clone(),
+        incarnation,
+    });
     let inner = Arc::new(Inner {
         group: Group::new(me, Arc::clone(&directory)),
         callee: Callee::new(registry, cfg.max_concurrent_calls),
@@ -105,6 +112,7 @@ pub async fn init(config: Config, mut registry: Registry) -> Result<Agent, InitE
             Arc::clone(&life),
             view.generation,
             &standing,
+            tracer,
         )),
         life,
         reports,
@@ -165,6 +173,7 @@ pub async fn init(config: Config, mut registry: Registry) -> Result<Agent, InitE
             .map_err(|source| InitError::Config(format!("cannot watch signals: {source}")))?;
     }
     let agent = Agent { inner };
+    crate::trace::keep_in_sync(&agent);
     tracing::info!(
         worker = %agent.name(),
         rank = agent.rank(),

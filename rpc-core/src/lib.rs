@@ -95,6 +95,7 @@ mod shutdown;
 mod signals;
 mod state;
 pub mod testing;
+pub mod trace;
 mod wire;
 
 pub use blob::Blob;

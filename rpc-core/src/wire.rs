@@ -60,6 +60,8 @@ pub(crate) struct CallRequest {
     pub meta: CallMeta,
     /// Set when the caller cancels this call by message (`call/cancel.rs`).
     pub cancel_id: Option<u64>,
+    /// The call's flow id when the caller traces (TR-3): the callee's span carries it too.
+    pub trace: Option<u64>,
 }
 
 /// Where a keep-call's result goes on the callee.

@@ -48,6 +48,7 @@
 
 mod child;
 mod env;
+pub mod report;
 mod secret;
 mod supervise;
 
@@ -115,6 +116,9 @@ pub struct Exit {
     pub restarts: u32,
     /// Every failure seen, in order.
     pub failures: Vec<Failure>,
+    /// The job's merged trace, with [`Launch::trace`] on node 0 (`None` otherwise, or when
+    /// no part could be merged: the reason was printed).
+    pub trace: Option<rpc_core::trace::MergeSummary>,
 }
 
 /// One child's failure.
@@ -171,6 +175,7 @@ pub struct Launch {
     prefix: bool,
     stop_grace: Duration,
     env: Vec<(String, String)>,
+    trace: Option<PathBuf>,
 }
 
 impl Launch {
@@ -189,6 +194,7 @@ impl Launch {
             secret_file: None,
             prefix: true,
             stop_grace: Duration::from_secs(5),
+            trace: None,
             env: Vec::new(),
         }
     }
@@ -265,6 +271,16 @@ impl Launch {
         self
     }
 
+    /// Traces the job into one file at `path` (see `rpc_core::trace`): every child records
+    /// (`RPC_TRACE`), writes its part under `<path>.parts/` as it shuts down, and node 0's
+    /// launcher merges the parts into `path` when the group ends. Earlier parts there are
+    /// removed first. On several nodes, give a path on a shared filesystem (or copy the parts
+    /// to node 0 and run `rpctrace merge`).
+    pub fn trace(mut self, path: impl Into<PathBuf>) -> Self {
+        self.trace = Some(path.into());
+        self
+    }
+
     /// The world size: `nnodes * nproc`.
     pub fn world_size(&self) -> u32 {
         self.nnodes.saturating_mul(self.nproc)
@@ -308,7 +324,46 @@ impl Launch {
             return Err(LaunchError::InsideRuntime);
         }
         self.validate()?;
-        supervise::run(self)
+        let Some(trace) = &self.trace else {
+            return supervise::run(self);
+        };
+        let system = |what| move |source| LaunchError::System { what, source };
+        let trace = std::path::absolute(trace).map_err(system("the trace's path"))?;
+        let parts = rpc_core::trace::parts_dir(&trace);
+        if self.node_rank == 0 {
+            match std::fs::remove_dir_all(&parts) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(system("removing the earlier trace parts")(e));
+                }
+                _ => {}
+            }
+        }
+        let mut launch = self.clone();
+        launch.env.push((
+            rpc_core::trace::TRACE_ENV.to_owned(),
+            trace.display().to_string(),
+        ));
+        let mut exit = supervise::run(&launch)?;
+        if self.node_rank == 0 {
+            match rpc_core::trace::merge_parts(&trace, None) {
+                Ok(s) => {
+                    eprintln!(
+                        "rpcrun: trace {}: {} parts, {} events, clocks aligned within {} us{}",
+                        trace.display(),
+                        s.parts,
+                        s.events,
+                        s.clock_error_bound_ns.div_ceil(1000),
+                        match s.dropped {
+                            0 => String::new(),
+                            d => format!(", {d} oldest events dropped (ring full)"),
+                        }
+                    );
+                    exit.trace = Some(s);
+                }
+                Err(e) => eprintln!("rpcrun: trace not written: {e}"),
+            }
+        }
+        Ok(exit)
     }
 }
 

@@ -44,6 +44,10 @@ struct Args {
     /// Seconds children get to exit after SIGTERM before SIGKILL.
     #[arg(long, default_value_t = 5.0)]
     stop_grace_secs: f64,
+    /// Trace the job into one file (Trace Event Format, for Perfetto or chrome://tracing):
+    /// every rank records, and the parts are merged here when the group ends.
+    #[arg(long, value_name = "PATH")]
+    trace: Option<PathBuf>,
     /// The program and its arguments.
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
     command: Vec<std::ffi::OsString>,
@@ -78,6 +82,9 @@ fn main() {
     }
     if let Some(f) = args.secret_file {
         launch = launch.secret_file(f);
+    }
+    if let Some(t) = args.trace {
+        launch = launch.trace(t);
     }
     match launch.run() {
         Ok(exit) => std::process::exit(exit.code),

@@ -122,6 +122,7 @@ pub(crate) fn run(launch: &Launch) -> Result<Exit, LaunchError> {
             code,
             restarts: attempt,
             failures,
+            trace: None,
         });
     }
 }
@@ -314,6 +315,7 @@ fn run_workers(launch: &Launch) -> Result<Exit, LaunchError> {
                 code,
                 restarts,
                 failures,
+                trace: None,
             });
         }
         while let Ok(e) = verdicts.try_recv() {
@@ -375,6 +377,7 @@ fn run_workers(launch: &Launch) -> Result<Exit, LaunchError> {
                     code,
                     restarts,
                     failures,
+                    trace: None,
                 });
             }
             restarts += 1;
@@ -398,6 +401,7 @@ fn run_workers(launch: &Launch) -> Result<Exit, LaunchError> {
                 code: 0,
                 restarts,
                 failures,
+                trace: None,
             });
         }
         std::thread::sleep(POLL);

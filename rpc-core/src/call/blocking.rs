@@ -115,7 +115,14 @@ fn on_thread<F: RemoteFn>(
         }
     };
     let meta = w.layers.outgoing_meta(crate::context::current_meta(), to);
-    let req = plan::envelope::<F>(timing.depth, payload, blobs, None, meta, None);
+    let (mut trace, flow) = match w.net.tracer.call_made(F::NAME, to) {
+        Some((mut span, id)) => {
+            span.bytes((payload.len() + crate::net::inline_bytes(&blobs)) as u64);
+            (Some(span), Some(id))
+        }
+        None => (None, None),
+    };
+    let req = plan::envelope::<F>(timing.depth, payload, blobs, None, meta, None, flow);
     let lent = unsent.sent();
     // DIR-1: `conn` goes back only after a whole round trip; on failure it is dropped.
     let replied = conn.call(req, timing.deadline);
@@ -125,7 +132,12 @@ fn on_thread<F: RemoteFn>(
     {
         rt.block_on(reply::verdict(w, to));
     }
-    let ok = reply::settle::<F>(w, to, replied, timing, lent)?;
+    let ok = reply::settle::<F>(w, to, replied, timing, lent);
+    if let Some(s) = trace.as_mut() {
+        s.ok(ok.is_ok());
+    }
+    drop(trace);
+    let ok = ok?;
     rt.block_on(reply::read_result::<F, F::Output>(
         w,
         to,

@@ -188,6 +188,7 @@ pub(super) fn envelope<F: RemoteFn>(
     keep: Option<KeepTarget>,
     meta: CallMeta,
     cancel_id: Option<u64>,
+    trace: Option<u64>,
 ) -> CallRequest {
     CallRequest {
         fn_name: std::borrow::Cow::Borrowed(F::NAME),
@@ -198,6 +199,7 @@ pub(super) fn envelope<F: RemoteFn>(
         keep,
         meta,
         cancel_id,
+        trace,
     }
 }
 

@@ -24,6 +24,8 @@ pub(super) struct Sent {
     pub lent: blob::Lent,
     pub timing: Timing,
     pub caller_meta: CallMeta,
+    /// The call's span when this worker traces: it ends when the reply is settled.
+    pub trace: Option<crate::trace::Span>,
 }
 
 /// A call queued on its connection (or refused by it: `waiter` is then the reason), waiting
@@ -100,9 +102,13 @@ fn arrived<F: RemoteFn>(
         lent,
         timing,
         caller_meta,
+        mut trace,
     } = sent;
-    let ok = settle::<F>(w, to, reply, timing, lent)?;
-    Ok((ok, timing.deadline, caller_meta))
+    let ok = settle::<F>(w, to, reply, timing, lent);
+    if let Some(s) = trace.as_mut() {
+        s.ok(ok.is_ok());
+    }
+    Ok((ok?, timing.deadline, caller_meta))
 }
 
 /// The longest a call whose connection broke waits for the failure detector's verdict on the

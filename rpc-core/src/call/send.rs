@@ -169,12 +169,20 @@ fn queue<F: RemoteFn>(
     // A call its caller may drop is cancelled by message, and its reply is always read, so
     // that what its arguments or its result lent is accounted for (see `cancel.rs`).
     let cancel_id = droppable.then(|| w.caller.next_cancel_id());
-    let req = plan::envelope::<F>(timing.depth, payload, blobs, keep, meta, cancel_id);
+    let (trace, flow) = match w.net.tracer.call_made(F::NAME, to) {
+        Some((mut span, id)) => {
+            span.bytes((payload.len() + crate::net::inline_bytes(&blobs)) as u64);
+            (Some(span), Some(id))
+        }
+        None => (None, None),
+    };
+    let req = plan::envelope::<F>(timing.depth, payload, blobs, keep, meta, cancel_id, flow);
     // Dropped from here on without a verdict (the outcome is unknown), `lent` runs nothing.
     let sent = Sent {
         lent: unsent.sent(),
         timing,
         caller_meta,
+        trace,
     };
     let by = timing
         .deadline

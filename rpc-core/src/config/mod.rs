@@ -181,6 +181,15 @@ pub struct Config {
     /// before SIGKILL (`rpcrun --stop-grace-secs`, 5 s). Installs a process-wide handler.
     /// Default: `RPC_SIGNAL_GRACE_MS` if set, else none (the signal's default action).
     pub signal_grace: Option<Duration>,
+    /// The job's trace (see [`trace`](crate::trace)): with a path, this worker records its
+    /// calls, transfers, collectives, backward, optimizer steps and failures, and at shutdown
+    /// writes its part to `<path>.parts/`, on rank 0's clock; a launcher (`rpcrun --trace`)
+    /// or [`trace::merge_parts`](crate::trace::merge_parts) makes the one file. Default:
+    /// [`TRACE_ENV`](crate::trace::TRACE_ENV) if set, else off (and then free).
+    pub trace: Option<std::path::PathBuf>,
+    /// The most events this worker's trace keeps: the newest (TR-2). Default
+    /// [`DEFAULT_TRACE_CAPACITY`](crate::trace::DEFAULT_TRACE_CAPACITY).
+    pub trace_capacity: usize,
 }
 
 impl Default for Config {
@@ -218,6 +227,8 @@ impl Default for Config {
             failure_timeout: None,
             wire_protection: None,
             signal_grace: None,
+            trace: None,
+            trace_capacity: crate::trace::DEFAULT_TRACE_CAPACITY,
         }
     }
 }
@@ -297,6 +308,10 @@ impl Config {
         with_failure_timeout(failure_timeout: Duration) => Some(failure_timeout);
         /// Sets [`Config::signal_grace`].
         with_signal_grace(signal_grace: Duration) => Some(signal_grace);
+        /// Sets [`Config::trace`].
+        with_trace(trace: impl Into<std::path::PathBuf>) => Some(trace.into());
+        /// Sets [`Config::trace_capacity`].
+        with_trace_capacity(trace_capacity: usize) => trace_capacity;
         /// Sets [`Config::wire_protection`].
         with_wire_protection(wire_protection: WireProtection) => Some(wire_protection);
     }

@@ -41,6 +41,8 @@ pub(crate) struct Resolved {
     pub sync_connections: bool,
     /// See [`Config::signal_grace`].
     pub signal_grace: Option<Duration>,
+    /// See [`Config::trace`].
+    pub tracer: crate::trace::Tracer,
     pub net: NetConfig,
 }
 
@@ -79,7 +81,9 @@ impl Config {
                 })
                 .transpose()?,
         };
+        let tracer = crate::trace::from_config(self.trace, self.trace_capacity);
         Ok(Resolved {
+            tracer,
             size,
             name: self.name.unwrap_or_else(|| format!("worker{rank}")),
             serve_rendezvous,

@@ -375,6 +375,7 @@ pub(crate) fn seeds() -> Vec<(&'static str, Vec<Vec<u8>>)> {
                 }),
                 meta: CallMeta::default().with("autograd", vec![1; 16]),
                 cancel_id: Some(id),
+                trace: None,
             };
             let msg = tarpc::ClientMessage::Request(tarpc::Request {
                 context: frame::request_context(Instant::now() + Duration::from_secs(30)),

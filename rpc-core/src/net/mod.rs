@@ -79,6 +79,7 @@ use dial::Dialer;
 use liveness::Detector;
 
 use crate::lifecycle::Lifecycle;
+use crate::trace::Cat;
 
 /// One worker's network: its configuration, peers, bulk path, blocking connections and
 /// failure detector.
@@ -98,6 +99,8 @@ pub(crate) struct Net {
     rejoined: std::sync::Mutex<Option<tokio::sync::mpsc::Receiver<u32>>>,
     /// The runtime every connection's task runs on.
     pub runtime: tokio::runtime::Handle,
+    /// This worker's trace recorder (off unless configured).
+    pub tracer: crate::trace::Tracer,
 }
 
 impl Net {
@@ -111,6 +114,7 @@ impl Net {
         life: Arc<Lifecycle>,
         generation: u64,
         standing: &[Standing],
+        tracer: crate::trace::Tracer,
     ) -> Self {
         let cfg = Arc::new(cfg);
         let runtime = tokio::runtime::Handle::current();
@@ -137,7 +141,10 @@ impl Net {
         ));
         {
             let (peers, bulk, blocking) = (peers.clone(), Arc::clone(&bulk), Arc::clone(&blocking));
+            let tracer = tracer.clone();
             membership.on_failure(Arc::new(move |f: &WorkerFailed| {
+                let detail = || format!("{} (rank {}): {}", f.name, f.rank, f.cause);
+                tracer.instant(Cat::Failure, "worker declared failed", Some(detail()));
                 if let Some(p) = peers.get(f.rank as usize) {
                     p.close();
                 }
@@ -149,8 +156,10 @@ impl Net {
         // stopped, and then nothing is watched anyway.
         let (rejoined_tx, rejoined) = tokio::sync::mpsc::channel(4 * n.max(16));
         {
-            let (peers, bulk) = (peers.clone(), Arc::clone(&bulk));
+            let (peers, bulk, tracer) = (peers.clone(), Arc::clone(&bulk), tracer.clone());
             membership.on_rejoin(Arc::new(move |rank| {
+                let detail = format!("a new incarnation of rank {rank} joined");
+                tracer.instant(Cat::Failure, "worker replaced", Some(detail));
                 if let Some(p) = peers.get(rank as usize) {
                     p.close();
                 }
@@ -170,6 +179,7 @@ impl Net {
             rejoined: std::sync::Mutex::new(Some(rejoined)),
             runtime,
             cfg,
+            tracer,
         }
     }
 

@@ -250,6 +250,7 @@ mod tests {
             keep: None,
             meta: Default::default(),
             cancel_id: None,
+            trace: None,
         }
     }
 

@@ -253,6 +253,7 @@ mod tests {
             keep: None,
             meta: Default::default(),
             cancel_id: None,
+            trace: None,
         };
         let msg = tarpc::ClientMessage::Request(tarpc::Request {
             context: frame::request_context(deadline),

@@ -218,6 +218,8 @@ async fn run(agent: Agent, t: Duration, group_barrier: Option<Duration>) -> Shut
     } else {
         Ok(())
     };
+    // This worker's part of the job's trace: everything it did for the group is recorded.
+    crate::trace::write_part(&agent);
     // Phase 2: refuse new root calls; let the calls in flight finish.
     let life = &inner.life;
     life.set_stopping();

@@ -1,0 +1,250 @@
+//! The Trace Event Format (the JSON `chrome://tracing` and Perfetto open): one worker's part,
+//! and the merge of a job's parts into one file.
+//!
+//! A part is itself a valid trace: its events on rank 0's clock (TR-4), one process per rank
+//! (`pid` = rank), one track per category and lane (spans that overlap in time, such as calls
+//! in flight together, get lanes of their own so that every track nests properly), flows from
+//! each call made to the call served (`s` at the caller's span, `f` at the callee's: TR-3).
+//! `otherData.rpc_trace` says who wrote it, the clock's offset and error bound, and how many
+//! events the ring dropped (TR-2).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde_json::{json, Map, Value};
+
+use super::{Cat, ClockEstimate, Event, Flow, Who};
+
+/// The directory a job's parts go to: `<trace>.parts`.
+pub fn parts_dir(trace: &Path) -> PathBuf {
+    let mut p = trace.as_os_str().to_owned();
+    p.push(".parts");
+    PathBuf::from(p)
+}
+
+/// The part of rank `rank`'s incarnation `incarnation` of the job traced to `trace`.
+pub fn part_path(trace: &Path, rank: u32, incarnation: u64) -> PathBuf {
+    parts_dir(trace).join(format!("rank-{rank}-inc-{incarnation}.json"))
+}
+
+/// Microseconds, the format's unit, from nanoseconds on this rank's clock moved to rank 0's.
+fn us(ns: u64, clock: &ClockEstimate) -> f64 {
+    clock.to_reference(ns) as f64 / 1000.0
+}
+
+/// One rank's part as a trace (see the module's documentation).
+pub(crate) fn part(who: &Who, clock: &ClockEstimate, events: &[Event], dropped: u64) -> Value {
+    let pid = who.rank;
+    let mut out = vec![
+        json!({"ph": "M", "name": "process_name", "pid": pid,
+               "args": {"name": format!("{} (rank {})", who.name, who.rank)}}),
+        json!({"ph": "M", "name": "process_sort_index", "pid": pid,
+               "args": {"sort_index": pid}}),
+    ];
+    // Lanes: per category, the first lane free at a span's start (events are in start order).
+    let mut order: Vec<&Event> = events.iter().collect();
+    order.sort_by_key(|e| e.start);
+    let mut lanes: BTreeMap<Cat, Vec<u64>> = BTreeMap::new();
+    let mut named = std::collections::BTreeSet::new();
+    for e in order {
+        let ends = lanes.entry(e.cat).or_default();
+        let end = e.start + e.dur.unwrap_or(0);
+        let lane = match ends.iter().position(|&t| t <= e.start) {
+            Some(l) => {
+                ends[l] = end;
+                l
+            }
+            None => {
+                ends.push(end);
+                ends.len() - 1
+            }
+        };
+        let tid = (e.cat as u32) * 1000 + lane as u32;
+        if named.insert(tid) {
+            let lane_name = match lane {
+                0 => e.cat.as_str().to_owned(),
+                l => format!("{} #{l}", e.cat.as_str()),
+            };
+            out.push(
+                json!({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
+                            "args": {"name": lane_name}}),
+            );
+            out.push(
+                json!({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid,
+                            "args": {"sort_index": tid}}),
+            );
+        }
+        let ts = us(e.start, clock);
+        let mut args = Map::new();
+        if let Some(p) = e.peer {
+            args.insert("peer_rank".into(), p.into());
+        }
+        if let Some(b) = e.bytes {
+            args.insert("bytes".into(), b.into());
+        }
+        if let Some(ok) = e.ok {
+            args.insert("outcome".into(), if ok { "ok" } else { "error" }.into());
+        }
+        if let Some(d) = &e.detail {
+            args.insert("detail".into(), d.clone().into());
+        }
+        if let Some(Flow::Out(id) | Flow::In(id)) = e.flow {
+            args.insert("flow".into(), id.into());
+        }
+        let cat = e.cat.as_str();
+        match e.dur {
+            Some(d) => out.push(json!({"ph": "X", "name": e.name, "cat": cat, "pid": pid,
+                "tid": tid, "ts": ts, "dur": d as f64 / 1000.0, "args": args})),
+            None => out.push(json!({"ph": "i", "s": "p", "name": e.name, "cat": cat,
+                "pid": pid, "tid": tid, "ts": ts, "args": args})),
+        }
+        match e.flow {
+            Some(Flow::Out(id)) => out.push(json!({"ph": "s", "name": "call", "cat": "flow",
+                "id": id, "pid": pid, "tid": tid, "ts": ts})),
+            Some(Flow::In(id)) => out.push(json!({"ph": "f", "bp": "e", "name": "call",
+                "cat": "flow", "id": id, "pid": pid, "tid": tid, "ts": ts})),
+            None => {}
+        }
+    }
+    json!({
+        "traceEvents": out,
+        "displayTimeUnit": "ms",
+        "otherData": {"rpc_trace": {
+            "rank": who.rank,
+            "name": who.name,
+            "incarnation": who.incarnation,
+            "clock": {"reference_rank": 0, "offset_ns": clock.offset_ns, "at_ns": clock.at_ns,
+                      "drift_ppm": clock.drift_ppm, "error_bound_ns": clock.error_bound_ns,
+                      "samples": clock.samples},
+            "events": events.len(),
+            "dropped": dropped,
+        }},
+    })
+}
+
+/// Writes `value` to `path` whole or not at all (a temporary file renamed into place).
+pub(crate) fn write_atomic(path: &Path, value: &Value) -> std::io::Result<()> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(format!(".tmp-{}", std::process::id()));
+    let tmp = PathBuf::from(tmp);
+    let bytes = serde_json::to_vec(value).map_err(std::io::Error::other)?;
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, path)
+}
+
+/// Why parts could not be merged.
+#[derive(Debug, thiserror::Error)]
+pub enum MergeError {
+    /// A part, the parts' directory or the output could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// A part is not a trace this framework wrote.
+    #[error("{path} is not a trace part: {why}")]
+    NotAPart {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        why: String,
+    },
+    /// No part was found.
+    #[error("no trace parts in {0} (was tracing on, and did the workers shut down?)")]
+    NoParts(PathBuf),
+}
+
+/// What a merge put together.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MergeSummary {
+    /// Parts merged (one per rank and incarnation).
+    pub parts: usize,
+    /// Events in the merged trace.
+    pub events: usize,
+    /// The largest clock error bound of any part, in nanoseconds.
+    pub clock_error_bound_ns: u64,
+    /// Events the workers' rings dropped.
+    pub dropped: u64,
+}
+
+/// Merges the parts in `<trace>.parts/` (or the files in `parts` if given) into one trace at
+/// `trace`, written whole or not at all. The merged file's `otherData.rpc_trace.parts` lists
+/// each part's metadata, and `clock_error_bound_ns` is the largest bound of any.
+pub fn merge_parts(trace: &Path, parts: Option<&[PathBuf]>) -> Result<MergeSummary, MergeError> {
+    let files: Vec<PathBuf> = match parts {
+        Some(p) => p.to_vec(),
+        None => {
+            let dir = parts_dir(trace);
+            let io = |source| MergeError::Io {
+                path: dir.clone(),
+                source,
+            };
+            let mut v = Vec::new();
+            for entry in std::fs::read_dir(&dir).map_err(io)? {
+                let p = entry.map_err(io)?.path();
+                if p.extension().is_some_and(|x| x == "json") {
+                    v.push(p);
+                }
+            }
+            v.sort();
+            v
+        }
+    };
+    if files.is_empty() {
+        return Err(MergeError::NoParts(parts_dir(trace)));
+    }
+    let mut events = Vec::new();
+    let mut metas = Vec::new();
+    let (mut bound, mut dropped) = (0u64, 0u64);
+    for f in &files {
+        let bad = |why: String| MergeError::NotAPart {
+            path: f.clone(),
+            why,
+        };
+        let text = std::fs::read(f).map_err(|source| MergeError::Io {
+            path: f.clone(),
+            source,
+        })?;
+        let mut v: Value = serde_json::from_slice(&text).map_err(|e| bad(e.to_string()))?;
+        let meta = v
+            .pointer("/otherData/rpc_trace")
+            .cloned()
+            .ok_or_else(|| bad("no otherData.rpc_trace".into()))?;
+        let Some(Value::Array(evs)) = v.get_mut("traceEvents").map(Value::take) else {
+            return Err(bad("no traceEvents array".into()));
+        };
+        bound = bound.max(
+            meta.pointer("/clock/error_bound_ns")
+                .and_then(Value::as_u64)
+                .unwrap_or(0),
+        );
+        dropped += meta.get("dropped").and_then(Value::as_u64).unwrap_or(0);
+        events.extend(evs);
+        metas.push(meta);
+    }
+    let summary = MergeSummary {
+        parts: files.len(),
+        events: events.len(),
+        clock_error_bound_ns: bound,
+        dropped,
+    };
+    let merged = json!({
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"rpc_trace": {
+            "parts": metas,
+            "clock_error_bound_ns": bound,
+            "dropped": dropped,
+        }},
+    });
+    write_atomic(trace, &merged).map_err(|source| MergeError::Io {
+        path: trace.to_owned(),
+        source,
+    })?;
+    Ok(summary)
+}

@@ -1,0 +1,76 @@
+//! Spans of the `tracing` ecosystem recorded into a worker's trace: a program that already
+//! writes `tracing::info_span!("forward")` gets those spans in the job's trace by adding this
+//! layer to its subscriber. Each span is recorded from its creation to its close, as a
+//! [`Cat::Compute`] span named by the span's name.
+
+use tracing::span::{Attributes, Id};
+use tracing::Subscriber;
+use tracing_subscriber::layer::Context;
+use tracing_subscriber::registry::LookupSpan;
+
+use super::{clock, Cat, Event, Tracer};
+
+/// A `tracing_subscriber` layer that records every span it sees into `tracer`'s ring (filter
+/// it with `Layer::with_filter` like any layer). Does nothing when the tracer is off.
+///
+/// ```
+/// use tracing_subscriber::layer::SubscriberExt;
+/// # fn demo(agent: &rpc_core::Agent) {
+/// let subscriber = tracing_subscriber::registry()
+///     .with(rpc_core::trace::TraceLayer::new(agent.tracer()));
+/// tracing::subscriber::with_default(subscriber, || {
+///     let _s = tracing::info_span!("forward").entered();
+/// });
+/// # }
+/// ```
+#[derive(Clone, Debug)]
+pub struct TraceLayer {
+    tracer: Tracer,
+}
+
+impl TraceLayer {
+    /// A layer recording into `tracer`.
+    pub fn new(tracer: Tracer) -> Self {
+        Self { tracer }
+    }
+}
+
+/// When a span was created, kept in its extensions.
+struct Started(u64);
+
+impl<S> tracing_subscriber::Layer<S> for TraceLayer
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+{
+    fn on_new_span(&self, _attrs: &Attributes<'_>, id: &Id, ctx: Context<'_, S>) {
+        if !self.tracer.is_on() {
+            return;
+        }
+        if let Some(span) = ctx.span(id) {
+            span.extensions_mut().insert(Started(clock::now_ns()));
+        }
+    }
+
+    fn on_close(&self, id: Id, ctx: Context<'_, S>) {
+        let Some(ring) = self.tracer.ring() else {
+            return;
+        };
+        let Some(span) = ctx.span(&id) else {
+            return;
+        };
+        let Some(&Started(start)) = span.extensions().get::<Started>() else {
+            return;
+        };
+        ring.push(Event {
+            name: span.name().into(),
+            cat: Cat::Compute,
+            start,
+            dur: Some(clock::now_ns().saturating_sub(start)),
+            flow: None,
+            peer: None,
+            bytes: None,
+            ok: None,
+            detail: Some(span.metadata().target().to_owned()),
+        });
+    }
+}

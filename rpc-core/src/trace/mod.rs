@@ -1,0 +1,431 @@
+//! One trace for the whole job: each worker records spans into a bounded ring and writes them
+//! as the Trace Event Format (the JSON Perfetto and `chrome://tracing` open); the parts are
+//! aligned on rank 0's clock and merged into one file.
+//!
+//! ```text
+//! mod.rs    the recorder: a Tracer handle, its spans, the bounded ring (TR-1, TR-2)
+//! clock.rs  each rank's offset from rank 0's clock, estimated over the group's connections
+//! chrome.rs the Trace Event Format: a rank's part, the merge of the parts (TR-3, TR-4)
+//! layer.rs  spans of the `tracing` ecosystem recorded into the same ring
+//! ```
+//!
+//! Why a recorder of our own and not `tracing` spans for the hot paths: a call made and a call
+//! served are each one span, and a `tracing` span in a request's future doubled its size (each
+//! is boxed, a connection's task may hold thousands), and a registry span costs an allocation
+//! and a slab entry; the recorder's span is two clock reads and one push into the ring. The
+//! spans programs already write with `tracing` land in the same ring through [`TraceLayer`].
+//!
+//! Invariants, cited by the tests:
+//! - **TR-1** Off, a tracer records nothing and costs one branch per span.
+//! - **TR-2** On, memory is bounded: the ring keeps the newest `capacity` events and counts
+//!   what it dropped; the count is in the written file.
+//! - **TR-3** Every call made carries a flow id; the callee's span of that call carries the same
+//!   id, so the merged trace links each caller span to its callee span.
+//! - **TR-4** Timestamps in a written part are on rank 0's clock (monotonic clocks, offset
+//!   estimated the NTP way); the part states the offset and its error bound.
+
+mod chrome;
+mod clock;
+mod layer;
+
+use std::borrow::Cow;
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+pub use chrome::{merge_parts, part_path, parts_dir, MergeError, MergeSummary};
+pub use clock::{estimate_offset, ClockEstimate};
+pub(crate) use clock::{keep_in_sync, TraceClock};
+pub use layer::TraceLayer;
+
+/// The environment variable that turns tracing on: the path of the job's trace; each worker
+/// writes its part under `<path>.parts/` at shutdown (see [`Config::trace`](crate::Config::trace)).
+pub const TRACE_ENV: &str = "RPC_TRACE";
+
+/// Events a worker keeps by default (about 100 bytes each): the newest 262,144.
+pub const DEFAULT_TRACE_CAPACITY: usize = 1 << 18;
+
+/// What a span is, one track of the trace per category.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Cat {
+    /// A call this worker made, from its start to its reply.
+    Call,
+    /// A call this worker served, from its arrival to its reply.
+    Serve,
+    /// Bulk data moved for a call (a side connection or shared memory).
+    Transfer,
+    /// Computation: a forward, a backward segment, a user's span.
+    Compute,
+    /// A collective operation, or one step of its ring.
+    Collective,
+    /// An optimizer's step.
+    Optimizer,
+    /// A pipeline schedule's action (a micro-batch's forward or backward on a stage).
+    Pipeline,
+    /// A checkpoint written or loaded.
+    Checkpoint,
+    /// A failure verdict, a recovery.
+    Failure,
+    /// A training step: the unit the report analyses.
+    Step,
+}
+
+impl Cat {
+    /// The name in the trace's `cat` field.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Cat::Call => "call",
+            Cat::Serve => "serve",
+            Cat::Transfer => "transfer",
+            Cat::Compute => "compute",
+            Cat::Collective => "collective",
+            Cat::Optimizer => "optimizer",
+            Cat::Pipeline => "pipeline",
+            Cat::Checkpoint => "checkpoint",
+            Cat::Failure => "failure",
+            Cat::Step => "step",
+        }
+    }
+}
+
+/// A call's flow: the id that links the caller's span to the callee's (TR-3).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Flow {
+    Out(u64),
+    In(u64),
+}
+
+/// One recorded event, on this process's monotonic clock (nanoseconds).
+#[derive(Clone, Debug)]
+pub(crate) struct Event {
+    pub name: Cow<'static, str>,
+    pub cat: Cat,
+    pub start: u64,
+    /// `None`: an instant.
+    pub dur: Option<u64>,
+    pub flow: Option<Flow>,
+    pub peer: Option<u32>,
+    pub bytes: Option<u64>,
+    pub ok: Option<bool>,
+    pub detail: Option<String>,
+}
+
+/// The ring a tracer records into (TR-2).
+pub(crate) struct Ring {
+    events: Mutex<VecDeque<Event>>,
+    capacity: usize,
+    dropped: AtomicU64,
+    next_flow: AtomicU64,
+    /// Where this worker's part goes at shutdown.
+    pub path: PathBuf,
+    /// Who records: filled in when the worker joins its group.
+    pub who: Mutex<Who>,
+    /// The probes of rank 0's clock so far (TR-4).
+    pub clock: Mutex<clock::ClockState>,
+}
+
+/// The recording worker, for the part's metadata.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Who {
+    pub rank: u32,
+    pub name: String,
+    pub incarnation: u64,
+}
+
+impl Ring {
+    fn push(&self, e: Event) {
+        let mut q = self.events.lock().unwrap_or_else(|p| p.into_inner());
+        if q.len() >= self.capacity {
+            q.pop_front();
+            self.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+        q.push_back(e);
+    }
+
+    /// Everything recorded so far, oldest first, and how many were dropped.
+    pub(crate) fn snapshot(&self) -> (Vec<Event>, u64) {
+        let q = self.events.lock().unwrap_or_else(|p| p.into_inner());
+        (
+            q.iter().cloned().collect(),
+            self.dropped.load(Ordering::Relaxed),
+        )
+    }
+}
+
+/// A worker's trace recorder: a cheap handle (clone it into tasks and layers). Off unless
+/// [`Config::trace`](crate::Config::trace) or [`TRACE_ENV`] named a path; off, every span
+/// is one branch (TR-1). Get it with [`Agent::tracer`](crate::Agent::tracer).
+///
+/// ```
+/// # fn demo(agent: &rpc_core::Agent) {
+/// use rpc_core::trace::Cat;
+/// let tracer = agent.tracer();
+/// {
+///     let _forward = tracer.span(Cat::Compute, "forward");
+///     // ... the forward pass; the span ends when the guard drops
+/// }
+/// tracer.instant(Cat::Checkpoint, "checkpoint written", Some("ckpt-000100".into()));
+/// # }
+/// ```
+#[derive(Clone, Default)]
+pub struct Tracer(Option<Arc<Ring>>);
+
+impl std::fmt::Debug for Tracer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.0 {
+            Some(r) => write!(f, "Tracer(on, {})", r.path.display()),
+            None => f.write_str("Tracer(off)"),
+        }
+    }
+}
+
+impl Tracer {
+    /// A tracer that records nothing.
+    pub fn off() -> Self {
+        Self(None)
+    }
+
+    /// A tracer that keeps the newest `capacity` events, for the job trace at `path`.
+    pub(crate) fn on(path: PathBuf, capacity: usize) -> Self {
+        Self(Some(Arc::new(Ring {
+            events: Mutex::new(VecDeque::with_capacity(capacity.min(1 << 16))),
+            capacity: capacity.max(1),
+            dropped: AtomicU64::new(0),
+            next_flow: AtomicU64::new(1),
+            path,
+            who: Mutex::new(Who::default()),
+            clock: Mutex::new(clock::ClockState::default()),
+        })))
+    }
+
+    /// Whether this tracer records.
+    pub fn is_on(&self) -> bool {
+        self.0.is_some()
+    }
+
+    pub(crate) fn ring(&self) -> Option<&Arc<Ring>> {
+        self.0.as_ref()
+    }
+
+    /// Names the recording worker (at init, and again for a new incarnation).
+    pub(crate) fn set_who(&self, who: Who) {
+        if let Some(r) = &self.0 {
+            *r.who.lock().unwrap_or_else(|p| p.into_inner()) = who;
+        }
+    }
+
+    /// A span from now until the returned guard drops.
+    pub fn span(&self, cat: Cat, name: impl Into<Cow<'static, str>>) -> Span {
+        match &self.0 {
+            None => Span(None),
+            Some(r) => Span(Some(Box::new(Open {
+                ring: Arc::clone(r),
+                event: Event {
+                    name: name.into(),
+                    cat,
+                    start: clock::now_ns(),
+                    dur: Some(0),
+                    flow: None,
+                    peer: None,
+                    bytes: None,
+                    ok: None,
+                    detail: None,
+                },
+            }))),
+        }
+    }
+
+    /// A span of a call this worker makes to `peer`, with a fresh flow id (TR-3), which the
+    /// request carries to the callee. `None` when off.
+    pub(crate) fn call_made(&self, fn_name: &'static str, peer: u32) -> Option<(Span, u64)> {
+        let r = self.0.as_ref().filter(|_| !internal(fn_name))?;
+        let rank = u64::from(r.who.lock().unwrap_or_else(|p| p.into_inner()).rank);
+        let id = (rank << 40) | r.next_flow.fetch_add(1, Ordering::Relaxed);
+        let mut s = self.span(Cat::Call, fn_name);
+        if let Some(o) = s.0.as_mut() {
+            o.event.flow = Some(Flow::Out(id));
+            o.event.peer = Some(peer);
+        }
+        Some((s, id))
+    }
+
+    /// A span of a call this worker serves for `peer`, linked to its caller's by `flow`.
+    pub(crate) fn call_served(&self, fn_name: &str, peer: u32, flow: Option<u64>) -> Span {
+        if flow.is_none() && internal(fn_name) {
+            return Span(None);
+        }
+        let mut s = self.span(Cat::Serve, fn_name.to_owned());
+        if let Some(o) = s.0.as_mut() {
+            o.event.flow = flow.map(Flow::In);
+            o.event.peer = Some(peer);
+        }
+        s
+    }
+
+    /// An instant event (a verdict, a checkpoint written), with a detail shown in the viewer.
+    pub fn instant(&self, cat: Cat, name: impl Into<Cow<'static, str>>, detail: Option<String>) {
+        if let Some(r) = &self.0 {
+            r.push(Event {
+                name: name.into(),
+                cat,
+                start: clock::now_ns(),
+                dur: None,
+                flow: None,
+                peer: None,
+                bytes: None,
+                ok: None,
+                detail,
+            });
+        }
+    }
+
+    /// Events recorded so far and how many the ring dropped (TR-2).
+    pub fn counts(&self) -> (usize, u64) {
+        match &self.0 {
+            None => (0, 0),
+            Some(r) => {
+                let n = r.events.lock().unwrap_or_else(|p| p.into_inner()).len();
+                (n, r.dropped.load(Ordering::Relaxed))
+            }
+        }
+    }
+}
+
+/// The framework's own functions (the shutdown barrier, clock probes, cancels) are not
+/// traced: a worker that serves calls waits in the barrier for the whole job, which would read
+/// as one call as long as the job.
+fn internal(fn_name: &str) -> bool {
+    fn_name.starts_with("rpc_core::")
+}
+
+/// An open span: recorded when dropped. Annotate it with what the viewer should show.
+#[must_use = "a span ends when this guard drops"]
+pub struct Span(Option<Box<Open>>);
+
+struct Open {
+    ring: Arc<Ring>,
+    event: Event,
+}
+
+impl Span {
+    /// Bytes this span moved.
+    pub fn bytes(&mut self, n: u64) -> &mut Self {
+        if let Some(o) = self.0.as_mut() {
+            o.event.bytes = Some(n);
+        }
+        self
+    }
+
+    /// The span's outcome.
+    pub fn ok(&mut self, ok: bool) -> &mut Self {
+        if let Some(o) = self.0.as_mut() {
+            o.event.ok = Some(ok);
+        }
+        self
+    }
+
+    /// The worker at the other end (a rank).
+    pub fn peer(&mut self, rank: u32) -> &mut Self {
+        if let Some(o) = self.0.as_mut() {
+            o.event.peer = Some(rank);
+        }
+        self
+    }
+
+    /// A line of detail (a step number, a file name, an error).
+    pub fn detail(&mut self, d: impl FnOnce() -> String) -> &mut Self {
+        if let Some(o) = self.0.as_mut() {
+            o.event.detail = Some(d());
+        }
+        self
+    }
+
+    /// Whether this span records (its tracer is on).
+    pub fn is_recording(&self) -> bool {
+        self.0.is_some()
+    }
+}
+
+impl Drop for Span {
+    fn drop(&mut self) {
+        if let Some(o) = self.0.take() {
+            let Open { ring, mut event } = *o;
+            event.dur = Some(clock::now_ns().saturating_sub(event.start));
+            ring.push(event);
+        }
+    }
+}
+
+/// Writes this worker's part of the job's trace, if its tracer is on, with the clock estimate
+/// kept since it joined (TR-4); needs no network. A failure is logged, never fatal: a trace
+/// must not fail the job.
+pub(crate) fn write_part(agent: &crate::Agent) {
+    let tracer = agent.tracer();
+    let Some(ring) = tracer.ring() else {
+        return;
+    };
+    let clock = ring
+        .clock
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .estimate();
+    if clock.samples == 0 && clock.error_bound_ns == u64::MAX {
+        tracing::warn!(worker = %agent.name(),
+            "trace: rank 0's clock was never read; this part keeps its own clock");
+    }
+    let who = ring.who.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let (events, dropped) = ring.snapshot();
+    let path = part_path(&ring.path, who.rank, who.incarnation);
+    let part = chrome::part(&who, &clock, &events, dropped);
+    match chrome::write_atomic(&path, &part) {
+        Ok(()) => tracing::info!(worker = %agent.name(), path = %path.display(),
+            events = events.len(), dropped, "trace part written"),
+        Err(e) => tracing::warn!(worker = %agent.name(), path = %path.display(), cause = %e,
+            "trace part not written"),
+    }
+}
+
+/// The tracer a worker's configuration asks for: [`Config::trace`](crate::Config::trace),
+/// else [`TRACE_ENV`]; off when neither names a path.
+pub(crate) fn from_config(path: Option<PathBuf>, capacity: usize) -> Tracer {
+    let path = path.or_else(|| {
+        std::env::var_os(TRACE_ENV)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    });
+    match path {
+        Some(p) => Tracer::on(p, capacity),
+        None => Tracer::off(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// TR-1: off records nothing.
+    #[test]
+    fn off_records_nothing() {
+        let t = Tracer::off();
+        drop(t.span(Cat::Compute, "x"));
+        t.instant(Cat::Failure, "y", None);
+        assert!(t.call_made("f", 1).is_none());
+        assert_eq!(t.counts(), (0, 0));
+    }
+
+    /// TR-2: the ring keeps the newest events and counts the dropped ones.
+    #[test]
+    fn the_ring_is_bounded_and_counts_what_it_drops() {
+        let t = Tracer::on(PathBuf::from("unused"), 3);
+        for i in 0..5 {
+            let mut s = t.span(Cat::Compute, format!("s{i}"));
+            s.bytes(i);
+        }
+        assert_eq!(t.counts(), (3, 2));
+        let (events, dropped) = t.ring().unwrap().snapshot();
+        assert_eq!(dropped, 2);
+        let names: Vec<_> = events.iter().map(|e| e.name.to_string()).collect();
+        assert_eq!(names, ["s2", "s3", "s4"]);
+    }
+}

@@ -1,0 +1,78 @@
+//! `rpctrace`: merges a job's trace parts into one file, and reports what held each step up.
+//!
+//! ```text
+//! rpctrace merge job.json                  # the parts in job.json.parts/ into job.json
+//! rpctrace merge job.json a.json b.json    # the given parts
+//! rpctrace report job.json [--json]        # critical path, straggler, shares per worker
+//! ```
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+/// Merges trace parts and reports on a merged trace.
+#[derive(Parser, Debug)]
+#[command(name = "rpctrace", version, about)]
+struct Args {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Merge the parts (default: every file in TRACE.parts/) into TRACE.
+    Merge {
+        /// The merged trace to write.
+        trace: PathBuf,
+        /// The parts, if not TRACE.parts/*.json.
+        parts: Vec<PathBuf>,
+    },
+    /// Per step: the critical path across workers, the straggler, each worker's shares.
+    Report {
+        /// A merged trace (or one part).
+        trace: PathBuf,
+        /// Print JSON (every step) instead of text (the summary).
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn main() {
+    let args = Args::parse();
+    let result = match args.command {
+        Command::Merge { trace, parts } => {
+            let parts = (!parts.is_empty()).then_some(parts);
+            rpc_core::trace::merge_parts(&trace, parts.as_deref())
+                .map(|s| {
+                    println!(
+                        "{}: {} parts, {} events, clocks aligned within {} us, {} dropped",
+                        trace.display(),
+                        s.parts,
+                        s.events,
+                        s.clock_error_bound_ns.div_ceil(1000),
+                        s.dropped
+                    )
+                })
+                .map_err(|e| e.to_string())
+        }
+        Command::Report { trace, json } => report(&trace, json),
+    };
+    if let Err(e) = result {
+        eprintln!("rpctrace: error: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn report(path: &std::path::Path, json: bool) -> Result<(), String> {
+    let text = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let v: serde_json::Value =
+        serde_json::from_slice(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let t = rpcrun::report::Trace::from_json(&v).map_err(|e| format!("{}: {e}", path.display()))?;
+    let r = rpcrun::report::report(&t);
+    if json {
+        println!("{}", serde_json::to_string(&r).map_err(|e| e.to_string())?);
+    } else {
+        print!("{}", r.text());
+    }
+    Ok(())
+}

@@ -1,0 +1,371 @@
+//! What held each step up: a report over a merged trace (`rpctrace report`).
+//!
+//! A step is a span of category `step` (the training loops record one per step; without any,
+//! the whole trace on rank 0 is one step). For each step:
+//! - **the critical path**, walked back from the step's end: on a worker, the span that ended
+//!   last before the current time holds it up; a call made continues on the callee inside its
+//!   served span (the time the call took beyond it is `wire`: the network and the queues); a
+//!   span with spans inside is walked the same way, and time no span inside covers is the
+//!   span's own (`self`);
+//! - **each worker's shares** of the step: busy (compute, optimizer, pipeline, calls served,
+//!   less what they spent in calls of their own), communicating (calls made, collectives,
+//!   transfers), waiting (neither); the compute-communication overlap (how much of the
+//!   communication ran under computation); the pipeline bubble (the step less its pipeline
+//!   actions), for ranks that ran some;
+//! - **the straggler**: the worker with the most time on the critical path.
+
+mod model;
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+pub use model::{covered, overlap, Span, Trace};
+
+/// One piece of a step's critical path.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Segment {
+    /// The worker's rank.
+    pub rank: u32,
+    /// The worker's name.
+    pub worker: String,
+    /// The span that held the step up (for `wire`, the call's name).
+    pub span: String,
+    /// The span's category, `self` for a span's own time, `wire` for a call's time in flight.
+    pub cat: String,
+    /// Milliseconds.
+    pub ms: f64,
+}
+
+/// A worker's shares of a step (fractions of the step's length).
+#[derive(Clone, Debug, Serialize)]
+pub struct Shares {
+    /// The worker's rank.
+    pub rank: u32,
+    /// The worker's name.
+    pub worker: String,
+    /// Computing or serving.
+    pub busy: f64,
+    /// In calls, collectives or transfers.
+    pub communicating: f64,
+    /// Neither.
+    pub waiting: f64,
+    /// Of its communication, the fraction that ran under its computation.
+    pub overlap: Option<f64>,
+    /// The step less its pipeline actions, for a rank that ran some.
+    pub pipeline_bubble: Option<f64>,
+}
+
+/// One step's analysis.
+#[derive(Clone, Debug, Serialize)]
+pub struct StepReport {
+    /// The step span's name and rank.
+    pub name: String,
+    /// The rank that recorded the step.
+    pub rank: u32,
+    /// Milliseconds.
+    pub ms: f64,
+    /// The critical path, from the step's start to its end.
+    pub critical_path: Vec<Segment>,
+    /// The worker with the most time on the critical path, and that time in milliseconds.
+    pub straggler: Option<(String, f64)>,
+    /// Every worker's shares of the step.
+    pub workers: Vec<Shares>,
+}
+
+/// The report over every step.
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    /// Steps analysed.
+    pub steps: usize,
+    /// The median step, milliseconds.
+    pub step_ms_median: f64,
+    /// The largest clock error bound of the trace's parts, microseconds.
+    pub clock_error_us: f64,
+    /// The worker most often the straggler, and in how many steps.
+    pub straggler: Option<(String, usize)>,
+    /// Critical-path time summed over the steps by (worker, span, category), largest first,
+    /// with its share of all steps' time.
+    pub critical: Vec<(String, String, String, f64, f64)>,
+    /// Each worker's shares, averaged over the steps.
+    pub workers: Vec<Shares>,
+    /// Each step.
+    pub per_step: Vec<StepReport>,
+}
+
+/// Categories a worker computes in.
+const COMPUTE: [&str; 3] = ["compute", "optimizer", "pipeline"];
+/// Categories a worker communicates in.
+const COMMUNICATE: [&str; 3] = ["call", "collective", "transfer"];
+
+/// Analyses every step of `t`.
+pub fn report(t: &Trace) -> Report {
+    let mut steps: Vec<&Span> = t.spans.iter().filter(|s| s.cat == "step").collect();
+    let whole;
+    if steps.is_empty() {
+        let (lo, hi) = t.spans.iter().fold((f64::MAX, f64::MIN), |(a, b), s| {
+            (a.min(s.start), b.max(s.end))
+        });
+        whole = Span {
+            rank: 0,
+            cat: "step".into(),
+            name: "the whole trace".into(),
+            start: lo.min(hi),
+            end: hi.max(lo),
+            flow: None,
+        };
+        steps.push(&whole);
+    }
+    let per_step: Vec<StepReport> = steps.iter().map(|s| step(t, s)).collect();
+    summarize(t, per_step)
+}
+
+fn step(t: &Trace, s: &Span) -> StepReport {
+    let mut path = Vec::new();
+    walk(t, s, s.start, s.end, 0, &mut path);
+    path.reverse();
+    let mut by_worker: BTreeMap<u32, f64> = BTreeMap::new();
+    for seg in &path {
+        *by_worker.entry(seg.rank).or_default() += seg.ms;
+    }
+    let straggler = by_worker
+        .iter()
+        .max_by(|a, b| a.1.total_cmp(b.1))
+        .map(|(&r, &ms)| (t.name(r), ms));
+    let ranks: std::collections::BTreeSet<u32> = t.spans.iter().map(|x| x.rank).collect();
+    let workers = ranks
+        .iter()
+        .map(|&r| shares(t, r, s.start, s.end))
+        .collect();
+    StepReport {
+        name: s.name.clone(),
+        rank: s.rank,
+        ms: s.len() / 1000.0,
+        critical_path: path,
+        straggler,
+        workers,
+    }
+}
+
+/// The critical path inside `container` (on its rank, within `[lo, hi]`), pushed end first.
+fn walk(t: &Trace, container: &Span, lo: f64, hi: f64, depth: u32, out: &mut Vec<Segment>) {
+    let eps = t.clock_error_us.max(1.0);
+    let inside = |x: &Span| {
+        x.rank == container.rank
+            && !std::ptr::eq(x, container)
+            && x.cat != "serve"
+            && x.cat != "step"
+            && x.start >= lo - eps
+            && x.end <= hi + eps
+            && !x.is_empty()
+    };
+    let kids: Vec<&Span> = t.spans.iter().filter(|x| inside(x)).collect();
+    // Only the outermost: a span inside another is walked when that one is.
+    let top: Vec<&Span> = kids
+        .iter()
+        .copied()
+        .filter(|k| {
+            !kids.iter().any(|o| {
+                !std::ptr::eq(*o, *k)
+                    && o.start <= k.start
+                    && o.end >= k.end
+                    && (o.len() > k.len() || (o.len() == k.len() && o.start < k.start))
+            })
+        })
+        .collect();
+    let own = |a: f64, b: f64, out: &mut Vec<Segment>| {
+        if b - a > 0.0 {
+            out.push(segment(t, container, "self", container.name.clone(), b - a));
+        }
+    };
+    let mut now = hi;
+    loop {
+        let next = top
+            .iter()
+            .filter(|k| k.end <= now + eps && k.start < now)
+            .max_by(|a, b| a.end.total_cmp(&b.end));
+        let Some(k) = next else { break };
+        let end = k.end.min(now);
+        own(end, now, out);
+        let start = k.start.max(lo);
+        match t.callee_of(k).filter(|_| depth < 64) {
+            Some(c) => {
+                let (cs, ce) = (c.start.max(start), c.end.min(end));
+                if end > ce {
+                    out.push(segment(t, k, "wire", k.name.clone(), end - ce));
+                }
+                if ce > cs {
+                    walk(t, c, cs, ce, depth + 1, out);
+                }
+                if cs > start {
+                    out.push(segment(t, k, "wire", k.name.clone(), cs - start));
+                }
+            }
+            None => walk(t, k, start, end, depth + 1, out),
+        }
+        now = start;
+        if now <= lo {
+            break;
+        }
+    }
+    own(lo, now, out);
+}
+
+fn segment(t: &Trace, on: &Span, cat: &str, span: String, us: f64) -> Segment {
+    Segment {
+        rank: on.rank,
+        worker: t.name(on.rank),
+        span,
+        cat: cat.into(),
+        ms: us / 1000.0,
+    }
+}
+
+/// Rank `r`'s shares of `[lo, hi]`.
+fn shares(t: &Trace, r: u32, lo: f64, hi: f64) -> Shares {
+    let of = |cats: &[&str]| -> Vec<(f64, f64)> {
+        t.spans
+            .iter()
+            .filter(|s| s.rank == r && cats.contains(&s.cat.as_str()))
+            .map(|s| (s.start, s.end))
+            .collect()
+    };
+    let len = (hi - lo).max(f64::MIN_POSITIVE);
+    let comm = of(&COMMUNICATE);
+    let compute = of(&COMPUTE);
+    let mut working = compute.clone();
+    working.extend(of(&["serve"]));
+    let comm_len = covered(comm.clone(), lo, hi);
+    let all: Vec<_> = comm.iter().chain(&working).copied().collect();
+    let any = covered(all, lo, hi);
+    let pipeline = of(&["pipeline"]);
+    Shares {
+        rank: r,
+        worker: t.name(r),
+        busy: (any - comm_len) / len,
+        communicating: comm_len / len,
+        waiting: (len - any).max(0.0) / len,
+        overlap: (comm_len > 0.0).then(|| overlap(&compute, &comm, lo, hi) / comm_len),
+        pipeline_bubble: (!pipeline.is_empty())
+            .then(|| (len - covered(pipeline, lo, hi)).max(0.0) / len),
+    }
+}
+
+fn summarize(t: &Trace, per_step: Vec<StepReport>) -> Report {
+    let mut ms: Vec<f64> = per_step.iter().map(|s| s.ms).collect();
+    ms.sort_by(f64::total_cmp);
+    let total: f64 = ms.iter().sum();
+    let mut stragglers: BTreeMap<String, usize> = BTreeMap::new();
+    let mut critical: BTreeMap<(String, String, String), f64> = BTreeMap::new();
+    let mut sums: BTreeMap<u32, (Shares, usize)> = BTreeMap::new();
+    for s in &per_step {
+        if let Some((w, _)) = &s.straggler {
+            *stragglers.entry(w.clone()).or_default() += 1;
+        }
+        for seg in &s.critical_path {
+            let key = (seg.worker.clone(), seg.span.clone(), seg.cat.clone());
+            *critical.entry(key).or_default() += seg.ms;
+        }
+        for w in &s.workers {
+            let e = sums.entry(w.rank).or_insert_with(|| (zero(w), 0));
+            add(&mut e.0, w);
+            e.1 += 1;
+        }
+    }
+    let mut critical: Vec<_> = critical
+        .into_iter()
+        .map(|((w, s, c), ms)| (w, s, c, ms, ms / total.max(f64::MIN_POSITIVE)))
+        .collect();
+    critical.sort_by(|a, b| b.3.total_cmp(&a.3));
+    Report {
+        steps: per_step.len(),
+        step_ms_median: ms.get(ms.len() / 2).copied().unwrap_or(0.0),
+        clock_error_us: t.clock_error_us,
+        straggler: stragglers.into_iter().max_by_key(|(_, n)| *n),
+        critical,
+        workers: sums.into_values().map(|(s, n)| scale(s, n)).collect(),
+        per_step,
+    }
+}
+
+fn zero(w: &Shares) -> Shares {
+    Shares {
+        rank: w.rank,
+        worker: w.worker.clone(),
+        busy: 0.0,
+        communicating: 0.0,
+        waiting: 0.0,
+        overlap: None,
+        pipeline_bubble: None,
+    }
+}
+
+fn add(a: &mut Shares, b: &Shares) {
+    a.busy += b.busy;
+    a.communicating += b.communicating;
+    a.waiting += b.waiting;
+    let sum = |x: Option<f64>, y: Option<f64>| match (x, y) {
+        (None, None) => None,
+        (x, y) => Some(x.unwrap_or(0.0) + y.unwrap_or(0.0)),
+    };
+    a.overlap = sum(a.overlap, b.overlap);
+    a.pipeline_bubble = sum(a.pipeline_bubble, b.pipeline_bubble);
+}
+
+fn scale(mut s: Shares, n: usize) -> Shares {
+    let n = n.max(1) as f64;
+    s.busy /= n;
+    s.communicating /= n;
+    s.waiting /= n;
+    s.overlap = s.overlap.map(|x| x / n);
+    s.pipeline_bubble = s.pipeline_bubble.map(|x| x / n);
+    s
+}
+
+impl Report {
+    /// The report as plain text.
+    pub fn text(&self) -> String {
+        use std::fmt::Write;
+        let mut o = String::new();
+        let _ = writeln!(
+            o,
+            "{} steps, median {:.2} ms; clocks aligned within {:.0} us",
+            self.steps, self.step_ms_median, self.clock_error_us
+        );
+        if let Some((w, n)) = &self.straggler {
+            let _ = writeln!(
+                o,
+                "straggler: {w} (most time on the critical path in {n} of {} steps)",
+                self.steps
+            );
+        }
+        let _ = writeln!(o, "critical path, summed over the steps:");
+        for (w, s, c, ms, share) in self.critical.iter().take(8) {
+            let _ = writeln!(
+                o,
+                "  {:>5.1} %  {ms:>10.2} ms  {w}: {s} ({c})",
+                share * 100.0
+            );
+        }
+        let _ = writeln!(o, "worker shares of a step (mean):");
+        let _ = writeln!(
+            o,
+            "  {:<24} {:>6} {:>6} {:>8} {:>8} {:>7}",
+            "worker", "busy", "comm", "waiting", "overlap", "bubble"
+        );
+        let pct = |x: Option<f64>| x.map_or("-".to_owned(), |v| format!("{:.0} %", v * 100.0));
+        for w in &self.workers {
+            let _ = writeln!(
+                o,
+                "  {:<24} {:>4.0} % {:>4.0} % {:>6.0} % {:>8} {:>7}",
+                w.worker,
+                w.busy * 100.0,
+                w.communicating * 100.0,
+                w.waiting * 100.0,
+                pct(w.overlap),
+                pct(w.pipeline_bubble)
+            );
+        }
+        o
+    }
+}

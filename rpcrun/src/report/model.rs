@@ -1,0 +1,162 @@
+//! A merged trace read back: its spans by rank, and each call's served span by flow id.
+
+use std::collections::{BTreeMap, HashMap};
+
+use serde_json::Value;
+
+/// One complete span (`ph: X`) of the trace, in microseconds on rank 0's clock.
+#[derive(Clone, Debug)]
+pub struct Span {
+    /// The rank that recorded it (`pid`).
+    pub rank: u32,
+    /// Its category (`call`, `serve`, `compute`, ...).
+    pub cat: String,
+    /// Its name.
+    pub name: String,
+    /// Start, microseconds.
+    pub start: f64,
+    /// End, microseconds.
+    pub end: f64,
+    /// The call's flow id, on a call made or served.
+    pub flow: Option<u64>,
+}
+
+impl Span {
+    /// Its length in microseconds.
+    pub fn len(&self) -> f64 {
+        self.end - self.start
+    }
+
+    /// Whether it has no length.
+    pub fn is_empty(&self) -> bool {
+        self.len() <= 0.0
+    }
+}
+
+/// A merged trace, indexed for the report.
+#[derive(Debug, Default)]
+pub struct Trace {
+    /// Every complete span, by start.
+    pub spans: Vec<Span>,
+    /// Each rank's process name.
+    pub names: BTreeMap<u32, String>,
+    /// Each flow id's served span (an index into `spans`).
+    pub served: HashMap<u64, usize>,
+    /// The largest clock error bound of any part, microseconds.
+    pub clock_error_us: f64,
+}
+
+impl Trace {
+    /// Reads a trace in the Trace Event Format (a merged one, or a single part).
+    pub fn from_json(v: &Value) -> Result<Trace, String> {
+        let events = v
+            .get("traceEvents")
+            .and_then(Value::as_array)
+            .ok_or("no traceEvents array: not a trace")?;
+        let mut t = Trace::default();
+        for (i, e) in events.iter().enumerate() {
+            let ph = e.get("ph").and_then(Value::as_str).unwrap_or("");
+            let pid = e.get("pid").and_then(Value::as_u64);
+            let bad = |what: &str| format!("event {i} ({ph}): {what}");
+            match ph {
+                "M" if e.get("name").and_then(Value::as_str) == Some("process_name") => {
+                    let name = e
+                        .pointer("/args/name")
+                        .and_then(Value::as_str)
+                        .unwrap_or("");
+                    let pid = pid.ok_or_else(|| bad("no pid"))?;
+                    t.names.insert(pid as u32, name.to_owned());
+                }
+                "X" => {
+                    let pid = pid.ok_or_else(|| bad("no pid"))?;
+                    let ts = e
+                        .get("ts")
+                        .and_then(Value::as_f64)
+                        .ok_or_else(|| bad("no ts"))?;
+                    let dur = e
+                        .get("dur")
+                        .and_then(Value::as_f64)
+                        .ok_or_else(|| bad("no dur"))?;
+                    let text = |k: &str| e.get(k).and_then(Value::as_str).unwrap_or("").to_owned();
+                    t.spans.push(Span {
+                        rank: pid as u32,
+                        cat: text("cat"),
+                        name: text("name"),
+                        start: ts,
+                        end: ts + dur,
+                        flow: e.pointer("/args/flow").and_then(Value::as_u64),
+                    });
+                }
+                _ => {}
+            }
+        }
+        t.spans.sort_by(|a, b| a.start.total_cmp(&b.start));
+        for (i, s) in t.spans.iter().enumerate() {
+            if let (Some(f), "serve") = (s.flow, s.cat.as_str()) {
+                t.served.insert(f, i);
+            }
+        }
+        t.clock_error_us = v
+            .pointer("/otherData/rpc_trace/clock_error_bound_ns")
+            .or_else(|| v.pointer("/otherData/rpc_trace/clock/error_bound_ns"))
+            .and_then(Value::as_f64)
+            .unwrap_or(0.0)
+            / 1000.0;
+        Ok(t)
+    }
+
+    /// Rank `r`'s name as the trace gives it.
+    pub fn name(&self, r: u32) -> String {
+        self.names
+            .get(&r)
+            .cloned()
+            .unwrap_or_else(|| format!("rank {r}"))
+    }
+
+    /// The served span of the call `s`, if `s` is a call made whose callee traced it.
+    pub fn callee_of(&self, s: &Span) -> Option<&Span> {
+        if s.cat != "call" {
+            return None;
+        }
+        self.served.get(&s.flow?).map(|&i| &self.spans[i])
+    }
+}
+
+/// The length of the union of `intervals` clipped to `[lo, hi]`.
+pub fn covered(mut intervals: Vec<(f64, f64)>, lo: f64, hi: f64) -> f64 {
+    intervals.retain_mut(|(a, b)| {
+        *a = a.max(lo);
+        *b = b.min(hi);
+        a < b
+    });
+    intervals.sort_by(|x, y| x.0.total_cmp(&y.0));
+    let (mut total, mut end) = (0.0, f64::NEG_INFINITY);
+    for (a, b) in intervals {
+        if b <= end {
+            continue;
+        }
+        total += b - a.max(end);
+        end = b;
+    }
+    total
+}
+
+/// The length of `a`'s union intersected with `b`'s, clipped to `[lo, hi]`.
+pub fn overlap(a: &[(f64, f64)], b: &[(f64, f64)], lo: f64, hi: f64) -> f64 {
+    let both: Vec<_> = a.iter().chain(b).copied().collect();
+    covered(a.to_vec(), lo, hi) + covered(b.to_vec(), lo, hi) - covered(both, lo, hi)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unions_and_overlaps() {
+        let a = [(0.0, 10.0), (5.0, 15.0), (20.0, 30.0)];
+        assert_eq!(covered(a.to_vec(), 0.0, 100.0), 25.0);
+        assert_eq!(covered(a.to_vec(), 12.0, 25.0), 8.0);
+        let b = [(8.0, 22.0)];
+        assert_eq!(overlap(&a, &b, 0.0, 100.0), 9.0);
+    }
+}
