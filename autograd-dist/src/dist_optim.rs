@@ -9,6 +9,7 @@
 use candle_core::{Tensor, TensorId, Var};
 use futures::future::BoxFuture;
 use rpc_core::ext::{with_call_meta, AgentExt};
+use rpc_core::trace::Cat;
 use rpc_core::{Agent, BoxError, CallContext, RemoteFn};
 use rref::{RRef, RRefError};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
@@ -174,6 +175,7 @@ impl RemoteFn for LocalStep {
     async fn call(cx: CallContext, (opt, ctx): Self::Args) -> Result<usize, BoxError> {
         let local = opt.local_value().await?;
         let mut guard = local.lock().await;
+        let _span = cx.agent().tracer().span(Cat::Optimizer, "optimizer step");
         guard.step(cx.agent(), ctx).await
     }
 }

@@ -40,6 +40,7 @@
 use candle_core::{Tensor, TensorId};
 use futures::future::BoxFuture;
 use rpc_core::ext::with_call_meta;
+use rpc_core::trace::Cat;
 use rpc_core::{Agent, BoxError, CallContext, RemoteFn};
 use rref::RRef;
 use std::collections::HashMap;
@@ -230,6 +231,8 @@ fn surrogate_of(pairs: Vec<(Tensor, Tensor)>) -> candle_core::Result<Option<Tens
 /// One local backward from `loss`: gradients of this worker's variables accumulate in the
 /// context; gradients of recv leaves go to their senders, concurrently, and are awaited.
 async fn local_pass(agent: &Agent, ctx: u64, loss: Tensor) -> Result<(), AutogradError> {
+    let mut span = agent.tracer().span(Cat::Compute, "backward");
+    span.detail(|| format!("context {ctx:#x}"));
     let grads = loss.backward()?;
     let c = container(agent);
     let mut outgoing: HashMap<u32, Vec<(u64, RTensor)>> = HashMap::new();
@@ -260,6 +263,7 @@ async fn local_pass(agent: &Agent, ctx: u64, loss: Tensor) -> Result<(), Autogra
             }
         }
     }
+    drop(span);
     // AD-4: upstream gradients travel without the context in the metadata.
     let calls = outgoing.into_iter().map(|(sender, items)| {
         let a = agent.clone();

@@ -2,6 +2,7 @@
 //! in order, the hand-offs to and from its neighbours, and its saved activations. It knows a
 //! module only as a forward function and its parameters, so `module.rs` can serve it.
 
+use rpc_core::trace::Cat;
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -295,6 +296,8 @@ pub(crate) async fn stage_run(
                         _ => state.take(key(Kind::Activation, j), timeout).await?,
                     };
                     let start = now_us();
+                    let mut span = agent.tracer().span(Cat::Pipeline, "forward");
+                    span.detail(|| format!("micro-batch {j}, stage {}", req.stage));
                     let train = req.ctx.is_some();
                     let leaf = if train && input.dtype().is_float() {
                         Some(Var::from_tensor(&input)?.as_tensor().clone())
@@ -336,6 +339,8 @@ pub(crate) async fn stage_run(
                         None => None,
                     };
                     let start = now_us();
+                    let mut span = agent.tracer().span(Cat::Pipeline, "backward");
+                    span.detail(|| format!("micro-batch {j}, stage {}", req.stage));
                     let s = saved.remove(&j).ok_or("backward before forward")?;
                     let input_grad = backward(agent, module, ctx, s, grad)?;
                     if let (Some(prev), Some(g)) = (req.prev, input_grad) {

@@ -367,14 +367,18 @@ pub fn launch_here(
     nproc: u32,
     max_restarts: u32,
     restart: rpcrun::Restart,
+    trace: Option<&std::path::Path>,
 ) -> Result<i32> {
-    let exit = rpcrun::Launch::new(std::env::current_exe()?)
+    let mut launch = rpcrun::Launch::new(std::env::current_exe()?)
         .args(std::env::args_os().skip(1))
         .nproc(nproc)
         .max_restarts(max_restarts)
         .restart(restart)
-        .prefix_output(false)
-        .run()?;
+        .prefix_output(false);
+    if let Some(t) = trace {
+        launch = launch.trace(t);
+    }
+    let exit = launch.run()?;
     if exit.restarts > 0 || !exit.failures.is_empty() {
         eprintln!(
             "{name}: {} restart(s); failures: {}",

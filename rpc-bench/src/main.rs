@@ -15,7 +15,8 @@
 //! processes, variants alternated over rounds: the wire protection (`off`, `mac`, `encrypt`,
 //! forced on loopback, bulk blobs over TCP) and the failure detector (off, on at its default
 //! interval; latency, throughput, and the CPU both processes spend while idle). It ends with
-//! one `*_cost` line per variant: its medians as ratios to the baseline's.
+//! one `*_cost` line per variant: its medians as ratios to the baseline's. It measures the
+//! job's trace too (off, on: latency and throughput); `trace-overhead` measures only that.
 //!
 //! `soak` runs a million mixed calls (`--calls`) among three processes and watches their
 //! memory and their remote references (see `soak.rs`). `ddp [--world-sizes 2,4] [--steps N]`
@@ -41,7 +42,7 @@ const USAGE: &str =
     "rpc-bench: benchmarks of rpc-core against raw TCP and each other on 127.0.0.1, in peer \
 processes it starts itself; one JSON object per line.
 
-usage: rpc-bench [all|latency|throughput|tensor|rref|allreduce|overhead|soak|ddp] \
+usage: rpc-bench [all|latency|throughput|tensor|rref|allreduce|overhead|trace-overhead|soak|ddp] \
 [--threads N] [--busy-poll-us N] [--no-shm] [--wire-protection P] [--heartbeat-ms N] [--calls N] \
 [--world-sizes N,N] [--steps N]
   --threads N        runtime worker threads of every process (default 1: two processes
@@ -54,7 +55,8 @@ usage: rpc-bench [all|latency|throughput|tensor|rref|allreduce|overhead|soak|ddp
   --heartbeat-ms N   Config::heartbeat_interval of every process (0: no failure detector;
                      default: the library's, 250)
   --calls N          calls the soak makes (default 1000000)
-  overhead           the cost of the wire protection and of the failure detector
+  overhead           the cost of the wire protection, the failure detector and the trace
+  trace-overhead     the cost of the job's trace alone (off and on alternated, 6 rounds)
   soak               mixed calls among three processes: memory slope and references
   ddp                the data-parallel step (local, after, overlap, bf16) on the anchors'
                      reference model, with --world-sizes (default 2,4) and --steps (30)
@@ -286,13 +288,22 @@ struct Variant {
     protection: Option<WireProtection>,
     /// `--heartbeat-ms`.
     heartbeat_ms: Option<u64>,
+    /// `--trace`: both processes record the job's trace (`Config::trace`), to
+    /// [`trace_path`].
+    trace: bool,
 }
 
 static VARIANT: std::sync::Mutex<Variant> = std::sync::Mutex::new(Variant {
     no_shm: false,
     protection: None,
     heartbeat_ms: None,
+    trace: false,
 });
+
+/// Where a traced group's parts go (removed after each group).
+fn trace_path() -> std::path::PathBuf {
+    std::env::temp_dir().join("rpc-bench-trace.json")
+}
 
 fn variant() -> Variant {
     *VARIANT.lock().unwrap_or_else(|p| p.into_inner())
@@ -337,6 +348,9 @@ fn shared_flags(threads: usize) -> Vec<String> {
     if let Some(ms) = var.heartbeat_ms {
         v.extend(["--heartbeat-ms".to_owned(), ms.to_string()]);
     }
+    if var.trace {
+        v.push("--trace".to_owned());
+    }
     v
 }
 
@@ -357,6 +371,9 @@ fn config(rank: u32, rendezvous: &str, secret: Secret) -> Config {
     }
     if let Some(ms) = var.heartbeat_ms {
         cfg = cfg.with_heartbeat_interval(Duration::from_millis(ms));
+    }
+    if var.trace {
+        cfg = cfg.with_trace(trace_path());
     }
     cfg.with_rank(rank)
         .with_world_size(2)
@@ -447,6 +464,7 @@ fn main() -> Result<()> {
             .map(|p| p.parse::<WireProtection>().map_err(anyhow::Error::msg))
             .transpose()?,
         heartbeat_ms: value("--heartbeat-ms")?.map(|v| v.parse()).transpose()?,
+        trace: args.iter().any(|a| a == "--trace"),
     });
     match mode {
         "peer" => {
@@ -495,7 +513,8 @@ fn main() -> Result<()> {
             Ok(())
         }
         "latency" | "throughput" | "tensor" | "rref" => drive(mode, threads),
-        "overhead" => overhead(threads),
+        "overhead" => overhead(threads, false),
+        "trace-overhead" => overhead(threads, true),
         "ddp" => {
             // One compute thread per process, like the anchor (set before any thread exists).
             std::env::set_var("RAYON_NUM_THREADS", "1");
@@ -1309,8 +1328,9 @@ fn overhead_group(
 /// `overhead`: the wire protection's and the failure detector's cost, variants alternated
 /// over `ROUNDS` rounds, each in a fresh group; then each variant's medians (over its rounds)
 /// as ratios to its baseline's.
-fn overhead(threads: usize) -> Result<()> {
-    const ROUNDS: usize = 3;
+fn overhead(threads: usize, only_trace: bool) -> Result<()> {
+    // The trace alone: more rounds, since each is short.
+    let rounds = if only_trace { 6 } else { 3 };
     let base = variant();
     let protections = [
         WireProtection::Off,
@@ -1328,12 +1348,26 @@ fn overhead(threads: usize) -> Result<()> {
     ];
     let mut by_protection: Vec<Vec<Medians>> = vec![Vec::new(); protections.len()];
     let mut by_detector: Vec<Vec<Medians>> = vec![Vec::new(); detectors.len()];
-    for round in 0..ROUNDS {
+    let mut by_trace: Vec<Vec<Medians>> = vec![Vec::new(); 2];
+    for round in 0..rounds {
+        // Each order in turn: the second group of a round is often the slower one here.
+        let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
+        for i in order {
+            let on = i == 1;
+            set_variant(Variant { trace: on, ..base });
+            let tags = json!({ "trace": on, "round": round });
+            by_trace[i].push(overhead_group(threads, &tags, false, false)?);
+            let _ = std::fs::remove_dir_all(rpc_core::trace::parts_dir(&trace_path()));
+        }
+        if only_trace {
+            continue;
+        }
         for (i, p) in protections.iter().enumerate() {
             set_variant(Variant {
                 no_shm: true,
                 protection: Some(*p),
                 heartbeat_ms: base.heartbeat_ms,
+                trace: false,
             });
             let tags = json!({
                 "wire_protection": protection_name(Some(*p)),
@@ -1374,6 +1408,19 @@ fn overhead(threads: usize) -> Result<()> {
         }
         emit(v);
     };
+    ratios(
+        json!({
+            "metric": "trace_cost",
+            "trace": "on",
+            "baseline": "off",
+            "rounds": rounds,
+        }),
+        &merged(&by_trace[1]),
+        &merged(&by_trace[0]),
+    );
+    if only_trace {
+        return Ok(());
+    }
     let off = merged(&by_protection[0]);
     for (i, p) in protections.iter().enumerate().skip(1) {
         ratios(
@@ -1381,7 +1428,7 @@ fn overhead(threads: usize) -> Result<()> {
                 "metric": "wire_protection_cost",
                 "wire_protection": protection_name(Some(*p)),
                 "baseline": "off",
-                "rounds": ROUNDS,
+                "rounds": rounds,
             }),
             &merged(&by_protection[i]),
             &off,
@@ -1395,7 +1442,7 @@ fn overhead(threads: usize) -> Result<()> {
             "detector": "on",
             "heartbeat_ms": detectors[1].1,
             "baseline": "off",
-            "rounds": ROUNDS,
+            "rounds": rounds,
         }),
         &with,
         &no_detector,

@@ -287,8 +287,9 @@ fn handle(
     }
 }
 
-/// [`handle`]'s body: the checks, the permit, the handler, the reply's blobs.
-#[allow(clippy::too_many_arguments)]
+/// [`handle`]'s body: the checks, the permit, the handler, the reply's blobs. (In the form
+/// of `handle`, whose future size this one's is measured with.)
+#[allow(clippy::too_many_arguments, clippy::manual_async_fn)]
 fn run_request(
     w: Arc<Inner>,
     deadline: Option<Instant>,
@@ -325,6 +326,8 @@ fn run_request(
         let blobs = if blobs.is_empty() {
             Vec::new()
         } else {
+            let bytes = Some(net::bulk_bytes(&blobs));
+            let _span = net.tracer.transfer("receive arguments", caller, bytes);
             Box::pin(net.bulk.receive(caller, blobs, deadline))
                 .await
                 .map_err(|e| fail(RemoteErrorKind::Protocol, e))?
@@ -353,6 +356,7 @@ fn run_request(
         let blobs = if blobs.is_empty() {
             Vec::new()
         } else {
+            let _span = net.tracer.transfer("send result", caller, None);
             Box::pin(net.bulk.send(caller, blobs))
                 .await
                 .map_err(|e| fail(RemoteErrorKind::Protocol, e))?

@@ -44,6 +44,9 @@ pub mod doc_pages {
     /// `docs/benchmarks.md`.
     #[doc = include_str!("../../docs/benchmarks.md")]
     pub struct Benchmarks;
+    /// `docs/tracing.md`.
+    #[doc = include_str!("../../docs/tracing.md")]
+    pub struct Tracing;
     /// `docs/architecture.md`.
     #[doc = include_str!("../../docs/architecture.md")]
     pub struct Architecture;

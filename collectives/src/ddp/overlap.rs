@@ -121,12 +121,19 @@ impl Pass<'_> {
         let mut seed: Option<(Tensor, Option<Tensor>)> = Some((loss.clone(), None));
         for k in (0..=self.cuts.len()).rev() {
             let (from, g) = seed.take().expect("seeded");
+            let mut span = ddp
+                .group
+                .agent()
+                .tracer()
+                .span(rpc_core::trace::Cat::Compute, "backward segment");
+            span.detail(|| format!("segment {k}"));
             let store = rpc_core::spawn_blocking(move || match g {
                 None => from.backward(),
                 Some(g) => (from * g)?.sum_all()?.backward(),
             })
             .await
             .map_err(|e| CollectiveError::Candle(candle_core::Error::Msg(e.to_string())))??;
+            drop(span);
             if k > 0 {
                 let (before, leaf) = &self.cuts[k - 1];
                 // Detached: a variable's gradient keeps the graph that computed it (candle

@@ -16,6 +16,8 @@ pub(super) struct Op<'a> {
     pub seq: u64,
     pub me: usize,
     pub header: Header,
+    /// The operation's span in the job's trace (ends when the operation does).
+    pub _span: rpc_core::trace::Span,
 }
 
 impl Op<'_> {
@@ -247,7 +249,18 @@ impl ProcessGroup {
                 members: self.ranks.to_vec(),
             }
         })?;
+        let mut span = self
+            .agent
+            .tracer()
+            .span(rpc_core::trace::Cat::Collective, name);
+        span.detail(|| {
+            format!(
+                "seq {seq}, members {:?}, shape {dims:?} {dtype}",
+                self.ranks
+            )
+        });
         Ok(Op {
+            _span: span,
             g: self,
             name,
             seq,

@@ -142,8 +142,17 @@ impl ProcessGroup {
             let blob = stage(std::mem::size_of_val(p), &mut |d| T::write_le(p, d))?;
             sending.push(send(0, j, blob));
         }
+        let tracer = o.g.agent.tracer();
         for s in 0..steps {
+            let phase = if s < n - 1 {
+                "reduce-scatter step"
+            } else {
+                "all-gather step"
+            };
+            let mut step_span = tracer.span(rpc_core::trace::Cat::Collective, phase);
+            step_span.detail(|| format!("{} of {steps}, to rank {next}", s + 1));
             let r = ranges[received(s)].clone();
+            step_span.bytes((r.len() * elem) as u64);
             for (j, lo) in r.clone().step_by(per).enumerate() {
                 let hi = (lo + per).min(r.end);
                 let recv = o.recv_raw(prev, tag(s, j));

@@ -8,6 +8,7 @@
 //! word-language data (4096 → 1024 → 512 → 8: 4.7 M parameters, 19 MB of gradients a step).
 //! Rank 0 logs and prints one JSON line at the end.
 
+use rpc_core::trace::Cat;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -29,6 +30,11 @@ struct Args {
     /// Replicas to launch on this machine (ignored under a launcher: it decides).
     #[arg(long, default_value_t = 2)]
     nproc: u32,
+    /// Local mode: trace the job into one file (Trace Event Format, for Perfetto or
+    /// chrome://tracing; `rpctrace report PATH` says what held each step up).
+    #[arg(long, value_name = "PATH")]
+    trace: Option<std::path::PathBuf>,
+
     /// Epochs to train.
     #[arg(long, default_value_t = 2)]
     epochs: u64,
@@ -64,7 +70,13 @@ fn run() -> Result<i32> {
     let args = Args::parse();
     if !examples::is_worker() {
         // Started by hand: this binary, `--nproc` times, under the launcher's code.
-        return examples::launch_here("data-parallel", args.nproc, 0, rpcrun::Restart::Group);
+        return examples::launch_here(
+            "data-parallel",
+            args.nproc,
+            0,
+            rpcrun::Restart::Group,
+            args.trace.as_deref(),
+        );
     }
     examples::runtime()?.block_on(replica(args))
 }
@@ -112,6 +124,8 @@ async fn replica(args: Args) -> Result<i32> {
         let mine = sampler.indices(epoch);
         for batch in mine.chunks_exact(args.batch) {
             let t = Instant::now();
+            let mut span = agent.tracer().span(Cat::Step, "step");
+            span.detail(|| format!("step {step}"));
             let words: Vec<(String, usize)> = batch.iter().map(|&i| train[i].clone()).collect();
             let (x, y) = dense(&words)?;
             let (x, y) = (x.to_device(&device)?, y.to_device(&device)?);
@@ -119,6 +133,7 @@ async fn replica(args: Args) -> Result<i32> {
             let logits = forward(ddp.vars(), &x, |h| Ok(pass.cut(h)?))?;
             let loss = candle_nn::loss::cross_entropy(&logits, &y)?;
             opt.backward_step(pass, &loss).await?;
+            drop(span);
             step_ms.push(t.elapsed().as_secs_f64() * 1e3);
             step += 1;
             if rank == 0 && step % args.log_every == 0 {

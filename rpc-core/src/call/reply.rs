@@ -388,6 +388,8 @@ pub(super) async fn read_result<F: RemoteFn, O: serde::de::DeserializeOwned>(
     let blobs = if ok.blobs.is_empty() {
         Vec::new()
     } else {
+        let bytes = Some(crate::net::bulk_bytes(&ok.blobs));
+        let _span = w.net.tracer.transfer("receive result", to, bytes);
         Box::pin(w.net.bulk.receive(to, ok.blobs, deadline))
             .await
             .map_err(|e| {

@@ -122,6 +122,7 @@ async fn queue_later<F: RemoteFn>(
     let blobs = std::mem::take(&mut out.blobs);
     let payload = &out.payload;
     let setup = async {
+        let span = net.tracer.transfer("send arguments", to, None);
         let blobs = net
             .bulk
             .send(to, blobs)
@@ -130,6 +131,7 @@ async fn queue_later<F: RemoteFn>(
                 worker: net.directory().name(to).to_owned(),
                 source: e.into(),
             })?;
+        drop(span);
         plan::check_frame::<F>(w, payload, &blobs)?;
         let (gen, client) = net.control(to).await?;
         Ok::<_, RpcError>((blobs, gen, client))

@@ -305,6 +305,17 @@ impl Bulk {
     }
 }
 
+/// Bytes of a side table that travel on the bulk path (for the trace).
+pub(crate) fn bulk_bytes(blobs: &[WireBlob]) -> u64 {
+    blobs
+        .iter()
+        .map(|b| match b {
+            WireBlob::Inline(_) => 0,
+            WireBlob::Bulk { len, .. } => *len,
+        })
+        .sum()
+}
+
 /// Bytes of a side table that ride inline in the envelope.
 pub(crate) fn inline_bytes(blobs: &[WireBlob]) -> usize {
     blobs

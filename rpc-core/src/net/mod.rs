@@ -58,7 +58,7 @@ pub use auth::{Secret, SECRET_ENV, SECRET_FILE_ENV};
 pub(crate) use blocking::SyncConn;
 pub use buffers::large_vec;
 pub use bulk::BulkStats;
-pub(crate) use bulk::{inline_bytes, Bulk};
+pub(crate) use bulk::{bulk_bytes, inline_bytes, Bulk};
 pub(crate) use config::NetConfig;
 pub(crate) use dial::{DialError, Directory, Endpoint};
 pub use events::{MembershipChange, MembershipEvent, WorkerFailed};

@@ -47,7 +47,7 @@ where
             return;
         }
         if let Some(span) = ctx.span(id) {
-            span.extensions_mut().insert(Started(clock::now_ns()));
+            span.extensions_mut().insert(Started(clock::ticks()));
         }
     }
 
@@ -65,12 +65,38 @@ where
             name: span.name().into(),
             cat: Cat::Compute,
             start,
-            dur: Some(clock::now_ns().saturating_sub(start)),
+            dur: Some(clock::ticks().saturating_sub(start)),
             flow: None,
             peer: None,
             bytes: None,
             ok: None,
             detail: Some(span.metadata().target().to_owned()),
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tracing_subscriber::layer::SubscriberExt;
+
+    /// A `tracing` span lands in the ring as a compute span of its name; off, nothing does.
+    #[test]
+    fn tracing_spans_are_recorded() {
+        let tracer = Tracer::on("unused".into(), 16);
+        let subscriber = tracing_subscriber::registry().with(TraceLayer::new(tracer.clone()));
+        tracing::subscriber::with_default(subscriber, || {
+            let _s = tracing::info_span!("forward").entered();
+        });
+        let (events, _) = tracer.ring().unwrap().snapshot();
+        assert_eq!(events.len(), 1);
+        assert_eq!(events[0].name, "forward");
+        assert_eq!(events[0].cat, Cat::Compute);
+        let off = Tracer::off();
+        let subscriber = tracing_subscriber::registry().with(TraceLayer::new(off.clone()));
+        tracing::subscriber::with_default(subscriber, || {
+            let _s = tracing::info_span!("forward").entered();
+        });
+        assert_eq!(off.counts(), (0, 0));
     }
 }

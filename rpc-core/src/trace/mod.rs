@@ -96,7 +96,8 @@ pub(crate) enum Flow {
     In(u64),
 }
 
-/// One recorded event, on this process's monotonic clock (nanoseconds).
+/// One recorded event: in the ring on the raw trace clock (`clock::ticks`), in a snapshot in
+/// nanoseconds of this process's monotonic clock.
 #[derive(Clone, Debug)]
 pub(crate) struct Event {
     pub name: Cow<'static, str>,
@@ -143,13 +144,22 @@ impl Ring {
         q.push_back(e);
     }
 
-    /// Everything recorded so far, oldest first, and how many were dropped.
+    /// Everything recorded so far, oldest first, in nanoseconds, and how many were dropped.
     pub(crate) fn snapshot(&self) -> (Vec<Event>, u64) {
         let q = self.events.lock().unwrap_or_else(|p| p.into_inner());
-        (
-            q.iter().cloned().collect(),
-            self.dropped.load(Ordering::Relaxed),
-        )
+        let events = q
+            .iter()
+            .map(|e| {
+                let mut e = e.clone();
+                let start = clock::ticks_to_ns(e.start);
+                e.dur = e
+                    .dur
+                    .map(|d| clock::ticks_to_ns(e.start.saturating_add(d)).saturating_sub(start));
+                e.start = start;
+                e
+            })
+            .collect();
+        (events, self.dropped.load(Ordering::Relaxed))
     }
 }
 
@@ -211,6 +221,8 @@ impl Tracer {
     /// Names the recording worker (at init, and again for a new incarnation).
     pub(crate) fn set_who(&self, who: Who) {
         if let Some(r) = &self.0 {
+            r.next_flow
+                .store((u64::from(who.rank) << 40) | 1, Ordering::Relaxed);
             *r.who.lock().unwrap_or_else(|p| p.into_inner()) = who;
         }
     }
@@ -224,7 +236,7 @@ impl Tracer {
                 event: Event {
                     name: name.into(),
                     cat,
-                    start: clock::now_ns(),
+                    start: clock::ticks(),
                     dur: Some(0),
                     flow: None,
                     peer: None,
@@ -240,8 +252,8 @@ impl Tracer {
     /// request carries to the callee. `None` when off.
     pub(crate) fn call_made(&self, fn_name: &'static str, peer: u32) -> Option<(Span, u64)> {
         let r = self.0.as_ref().filter(|_| !internal(fn_name))?;
-        let rank = u64::from(r.who.lock().unwrap_or_else(|p| p.into_inner()).rank);
-        let id = (rank << 40) | r.next_flow.fetch_add(1, Ordering::Relaxed);
+        // Unique in the job: the rank in the high bits (set when the worker joins).
+        let id = r.next_flow.fetch_add(1, Ordering::Relaxed);
         let mut s = self.span(Cat::Call, fn_name);
         if let Some(o) = s.0.as_mut() {
             o.event.flow = Some(Flow::Out(id));
@@ -263,13 +275,23 @@ impl Tracer {
         s
     }
 
+    /// A span of bulk data moved to or from `peer` for a call.
+    pub(crate) fn transfer(&self, name: &'static str, peer: u32, bytes: Option<u64>) -> Span {
+        let mut s = self.span(Cat::Transfer, name);
+        if let Some(o) = s.0.as_mut() {
+            o.event.peer = Some(peer);
+            o.event.bytes = bytes;
+        }
+        s
+    }
+
     /// An instant event (a verdict, a checkpoint written), with a detail shown in the viewer.
     pub fn instant(&self, cat: Cat, name: impl Into<Cow<'static, str>>, detail: Option<String>) {
         if let Some(r) = &self.0 {
             r.push(Event {
                 name: name.into(),
                 cat,
-                start: clock::now_ns(),
+                start: clock::ticks(),
                 dur: None,
                 flow: None,
                 peer: None,
@@ -351,7 +373,7 @@ impl Drop for Span {
     fn drop(&mut self) {
         if let Some(o) = self.0.take() {
             let Open { ring, mut event } = *o;
-            event.dur = Some(clock::now_ns().saturating_sub(event.start));
+            event.dur = Some(clock::ticks().saturating_sub(event.start));
             ring.push(event);
         }
     }
@@ -427,5 +449,41 @@ mod tests {
         assert_eq!(dropped, 2);
         let names: Vec<_> = events.iter().map(|e| e.name.to_string()).collect();
         assert_eq!(names, ["s2", "s3", "s4"]);
+    }
+}
+
+#[cfg(test)]
+mod cost {
+    use super::*;
+
+    /// Prints what a span costs (run with `--release --ignored --nocapture`).
+    #[test]
+    #[ignore]
+    fn span_cost() {
+        for cap in [1 << 10, 1 << 18] {
+            let t = Tracer::on(PathBuf::from("unused"), cap);
+            let n = 2_000_000u32;
+            let start = std::time::Instant::now();
+            for i in 0..n {
+                let (mut s, _) = t.call_made("some::function", i % 3).unwrap();
+                s.ok(true);
+                let mut r = t.call_served("some::function", 1, Some(u64::from(i)));
+                r.bytes(10);
+            }
+            let ns = start.elapsed().as_nanos() as f64 / f64::from(n);
+            println!("capacity {cap}: {ns:.0} ns per call made + served");
+            let start = std::time::Instant::now();
+            for _ in 0..n {
+                drop(t.span(Cat::Compute, "x"));
+            }
+            let ns = start.elapsed().as_nanos() as f64 / f64::from(n);
+            println!("capacity {cap}: {ns:.0} ns per static span");
+            let start = std::time::Instant::now();
+            for _ in 0..n {
+                std::hint::black_box(clock::now_ns());
+            }
+            let ns = start.elapsed().as_nanos() as f64 / f64::from(n);
+            println!("{ns:.0} ns per clock read");
+        }
     }
 }

@@ -4,6 +4,8 @@
 //! rpctrace merge job.json                  # the parts in job.json.parts/ into job.json
 //! rpctrace merge job.json a.json b.json    # the given parts
 //! rpctrace report job.json [--json]        # critical path, straggler, shares per worker
+//! rpctrace check job.json                  # the format, and every call linked to its callee
+//! rpctrace svg job.json out.svg [--first 2 --steps 3]   # a picture of three steps
 //! ```
 
 use std::path::PathBuf;
@@ -35,6 +37,24 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Check the format, and that every call links to its served span inside it.
+    Check {
+        /// A merged trace (or one part).
+        trace: PathBuf,
+    },
+    /// Draw some steps of a trace as an SVG timeline.
+    Svg {
+        /// A merged trace (or one part).
+        trace: PathBuf,
+        /// The SVG file to write.
+        out: PathBuf,
+        /// The first step drawn (0-based, by start).
+        #[arg(long, default_value_t = 2)]
+        first: usize,
+        /// How many steps.
+        #[arg(long, default_value_t = 3)]
+        steps: usize,
+    },
 }
 
 fn main() {
@@ -56,6 +76,26 @@ fn main() {
                 .map_err(|e| e.to_string())
         }
         Command::Report { trace, json } => report(&trace, json),
+        Command::Svg {
+            trace,
+            out,
+            first,
+            steps,
+        } => read(&trace).and_then(|v| {
+            let picture = rpcrun::report::svg(&v, first, steps);
+            std::fs::write(&out, picture).map_err(|e| format!("{}: {e}", out.display()))
+        }),
+        Command::Check { trace } => read(&trace).and_then(|v| {
+            let ok = rpcrun::report::validate(&v, 0.0)?;
+            println!(
+                "{}: valid; {} events, {} calls linked to their callee, {} without one",
+                trace.display(),
+                ok.events,
+                ok.linked_calls,
+                ok.unlinked_calls
+            );
+            Ok(())
+        }),
     };
     if let Err(e) = result {
         eprintln!("rpctrace: error: {e}");
@@ -63,10 +103,13 @@ fn main() {
     }
 }
 
-fn report(path: &std::path::Path, json: bool) -> Result<(), String> {
+fn read(path: &std::path::Path) -> Result<serde_json::Value, String> {
     let text = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let v: serde_json::Value =
-        serde_json::from_slice(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    serde_json::from_slice(&text).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+fn report(path: &std::path::Path, json: bool) -> Result<(), String> {
+    let v = read(path)?;
     let t = rpcrun::report::Trace::from_json(&v).map_err(|e| format!("{}: {e}", path.display()))?;
     let r = rpcrun::report::report(&t);
     if json {

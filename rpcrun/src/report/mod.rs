@@ -15,12 +15,16 @@
 //! - **the straggler**: the worker with the most time on the critical path.
 
 mod model;
+mod svg;
+mod validate;
 
 use std::collections::BTreeMap;
 
 use serde::Serialize;
 
 pub use model::{covered, overlap, Span, Trace};
+pub use svg::svg;
+pub use validate::{validate, Validated};
 
 /// One piece of a step's critical path.
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -147,12 +151,18 @@ fn step(t: &Trace, s: &Span) -> StepReport {
     }
 }
 
+/// How deep the walk follows spans inside spans and calls into callees.
+const MAX_DEPTH: u32 = 64;
+
 /// The critical path inside `container` (on its rank, within `[lo, hi]`), pushed end first.
 fn walk(t: &Trace, container: &Span, lo: f64, hi: f64, depth: u32, out: &mut Vec<Segment>) {
     let eps = t.clock_error_us.max(1.0);
+    // Strictly inside: shorter, or as long and later in the trace (two spans with the same
+    // interval must not contain each other, or the walk would never end).
     let inside = |x: &Span| {
         x.rank == container.rank
-            && !std::ptr::eq(x, container)
+            && (x.len() < container.len()
+                || (x.len() == container.len() && (x as *const Span) > (container as *const Span)))
             && x.cat != "serve"
             && x.cat != "step"
             && x.start >= lo - eps
@@ -188,7 +198,7 @@ fn walk(t: &Trace, container: &Span, lo: f64, hi: f64, depth: u32, out: &mut Vec
         let end = k.end.min(now);
         own(end, now, out);
         let start = k.start.max(lo);
-        match t.callee_of(k).filter(|_| depth < 64) {
+        match t.callee_of(k).filter(|_| depth < MAX_DEPTH) {
             Some(c) => {
                 let (cs, ce) = (c.start.max(start), c.end.min(end));
                 if end > ce {
@@ -201,7 +211,8 @@ fn walk(t: &Trace, container: &Span, lo: f64, hi: f64, depth: u32, out: &mut Vec
                     out.push(segment(t, k, "wire", k.name.clone(), cs - start));
                 }
             }
-            None => walk(t, k, start, end, depth + 1, out),
+            None if depth < MAX_DEPTH => walk(t, k, start, end, depth + 1, out),
+            None => out.push(segment(t, k, "self", k.name.clone(), end - start)),
         }
         now = start;
         if now <= lo {
@@ -367,5 +378,90 @@ impl Report {
             );
         }
         o
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn span(rank: u32, cat: &str, name: &str, start: f64, end: f64, flow: Option<u64>) -> Span {
+        Span {
+            rank,
+            cat: cat.into(),
+            name: name.into(),
+            start,
+            end,
+            flow,
+        }
+    }
+
+    fn trace(spans: Vec<Span>) -> Trace {
+        let mut t = Trace {
+            spans,
+            ..Trace::default()
+        };
+        for (i, s) in t.spans.iter().enumerate() {
+            if let (Some(f), "serve") = (s.flow, s.cat.as_str()) {
+                t.served.insert(f, i);
+            }
+        }
+        t
+    }
+
+    /// A call's time splits into the wire and the callee's spans; the callee with the most
+    /// time on the path is the straggler.
+    #[test]
+    fn the_critical_path_follows_calls_into_their_callees() {
+        let t = trace(vec![
+            span(0, "step", "step", 0.0, 100.0, None),
+            span(0, "call", "f", 10.0, 90.0, Some(1)),
+            span(1, "serve", "f", 15.0, 85.0, Some(1)),
+            span(1, "compute", "forward", 20.0, 80.0, None),
+        ]);
+        let r = report(&t);
+        let path: Vec<_> = r.per_step[0]
+            .critical_path
+            .iter()
+            .map(|s| {
+                (
+                    s.rank,
+                    s.span.as_str(),
+                    s.cat.as_str(),
+                    (s.ms * 1000.0).round(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            path,
+            [
+                (0, "step", "self", 10.0),
+                (0, "f", "wire", 5.0),
+                (1, "f", "self", 5.0),
+                (1, "forward", "self", 60.0),
+                (1, "f", "self", 5.0),
+                (0, "f", "wire", 5.0),
+                (0, "step", "self", 10.0),
+            ]
+        );
+        assert_eq!(r.straggler, Some(("rank 1".into(), 1)));
+    }
+
+    /// Two spans with the same interval do not contain each other (the walk used to recurse
+    /// between them until the stack overflowed).
+    #[test]
+    fn spans_with_the_same_interval_end_the_walk() {
+        let t = trace(vec![
+            span(0, "step", "step", 0.0, 10.0, None),
+            span(0, "compute", "a", 2.0, 8.0, None),
+            span(0, "transfer", "b", 2.0, 8.0, None),
+        ]);
+        let r = report(&t);
+        let total: f64 = r.per_step[0].critical_path.iter().map(|s| s.ms).sum();
+        assert!(
+            (total - 0.010).abs() < 1e-9,
+            "{:?}",
+            r.per_step[0].critical_path
+        );
     }
 }

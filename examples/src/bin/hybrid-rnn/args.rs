@@ -68,6 +68,10 @@ pub struct Args {
     /// Checkpoints kept in `--out-dir` (older ones are removed).
     #[arg(long, default_value_t = 3)]
     pub keep_checkpoints: usize,
+    /// Local mode: trace the job into one file (Trace Event Format, for Perfetto or
+    /// chrome://tracing; `rpctrace report PATH` says what held each step up).
+    #[arg(long, value_name = "PATH")]
+    pub trace: Option<std::path::PathBuf>,
     /// Local mode: restarts after a failure (a killed or frozen process) before giving up.
     #[arg(long, default_value_t = 3)]
     pub max_restarts: u32,

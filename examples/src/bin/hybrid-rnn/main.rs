@@ -140,5 +140,6 @@ fn launch_local(args: &Args) -> Result<i32> {
         "HYBRID_RNN_WORKER_TIMEOUT",
         (args.timeout_secs.max(3600)).to_string(),
     );
-    examples::launch_here("hybrid-rnn", 3, args.max_restarts, args.restart)
+    let trace = args.trace.as_deref();
+    examples::launch_here("hybrid-rnn", 3, args.max_restarts, args.restart, trace)
 }

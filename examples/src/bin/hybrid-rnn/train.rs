@@ -1,6 +1,7 @@
 //! The master's training loop: epochs of distributed steps, checkpoints, evaluation, and (with
 //! `--restart worker`) the recovery in this process when a worker is replaced.
 
+use rpc_core::trace::Cat;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -222,12 +223,15 @@ impl Trainer<'_> {
     async fn step(&mut self, epoch: u64, k: usize, idx: &[usize], more: bool) -> Result<()> {
         let step = self.at.step;
         let t0 = Instant::now();
+        let mut span = self.agent.tracer().span(Cat::Step, "step");
+        span.detail(|| format!("step {step}"));
         let (batch, mask) = training_batch(self.args, &self.dims, self.data, idx, step)?;
         let (loss, logits) = self
             .model
             .step(&batch, mask.as_ref())
             .await
             .with_context(|| format!("training step {step}"))?;
+        drop(span);
         self.step_times.push(t0.elapsed().as_secs_f64() * 1e3);
         ensure!(
             loss.is_finite(),
@@ -257,6 +261,8 @@ impl Trainer<'_> {
     /// Writes the checkpoint of where training stands (`epoch` completed epochs) and prunes
     /// the old ones.
     async fn checkpoint(&self, epoch: u64) -> Result<PathBuf> {
+        let mut span = self.agent.tracer().span(Cat::Checkpoint, "checkpoint");
+        span.detail(|| format!("step {}", self.at.step));
         let at = &self.at;
         let path = self
             .model

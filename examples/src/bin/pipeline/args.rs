@@ -82,6 +82,10 @@ pub struct Args {
     /// moved into `--out-dir/previous-<n>` (never deleted). Only on a first start.
     #[arg(long)]
     pub fresh: bool,
+    /// Local mode: trace the job into one file (Trace Event Format, for Perfetto or
+    /// chrome://tracing; `rpctrace report PATH` says what held each step up).
+    #[arg(long, value_name = "PATH")]
+    pub trace: Option<std::path::PathBuf>,
     /// Local mode: restarts after a failure (a killed or frozen process) before giving up.
     #[arg(long, default_value_t = 0)]
     pub max_restarts: u32,

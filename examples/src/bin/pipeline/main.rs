@@ -130,5 +130,12 @@ fn launch_local(args: &Args) -> Result<i32> {
         "PIPELINE_WORKER_TIMEOUT",
         args.timeout_secs.max(3600).to_string(),
     );
-    examples::launch_here("pipeline", args.world(), args.max_restarts, args.restart)
+    let trace = args.trace.as_deref();
+    examples::launch_here(
+        "pipeline",
+        args.world(),
+        args.max_restarts,
+        args.restart,
+        trace,
+    )
 }

@@ -2,6 +2,7 @@
 //! injection, and (with `--restart worker`) the recovery in this process when a stage's worker
 //! is replaced; then the timeline and the JSON line.
 
+use rpc_core::trace::Cat;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
@@ -155,6 +156,8 @@ impl Trainer<'_> {
     async fn step(&mut self, epoch: u64, k: usize, b: &[usize], n: usize) -> Result<()> {
         let (agent, args) = (self.agent, self.args);
         let step = self.progress.step;
+        let mut span = agent.tracer().span(Cat::Step, "step");
+        span.detail(|| format!("step {step}"));
         let (x, y) = packed(&self.data.train, b)?;
         let t = Instant::now();
         // Fault injection, once per run (not when a recovered run replays it).

@@ -1,0 +1,245 @@
+//! A trace drawn as an SVG timeline (`rpctrace svg`): one row per worker and track, a bar per
+//! span coloured by category, a line per call from the caller's span to the callee's, a time
+//! axis. For the docs and for a quick look without a trace viewer.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Write;
+
+use serde_json::Value;
+
+const WIDTH: f64 = 1000.0;
+const LABEL: f64 = 190.0;
+const ROW: f64 = 16.0;
+const TOP: f64 = 24.0;
+
+fn colour(cat: &str) -> &'static str {
+    match cat {
+        "call" => "#6baed6",
+        "serve" => "#fd8d3c",
+        "transfer" => "#9e9ac8",
+        "compute" => "#31a354",
+        "collective" => "#e6550d",
+        "optimizer" => "#756bb1",
+        "pipeline" => "#74c476",
+        "checkpoint" => "#636363",
+        "step" => "#bdbdbd",
+        _ => "#969696",
+    }
+}
+
+/// The window to draw: `steps` steps from the `first`-th `step` span (0-based), or the whole
+/// trace if it has none.
+fn window(events: &[Value], first: usize, steps: usize) -> (f64, f64) {
+    let mut spans: Vec<(f64, f64)> = events
+        .iter()
+        .filter(|e| e["ph"] == "X" && e["cat"] == "step")
+        .filter_map(|e| Some((e["ts"].as_f64()?, e["ts"].as_f64()? + e["dur"].as_f64()?)))
+        .collect();
+    spans.sort_by(|a, b| a.0.total_cmp(&b.0));
+    if spans.is_empty() {
+        let ts = events.iter().filter_map(|e| e["ts"].as_f64());
+        let (lo, hi) = ts.fold((f64::MAX, f64::MIN), |(a, b), t| (a.min(t), b.max(t)));
+        return (lo, hi.max(lo + 1.0));
+    }
+    let a = first.min(spans.len() - 1);
+    let b = (a + steps.max(1) - 1).min(spans.len() - 1);
+    (spans[a].0, spans[b].1.max(spans[a].0 + 1.0))
+}
+
+/// Draws `steps` steps of the trace `v` from its `first`-th step.
+pub fn svg(v: &Value, first: usize, steps: usize) -> String {
+    let empty = Vec::new();
+    let events = v["traceEvents"].as_array().unwrap_or(&empty);
+    let (lo, hi) = window(events, first, steps);
+    let x = |t: f64| LABEL + (t - lo) / (hi - lo) * WIDTH;
+    let visible = |e: &Value| {
+        let (ts, dur) = (
+            e["ts"].as_f64().unwrap_or(0.0),
+            e["dur"].as_f64().unwrap_or(0.0),
+        );
+        ts <= hi && ts + dur >= lo
+    };
+    let mut names: HashMap<(u64, u64), String> = HashMap::new();
+    let mut procs: HashMap<u64, String> = HashMap::new();
+    for e in events.iter().filter(|e| e["ph"] == "M") {
+        let (pid, name) = (e["pid"].as_u64().unwrap_or(0), e["args"]["name"].as_str());
+        match (e["name"].as_str(), name) {
+            (Some("process_name"), Some(n)) => drop(procs.insert(pid, n.to_owned())),
+            (Some("thread_name"), Some(n)) => {
+                names.insert((pid, e["tid"].as_u64().unwrap_or(0)), n.to_owned());
+            }
+            _ => {}
+        }
+    }
+    let mut rows: BTreeMap<(u64, u64), usize> = BTreeMap::new();
+    for e in events.iter().filter(|e| e["ph"] == "X" && visible(e)) {
+        rows.insert(
+            (
+                e["pid"].as_u64().unwrap_or(0),
+                e["tid"].as_u64().unwrap_or(0),
+            ),
+            0,
+        );
+    }
+    for (i, r) in rows.values_mut().enumerate() {
+        *r = i;
+    }
+    let y = |key: (u64, u64)| rows.get(&key).map(|&i| TOP + i as f64 * ROW);
+    let height = TOP + rows.len() as f64 * ROW + 30.0;
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        concat!(
+            r#"<svg xmlns="http://www.w3.org/2000/svg" width="{}" height="{height}" "#,
+            r#"font-family="sans-serif" font-size="10">"#
+        ),
+        LABEL + WIDTH + 10.0,
+        height = height
+    );
+    let _ = writeln!(o, r#"<rect width="100%" height="100%" fill="white"/>"#);
+    for (&(pid, tid), &i) in &rows {
+        let label = format!(
+            "{} {}",
+            procs.get(&pid).map_or("?", String::as_str),
+            names.get(&(pid, tid)).map_or("", String::as_str)
+        );
+        let yy = TOP + i as f64 * ROW;
+        let _ = writeln!(
+            o,
+            r#"<text x="4" y="{}">{}</text>"#,
+            yy + 11.0,
+            escape(&label)
+        );
+        let _ = writeln!(
+            o,
+            r##"<line x1="{LABEL}" x2="{}" y1="{}" y2="{}" stroke="#eeeeee"/>"##,
+            LABEL + WIDTH,
+            yy + ROW,
+            yy + ROW
+        );
+    }
+    for e in events.iter().filter(|e| e["ph"] == "X" && visible(e)) {
+        let key = (
+            e["pid"].as_u64().unwrap_or(0),
+            e["tid"].as_u64().unwrap_or(0),
+        );
+        let Some(yy) = y(key) else { continue };
+        let (ts, dur) = (
+            e["ts"].as_f64().unwrap_or(0.0),
+            e["dur"].as_f64().unwrap_or(0.0),
+        );
+        let (x0, x1) = (x(ts.max(lo)), x((ts + dur).min(hi)));
+        let cat = e["cat"].as_str().unwrap_or("");
+        let name = e["name"].as_str().unwrap_or("");
+        let _ = writeln!(
+            o,
+            concat!(
+                r#"<rect x="{x0:.1}" y="{:.1}" width="{:.1}" height="{:.1}" fill="{}">"#,
+                r#"<title>{} ({cat}) {:.3} ms</title></rect>"#
+            ),
+            yy + 2.0,
+            (x1 - x0).max(0.5),
+            ROW - 4.0,
+            colour(cat),
+            escape(name),
+            dur / 1000.0,
+            x0 = x0,
+            cat = cat
+        );
+    }
+    // Calls: from the caller's start to the callee's.
+    let mut starts: HashMap<u64, (f64, (u64, u64))> = HashMap::new();
+    for e in events.iter().filter(|e| e["ph"] == "s") {
+        let key = (
+            e["pid"].as_u64().unwrap_or(0),
+            e["tid"].as_u64().unwrap_or(0),
+        );
+        if let (Some(id), Some(ts)) = (e["id"].as_u64(), e["ts"].as_f64()) {
+            starts.insert(id, (ts, key));
+        }
+    }
+    for e in events.iter().filter(|e| e["ph"] == "f") {
+        let key = (
+            e["pid"].as_u64().unwrap_or(0),
+            e["tid"].as_u64().unwrap_or(0),
+        );
+        let (Some(id), Some(ts)) = (e["id"].as_u64(), e["ts"].as_f64()) else {
+            continue;
+        };
+        let Some(&(ts0, from)) = starts.get(&id) else {
+            continue;
+        };
+        if ts0 < lo || ts > hi {
+            continue;
+        }
+        if let (Some(y0), Some(y1)) = (y(from), y(key)) {
+            let _ = writeln!(
+                o,
+                concat!(
+                    r#"<line x1="{:.1}" y1="{:.1}" x2="{:.1}" y2="{:.1}" "#,
+                    r##"stroke="#444444" stroke-width="0.6" opacity="0.6"/>"##
+                ),
+                x(ts0),
+                y0 + ROW / 2.0,
+                x(ts),
+                y1 + ROW / 2.0
+            );
+        }
+    }
+    // The axis: milliseconds from the window's start.
+    let span_ms = (hi - lo) / 1000.0;
+    let step = [
+        0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0,
+    ]
+    .into_iter()
+    .find(|s| span_ms / s <= 12.0)
+    .unwrap_or(1000.0);
+    let base = height - 22.0;
+    let mut t = 0.0;
+    while t <= span_ms {
+        let xx = x(lo + t * 1000.0);
+        let _ = writeln!(
+            o,
+            r##"<line x1="{xx:.1}" x2="{xx:.1}" y1="{TOP}" y2="{base}" stroke="#dddddd"/>"##
+        );
+        let _ = writeln!(
+            o,
+            r#"<text x="{xx:.1}" y="{}" text-anchor="middle">{t} ms</text>"#,
+            base + 12.0
+        );
+        t += step;
+    }
+    let mut lx = LABEL;
+    for cat in [
+        "step",
+        "call",
+        "serve",
+        "transfer",
+        "compute",
+        "collective",
+        "optimizer",
+        "pipeline",
+        "checkpoint",
+    ] {
+        let _ = writeln!(
+            o,
+            concat!(
+                r#"<rect x="{lx}" y="4" width="10" height="10" fill="{}"/>"#,
+                r#"<text x="{}" y="13">{cat}</text>"#
+            ),
+            colour(cat),
+            lx + 13.0,
+            lx = lx,
+            cat = cat
+        );
+        lx += 75.0;
+    }
+    o.push_str("</svg>\n");
+    o
+}
+
+fn escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}

@@ -1,0 +1,116 @@
+//! Checks a trace against the Trace Event Format's rules for the phases this framework writes,
+//! and against its own invariants: every call made whose callee traced links to exactly one
+//! served span of the same function on another rank (TR-3), which lies inside the caller's
+//! span on the aligned clock, within the clocks' error bound (TR-4).
+
+use std::collections::HashMap;
+
+use serde::Serialize;
+use serde_json::Value;
+
+/// What a valid trace holds.
+#[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
+pub struct Validated {
+    /// Events of every phase.
+    pub events: usize,
+    /// Calls made with a served span on the callee.
+    pub linked_calls: usize,
+    /// Calls made whose callee's part has no served span (its part missing, or the call
+    /// never arrived).
+    pub unlinked_calls: usize,
+}
+
+/// Checks `v` (see the module docs); `slack_us` is added to the clocks' error bound when
+/// checking that a callee's span is inside its caller's.
+pub fn validate(v: &Value, slack_us: f64) -> Result<Validated, String> {
+    let events = v
+        .get("traceEvents")
+        .and_then(Value::as_array)
+        .ok_or("no traceEvents array")?;
+    let bound_us = v
+        .pointer("/otherData/rpc_trace/clock_error_bound_ns")
+        .and_then(Value::as_f64)
+        .unwrap_or(0.0)
+        / 1000.0;
+    let mut spans: HashMap<(&str, u64), (f64, f64, u64, &str)> = HashMap::new();
+    let mut arrows: HashMap<(&str, u64), usize> = HashMap::new();
+    for (i, e) in events.iter().enumerate() {
+        let ph = e
+            .get("ph")
+            .and_then(Value::as_str)
+            .ok_or(format!("event {i}: no ph"))?;
+        let bad = |what: &str| format!("event {i} ({ph}): {what}: {e}");
+        let pid = e
+            .get("pid")
+            .and_then(Value::as_u64)
+            .ok_or_else(|| bad("no pid"))?;
+        let num = |k: &str| e.get(k).and_then(Value::as_f64).ok_or_else(|| bad(k));
+        let text = |k: &str| e.get(k).and_then(Value::as_str).ok_or_else(|| bad(k));
+        match ph {
+            "M" => {
+                e.pointer("/args").ok_or_else(|| bad("no args"))?;
+            }
+            "X" => {
+                let (ts, dur) = (num("ts")?, num("dur")?);
+                let (name, cat) = (text("name")?, text("cat")?);
+                e.get("tid")
+                    .and_then(Value::as_u64)
+                    .ok_or_else(|| bad("no tid"))?;
+                if dur < 0.0 {
+                    return Err(bad("negative dur"));
+                }
+                if let Some(id) = e.pointer("/args/flow").and_then(Value::as_u64) {
+                    if spans.insert((cat, id), (ts, ts + dur, pid, name)).is_some() {
+                        return Err(bad("a second span of this flow"));
+                    }
+                }
+            }
+            "i" => {
+                num("ts")?;
+                text("s")?;
+            }
+            "s" | "f" => {
+                num("ts")?;
+                let id = e
+                    .get("id")
+                    .and_then(Value::as_u64)
+                    .ok_or_else(|| bad("no id"))?;
+                if ph == "f" && e.get("bp").and_then(Value::as_str) != Some("e") {
+                    return Err(bad("a flow's end binds to its enclosing slice (bp: e)"));
+                }
+                *arrows.entry((ph, id)).or_default() += 1;
+            }
+            other => return Err(bad(&format!("unexpected phase {other}"))),
+        }
+    }
+    let mut out = Validated {
+        events: events.len(),
+        ..Validated::default()
+    };
+    for (&(cat, id), &(ts, end, pid, name)) in &spans {
+        if cat != "call" {
+            continue;
+        }
+        let Some(&(sts, send, spid, sname)) = spans.get(&("serve", id)) else {
+            out.unlinked_calls += 1;
+            continue;
+        };
+        let slack = bound_us + slack_us;
+        if sname != name || spid == pid {
+            return Err(format!(
+                "flow {id}: call {name} on {pid} served as {sname} on {spid}"
+            ));
+        }
+        if sts < ts - slack || send > end + slack {
+            return Err(format!(
+                "flow {id} ({name}): the callee's span {sts:.1}..{send:.1} us on rank {spid} is \
+                 outside its caller's {ts:.1}..{end:.1} us on rank {pid} (slack {slack:.1} us)"
+            ));
+        }
+        if arrows.get(&("s", id)) != Some(&1) || arrows.get(&("f", id)) != Some(&1) {
+            return Err(format!("flow {id} ({name}): its arrow's ends are missing"));
+        }
+        out.linked_calls += 1;
+    }
+    Ok(out)
+}
