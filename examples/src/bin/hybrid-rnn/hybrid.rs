@@ -2,6 +2,7 @@
 //! (created there, reached by `RRef`), one `DistributedOptimizer` over all of them; a training
 //! step, predictions, checkpoints and their restoration.
 
+use rpc_core::trace::Cat;
 use std::path::PathBuf;
 
 use anyhow::{ensure, Context, Result};
@@ -87,10 +88,14 @@ impl Hybrid {
     /// One distributed training step; returns the loss and the logits.
     pub async fn step(&self, batch: &Batch, dropout: Option<&Tensor>) -> Result<(f32, Tensor)> {
         let ctx = autograd_dist::context(&self.agent);
+        let tracer = self.agent.tracer();
         let (loss, logits) = ctx
             .run(async {
+                let span = tracer.span(Cat::Compute, "encoder forward");
                 let enc = self.encoder.forward(&input(batch, dropout))?;
+                drop(span);
                 let logits = self.heads(&enc, self.half).await?;
+                let _span = tracer.span(Cat::Compute, "loss");
                 let loss = model::loss(&logits, &batch.labels)?;
                 Ok::<_, anyhow::Error>((loss, logits))
             })
