@@ -280,6 +280,7 @@ impl RawRequest {
             keep: Option<()>,
             meta: Meta,
             cancel_id: Option<u64>,
+            trace: Option<u64>,
         }
         #[derive(Clone, Serialize)]
         enum OutBlob<'a> {
@@ -314,6 +315,7 @@ impl RawRequest {
                 keep: None,
                 meta: Meta(self.meta_entries),
                 cancel_id: None,
+                trace: None,
             },
         });
         let mut buf = bytes::BytesMut::new();

@@ -189,7 +189,13 @@ fn out_of_restarts_it_exits_with_the_failure_status() {
     let mut r = start(
         &dir,
         &["--nproc", "2", "--max-restarts", "1"],
-        r#"echo "start $RANK $RPC_RESTART_COUNT"; if [ "$RANK" = 1 ]; then exit 7; fi; sleep 30"#,
+        // Rank 1 fails a second after it starts, so that rank 0 has printed its line by then
+        // (failing at once, it raced rank 0's echo: under load the launcher had stopped rank 0
+        // of the second attempt before it printed).
+        concat!(
+            r#"echo "start $RANK $RPC_RESTART_COUNT"; "#,
+            r#"if [ "$RANK" = 1 ]; then sleep 1; exit 7; fi; sleep 30"#
+        ),
     );
     assert_eq!(r.wait(Duration::from_secs(30)), Some(7), "{}", r.stderr());
     assert!(r.stdout().contains("[rank0]: start 0 1"), "{}", r.stdout());

@@ -284,6 +284,8 @@ impl Trainer<'_> {
     /// from it, and so do the encoder and every optimizer state: a step the failure
     /// interrupted may have been applied in part).
     async fn recover_in_place(&mut self, err: anyhow::Error) -> Result<()> {
+        let mut span = self.agent.tracer().span(Cat::Failure, "recovery");
+        span.detail(|| format!("{err:#}"));
         let timeout = Duration::from_secs(self.args.timeout_secs);
         let lost = self
             .model

@@ -146,6 +146,7 @@ impl Trainer<'_> {
         p.accuracy.push(acc);
         p.epoch += 1;
         p.loss_sum = 0.0;
+        let _span = self.agent.tracer().span(Cat::Checkpoint, "checkpoint");
         self.model
             .checkpoint(args, &self.flags, &self.progress)
             .await
@@ -199,6 +200,8 @@ impl Trainer<'_> {
         }
         self.tracker.completed(p.step)?;
         if p.step % args.checkpoint_every == 0 && k + 1 < n {
+            drop(span);
+            let _span = agent.tracer().span(Cat::Checkpoint, "checkpoint");
             self.model.checkpoint(args, &self.flags, p).await?;
         }
         Ok(())
@@ -209,6 +212,8 @@ impl Trainer<'_> {
     /// survivors' too: the interrupted step may have been applied on some of them) and
     /// restored, with every optimizer state.
     async fn recover_in_place(&mut self, err: anyhow::Error) -> Result<()> {
+        let mut span = self.agent.tracer().span(Cat::Failure, "recovery");
+        span.detail(|| format!("{err:#}"));
         let timeout = Duration::from_secs(self.args.timeout_secs);
         let lost = self
             .model
