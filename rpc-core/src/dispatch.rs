@@ -275,16 +275,23 @@ fn handle(
         cancel_id: _,
         trace,
     } = req;
-    let mut span = w.net.tracer.call_served(&fn_name, caller, trace);
-    span.bytes((payload.len() + net::inline_bytes(&blobs)) as u64);
-    let run = run_request(
-        w, deadline, fn_name, sig, depth, payload, blobs, keep, meta, caller, cancel,
-    );
-    async move {
-        let reply = run.await;
-        span.ok(reply.is_ok());
-        reply
-    }
+    // The served span starts now and is opened once the function is known, named by the
+    // registry's static name (no allocation per call).
+    let served = Served {
+        flow: trace,
+        arrived: w.net.tracer.now(),
+        bytes: (payload.len() + net::inline_bytes(&blobs)) as u64,
+    };
+    run_request(
+        w, deadline, fn_name, sig, depth, payload, blobs, keep, meta, caller, cancel, served,
+    )
+}
+
+/// What the trace's served span of a request needs from its arrival.
+struct Served {
+    flow: Option<u64>,
+    arrived: Option<u64>,
+    bytes: u64,
 }
 
 /// [`handle`]'s body: the checks, the permit, the handler, the reply's blobs. (In the form
@@ -302,74 +309,84 @@ fn run_request(
     meta: crate::wire::CallMeta,
     caller: u32,
     cancel: Option<CancellationToken>,
+    served: Served,
 ) -> impl Future<Output = CallReply> + Send + 'static {
     async move {
         let fn_name = &*fn_name;
         let fail = |kind, msg: String| RemoteError::new(kind, fn_name, w.name(), msg);
         let sink_name = keep.as_ref().map(|k| &*k.sink);
+        // A refused call has no served span: its caller's says why.
         let checked = check(&w, Origin::Wire, fn_name, sig, depth, sink_name)?;
-        let callee = &w.callee;
-        let _permit = match checked.needs_permit {
-            true => Some(
-                Arc::clone(&callee.admission)
-                    .acquire_owned()
-                    .await
-                    .map_err(|_| shutting_down(&w, fn_name))?,
-            ),
-            false => None,
-        };
-        if let Some(d) = callee.delay_of(fn_name) {
-            Box::pin(tokio::time::sleep(d)).await;
-        }
-        let net = &w.net;
-        // Boxed where there are blobs, here and below: a request's future stays small.
-        let blobs = if blobs.is_empty() {
-            Vec::new()
-        } else {
-            let bytes = Some(net::bulk_bytes(&blobs));
-            let _span = net.tracer.transfer("receive arguments", caller, bytes);
-            Box::pin(net.bulk.receive(caller, blobs, deadline))
-                .await
-                .map_err(|e| fail(RemoteErrorKind::Protocol, e))?
-        };
-        let ctx = CallContext::new(&w, caller, deadline, cancel);
-        let scope = Scope {
-            deadline,
-            depth: depth.saturating_add(1),
-        };
-        let entry = checked.entry;
-        if let (Some(keep), Some(sink)) = (keep, checked.sink) {
-            // Boxed: creating a value is the rarer request, and its state is the larger.
-            let fut = async {
-                let run = (entry.keep)(ctx.clone(), payload, blobs);
-                let result = guarded(scope, run, &w, fn_name, caller).await;
-                hand_to_sink(sink, ctx, keep.token, result)
+        let tracer = &w.net.tracer;
+        let mut span = tracer.call_served(checked.entry.name, caller, served.flow, served.arrived);
+        span.bytes(served.bytes);
+        let reply = async {
+            let callee = &w.callee;
+            let _permit = match checked.needs_permit {
+                true => Some(
+                    Arc::clone(&callee.admission)
+                        .acquire_owned()
+                        .await
+                        .map_err(|_| shutting_down(&w, fn_name))?,
+                ),
+                false => None,
             };
-            Box::pin(META.scope(meta, fut)).await?;
-            return Ok(CallOk {
-                payload: Vec::new(),
-                blobs: Vec::new(),
-            });
+            if let Some(d) = callee.delay_of(fn_name) {
+                Box::pin(tokio::time::sleep(d)).await;
+            }
+            let net = &w.net;
+            // Boxed where there are blobs, here and below: a request's future stays small.
+            let blobs = if blobs.is_empty() {
+                Vec::new()
+            } else {
+                let bytes = Some(net::bulk_bytes(&blobs));
+                let _span = net.tracer.transfer("receive arguments", caller, bytes);
+                Box::pin(net.bulk.receive(caller, blobs, deadline))
+                    .await
+                    .map_err(|e| fail(RemoteErrorKind::Protocol, e))?
+            };
+            let ctx = CallContext::new(&w, caller, deadline, cancel);
+            let scope = Scope {
+                deadline,
+                depth: depth.saturating_add(1),
+            };
+            let entry = checked.entry;
+            if let (Some(keep), Some(sink)) = (keep, checked.sink) {
+                // Boxed: creating a value is the rarer request, and its state is the larger.
+                let fut = async {
+                    let run = (entry.keep)(ctx.clone(), payload, blobs);
+                    let result = guarded(scope, run, &w, fn_name, caller).await;
+                    hand_to_sink(sink, ctx, keep.token, result)
+                };
+                Box::pin(META.scope(meta, fut)).await?;
+                return Ok(CallOk {
+                    payload: Vec::new(),
+                    blobs: Vec::new(),
+                });
+            }
+            let run = META.scope(meta, (entry.handler)(ctx, payload, blobs));
+            let (payload, blobs) = guarded(scope, run, &w, fn_name, caller).await?;
+            let blobs = if blobs.is_empty() {
+                Vec::new()
+            } else {
+                let _span = net.tracer.transfer("send result", caller, None);
+                Box::pin(net.bulk.send(caller, blobs))
+                    .await
+                    .map_err(|e| fail(RemoteErrorKind::Protocol, e))?
+            };
+            let size = payload.len() + net::inline_bytes(&blobs);
+            let limit = net.cfg.max_frame_bytes;
+            if !net::fits(size, limit) {
+                return Err(fail(
+                    RemoteErrorKind::Protocol,
+                    format!("result is {size} bytes, above the frame limit of {limit}"),
+                ));
+            }
+            Ok(CallOk { payload, blobs })
         }
-        let run = META.scope(meta, (entry.handler)(ctx, payload, blobs));
-        let (payload, blobs) = guarded(scope, run, &w, fn_name, caller).await?;
-        let blobs = if blobs.is_empty() {
-            Vec::new()
-        } else {
-            let _span = net.tracer.transfer("send result", caller, None);
-            Box::pin(net.bulk.send(caller, blobs))
-                .await
-                .map_err(|e| fail(RemoteErrorKind::Protocol, e))?
-        };
-        let size = payload.len() + net::inline_bytes(&blobs);
-        let limit = net.cfg.max_frame_bytes;
-        if !net::fits(size, limit) {
-            return Err(fail(
-                RemoteErrorKind::Protocol,
-                format!("result is {size} bytes, above the frame limit of {limit}"),
-            ));
-        }
-        Ok(CallOk { payload, blobs })
+        .await;
+        span.ok(reply.is_ok());
+        reply
     }
 }
 

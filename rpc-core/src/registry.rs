@@ -192,6 +192,7 @@ fn erase<F: RemoteFn>() -> Entry {
         }) as BoxFuture<'static, _>
     });
     Entry {
+        name: F::NAME,
         handler,
         keep,
         sig: sig_of::<F>(),

@@ -228,6 +228,8 @@ pub type KeepSink = Arc<
 /// One registered function.
 #[derive(Clone)]
 pub(crate) struct Entry {
+    /// The function's name as registered (static: the trace names served calls with it).
+    pub name: &'static str,
     pub handler: ErasedHandler,
     pub keep: ErasedKeep,
     pub sig: u64,

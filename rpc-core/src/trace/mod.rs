@@ -262,15 +262,31 @@ impl Tracer {
         Some((s, id))
     }
 
-    /// A span of a call this worker serves for `peer`, linked to its caller's by `flow`.
-    pub(crate) fn call_served(&self, fn_name: &str, peer: u32, flow: Option<u64>) -> Span {
+    /// The trace clock now (raw), when this tracer records: a span's start taken before its
+    /// name is known (see [`Tracer::call_served`]).
+    pub(crate) fn now(&self) -> Option<u64> {
+        self.0.as_ref().map(|_| clock::ticks())
+    }
+
+    /// A span of a call this worker serves for `peer`, linked to its caller's by `flow`,
+    /// started at `arrived` (from [`Tracer::now`]) or now.
+    pub(crate) fn call_served(
+        &self,
+        fn_name: &'static str,
+        peer: u32,
+        flow: Option<u64>,
+        arrived: Option<u64>,
+    ) -> Span {
         if flow.is_none() && internal(fn_name) {
             return Span(None);
         }
-        let mut s = self.span(Cat::Serve, fn_name.to_owned());
+        let mut s = self.span(Cat::Serve, fn_name);
         if let Some(o) = s.0.as_mut() {
             o.event.flow = flow.map(Flow::In);
             o.event.peer = Some(peer);
+            if let Some(t) = arrived {
+                o.event.start = t;
+            }
         }
         s
     }
@@ -467,7 +483,7 @@ mod cost {
             for i in 0..n {
                 let (mut s, _) = t.call_made("some::function", i % 3).unwrap();
                 s.ok(true);
-                let mut r = t.call_served("some::function", 1, Some(u64::from(i)));
+                let mut r = t.call_served("some::function", 1, Some(u64::from(i)), None);
                 r.bytes(10);
             }
             let ns = start.elapsed().as_nanos() as f64 / f64::from(n);
