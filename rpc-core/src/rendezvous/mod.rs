@@ -17,22 +17,28 @@
 //! address to every worker; that is what lets any rank, rank 0 included, be replaced). Its
 //! connections pass the same authenticated handshake as RPC connections.
 
+#[cfg(any(test, feature = "fuzzing"))]
+mod fuzz;
+mod member;
 mod server;
+
+#[cfg(any(test, feature = "fuzzing"))]
+pub(crate) use fuzz::{fuzz_messages, fuzz_seeds};
+pub(crate) use member::{follow, join};
 
 use futures::{SinkExt, StreamExt};
 use serde::{Deserialize, Serialize};
 use std::io;
-use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::{broadcast, mpsc};
+use tokio::sync::broadcast;
 use tokio::task::JoinHandle;
-use tokio::time::{sleep, Instant};
+use tokio::time::Instant;
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
 use crate::error::InitError;
-use crate::net::auth::{self, ConnKind, Secret};
+use crate::net::auth::Secret;
 use crate::net::transport::{Conn, Transport};
-use crate::net::{Endpoint, Membership, MembershipEvent, Standing, WireProtection};
+use crate::net::{Endpoint, MembershipEvent, Standing};
 
 /// Largest rendezvous message (a table of many workers still fits).
 const MAX_MSG: usize = 16 << 20;
@@ -403,271 +409,6 @@ fn check_table(view: View, me: &Join) -> io::Result<View> {
         )));
     }
     Ok(view)
-}
-
-/// This worker's membership link: its connection to the rendezvous, kept after joining.
-pub(crate) struct Link(Framed_);
-
-/// Joins the group at `addr`; returns the group and the link [`follow`] keeps.
-pub(crate) async fn join(
-    transport: &Transport,
-    addr: &str,
-    secret: &Secret,
-    protection: WireProtection,
-    mut me: Join,
-    timeout_: Duration,
-) -> Result<(View, Link), InitError> {
-    let deadline = Instant::now() + timeout_;
-    let mut backoff = Duration::from_millis(20);
-    let (mut conn, local_ip) = loop {
-        match tokio::time::timeout_at(deadline, transport.connect(addr)).await {
-            Ok(Ok(c)) => break c,
-            Ok(Err(e)) if Instant::now() + backoff < deadline => {
-                tracing::debug!(cause = %e, addr, "rendezvous not reachable yet");
-                sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_millis(500));
-            }
-            Ok(Err(source)) => {
-                return Err(InitError::RendezvousUnreachable {
-                    addr: addr.to_owned(),
-                    timeout: timeout_,
-                    source,
-                })
-            }
-            Err(_) => {
-                return Err(InitError::RendezvousUnreachable {
-                    addr: addr.to_owned(),
-                    timeout: timeout_,
-                    source: io::Error::new(io::ErrorKind::TimedOut, "connect timed out"),
-                })
-            }
-        }
-    };
-    let hs = tokio::time::timeout_at(
-        deadline,
-        auth::client(
-            &mut conn,
-            secret,
-            protection,
-            ConnKind::Rendezvous,
-            auth::Ident {
-                rank: me.rank,
-                incarnation: 0,
-            },
-        ),
-    )
-    .await;
-    let session = match hs {
-        Ok(Ok(s)) => s,
-        Ok(Err(source)) => {
-            return Err(InitError::Auth {
-                addr: addr.to_owned(),
-                source,
-            })
-        }
-        Err(_) => {
-            return Err(InitError::Auth {
-                addr: addr.to_owned(),
-                source: io::Error::new(io::ErrorKind::TimedOut, "handshake timed out"),
-            })
-        }
-    };
-    let conn = session.wrap(conn);
-    // A wildcard listener is advertised under the IP this host uses to reach the rendezvous.
-    if let Some(ip) = local_ip {
-        for addr in [&mut me.addr, &mut me.heartbeat] {
-            if let Some((host, port)) = addr.clone().rsplit_once(':') {
-                if host == "0.0.0.0" || host == "[::]" {
-                    *addr = std::net::SocketAddr::new(ip, port.parse().unwrap_or(0)).to_string();
-                }
-            }
-        }
-    }
-    let mut f = framed(conn);
-    let err = |source| InitError::Rendezvous {
-        addr: addr.to_owned(),
-        source,
-    };
-    send(&mut f, &me).await.map_err(err)?;
-    let verdict = tokio::time::timeout_at(deadline + VERDICT_GRACE, recv::<Verdict>(&mut f))
-        .await
-        .map_err(|_| {
-            err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "the rendezvous gave no verdict",
-            ))
-        })?
-        .map_err(err)?;
-    match verdict {
-        Verdict::Table(t) => Ok((check_table(t, &me).map_err(err)?, Link(f))),
-        Verdict::Missing(missing) => Err(InitError::RendezvousTimeout {
-            missing,
-            timeout: timeout_,
-        }),
-        Verdict::Refused(why) => Err(InitError::Refused(why)),
-    }
-}
-
-/// Keeps this worker's view in step with the group's (`me` is its rank): applies every update
-/// from the rendezvous (a failure another member's detector decided, a graceful leave, a new
-/// incarnation of a rank) and sends this worker's reports, until `stop` or the link breaks
-/// (then only this worker's own detector changes its view).
-pub(crate) async fn follow(
-    link: Link,
-    membership: Arc<Membership>,
-    mut reports: mpsc::Receiver<Report>,
-    life: Arc<crate::lifecycle::Lifecycle>,
-    me: u32,
-) {
-    let stop = life.stop.clone();
-    let (mut sink, mut stream) = link.0.split();
-    loop {
-        tokio::select! {
-            () = stop.cancelled() => return,
-            r = reports.recv() => match r {
-                Some(r) => {
-                    let send = send_sink(&mut sink, &r);
-                    let sent = tokio::time::timeout(Duration::from_secs(10), send).await;
-                    if !matches!(sent, Ok(Ok(()))) {
-                        break;
-                    }
-                }
-                None => return,
-            },
-            frame = stream.next() => match frame.map(|f| f.and_then(|f| decode_update(&f))) {
-                Some(Ok(u)) => apply(&membership, me, u),
-                Some(Err(e)) => {
-                    tracing::warn!(cause = %e, "bad message from the rendezvous");
-                    break;
-                }
-                None => break,
-            },
-        }
-    }
-    if !life.is_stopping() {
-        tracing::warn!(
-            rank = me,
-            "lost the connection to the rendezvous: this worker hears of no replacement from now on"
-        );
-    }
-}
-
-/// Applies one update to this worker's (`me`'s) view.
-fn apply(m: &Membership, me: u32, u: Update) {
-    match u {
-        Update::Joined { rank, endpoint } if rank != me && (rank as usize) < m.size() => {
-            m.rejoin(rank, &endpoint);
-        }
-        Update::Left { rank, incarnation } if (rank as usize) < m.size() => {
-            m.depart(rank, incarnation);
-        }
-        Update::Failed {
-            rank,
-            incarnation,
-            cause,
-        } if rank != me && (rank as usize) < m.size() => {
-            m.declare_incarnation(rank, Some(incarnation), cause);
-        }
-        Update::Failed { cause, .. } => tracing::error!(
-            rank = me,
-            %cause,
-            "the group declared this worker failed: its peers refuse it from now on"
-        ),
-        other => tracing::warn!(?other, "ignored a membership update for an unknown rank"),
-    }
-}
-
-/// Rendezvous messages as both ends read them (for fuzzing): length-delimited frames, the
-/// first decoded as a join the server judges against three that joined before, the rest as
-/// verdicts the joining worker checks.
-#[cfg(any(test, feature = "fuzzing"))]
-pub(crate) fn fuzz_messages(data: &[u8]) {
-    use tokio_util::codec::Decoder;
-    let mut codec = LengthDelimitedCodec::builder()
-        .max_frame_length(MAX_MSG)
-        .new_codec();
-    let mut buf = bytes::BytesMut::from(data);
-    let me = Join {
-        name: "w1".into(),
-        rank: 1,
-        size: GroupSize::fixed(3),
-        addr: "127.0.0.1:1".into(),
-        heartbeat: String::new(),
-        replace: false,
-    };
-    let before = [
-        me.clone(),
-        Join {
-            name: "w2".into(),
-            rank: 2,
-            ..me.clone()
-        },
-    ];
-    let mut first = true;
-    while let Ok(Some(frame)) = codec.decode(&mut buf) {
-        if std::mem::take(&mut first) {
-            if let Ok(join) = bincode::deserialize::<Join>(&frame) {
-                let why = refusal(&join, GroupSize::fixed(3), before.iter());
-                let fits = join.size == GroupSize::fixed(3) && join.rank < 3;
-                let clash = before
-                    .iter()
-                    .any(|j| j.rank == join.rank || j.name == join.name);
-                assert_eq!(why.is_none(), fits && !clash, "{join:?}: {why:?}");
-            }
-        } else if let Ok(Verdict::Table(t)) = bincode::deserialize::<Verdict>(&frame) {
-            if let Ok(t) = check_table(t, &me) {
-                assert_eq!(t.members.len(), 3);
-                assert_eq!(t.members[1].endpoint.name, "w1");
-            }
-        }
-    }
-}
-
-/// Well-formed rendezvous messages for [`fuzz_messages`]: a join, then a verdict.
-#[cfg(any(test, feature = "fuzzing"))]
-pub(crate) fn fuzz_seeds() -> Vec<Vec<u8>> {
-    let framed = |parts: &[Vec<u8>]| {
-        let mut out = Vec::new();
-        for p in parts {
-            out.extend_from_slice(&(p.len() as u32).to_be_bytes());
-            out.extend_from_slice(p);
-        }
-        out
-    };
-    let join = Join {
-        name: "w0".into(),
-        rank: 0,
-        size: GroupSize::fixed(3),
-        addr: "127.0.0.1:5000".into(),
-        heartbeat: "127.0.0.1:5001".into(),
-        replace: false,
-    };
-    let table = Verdict::Table(View {
-        generation: 0,
-        members: ["w0", "w1", "w2"]
-            .iter()
-            .map(|n| Member {
-                endpoint: Endpoint {
-                    name: (*n).into(),
-                    addr: "127.0.0.1:1".into(),
-                    heartbeat: String::new(),
-                    incarnation: 0,
-                },
-                standing: Standing::Alive,
-            })
-            .collect(),
-    });
-    fn enc<T: Serialize>(v: &T) -> Vec<u8> {
-        bincode::serialize(v).expect("encodes")
-    }
-    vec![
-        framed(&[enc(&join), enc(&table)]),
-        framed(&[
-            enc(&join),
-            enc(&Verdict::Missing(vec![1, 2])),
-            enc(&Verdict::Refused("no".into())),
-        ]),
-    ]
 }
 
 #[cfg(test)]
