@@ -551,19 +551,19 @@ fn drive(mode: &str, threads: usize) -> Result<()> {
         }
     }
     // Footprint of the RPC machinery itself, before any bulk payload is held.
-    let peer_rss = rt.block_on(agent.rpc_async(1u32, peak_rss, ()))?;
-    emit(tag(json!({
-        "metric": "peak_rss_mb",
-        "phase": "control",
-        "process": "bench",
-        "median": peak_rss_mb(),
-    })));
-    emit(tag(json!({
-        "metric": "peak_rss_mb",
-        "phase": "control",
-        "process": "peer",
-        "median": peer_rss,
-    })));
+    let rss = |phase: &str| -> Result<()> {
+        let peer = rt.block_on(agent.rpc_async(1u32, peak_rss, ()))?;
+        for (process, median) in [("bench", peak_rss_mb()), ("peer", peer)] {
+            emit(tag(json!({
+                "metric": "peak_rss_mb",
+                "phase": phase,
+                "process": process,
+                "median": median,
+            })));
+        }
+        Ok(())
+    };
+    rss("control")?;
     if mode == "all" || mode == "tensor" {
         emit(tag(raw_stream(sink_port)?));
         for (name, bytes, iters) in [
@@ -580,19 +580,7 @@ fn drive(mode: &str, threads: usize) -> Result<()> {
     if mode == "all" || mode == "tensor" {
         // Includes the payloads themselves (the bench holds a 64 MiB argument, a 64 MiB reply
         // and a 64 MiB raw-stream buffer; the peer one 64 MiB blob).
-        let peer_rss = rt.block_on(agent.rpc_async(1u32, peak_rss, ()))?;
-        emit(tag(json!({
-            "metric": "peak_rss_mb",
-            "phase": "after_64MiB_echo",
-            "process": "bench",
-            "median": peak_rss_mb(),
-        })));
-        emit(tag(json!({
-            "metric": "peak_rss_mb",
-            "phase": "after_64MiB_echo",
-            "process": "peer",
-            "median": peer_rss,
-        })));
+        rss("after_64MiB_echo")?;
     }
     let report = rt.block_on(agent.shutdown());
     if !report.is_clean() {

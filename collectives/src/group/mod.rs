@@ -275,19 +275,7 @@ impl ProcessGroup {
         op: ReduceOp,
     ) -> Result<(), CollectiveError> {
         let seq = mailbox(&self.agent).next_seq(self.id);
-        let o = self.begin_header(
-            "all_reduce_in_place",
-            vec![data.len()],
-            T::DTYPE.as_str(),
-            seq,
-        )?;
-        let out = if o.n() == 1 {
-            Ok(())
-        } else {
-            self.ring_slice(&o, data, op).await
-        };
-        self.end(&o);
-        out
+        self.reduce_slice(seq, data, op).await
     }
 
     /// Reduces `t` element-wise over the group onto `root`, which gets `Some(result)`; the
@@ -384,6 +372,29 @@ impl ProcessGroup {
     /// Runs `op` in the background under the next sequence number, taken now (in call order,
     /// not when the task first runs: every member pairs this call with the same call on the
     /// others), in the caller's scope.
+    /// The in-place all-reduce of `data` as operation `seq` of this group (both the awaited
+    /// and the background form).
+    async fn reduce_slice<T: Element>(
+        &self,
+        seq: u64,
+        data: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
+        let o = self.begin_header(
+            "all_reduce_in_place",
+            vec![data.len()],
+            T::DTYPE.as_str(),
+            seq,
+        )?;
+        let out = if o.n() == 1 {
+            Ok(())
+        } else {
+            self.ring_slice(&o, data, op).await
+        };
+        self.end(&o);
+        out
+    }
+
     fn background<T, F>(&self, op: impl FnOnce(ProcessGroup, u64) -> F) -> Work<T>
     where
         T: Send + 'static,
@@ -414,21 +425,9 @@ impl ProcessGroup {
         mut data: Vec<T>,
         op: ReduceOp,
     ) -> Work<Vec<T>> {
-        self.background(|g, seq| async move {
-            let o = g.begin_header(
-                "all_reduce_in_place",
-                vec![data.len()],
-                T::DTYPE.as_str(),
-                seq,
-            )?;
-            let out = if o.n() == 1 {
-                Ok(())
-            } else {
-                g.ring_slice(&o, &mut data, op).await
-            };
-            g.end(&o);
-            out.map(|()| data)
-        })
+        self.background(
+            |g, seq| async move { g.reduce_slice(seq, &mut data, op).await.map(|()| data) },
+        )
     }
 
     /// [`ProcessGroup::broadcast`] in the background.
