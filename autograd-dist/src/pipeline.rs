@@ -187,6 +187,23 @@ pub struct Pipeline {
     failed: std::sync::atomic::AtomicBool,
 }
 
+impl Pipeline {
+    /// The failure to report of a step in which `failed` stages failed (in the order their
+    /// calls ended, at least one): the stage whose own worker the group declared failed, the
+    /// others having failed because of it (a neighbour's hand-off to a dead stage can fail
+    /// before the master's call to that stage does); else the first to end.
+    fn cause(&self, mut failed: Vec<AutogradError>) -> AutogradError {
+        let dead = failed.iter().position(|e| match e {
+            AutogradError::Stage { stage, .. } => {
+                let rank = self.stages[*stage].0.rank();
+                self.agent.is_live(rank).is_ok_and(|live| !live)
+            }
+            _ => false,
+        });
+        failed.swap_remove(dead.unwrap_or(0))
+    }
+}
+
 impl std::fmt::Debug for Pipeline {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Pipeline")
@@ -385,18 +402,21 @@ impl Pipeline {
             calls.push(async move { (s, call.await) });
         }
         let mut replies: Vec<Option<RunReply>> = (0..p).map(|_| None).collect();
-        let mut failed: Option<AutogradError> = None;
+        let mut failed: Vec<AutogradError> = Vec::new();
         while let Some((s, r)) = calls.next().await {
             match r {
                 Ok(reply) => replies[s] = Some(reply),
-                Err(e) if failed.is_none() => {
-                    // The other stages stop waiting for this one; the first failure is the
-                    // cause (the others fail because of it).
-                    failed = Some(AutogradError::Stage {
+                Err(e) => {
+                    let first = failed.is_empty();
+                    failed.push(AutogradError::Stage {
                         stage: s,
                         worker: self.stages[s].0.worker(),
                         source: Box::new(e),
                     });
+                    if !first {
+                        continue;
+                    }
+                    // The other stages stop waiting for this one.
                     let forgets = self
                         .stages
                         .iter()
@@ -409,13 +429,12 @@ impl Pipeline {
                         }
                     }
                 }
-                Err(_) => {}
             }
         }
-        if let Some(e) = failed {
+        if !failed.is_empty() {
             self.failed
                 .store(true, std::sync::atomic::Ordering::Relaxed);
-            return Err(e);
+            return Err(self.cause(failed));
         }
         let mut out = Outcome {
             loss: 0.0,
