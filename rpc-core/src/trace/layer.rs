@@ -8,7 +8,7 @@ use tracing::Subscriber;
 use tracing_subscriber::layer::Context;
 use tracing_subscriber::registry::LookupSpan;
 
-use super::{clock, Cat, Event, Tracer};
+use super::{clock, Cat, Record, Tracer};
 
 /// A `tracing_subscriber` layer that records every span it sees into `tracer`'s ring (filter
 /// it with `Layer::with_filter` like any layer). Does nothing when the tracer is off.
@@ -61,17 +61,10 @@ where
         let Some(&Started(start)) = span.extensions().get::<Started>() else {
             return;
         };
-        ring.push(Event {
-            name: span.name().into(),
-            cat: Cat::Compute,
-            start,
-            dur: Some(clock::ticks().saturating_sub(start)),
-            flow: None,
-            peer: None,
-            bytes: None,
-            ok: None,
-            detail: Some(span.metadata().target().to_owned()),
-        });
+        let mut rec = Record::new(Cat::Compute, span.name().into(), start);
+        rec.end();
+        rec.set_detail(span.metadata().target().to_owned());
+        ring.push(rec);
     }
 }
 

@@ -7,6 +7,7 @@
 //! clock.rs  each rank's offset from rank 0's clock, estimated over the group's connections
 //! chrome.rs the Trace Event Format: a rank's part, the merge of the parts (TR-3, TR-4)
 //! layer.rs  spans of the `tracing` ecosystem recorded into the same ring
+//! record.rs what the ring keeps of one event (64 bytes)
 //! ```
 //!
 //! Why a recorder of our own and not `tracing` spans for the hot paths: a call made and a call
@@ -27,6 +28,7 @@
 mod chrome;
 mod clock;
 mod layer;
+mod record;
 
 use std::borrow::Cow;
 use std::collections::VecDeque;
@@ -38,6 +40,7 @@ pub use chrome::{merge_parts, part_path, parts_dir, MergeError, MergeSummary};
 pub use clock::{estimate_offset, ClockEstimate};
 pub(crate) use clock::{keep_in_sync, TraceClock};
 pub use layer::TraceLayer;
+use record::Record;
 
 /// The environment variable that turns tracing on: the path of the job's trace; each worker
 /// writes its part under `<path>.parts/` at shutdown (see [`Config::trace`](crate::Config::trace)).
@@ -96,8 +99,8 @@ pub(crate) enum Flow {
     In(u64),
 }
 
-/// One recorded event: in the ring on the raw trace clock (`clock::ticks`), in a snapshot in
-/// nanoseconds of this process's monotonic clock.
+/// One recorded event as a snapshot reads it, in nanoseconds of this process's monotonic
+/// clock (the ring keeps a packed [`Record`] on the raw trace clock).
 #[derive(Clone, Debug)]
 pub(crate) struct Event {
     pub name: Cow<'static, str>,
@@ -114,7 +117,7 @@ pub(crate) struct Event {
 
 /// The ring a tracer records into (TR-2).
 pub(crate) struct Ring {
-    events: Mutex<VecDeque<Event>>,
+    events: Mutex<VecDeque<Record>>,
     capacity: usize,
     dropped: AtomicU64,
     next_flow: AtomicU64,
@@ -135,7 +138,7 @@ pub(crate) struct Who {
 }
 
 impl Ring {
-    fn push(&self, e: Event) {
+    fn push(&self, e: Record) {
         let mut q = self.events.lock().unwrap_or_else(|p| p.into_inner());
         if q.len() >= self.capacity {
             q.pop_front();
@@ -147,18 +150,7 @@ impl Ring {
     /// Everything recorded so far, oldest first, in nanoseconds, and how many were dropped.
     pub(crate) fn snapshot(&self) -> (Vec<Event>, u64) {
         let q = self.events.lock().unwrap_or_else(|p| p.into_inner());
-        let events = q
-            .iter()
-            .map(|e| {
-                let mut e = e.clone();
-                let start = clock::ticks_to_ns(e.start);
-                e.dur = e
-                    .dur
-                    .map(|d| clock::ticks_to_ns(e.start.saturating_add(d)).saturating_sub(start));
-                e.start = start;
-                e
-            })
-            .collect();
+        let events = q.iter().map(Record::to_event).collect();
         (events, self.dropped.load(Ordering::Relaxed))
     }
 }
@@ -231,20 +223,10 @@ impl Tracer {
     pub fn span(&self, cat: Cat, name: impl Into<Cow<'static, str>>) -> Span {
         match &self.0 {
             None => Span(None),
-            Some(r) => Span(Some(Box::new(Open {
+            Some(r) => Span(Some(Open {
                 ring: Arc::clone(r),
-                event: Event {
-                    name: name.into(),
-                    cat,
-                    start: clock::ticks(),
-                    dur: Some(0),
-                    flow: None,
-                    peer: None,
-                    bytes: None,
-                    ok: None,
-                    detail: None,
-                },
-            }))),
+                rec: Record::new(cat, name.into(), clock::ticks()),
+            })),
         }
     }
 
@@ -256,8 +238,8 @@ impl Tracer {
         let id = r.next_flow.fetch_add(1, Ordering::Relaxed);
         let mut s = self.span(Cat::Call, fn_name);
         if let Some(o) = s.0.as_mut() {
-            o.event.flow = Some(Flow::Out(id));
-            o.event.peer = Some(peer);
+            o.rec.set_flow(Flow::Out(id));
+            o.rec.set_peer(peer);
         }
         Some((s, id))
     }
@@ -282,10 +264,12 @@ impl Tracer {
         }
         let mut s = self.span(Cat::Serve, fn_name);
         if let Some(o) = s.0.as_mut() {
-            o.event.flow = flow.map(Flow::In);
-            o.event.peer = Some(peer);
+            if let Some(id) = flow {
+                o.rec.set_flow(Flow::In(id));
+            }
+            o.rec.set_peer(peer);
             if let Some(t) = arrived {
-                o.event.start = t;
+                o.rec.start = t;
             }
         }
         s
@@ -295,8 +279,8 @@ impl Tracer {
     pub(crate) fn transfer(&self, name: &'static str, peer: u32, bytes: Option<u64>) -> Span {
         let mut s = self.span(Cat::Transfer, name);
         if let Some(o) = s.0.as_mut() {
-            o.event.peer = Some(peer);
-            o.event.bytes = bytes;
+            o.rec.set_peer(peer);
+            o.rec.set_bytes(bytes);
         }
         s
     }
@@ -304,17 +288,7 @@ impl Tracer {
     /// An instant event (a verdict, a checkpoint written), with a detail shown in the viewer.
     pub fn instant(&self, cat: Cat, name: impl Into<Cow<'static, str>>, detail: Option<String>) {
         if let Some(r) = &self.0 {
-            r.push(Event {
-                name: name.into(),
-                cat,
-                start: clock::ticks(),
-                dur: None,
-                flow: None,
-                peer: None,
-                bytes: None,
-                ok: None,
-                detail,
-            });
+            r.push(Record::instant(cat, name.into(), detail));
         }
     }
 
@@ -339,18 +313,19 @@ fn internal(fn_name: &str) -> bool {
 
 /// An open span: recorded when dropped. Annotate it with what the viewer should show.
 #[must_use = "a span ends when this guard drops"]
-pub struct Span(Option<Box<Open>>);
+pub struct Span(Option<Open>);
 
+/// Held inline (72 bytes), not boxed: an allocation per span cost more than the copy.
 struct Open {
     ring: Arc<Ring>,
-    event: Event,
+    rec: Record,
 }
 
 impl Span {
     /// Bytes this span moved.
     pub fn bytes(&mut self, n: u64) -> &mut Self {
         if let Some(o) = self.0.as_mut() {
-            o.event.bytes = Some(n);
+            o.rec.set_bytes(Some(n));
         }
         self
     }
@@ -358,7 +333,7 @@ impl Span {
     /// The span's outcome.
     pub fn ok(&mut self, ok: bool) -> &mut Self {
         if let Some(o) = self.0.as_mut() {
-            o.event.ok = Some(ok);
+            o.rec.set_ok(ok);
         }
         self
     }
@@ -366,7 +341,7 @@ impl Span {
     /// The worker at the other end (a rank).
     pub fn peer(&mut self, rank: u32) -> &mut Self {
         if let Some(o) = self.0.as_mut() {
-            o.event.peer = Some(rank);
+            o.rec.set_peer(rank);
         }
         self
     }
@@ -374,7 +349,7 @@ impl Span {
     /// A line of detail (a step number, a file name, an error).
     pub fn detail(&mut self, d: impl FnOnce() -> String) -> &mut Self {
         if let Some(o) = self.0.as_mut() {
-            o.event.detail = Some(d());
+            o.rec.set_detail(d());
         }
         self
     }
@@ -387,10 +362,9 @@ impl Span {
 
 impl Drop for Span {
     fn drop(&mut self) {
-        if let Some(o) = self.0.take() {
-            let Open { ring, mut event } = *o;
-            event.dur = Some(clock::ticks().saturating_sub(event.start));
-            ring.push(event);
+        if let Some(Open { ring, mut rec }) = self.0.take() {
+            rec.end();
+            ring.push(rec);
         }
     }
 }
