@@ -182,6 +182,8 @@ pub struct Workers {
     port: u16,
     secret: Secret,
     world: u32,
+    /// The job's trace (`--trace PATH`): every process records, the parts merge at the end.
+    trace: Option<std::path::PathBuf>,
 }
 
 impl Drop for Workers {
@@ -204,6 +206,26 @@ impl Workers {
 
     /// [`Workers::spawn`], passing `args` to every worker (and to replacements).
     pub fn spawn_with_args(world: u32, args: Vec<String>) -> Result<Self> {
+        Self::spawn_traced(world, args, None)
+    }
+
+    /// [`Workers::spawn_with_args`], every process recording the job's trace at `trace` (see
+    /// `rpc_core::trace`) when given: earlier parts there are removed first, and
+    /// [`Workers::wait_success`] merges the parts into one file.
+    pub fn spawn_traced(
+        world: u32,
+        args: Vec<String>,
+        trace: Option<&std::path::Path>,
+    ) -> Result<Self> {
+        let trace = trace.map(std::path::absolute).transpose()?;
+        if let Some(t) = &trace {
+            match std::fs::remove_dir_all(rpc_core::trace::parts_dir(t)) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(e).context("removing the earlier trace parts");
+                }
+                _ => {}
+            }
+        }
         let port = std::net::TcpListener::bind("127.0.0.1:0")?
             .local_addr()?
             .port();
@@ -214,6 +236,7 @@ impl Workers {
             port,
             secret: Secret::generate(),
             world,
+            trace,
         };
         for rank in 1..world {
             let child = w.start(rank, 0)?;
@@ -225,8 +248,11 @@ impl Workers {
     /// Starts a process of rank `rank` that has been restarted `restarts` times (a positive
     /// count makes it join as the replacement of a failed one, see `Config::replace`).
     fn start(&self, rank: u32, restarts: u32) -> Result<Child> {
-        Command::new(std::env::current_exe()?)
-            .args(&self.args)
+        let mut cmd = Command::new(std::env::current_exe()?);
+        if let Some(t) = &self.trace {
+            cmd.env(rpc_core::trace::TRACE_ENV, t);
+        }
+        cmd.args(&self.args)
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", self.world.to_string())
             .env("MASTER_ADDR", "127.0.0.1")
@@ -242,8 +268,9 @@ impl Workers {
 
     /// The config of rank 0 (this process) in the group.
     pub fn rank0_config(&self, name: &str, timeout: Duration) -> Config {
-        Config::new()
-            .with_rank(0)
+        let mut cfg = Config::new();
+        cfg.trace.clone_from(&self.trace);
+        cfg.with_rank(0)
             .with_world_size(self.world)
             .with_name(name)
             .with_init_method(format!("tcp://127.0.0.1:{}", self.port))
@@ -309,7 +336,13 @@ impl Workers {
     /// expected to succeed).
     pub fn wait_success(self, timeout: Duration) -> Result<()> {
         let killed = self.killed.clone();
-        for (i, status) in self.wait_all(timeout)?.into_iter().enumerate() {
+        let trace = self.trace.clone();
+        let statuses = self.wait_all(timeout);
+        // The parts there are, whatever became of the workers: a killed one writes none.
+        if let Some(t) = trace {
+            merge_trace(&t);
+        }
+        for (i, status) in statuses?.into_iter().enumerate() {
             let rank = i as u32 + 1;
             anyhow::ensure!(
                 status.success() || killed.contains(&rank),
@@ -317,6 +350,25 @@ impl Workers {
             );
         }
         Ok(())
+    }
+}
+
+/// Merges the job's trace parts into `trace` and says so on standard error, as `rpcrun
+/// --trace` does; a failure to merge is reported, never fatal.
+fn merge_trace(trace: &std::path::Path) {
+    match rpc_core::trace::merge_parts(trace, None) {
+        Ok(s) => eprintln!(
+            "trace {}: {} parts, {} events, clocks aligned within {} us{}",
+            trace.display(),
+            s.parts,
+            s.events,
+            s.clock_error_bound_ns.div_ceil(1000),
+            match s.dropped {
+                0 => String::new(),
+                d => format!(", {d} oldest events dropped (ring full)"),
+            }
+        ),
+        Err(e) => eprintln!("trace not written: {e}"),
     }
 }
 

@@ -2,7 +2,8 @@
 //! the merged file of a short `hybrid-rnn` run and of a `pipeline` run validates, every call
 //! in it links to its callee's span inside the caller's on the aligned clock (TR-3, TR-4), it
 //! has the spans each example's work makes (backward, optimizer steps, ring steps, pipeline
-//! actions, checkpoints), and the report covers every step.
+//! actions, checkpoints), and the report covers every step. `param-server` and `elastic-ddp`
+//! (whose processes the example starts itself, not through the launcher) trace the same way.
 
 use std::time::Duration;
 
@@ -10,16 +11,28 @@ mod common;
 use common::run_to_end;
 
 fn traced(bin: &str, tag: &str, args: &[&str]) -> serde_json::Value {
+    traced_by(bin, tag, args, true)
+}
+
+/// Runs `bin` with `--trace` (and `--out-dir`, for the examples that write checkpoints) in a
+/// directory of its own; the merged trace.
+fn traced_by(bin: &str, tag: &str, args: &[&str], out_dir: bool) -> serde_json::Value {
     let dir = std::env::temp_dir().join(format!("{tag}-trace-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let trace = dir.join("job.json");
-    let (out_dir, trace_s) = (dir.display().to_string(), trace.display().to_string());
-    let all: Vec<&str> = [args, &["--out-dir", &out_dir, "--trace", &trace_s]].concat();
+    let (out, trace_s) = (dir.display().to_string(), trace.display().to_string());
+    let mut all: Vec<&str> = [args, &["--trace", &trace_s]].concat();
+    if out_dir {
+        all.extend(["--out-dir", &out]);
+    }
     let (code, out, err) = run_to_end(bin, &all, Duration::from_secs(300));
     let text = std::fs::read(&trace);
     let _ = std::fs::remove_dir_all(&dir);
     assert_eq!(code, Some(0), "{out}\n{err}");
-    assert!(err.contains("rpcrun: trace"), "the launcher merged: {err}");
+    assert!(
+        err.contains("trace") && err.contains("parts"),
+        "merged: {err}"
+    );
     serde_json::from_slice(&text.expect("the merged trace")).expect("JSON")
 }
 
@@ -125,4 +138,46 @@ fn a_hybrid_rnn_run_and_a_pipeline_run_trace_into_one_valid_file() {
         .filter(|w| w.pipeline_bubble.is_some())
         .count();
     assert_eq!(stages, 3, "{}", r.text());
+}
+
+/// The two examples that start their own processes: every process's part is in the file, every
+/// call is linked, and each trainer's (or replica's) step is a step of the report.
+#[test]
+fn the_param_server_and_elastic_ddp_trace_into_one_valid_file() {
+    for (bin, tag, args, parts, steps, cat) in [
+        (
+            env!("CARGO_BIN_EXE_param-server"),
+            "ps",
+            &["--steps", "8", "--mode", "bsp", "--slow-factor", "1"][..],
+            6,
+            3 * 8,
+            "serve",
+        ),
+        (
+            env!("CARGO_BIN_EXE_elastic-ddp"),
+            "elastic",
+            &["--steps", "8", "--commit-every", "4"][..],
+            4,
+            4 * 8,
+            "collective",
+        ),
+    ] {
+        let v = traced_by(bin, tag, args, false);
+        let listed = v["otherData"]["rpc_trace"]["parts"].as_array().unwrap();
+        assert_eq!(listed.len(), parts, "{tag}");
+        let ok = rpcrun::report::validate(&v, 0.0).unwrap_or_else(|e| panic!("{tag}: {e}"));
+        assert_eq!(ok.unlinked_calls, 0, "{tag}: {ok:?}");
+        assert!(ok.linked_calls >= steps, "{tag}: {ok:?}");
+        let has = |c: &str| {
+            v["traceEvents"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|e| e["cat"] == c)
+        };
+        assert!(has("call") && has(cat), "{tag}: no call or {cat} span");
+        let t = rpcrun::report::Trace::from_json(&v).unwrap();
+        let r = rpcrun::report::report(&t);
+        assert_eq!(r.steps, steps, "{tag}: {}", r.text());
+    }
 }

@@ -21,6 +21,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::Optimizer;
 use collectives::{DistributedSampler, ElasticDdp, ReduceOp, Rejoin};
 use examples::lang::wordlang::{dense, logits, DIM, LANGS};
+use rpc_core::trace::Cat;
 use rpc_core::{Agent, Config, Registry};
 
 const WORLD: u32 = 4;
@@ -34,13 +35,17 @@ struct Args {
     commit_every: u64,
     kill_at: Option<u64>,
     wait: bool,
+    trace: Option<std::path::PathBuf>,
 }
 
 const USAGE: &str =
     "elastic-ddp: data parallelism that survives a lost replica: four replica processes train \
 with a ring all-reduce, commit every K steps, and, when a replica is killed, roll back to the \
 commit and go on with three (or with a replacement process).\n\n\
-usage: elastic-ddp [--steps N] [--commit-every K] [--kill-at STEP] [--wait-for-replacement]";
+usage: elastic-ddp [--steps N] [--commit-every K] [--kill-at STEP] [--wait-for-replacement] \
+[--trace PATH]\n\n\
+--trace PATH: every process records the job's trace, merged into PATH at the end (Trace Event \
+Format, for Perfetto; `rpctrace report PATH` says what held each step up).";
 
 fn parse_args() -> Result<Args> {
     let mut a = Args {
@@ -48,6 +53,7 @@ fn parse_args() -> Result<Args> {
         commit_every: 20,
         kill_at: None,
         wait: false,
+        trace: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -61,6 +67,7 @@ fn parse_args() -> Result<Args> {
             }
             "--kill-at" => a.kill_at = Some(value()?.parse().context("--kill-at takes a step")?),
             "--wait-for-replacement" => a.wait = true,
+            "--trace" => a.trace = Some(value()?.into()),
             "-h" | "--help" => {
                 println!("{USAGE}");
                 std::process::exit(0);
@@ -105,8 +112,11 @@ fn main() -> Result<()> {
             examples::check_shutdown(&agent, &report)
         });
     }
-    let mut workers =
-        examples::Workers::spawn_with_args(WORLD, std::env::args().skip(1).collect())?;
+    let mut workers = examples::Workers::spawn_traced(
+        WORLD,
+        std::env::args().skip(1).collect(),
+        args.trace.as_deref(),
+    )?;
     rt.block_on(async {
         let cfg = liveness(workers.rank0_config("worker0", timeout));
         let agent = rpc_core::init(cfg, registry()?).await?;
@@ -155,6 +165,8 @@ async fn replica(
         if step % args.commit_every == 0 {
             el.commit(step)?;
         }
+        let mut span = agent.tracer().span(Cat::Step, "step");
+        span.detail(|| format!("step {step}"));
         let (i, n) = el.replica();
         // The same global batch every step, split over the current replicas.
         let order = DistributedSampler::new(data.len(), 1, 0, SEED).indices(0);

@@ -26,6 +26,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use collectives::{Consistency, PsClient, Replica};
 use examples::lang::wordlang::{dense, logits, DIM, LANGS};
+use rpc_core::trace::Cat;
 use rpc_core::{remote, Agent, BoxError, CallContext, Registry};
 
 const HALF: usize = DIM / 2;
@@ -73,6 +74,8 @@ async fn train(
     let client = client(ctx.agent(), trainer, backup);
     let first = if join { client.join().await? } else { 0 };
     for step in first..steps {
+        let mut span = ctx.agent().tracer().span(Cat::Step, "step");
+        span.detail(|| format!("trainer {trainer} step {step}"));
         let shards = client.pull(step).await?;
         let started = Instant::now();
         let w = Var::from_tensor(&Tensor::cat(&[&shards[0][0], &shards[1][0]], 0)?)?;
@@ -99,6 +102,7 @@ async fn train(
                 ],
             )
             .await?;
+        drop(span);
     }
     Ok((
         client.acked_pushes(),
@@ -162,6 +166,7 @@ struct Args {
     kill_server_at: Option<u64>,
     kill_trainer_at: Option<u64>,
     replace_trainer: bool,
+    trace: Option<std::path::PathBuf>,
 }
 
 const USAGE: &str =
@@ -170,7 +175,9 @@ server processes hold two shards (each the other's backup), three trainer proces
 under BSP, SSP or ASP; optionally a server and a trainer are killed and recovered.\n\n\
 usage: param-server [--slow-factor F] [--steps N] [--staleness S] \
      [--mode bsp|ssp|asp|all] [--no-backup] [--kill-server-at STEP] [--kill-trainer-at STEP] \
-     [--no-replacement]";
+     [--no-replacement] [--trace PATH]\n\n\
+--trace PATH: every process records the job's trace, merged into PATH at the end (Trace Event \
+Format, for Perfetto; `rpctrace report PATH` says what held each trainer's step up).";
 
 fn parse_args() -> Result<Args> {
     let mut a = Args {
@@ -182,6 +189,7 @@ fn parse_args() -> Result<Args> {
         kill_server_at: None,
         kill_trainer_at: None,
         replace_trainer: true,
+        trace: None,
     };
     let mut mode = None;
     let mut it = std::env::args().skip(1);
@@ -205,6 +213,7 @@ fn parse_args() -> Result<Args> {
                     Some(value()?.parse().context("--kill-trainer-at takes a step")?)
             }
             "--no-replacement" => a.replace_trainer = false,
+            "--trace" => a.trace = Some(value()?.into()),
             "-h" | "--help" => {
                 println!("{USAGE}");
                 std::process::exit(0);
@@ -255,7 +264,11 @@ fn main() -> Result<()> {
     let args = parse_args()?;
     let test = load("test.tsv")?;
     load("train.tsv")?;
-    let mut workers = examples::Workers::spawn(FIRST_TRAINER + TRAINERS as u32)?;
+    let mut workers = examples::Workers::spawn_traced(
+        FIRST_TRAINER + TRAINERS as u32,
+        Vec::new(),
+        args.trace.as_deref(),
+    )?;
     rt.block_on(async {
         let agent = rpc_core::init(
             workers.rank0_config("master", Duration::from_secs(300)),
