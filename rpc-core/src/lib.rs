@@ -113,6 +113,8 @@ pub use error::{
 };
 pub use group::{ToWorker, WorkerRef};
 pub use init::init;
+pub use net::supervisor;
+pub use net::supervisor::SUPERVISOR_FD_ENV;
 pub use net::{
     BulkStats, FailureWatch, MembershipChange, MembershipEvent, MembershipWatch, MemoryNetwork,
     Secret, Transport, WireProtection, WorkerFailed, SECRET_ENV, SECRET_FILE_ENV,

@@ -2,11 +2,13 @@
 //! with its rank, or not), stopped by signalling its whole group.
 
 use std::io::{BufRead, BufReader, Read, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Command, ExitStatus, Stdio};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::watch::Watch;
 use crate::{Launch, LaunchError};
 
 /// A started child.
@@ -15,6 +17,10 @@ pub(crate) struct Child {
     proc: std::process::Child,
     forwarders: Vec<JoinHandle<()>>,
     status: Option<ExitStatus>,
+    /// What it says of itself (`watch.rs`).
+    watch: Watch,
+    /// Why the launcher killed it, if it did.
+    killed_because: Option<String>,
 }
 
 impl Child {
@@ -24,9 +30,17 @@ impl Child {
         rank: u32,
         env: &[(String, String)],
     ) -> Result<Self, LaunchError> {
+        let spawn_err = |source| LaunchError::Spawn {
+            rank,
+            program: launch.program.display().to_string(),
+            source,
+        };
+        let (watch, status_fd) = Watch::new().map_err(spawn_err)?;
+        let fd = status_fd.as_raw_fd();
         let mut cmd = Command::new(&launch.program);
         cmd.args(&launch.args)
             .envs(env.iter().map(|(k, v)| (k, v)))
+            .env(rpc_core::SUPERVISOR_FD_ENV, fd.to_string())
             .stdin(Stdio::null())
             .process_group(0);
         for k in crate::env::REMOVED {
@@ -36,9 +50,13 @@ impl Child {
             cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
         }
         let parent = std::process::id() as libc::pid_t;
-        // SAFETY: prctl, getppid and _exit are async-signal-safe; nothing here allocates.
+        // SAFETY: prctl, getppid, fcntl and _exit are async-signal-safe; nothing here allocates.
         unsafe {
             cmd.pre_exec(move || {
+                // The status pipe's write end stays open in the program (only there).
+                if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
                 // The child dies with the launcher, whatever kills the launcher.
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
                     return Err(std::io::Error::last_os_error());
@@ -49,11 +67,9 @@ impl Child {
                 Ok(())
             });
         }
-        let mut proc = cmd.spawn().map_err(|source| LaunchError::Spawn {
-            rank,
-            program: launch.program.display().to_string(),
-            source,
-        })?;
+        let mut proc = cmd.spawn().map_err(spawn_err)?;
+        // The launcher's copy: closed, so that only the child holds the write end.
+        drop(status_fd);
         let mut forwarders = Vec::new();
         if launch.prefix {
             let prefix = format!("[rank{rank}]: ");
@@ -74,7 +90,34 @@ impl Child {
             proc,
             forwarders,
             status: None,
+            watch,
+            killed_because: None,
         })
+    }
+
+    /// Kills it (SIGKILL to its group) if what it said of itself says it must be ended
+    /// (SUP-1..3 in `watch.rs`); returns why, once.
+    pub(crate) fn check(&mut self) -> Option<String> {
+        if self.killed_because.is_some() || self.try_wait().is_some() {
+            return None;
+        }
+        let now = Instant::now();
+        self.watch.read(self.pid(), now);
+        let why = self.watch.verdict(now)?;
+        tracing::warn!("rank {} (pid {}): {why}; killing it", self.rank, self.pid());
+        self.signal(libc::SIGCONT);
+        self.signal(libc::SIGKILL);
+        self.killed_because = Some(why.clone());
+        Some(why)
+    }
+
+    /// Its exit as a code and in words, with the launcher's reason if it killed it.
+    pub(crate) fn describe(&self, status: ExitStatus) -> (i32, String) {
+        let (code, what) = describe(status);
+        match &self.killed_because {
+            Some(why) => (code, format!("{what}, killed by the launcher: {why}")),
+            None => (code, what),
+        }
     }
 
     /// Its process id.

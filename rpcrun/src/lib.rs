@@ -23,10 +23,13 @@
 //! - a child never outlives the launcher: it is killed if the launcher dies (Linux's parent
 //!   death signal) and its whole process group is killed when its attempt ends.
 //!
-//! With [`Restart::Group`] (the default) a child that freezes without exiting is not this
-//! launcher's to judge: the group's failure detector notices it (the frozen peer stops
-//! answering heartbeats), its peers fail with an error naming it, and their exit starts the
-//! restart.
+//! - every launcher, on every node, watches its own children through a pipe each inherits
+//!   (`rpc_core::supervisor`: a status line every heartbeat interval from the child's failure
+//!   detector thread) and kills one that stops writing for its failure timeout and half again
+//!   (frozen, as its peers see it: they declared it failed by then), that says the group
+//!   declared it failed, or that lost its rendezvous longer than its failure timeout ago
+//!   (SUP-1..3); the kill is its failure, restarted as any other, its reason in the failure's
+//!   description. A child that never reports (no agent, heartbeats off) is not watched.
 //!
 //! With [`Restart::Worker`], only the failed process is restarted, and it rejoins the running
 //! group in its own place (its name and rank, the next incarnation; the group refuses the
@@ -51,6 +54,7 @@ mod env;
 pub mod report;
 mod secret;
 mod supervise;
+mod watch;
 
 use std::ffi::OsString;
 use std::path::PathBuf;

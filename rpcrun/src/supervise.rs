@@ -169,11 +169,12 @@ fn run_attempt(
         }
         let mut running = 0;
         for c in &mut children {
+            c.check();
             match c.try_wait() {
                 None => running += 1,
                 Some(st) if st.success() => {}
                 Some(st) => {
-                    let (code, what) = child::describe(st);
+                    let (code, what) = c.describe(st);
                     tracing::warn!("rank {} (pid {}) {what}", c.rank, c.pid());
                     let failure = Failure {
                         attempt,
@@ -343,6 +344,7 @@ fn run_workers(launch: &Launch) -> Result<Exit, LaunchError> {
             if done[l] {
                 continue;
             }
+            children[l].check();
             let Some(st) = children[l].try_wait() else {
                 continue;
             };
@@ -350,7 +352,7 @@ fn run_workers(launch: &Launch) -> Result<Exit, LaunchError> {
                 done[l] = true;
                 continue;
             }
-            let (code, what) = child::describe(st);
+            let (code, what) = children[l].describe(st);
             let rank = children[l].rank;
             tracing::warn!("rank {rank} (pid {}) {what}", children[l].pid());
             failures.push(Failure {

@@ -40,6 +40,7 @@ use super::auth::{self, ConnKind};
 use super::config::NetConfig;
 use super::dial::Dialer;
 use super::membership::Membership;
+use super::supervisor;
 use super::transport::{Conn, Detached, Listener};
 
 /// Messages on a heartbeat connection: 16 bytes, the kind, 7 reserved, a sequence number.
@@ -58,6 +59,8 @@ pub(crate) struct Detector {
     /// Tests: the detector stops sending heartbeats, as a frozen process would.
     silent: Arc<AtomicBool>,
     heartbeat_interval: Duration,
+    /// This worker, for its launcher's watch (`supervisor.rs`): rank, incarnation, timeout.
+    me: (u32, u64, Duration),
 }
 
 /// What the detector's tasks share.
@@ -94,6 +97,7 @@ impl Detector {
         let silent = Arc::new(AtomicBool::new(false));
         let writers = Arc::new(AtomicUsize::new(0));
         let heartbeat_interval = cfg.heartbeat_interval;
+        let me = (cfg.rank, cfg.incarnation, cfg.failure_timeout);
         let n = dialer.directory().capacity();
         // At first a peer is given several timeouts to connect (they start at slightly
         // different moments, some on loaded machines).
@@ -139,6 +143,7 @@ impl Detector {
             writers,
             silent,
             heartbeat_interval,
+            me,
         })
     }
 
@@ -149,6 +154,7 @@ impl Detector {
     /// two beats, or blocked on a peer that stopped reading).
     pub(crate) async fn leave(&self) {
         self.leaving.store(true, Ordering::Release);
+        supervisor::report_done(self.me.0, self.me.1, self.me.2);
         self.leave.notify_waiters();
         let by = Instant::now() + self.heartbeat_interval + Duration::from_secs(1);
         while self.writers.load(Ordering::Acquire) > 0 && Instant::now() < by {
@@ -166,6 +172,7 @@ impl Detector {
 impl Drop for Detector {
     fn drop(&mut self) {
         self.stop.cancel();
+        supervisor::report_done(self.me.0, self.me.1, self.me.2);
     }
 }
 
@@ -181,6 +188,7 @@ async fn run(ctx: Arc<Ctx>, listener: Detached, mut rejoined: tokio::sync::mpsc:
     };
     let me = ctx.cfg.rank;
     tokio::spawn(accept(Arc::clone(&ctx), listener));
+    tokio::spawn(tell_launcher(Arc::clone(&ctx)));
     for rank in 0..ctx.dialer.directory().capacity() as u32 {
         if rank != me && !ctx.dialer.directory().heartbeat(rank).is_empty() {
             let incarnation = ctx.dialer.directory().incarnation(rank);
@@ -236,6 +244,28 @@ async fn run(ctx: Arc<Ctx>, listener: Detached, mut rejoined: tokio::sync::mpsc:
                     ),
                 );
             }
+        }
+    }
+}
+
+/// SUP-1..3: this worker's standing, for its launcher, every heartbeat interval from the
+/// detector's thread (LIVE-2): when this thread cannot run, the launcher hears nothing, as the
+/// peers do. Silent (tests' frozen process) says nothing either.
+async fn tell_launcher(ctx: Arc<Ctx>) {
+    let c = &ctx.cfg;
+    loop {
+        if !ctx.silent.load(Ordering::Acquire) {
+            supervisor::report_alive(
+                c.rank,
+                c.incarnation,
+                c.failure_timeout,
+                &ctx.membership.own,
+                || ctx.leaving.load(Ordering::Acquire) || ctx.stop.is_cancelled(),
+            );
+        }
+        tokio::select! {
+            () = ctx.stop.cancelled() => return,
+            () = tokio::time::sleep(c.heartbeat_interval) => {}
         }
     }
 }

@@ -80,6 +80,8 @@ pub(crate) struct Membership {
     hooks: RwLock<Vec<FailureHook>>,
     rejoin_hooks: RwLock<Vec<RankHook>>,
     left_hooks: RwLock<Vec<RankHook>>,
+    /// This worker's own standing, as its launcher is told it (`supervisor.rs`).
+    pub(crate) own: super::supervisor::Own,
 }
 
 /// How a rank stood when this worker joined (a replacement joins a group where some ranks
@@ -148,6 +150,7 @@ impl Membership {
             failures_tx: broadcast::channel(1024).0,
             events_tx: broadcast::channel(1024).0,
             hooks: RwLock::new(Vec::new()),
+            own: Default::default(),
             rejoin_hooks: RwLock::new(Vec::new()),
             left_hooks: RwLock::new(Vec::new()),
             directory,

@@ -48,6 +48,7 @@ mod seal;
 mod serve;
 pub(crate) mod shm;
 mod spin;
+pub mod supervisor;
 pub(crate) mod transport;
 mod watch;
 

@@ -158,6 +158,7 @@ pub(crate) async fn follow(
         }
     }
     if !life.is_stopping() {
+        membership.own.lost_rendezvous();
         tracing::warn!(
             rank = me,
             "lost the connection to the rendezvous: this worker hears of no replacement from now on"
@@ -181,11 +182,15 @@ fn apply(m: &Membership, me: u32, u: Update) {
         } if rank != me && (rank as usize) < m.size() => {
             m.declare_incarnation(rank, Some(incarnation), cause);
         }
-        Update::Failed { cause, .. } => tracing::error!(
-            rank = me,
-            %cause,
-            "the group declared this worker failed: its peers refuse it from now on"
-        ),
+        Update::Failed { rank, cause, .. } if rank == me => {
+            // SUP-2: the launcher ends this process; without one, its peers refuse it.
+            m.own.evicted(&cause);
+            tracing::error!(
+                rank = me,
+                %cause,
+                "the group declared this worker failed: its peers refuse it from now on"
+            );
+        }
         other => tracing::warn!(?other, "ignored a membership update for an unknown rank"),
     }
 }
