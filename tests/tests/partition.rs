@@ -4,7 +4,10 @@
 //! pairs to a bridge in a fourth namespace. After the group has formed, worker 2's link is
 //! cut both ways (100 % loss: `tc netem` where the kernel has it, else a FIFO of length 0,
 //! which drops every packet): the two others must declare it failed, and it them, within 2 s
-//! of the cut, and the two survivors still reach each other.
+//! of the cut, and the two survivors still reach each other. Then (RDV-4) a cut between two
+//! healthy workers only (1 and 2; each still reaches 0): each declares the other failed in its
+//! own view, but neither report is confirmed, so the group evicts neither and rank 0 hears of
+//! no failure.
 //!
 //! Skipped, with the reason printed, where namespaces cannot be made (not root, no `ip`, `tc`
 //! or `unshare`). The namespaces are deleted and the processes killed when the test ends,
@@ -51,8 +54,11 @@ fn ip_of(i: usize) -> String {
     format!("10.231.0.{}", i + 1)
 }
 
-/// The namespaces, or why they cannot be made here.
-fn namespaces() -> Result<Namespaces, String> {
+/// The tests make namespaces and reap orphans: one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// The namespaces (their names tagged with `tag`), or why they cannot be made here.
+fn namespaces(tag: &str) -> Result<Namespaces, String> {
     // SAFETY: geteuid(2) has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         return Err("not root".into());
@@ -62,7 +68,7 @@ fn namespaces() -> Result<Namespaces, String> {
             return Err(format!("`{tool}` is not installed"));
         }
     }
-    let tag = format!("rpcpart{}", std::process::id());
+    let tag = format!("rpc{tag}{}", std::process::id());
     let ns = Namespaces {
         hub: format!("{tag}h"),
         workers: (0..3).map(|i| format!("{tag}w{i}")).collect(),
@@ -146,19 +152,9 @@ impl Drop for Workers {
     }
 }
 
-#[test]
-fn a_cut_link_is_detected_within_2_s_on_both_sides() {
-    // Orphans of this process (the workers, once their `unshare` is killed) become its
-    // children, so it can reap them.
-    // SAFETY: prctl(2) with PR_SET_CHILD_SUBREAPER takes a plain integer.
-    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1) };
-    let ns = match namespaces() {
-        Ok(ns) => ns,
-        Err(why) => {
-            eprintln!("SKIPPED: network namespaces cannot be made here: {why}");
-            return;
-        }
-    };
+/// Three `watch` workers, one per namespace, rank 0 hosting the rendezvous; every peer heard
+/// from by the time this returns.
+fn start(ns: &Namespaces) -> Workers {
     let secret = rpc_core::Secret::generate();
     let rendezvous = format!("{}:29500", ip_of(0));
     let commands = ns
@@ -192,6 +188,33 @@ fn a_cut_link_is_detected_within_2_s_on_both_sides() {
     assert_eq!(p.expect(0, "BULK", Duration::from_secs(30)), "0");
     // Past the detectors' start-up grace: every peer has been heard from.
     std::thread::sleep(Duration::from_secs(1));
+    workers
+}
+
+/// The namespaces, and this test's turn, or `None` (the reason printed) where they cannot be
+/// made.
+fn setup(tag: &str) -> Option<(Namespaces, std::sync::MutexGuard<'static, ()>)> {
+    let turn = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    // Orphans of this process (the workers, once their `unshare` is killed) become its
+    // children, so it can reap them.
+    // SAFETY: prctl(2) with PR_SET_CHILD_SUBREAPER takes a plain integer.
+    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1) };
+    match namespaces(tag) {
+        Ok(ns) => Some((ns, turn)),
+        Err(why) => {
+            eprintln!("SKIPPED: network namespaces cannot be made here: {why}");
+            None
+        }
+    }
+}
+
+#[test]
+fn a_cut_link_is_detected_within_2_s_on_both_sides() {
+    let Some((ns, _turn)) = setup("part") else {
+        return;
+    };
+    let mut workers = start(&ns);
+    let p = workers.0.as_mut().unwrap();
     let at = unix_ms();
     let how = cut(&ns.workers[2], "v2").and_then(|_| cut(&ns.hub, "h2"));
     let how = how.unwrap_or_else(|e| panic!("cutting the link: {e}"));
@@ -219,6 +242,39 @@ fn a_cut_link_is_detected_within_2_s_on_both_sides() {
         assert!(
             !p.has_line(rank, &format!("FAILED {other} ")),
             "rank {rank} declared rank {other} failed"
+        );
+    }
+    drop(workers);
+    drop(ns);
+}
+
+/// RDV-4: a cut between workers 1 and 2 alone. Each declares the other failed in its own view
+/// and reports it; rank 0, which hears both, confirms neither, so the group evicts nobody.
+/// Before, the rendezvous acted on the first report: rank 0 declared 1 or 2 (or both) failed.
+#[test]
+fn a_link_cut_between_two_healthy_workers_evicts_neither() {
+    let Some((ns, _turn)) = setup("asym") else {
+        return;
+    };
+    let mut workers = start(&ns);
+    let p = workers.0.as_mut().unwrap();
+    // Each drops what it sends the other (a blackhole route): no connection between them.
+    for (from, to) in [(1, 2), (2, 1)] {
+        let route = format!("{}/32", ip_of(to));
+        let args = ["-n", &ns.workers[from], "route", "add", "blackhole", &route];
+        run("ip", &args).unwrap_or_else(|e| panic!("cutting 1 -- 2: {e}"));
+    }
+    // Each declares the other failed locally, and still reaches rank 0.
+    for (rank, other) in [(1u32, 2u32), (2, 1)] {
+        p.expect(rank, &format!("FAILED {other} "), Duration::from_secs(10));
+        assert_eq!(p.expect(rank, "REACH 0", Duration::from_secs(10)), "ok");
+    }
+    // Both reports reached the rendezvous long before this.
+    std::thread::sleep(Duration::from_secs(3));
+    for other in [1, 2] {
+        assert!(
+            !p.has_line(0, &format!("FAILED {other} ")),
+            "rank 0 was told that healthy rank {other} failed"
         );
     }
     drop(workers);

@@ -17,6 +17,7 @@
 //! address to every worker; that is what lets any rank, rank 0 included, be replaced). Its
 //! connections pass the same authenticated handshake as RPC connections.
 
+mod evidence;
 #[cfg(any(test, feature = "fuzzing"))]
 mod fuzz;
 mod member;

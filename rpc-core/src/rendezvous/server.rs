@@ -13,7 +13,8 @@
 //!   or, for a vacant rank within the capacity, as its first (a name is never held by two
 //!   ranks). Every member is told before the new incarnation gets its view. Joins for ranks
 //!   past the initial ones that come while the group forms wait until it has formed.
-//! - RDV-3: a failure reported by any member is decided once per incarnation and told to all.
+//! - RDV-3: a failure is decided once per incarnation and told to all.
+//! - RDV-4: a failure is decided on evidence, not on one member's report (`evidence.rs`).
 
 use futures::StreamExt;
 use std::collections::BTreeMap;
@@ -21,6 +22,7 @@ use std::time::Duration;
 use tokio::sync::{broadcast, mpsc};
 use tokio::time::Instant;
 
+use super::evidence::{Seen, Suspicions};
 use super::{
     framed, recv, refusal, send, Framed_, GroupSize, Join, Member, Report, Update, Verdict, View,
 };
@@ -71,6 +73,8 @@ struct State {
     generation: u64,
     events: mpsc::Sender<Event>,
     watchers: broadcast::Sender<MembershipEvent>,
+    /// Failure reports not confirmed yet (RDV-4).
+    suspicions: Suspicions,
 }
 
 /// Serves the group: formation until `deadline` (RDV-1), then membership for as long as the
@@ -94,6 +98,7 @@ pub(super) async fn serve(
         generation: 0,
         events: tx.clone(),
         watchers,
+        suspicions: Suspicions::default(),
     };
     let gate = auth::Gate::default();
     let mut formed = size.is_dynamic();
@@ -108,7 +113,8 @@ pub(super) async fn serve(
                 let by = if formed { Instant::now() + Duration::from_secs(30) } else { deadline };
                 tokio::spawn(read_join(conn, tx, secret, gate, by));
             }
-            Some(ev) = rx.recv() => match ev {
+            Some(ev) = rx.recv() => {
+                match ev {
                 Event::Join(join, f) if !formed && join.rank >= initial && join.size == size => {
                     state.early.push((join, *f));
                 }
@@ -143,7 +149,12 @@ pub(super) async fn serve(
                 Event::Join(join, f) => state.rejoin(join, *f),
                 Event::Report(rank, inc, r) => state.report(rank, inc, r),
                 Event::Closed(rank, inc) => state.closed(rank, inc),
-            },
+            }
+            // Any change may complete the evidence on a suspicion (RDV-4).
+            if formed {
+                state.decide();
+            }
+            }
             _ = tokio::time::sleep_until(deadline), if !formed => {
                 let missing: Vec<u32> =
                     (0..initial).filter(|r| !state.slots.contains_key(r)).collect();
@@ -412,9 +423,11 @@ impl State {
     }
 
     fn report(&mut self, from: u32, from_inc: u64, r: Report) {
-        let current = self.slots.get(&from).map(|s| s.incarnation);
-        if current != Some(from_inc) {
-            return; // MEM-1: a replaced incarnation is not heard.
+        let current = self.slots.get(&from).map(|s| (s.incarnation, &s.standing));
+        if current != Some((from_inc, &Standing::Alive)) {
+            // MEM-1: a replaced incarnation is not heard; RDV-4: nor one the group declared
+            // failed or that left.
+            return;
         }
         match r {
             Report::Failed {
@@ -426,7 +439,8 @@ impl State {
                     .slots
                     .get(&from)
                     .map_or(String::new(), |s| s.join.name.clone());
-                self.fail(rank, incarnation, format!("reported by `{name}`: {cause}"));
+                let cause = format!("reported by `{name}`: {cause}");
+                self.suspicions.report(rank, incarnation, from, cause);
             }
             Report::Leaving => {
                 let Some(slot) = self.slots.get_mut(&from) else {
@@ -446,6 +460,32 @@ impl State {
                     },
                     None,
                 );
+            }
+        }
+    }
+
+    /// Declares the failures the evidence now confirms (RDV-4), until none is left: each
+    /// changes who the live members are.
+    fn decide(&mut self) {
+        loop {
+            let seen = self
+                .slots
+                .iter()
+                .map(|(&r, s)| {
+                    let m = Seen {
+                        incarnation: s.incarnation,
+                        alive: s.standing == Standing::Alive,
+                        linked: s.out.is_some(),
+                    };
+                    (r, m)
+                })
+                .collect();
+            let confirmed = self.suspicions.confirmed(&seen);
+            if confirmed.is_empty() {
+                return;
+            }
+            for (rank, inc, cause) in confirmed {
+                self.fail(rank, inc, cause);
             }
         }
     }
