@@ -107,6 +107,7 @@ pub fn is_worker() -> bool {
 /// when it is the only one on its node).
 pub async fn serve_until_shutdown(registry: Registry, timeout: Duration) -> Result<()> {
     let (agent, report) = serve(registry, timeout).await?;
+    job_outcome(&agent, &report)?;
     anyhow::ensure!(
         report.is_clean(),
         "{} shut down uncleanly: {report:?}",
@@ -155,6 +156,7 @@ pub const SIGNAL_GRACE: Duration = Duration::from_secs(3);
 /// Checks a shutdown report of a program that survives failures: nothing aborted, and a
 /// barrier that is incomplete only when the group has declared some worker failed.
 pub fn check_shutdown(agent: &rpc_core::Agent, report: &rpc_core::ShutdownReport) -> Result<()> {
+    job_outcome(agent, report)?;
     let failed = agent.failed_workers();
     anyhow::ensure!(
         report.aborted == 0 && (report.barrier.is_ok() || !failed.is_empty()),
@@ -170,6 +172,29 @@ pub fn check_shutdown(agent: &rpc_core::Agent, report: &rpc_core::ShutdownReport
         );
     }
     Ok(())
+}
+
+/// Shuts `agent` down after `result`, the work it did: a failure is told to every member
+/// (`Agent::shutdown_failed`), so that no process of a failed job exits 0; a [`Fatal`] one
+/// says that a restart cannot help.
+pub async fn shutdown_after<T>(
+    agent: &rpc_core::Agent,
+    result: &Result<T>,
+) -> rpc_core::ShutdownReport {
+    match result {
+        Ok(_) => agent.shutdown().await,
+        Err(e) => agent.shutdown_failed(format!("{e:#}"), !is_fatal(e)).await,
+    }
+}
+
+/// The job's failure another member told this one at shutdown, as this process's error
+/// ([`Fatal`] when a restart cannot help); its own failure is the caller's to report.
+pub fn job_outcome(agent: &rpc_core::Agent, report: &rpc_core::ShutdownReport) -> Result<()> {
+    match &report.job_failed {
+        Some(f) if f.rank != agent.rank() && !f.retry => Err(Fatal(f.to_string()).into()),
+        Some(f) if f.rank != agent.rank() => Err(anyhow::anyhow!("{f}")),
+        _ => Ok(()),
+    }
 }
 
 /// Worker processes started by a launcher; killed and reaped if the launcher stops early.

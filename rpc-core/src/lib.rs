@@ -122,7 +122,7 @@ pub use net::{
 pub use registry::{RegistryBuilder, RegistryError, RemoteFn};
 pub use rendezvous::{GroupSize, RendezvousServer};
 pub use rpc_macros::remote;
-pub use shutdown::ShutdownReport;
+pub use shutdown::{JobFailed, ShutdownReport};
 pub use state::Agent;
 pub use state::CallContext;
 pub use state::Registry;

@@ -93,3 +93,35 @@ fn the_shutdown_report_names_the_workers_that_failed() {
         a[2].shutdown_within(Duration::from_secs(1)).await;
     });
 }
+
+/// SHUT-1: a master whose job failed says so at the barrier; the workers that only served
+/// hear it, so their reports are not clean and they cannot exit 0 for a failed job. Before,
+/// their reports were clean and a launcher of those workers alone reported success.
+#[test]
+fn a_failed_job_is_no_success_on_any_member() {
+    each_transport(60, |t| async move {
+        let a = group(t).await;
+        let waiting: Vec<_> = a[1..]
+            .iter()
+            .map(|w| {
+                let w = w.clone();
+                tokio::spawn(async move { w.wait_for_group().await })
+            })
+            .collect();
+        let master = a[0].shutdown_failed("step 7: the loss is NaN", false).await;
+        assert!(!master.is_clean(), "{master:?}");
+        for w in waiting {
+            let r = w.await.unwrap();
+            assert!(!r.is_clean(), "{r:?}");
+            let f = r.job_failed.clone().expect("told of the failure");
+            assert_eq!((f.rank, f.worker.as_str()), (0, a[0].name()));
+            assert_eq!(
+                (f.cause.as_str(), f.retry),
+                ("step 7: the loss is NaN", false)
+            );
+            assert!(r.barrier.is_ok(), "the barrier itself completed: {r:?}");
+        }
+        // A second shutdown returns the first one's report (AG-4).
+        assert!(a[0].shutdown().await.job_failed.is_some());
+    });
+}

@@ -121,7 +121,7 @@ fn main() -> Result<()> {
         let cfg = liveness(workers.rank0_config("worker0", timeout));
         let agent = rpc_core::init(cfg, registry()?).await?;
         let result = replica(&agent, &args, Some(&mut workers)).await;
-        let report = agent.shutdown().await;
+        let report = examples::shutdown_after(&agent, &result).await;
         println!("{}", result?);
         examples::check_shutdown(&agent, &report)
     })?;

@@ -276,7 +276,7 @@ fn main() -> Result<()> {
         )
         .await?;
         let result = run_modes(&agent, &args, &test, &mut workers).await;
-        let report = agent.shutdown().await;
+        let report = examples::shutdown_after(&agent, &result).await;
         result?;
         examples::check_shutdown(&agent, &report)
     })?;

@@ -20,6 +20,9 @@
 //!   while it waits, it redials the missing ranks, and once every missing rank refuses
 //!   connections (nothing listens: the process exited or was killed) the barrier fails at
 //!   once, naming them. Frozen or partitioned peers still cost the timeout.
+//! - SHUT-1: a job that failed is never reported as a success: rank 0's
+//!   [`Agent::shutdown_failed`] reaches every member that arrives at its barrier, whose
+//!   report says so and is not clean.
 //! - AG-7: where a launcher replaces failed processes one by one
 //!   ([`Config::replaced_on_failure`](crate::Config::replaced_on_failure)), a rank whose
 //!   rank 0 failed waits, within the barrier's timeout, for rank 0's next incarnation and
@@ -36,7 +39,7 @@ use crate::registry::RemoteFn;
 use crate::rendezvous::Report;
 use crate::state::{Agent, CallContext};
 
-pub use state::ShutdownReport;
+pub use state::{JobFailed, ShutdownReport};
 
 impl Agent {
     /// Leaves the running group gracefully while the others go on: the layers above finish
@@ -105,6 +108,30 @@ impl Agent {
         shutdown(self, self.inner.shutdown.timeout).await
     }
 
+    /// [`Agent::shutdown`] of a job that failed: the barrier tells every member (SHUT-1), whose
+    /// [`ShutdownReport::job_failed`] then says so and is not clean, so that a worker that
+    /// only serves exits non-zero instead of reporting success for a failed job. `retry`:
+    /// whether running the job again may succeed. Only the first call of any shutdown decides;
+    /// rank 0's failure is the one the others hear.
+    ///
+    /// ```no_run
+    /// # async fn demo(agent: rpc_core::Agent, train: impl std::future::Future<Output = Result<(), String>>) {
+    /// let report = match train.await {
+    ///     Ok(()) => agent.shutdown().await,
+    ///     Err(e) => agent.shutdown_failed(e, true).await,
+    /// };
+    /// # }
+    /// ```
+    pub async fn shutdown_failed(&self, cause: impl Into<String>, retry: bool) -> ShutdownReport {
+        self.inner.shutdown.set_outcome(JobFailed {
+            worker: self.name().to_owned(),
+            rank: self.rank(),
+            cause: cause.into(),
+            retry,
+        });
+        self.shutdown().await
+    }
+
     /// [`Agent::shutdown`] with `timeout` per phase instead of the configured one: after a
     /// failure, a worker leaves quickly instead of waiting out the group's generous timeout
     /// for traffic with peers that are gone. Only the first call of either decides.
@@ -157,14 +184,16 @@ pub(crate) struct ShutdownBarrier;
 impl RemoteFn for ShutdownBarrier {
     const NAME: &'static str = "rpc_core::shutdown_barrier";
     type Args = (u32,);
-    type Output = ();
-    async fn call(ctx: CallContext, (rank,): (u32,)) -> Result<(), BoxError> {
+    /// SHUT-1: the job's failure as rank 0 recorded it before it arrived.
+    type Output = Option<JobFailed>;
+    async fn call(ctx: CallContext, (rank,): (u32,)) -> Result<Option<JobFailed>, BoxError> {
         let agent = ctx.agent();
         agent
             .inner
             .shutdown
             .arrive(rank, agent.world_size())
             .await
+            .map(|()| agent.inner.shutdown.outcome())
             .map_err(|missing| {
                 format!(
                     "ranks {missing:?} never reached the shutdown barrier (missing or declared \
@@ -216,8 +245,16 @@ async fn run(agent: Agent, t: Duration, group_barrier: Option<Duration>) -> Shut
         }
         barrier
     } else {
-        Ok(())
+        Ok(None)
     };
+    let job_failed = match &barrier {
+        Ok(Some(f)) => Some(f.clone()),
+        _ => inner.shutdown.outcome(),
+    };
+    if let Some(f) = &job_failed {
+        tracing::warn!(worker = %agent.name(), "{f}");
+    }
+    let barrier = barrier.map(|_| ());
     // This worker's part of the job's trace: everything it did for the group is recorded.
     crate::trace::write_part(&agent);
     // Phase 2: refuse new root calls; let the calls in flight finish.
@@ -256,6 +293,7 @@ async fn run(agent: Agent, t: Duration, group_barrier: Option<Duration>) -> Shut
         aborted,
         failed: inner.net.membership.failures(),
         elapsed: start.elapsed(),
+        job_failed,
     };
     tracing::info!(worker = %agent.name(), ?report, "shut down");
     report
@@ -263,10 +301,10 @@ async fn run(agent: Agent, t: Duration, group_barrier: Option<Duration>) -> Shut
 
 /// Phase 1: every rank calls rank 0's barrier; rank 0 stops waiting for ranks whose process
 /// is gone (AG-5).
-async fn barrier(agent: &Agent, t: Duration) -> Result<(), String> {
+async fn barrier(agent: &Agent, t: Duration) -> Result<Option<JobFailed>, String> {
     let world = agent.world_size() as u32;
     if world <= 1 {
-        return Ok(());
+        return Ok(None);
     }
     if agent.rank() != 0 {
         return arrive_at_rank0(agent, t).await;
@@ -306,7 +344,7 @@ async fn barrier(agent: &Agent, t: Duration) -> Result<(), String> {
 
 /// A rank other than 0 at rank 0's barrier, for at most `t`: once, or (AG-7) again at each
 /// replacement of a rank 0 that failed while it waited.
-async fn arrive_at_rank0(agent: &Agent, t: Duration) -> Result<(), String> {
+async fn arrive_at_rank0(agent: &Agent, t: Duration) -> Result<Option<JobFailed>, String> {
     let deadline = tokio::time::Instant::now() + t;
     loop {
         let holder = agent.incarnation_of(0u32).unwrap_or(0);
@@ -315,7 +353,7 @@ async fn arrive_at_rank0(agent: &Agent, t: Duration) -> Result<(), String> {
             .rpc_async_timeout(0u32, ShutdownBarrier, (agent.rank(),), left)
             .await
         {
-            Ok(()) => return Ok(()),
+            Ok(told) => return Ok(told),
             Err(e) => e,
         };
         let replaced = agent.inner.shutdown.follow_rank0

@@ -23,13 +23,44 @@ pub struct ShutdownReport {
     pub failed: Vec<crate::net::WorkerFailed>,
     /// Total time taken.
     pub elapsed: Duration,
+    /// The job failed: rank 0 (or this worker) shut down with
+    /// [`Agent::shutdown_failed`](crate::Agent::shutdown_failed), and the barrier told every
+    /// member.
+    pub job_failed: Option<JobFailed>,
 }
 
 impl ShutdownReport {
-    /// The barrier completed and nothing was aborted (workers that failed on the way are in
-    /// [`ShutdownReport::failed`]; the barrier names those it did not wait for).
+    /// The barrier completed, nothing was aborted, and the job did not fail (workers that
+    /// failed on the way are in [`ShutdownReport::failed`]; the barrier names those it did not
+    /// wait for).
     pub fn is_clean(&self) -> bool {
-        self.barrier.is_ok() && self.aborted == 0
+        self.barrier.is_ok() && self.aborted == 0 && self.job_failed.is_none()
+    }
+}
+
+/// The failure a job ended with, as the worker that shut down with it said
+/// ([`Agent::shutdown_failed`](crate::Agent::shutdown_failed)).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[non_exhaustive]
+pub struct JobFailed {
+    /// The worker that said so.
+    pub worker: String,
+    /// Its rank.
+    pub rank: u32,
+    /// Why the job failed.
+    pub cause: String,
+    /// Whether running the job again may succeed (a launcher restarts it), or would meet the
+    /// same failure (a bad flag, a checkpoint that cannot be written).
+    pub retry: bool,
+}
+
+impl std::fmt::Display for JobFailed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the job failed at `{}` (rank {}): {}",
+            self.worker, self.rank, self.cause
+        )
     }
 }
 
@@ -41,6 +72,8 @@ pub(crate) struct State {
     pub follow_rank0: bool,
     barrier: Mutex<Barrier>,
     pub report: tokio::sync::OnceCell<ShutdownReport>,
+    /// The job's failure, if this worker shuts down with one (rank 0's is told to all).
+    outcome: Mutex<Option<JobFailed>>,
 }
 
 #[derive(Default)]
@@ -85,7 +118,24 @@ impl State {
             follow_rank0,
             barrier: Mutex::new(Barrier::default()),
             report: tokio::sync::OnceCell::new(),
+            outcome: Mutex::new(None),
         }
+    }
+
+    /// Records the job's failure (the first one said wins).
+    pub(crate) fn set_outcome(&self, f: JobFailed) {
+        self.outcome
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_or_insert(f);
+    }
+
+    /// The job's failure, if one was recorded.
+    pub(crate) fn outcome(&self) -> Option<JobFailed> {
+        self.outcome
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     fn barrier(&self) -> std::sync::MutexGuard<'_, Barrier> {

@@ -108,7 +108,7 @@ fn run() -> Result<i32> {
         let result = train::master(&agent, &args, &data, resume_from, restart).await;
         // After a failure a worker may be gone; shutdown notices dead peers by itself (the
         // barrier and RRef traffic stop waiting for them), so this also returns in seconds.
-        let report = agent.shutdown().await;
+        let report = examples::shutdown_after(&agent, &result).await;
         let code = result?;
         if args.restart == rpcrun::Restart::Worker {
             // Workers replaced on the way are no reason to fail.

@@ -102,7 +102,7 @@ fn run() -> Result<i32> {
             train::train(&agent, &args, &data, restart).await
         };
         // After a failure a stage may be gone; shutdown notices dead peers by itself.
-        let report = agent.shutdown().await;
+        let report = examples::shutdown_after(&agent, &result).await;
         let code = result?;
         if args.restart == rpcrun::Restart::Worker {
             // Stages replaced on the way are no reason to fail.
