@@ -3,14 +3,18 @@
 # PID namespace of its own, so no shared-memory shortcut finds its peers), joined by veth
 # pairs to a bridge in a fourth, with `tc netem` 2 ms delay and 0.1 % loss on every link
 # where the kernel has netem. One `rpcrun --nnodes 3` per "host" starts one process there.
-# Mid-run, host 2's link is cut both ways for CUT_SECS seconds and then restored: the group
-# must notice, restart, resume from the checkpoint and finish with the same parameters as a
-# run on loopback.
+# Mid-run, a fault (FAULT): `cut`, host 2's link cut both ways for CUT_SECS seconds and then
+# restored; `freeze`, host 1's only process stopped with SIGSTOP (its launcher must end it:
+# SUP-1). The group must notice, recover (RESTART: `group`, every process restarted and the
+# run resumed from its checkpoint; `worker`, only the failed one, the master replaying from
+# the checkpoint in its own process) and finish with the same parameters as a run on
+# loopback, every launcher exiting 0.
 #
 #   scripts/three-hosts.sh [HYBRID_RNN_FLAGS...]
 #
 # Environment: BIN_DIR (where hybrid-rnn and rpcrun are; default: builds target/release),
-# CUT_AT_STEP (default 150), CUT_SECS (default 4), OUT (default target/three-hosts).
+# FAULT (default cut), RESTART (default group), CUT_AT_STEP (the step the fault comes after,
+# default 150), CUT_SECS (default 4), OUT (default target/three-hosts).
 # Needs root, iproute2 and util-linux's unshare; otherwise it says why and exits 0 without
 # running (exit 77 with SKIP_STATUS=77). The namespaces are deleted and every process killed
 # on exit, however it exits.
@@ -22,6 +26,12 @@ for t in ip tc unshare python3; do command -v "$t" >/dev/null || skip "\`$t\` is
 
 flags=("$@")
 [ ${#flags[@]} -gt 0 ] || flags=(--epochs 1 --checkpoint-every 100)
+fault=${FAULT:-cut}
+restart=${RESTART:-group}
+case "$fault:$restart" in
+    cut:group | cut:worker | freeze:group | freeze:worker) ;;
+    *) echo "three-hosts: FAULT is cut or freeze, RESTART group or worker"; exit 2 ;;
+esac
 cut_at=${CUT_AT_STEP:-150}
 cut_secs=${CUT_SECS:-4}
 out=${OUT:-target/three-hosts}
@@ -37,7 +47,9 @@ tag="rpc3h$$"
 hub="${tag}hub"
 hosts=("${tag}0" "${tag}1" "${tag}2")
 pids=()
+frozen=
 cleanup() {
+    if [ -n "$frozen" ]; then kill -9 "$frozen" 2>/dev/null || true; kill -CONT "$frozen" 2>/dev/null || true; fi
     for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
     for n in "${hosts[@]}" "$hub"; do ip netns del "$n" 2>/dev/null || true; done
 }
@@ -74,8 +86,8 @@ chmod 600 "$out/secret"
 for i in 0 1 2; do
     ip netns exec "${hosts[$i]}" unshare --pid --fork --kill-child --mount-proc \
         "$bin/rpcrun" --nnodes 3 --nproc 1 --node-rank "$i" --rdzv 10.232.0.1:29500 \
-        --secret-file "$out/secret" --max-restarts 3 -- \
-        "$bin/hybrid-rnn" "${flags[@]}" --quiet --out-dir "$out/run" \
+        --secret-file "$out/secret" --max-restarts 3 --restart "$restart" -- \
+        "$bin/hybrid-rnn" "${flags[@]}" --quiet --out-dir "$out/run" --restart "$restart" \
         >"$out/host$i.out" 2>"$out/host$i.err" &
     pids+=($!)
 done
@@ -87,28 +99,41 @@ while [ "$(done_steps)" -lt "$cut_at" ]; do
     kill -0 "${pids[0]}" 2>/dev/null || { echo "host 0 ended early"; tail "$out"/host*.err; exit 1; }
     sleep 0.01
 done
-echo "step $(done_steps): cutting host 2's link for $cut_secs s"
-cut_start=$SECONDS
-for side in "${hosts[2]} v2" "$hub h2"; do
-    set -- $side
-    ip netns exec "$1" tc qdisc replace dev "$2" root pfifo limit 0
-done
-sleep "$cut_secs"
-ip netns exec "$hub" tc qdisc del dev h2 root
-if [ "$netem" = yes ]; then
-    ip netns exec "${hosts[2]}" tc qdisc replace dev v2 root netem delay 2ms loss 0.1%
+# The one child of a process, seen from here (`ip netns exec` is `unshare`, whose child is
+# rpcrun, whose child is the worker).
+child_of() { tr ' ' '\n' <"/proc/$1/task/$1/children" | grep -m1 . ; }
+fault_start=$SECONDS
+if [ "$fault" = cut ]; then
+    echo "step $(done_steps): cutting host 2's link for $cut_secs s"
+    for side in "${hosts[2]} v2" "$hub h2"; do
+        set -- $side
+        ip netns exec "$1" tc qdisc replace dev "$2" root pfifo limit 0
+    done
+    sleep "$cut_secs"
+    ip netns exec "$hub" tc qdisc del dev h2 root
+    if [ "$netem" = yes ]; then
+        ip netns exec "${hosts[2]}" tc qdisc replace dev v2 root netem delay 2ms loss 0.1%
+    else
+        ip netns exec "${hosts[2]}" tc qdisc del dev v2 root
+    fi
+    echo "link restored after $((SECONDS - fault_start)) s"
 else
-    ip netns exec "${hosts[2]}" tc qdisc del dev v2 root
+    frozen=$(child_of "$(child_of "${pids[1]}")")
+    kill -STOP "$frozen"
+    echo "step $(done_steps): froze host 1's process (pid $frozen, SIGSTOP), restart $restart"
 fi
-echo "link restored after $((SECONDS - cut_start)) s"
 
 status=0
 for i in 0 1 2; do
     if wait "${pids[$i]}"; then echo "host $i: rpcrun exited 0"; else
         s=$?; echo "host $i: rpcrun exited $s"; status=1; fi
 done
+echo "every launcher done $((SECONDS - fault_start)) s after the fault"
 pids=()
-grep -h "rpcrun" "$out"/host*.err | grep -E "restarting|killed|exited" | sed 's/^/  /' || true
+if [ -n "$frozen" ] && [ -e "/proc/$frozen" ] && ! grep -q '^State:.*Z' "/proc/$frozen/status" 2>/dev/null; then
+    echo "host 1's frozen process outlived its launcher"; status=1
+fi
+grep -h -E "restarting|killing|killed|exited" "$out"/host*.err | grep -v "^\[rank" | sed 's/^/  /' || true
 tail -1 "$out/host0.out"
 python3 - "$out/ref.out" "$out/host0.out" "$status" <<'PY'
 import json, sys

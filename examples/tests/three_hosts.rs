@@ -1,7 +1,10 @@
 //! `scripts/three-hosts.sh` in a small configuration: the hybrid example on three emulated
-//! hosts (network and PID namespaces, one `rpcrun --nnodes 3` each), host 2's link cut for 3 s
-//! mid-run and restored. The run must be restarted by the launchers, resume from its
-//! checkpoint and end with parameters bit-identical to the same run on loopback.
+//! hosts (network and PID namespaces, one `rpcrun --nnodes 3` each) and a fault mid-run:
+//! host 2's link cut for 3 s and restored (the group restarts), or host 1's only process
+//! frozen with SIGSTOP (its launcher must end it, SUP-1), with the whole group restarted or
+//! only the frozen process. Each run must recover, every launcher exit 0, and the parameters
+//! end bit-identical to the same run on loopback. Before the launchers watched their children,
+//! a frozen process hung its launcher for good.
 //!
 //! Skipped, with the reason printed, where namespaces cannot be made (the script says why) or
 //! where `rpcrun` was not built beside `hybrid-rnn` (`cargo test --workspace` builds both).
@@ -29,8 +32,28 @@ impl Drop for Script {
     }
 }
 
+/// The scenarios make namespaces and load the machine: one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn three_hosts_survive_a_cut_link_bit_identically() {
+    scenario("cut", "group", "cutting host 2's link");
+}
+
+#[test]
+fn three_hosts_survive_a_frozen_process_with_the_group_restarted() {
+    scenario("freeze", "group", "froze host 1's process");
+}
+
+#[test]
+fn three_hosts_survive_a_frozen_process_replaced_alone() {
+    scenario("freeze", "worker", "froze host 1's process");
+}
+
+/// Runs the script with `FAULT=fault` and `RESTART=restart`; `said` is its line about the
+/// fault.
+fn scenario(fault: &str, restart: &str, said: &str) {
+    let _turn = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let bin = Path::new(env!("CARGO_BIN_EXE_hybrid-rnn"))
         .parent()
         .unwrap();
@@ -42,8 +65,9 @@ fn three_hosts_survive_a_cut_link_bit_identically() {
         return;
     }
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
-    let out = std::env::temp_dir().join(format!("three-hosts-test-{}", std::process::id()));
-    let log = std::env::temp_dir().join(format!("three-hosts-test-{}.log", std::process::id()));
+    let tag = format!("three-hosts-{fault}-{restart}-{}", std::process::id());
+    let out = std::env::temp_dir().join(&tag);
+    let log = std::env::temp_dir().join(format!("{tag}.log"));
     let mut script = Script(
         Command::new("bash")
             .arg(root.join("scripts/three-hosts.sh"))
@@ -61,6 +85,8 @@ fn three_hosts_survive_a_cut_link_bit_identically() {
             .env("OUT", &out)
             .env("CUT_AT_STEP", "60")
             .env("CUT_SECS", "3")
+            .env("FAULT", fault)
+            .env("RESTART", restart)
             .env("SKIP_STATUS", "77")
             .env_remove("RANK")
             .stdin(Stdio::null())
@@ -98,7 +124,8 @@ fn three_hosts_survive_a_cut_link_bit_identically() {
         serde_json::from_str(verdict).unwrap_or_else(|e| panic!("{e}: {text}"));
     assert_eq!(j["bit_identical"], true, "{text}");
     assert!(j["recoveries"].as_u64().unwrap() >= 1, "{text}");
-    assert!(text.contains("cutting host 2's link"), "{text}");
+    assert!(text.contains(said), "{text}");
+    eprintln!("{fault}, restart {restart}: {verdict}");
     let _ = std::fs::remove_dir_all(&out);
     let _ = std::fs::remove_file(&log);
     let _ = std::fs::remove_file(log.with_extension("err"));
