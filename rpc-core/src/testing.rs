@@ -181,7 +181,8 @@ async fn dial_as(
     protection: WireProtection,
 ) -> io::Result<Box<dyn Io>> {
     let (mut conn, _) = transport.connect(addr).await?;
-    let session = auth::client(&mut conn, secret, protection, kind, ident).await?;
+    // A tool's dial: whoever listens there (IDN-1's check is the workers' own dials').
+    let session = auth::client(&mut conn, secret, protection, kind, ident, None).await?;
     Ok(session.wrap(conn))
 }
 

@@ -7,13 +7,20 @@
 //! 2. client → server: `MAGIC`, kind (1 byte), rank (u32 LE), incarnation (u64 LE), the
 //!    protection it wants (1 byte, see `seal/`), nonce `nc`,
 //!    `HMAC(secret, "client" | ns | nc | kind | rank | incarnation | wants)`;
-//! 3. server → client: `1`, the agreed protection (the stronger of both sides' wishes) and
-//!    `HMAC(secret, "server" | nc | ns | agreed)` if the tag verifies (checked in constant
-//!    time), else `0` and the connection closes.
+//! 3. server → client: `1`, the agreed protection (the stronger of both sides' wishes), the
+//!    server's own rank (u32 LE) and incarnation (u64 LE), and
+//!    `HMAC(secret, "server" | nc | ns | agreed | rank | incarnation)` if the tag verifies
+//!    (checked in constant time), else `0` and the connection closes.
 //!
 //! The client checks the server's tag too, so neither side talks to an impostor, and nobody
 //! on the path can weaken the protection both tags cover. Both sides then derive the
 //! connection's keys from the secret and both nonces (`seal/`).
+//!
+//! - IDN-1: a connection is bound to the worker its client dialled: the server says who it is
+//!   (rank and incarnation, under its tag), and the client refuses a server that is another
+//!   rank or an older incarnation than the group's table holds (a port that another worker
+//!   took over after a restart, a stale process); the server checks the client's claim
+//!   against its view of the group (MEM-1).
 //!
 //! - AUTH-1: the whole exchange is bounded by the handshake timeout, so a silent peer cannot
 //!   hold a slot.
@@ -37,7 +44,7 @@ pub const SECRET_ENV: &str = "RPC_SECRET";
 /// Env var naming a file that holds the group secret.
 pub const SECRET_FILE_ENV: &str = "RPC_SECRET_FILE";
 
-const MAGIC: &[u8; 8] = b"RXRPC\x00v3";
+const MAGIC: &[u8; 8] = b"RXRPC\x00v4";
 const NONCE: usize = 32;
 const TAG: usize = 32;
 
@@ -192,13 +199,15 @@ impl Default for Gate {
 
 impl Gate {
     /// Runs the server's handshake on `conn` if a place is free, within the accepting side's
-    /// timeout (or `timeout`, if shorter); the connection's kind and claimed rank, or why not.
+    /// timeout (or `timeout`, if shorter), stating `me`; the connection's kind and claimed
+    /// rank, or why not.
     pub(crate) async fn handshake(
         &self,
         conn: &mut Conn,
         secret: &Secret,
         protection: WireProtection,
         timeout: std::time::Duration,
+        me: Ident,
     ) -> io::Result<Accepted> {
         let Ok(_permit) = self.permits.try_acquire() else {
             let n = self
@@ -218,7 +227,7 @@ impl Gate {
         };
         tokio::time::timeout(
             timeout.min(ACCEPT_HANDSHAKE_TIMEOUT),
-            server(conn, secret, protection),
+            server(conn, secret, protection, me),
         )
         .await
         .unwrap_or_else(|_| {
@@ -234,12 +243,29 @@ fn denied(msg: &str) -> io::Error {
     io::Error::new(io::ErrorKind::PermissionDenied, msg.to_owned())
 }
 
-/// Who a connection's client says it is: a rank and the incarnation holding it (MEM-1), so a
-/// replaced process can be refused (fencing).
+/// Who either end of a connection says it is: a rank and the incarnation holding it (MEM-1),
+/// so a replaced process can be refused (fencing), and a dial reaches the worker it meant
+/// (IDN-1).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Ident {
     pub rank: u32,
     pub incarnation: u64,
+}
+
+/// The identity the rendezvous's listener states.
+pub(crate) const RENDEZVOUS: Ident = Ident {
+    rank: u32::MAX,
+    incarnation: 0,
+};
+
+impl fmt::Display for Ident {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if *self == RENDEZVOUS {
+            f.write_str("the rendezvous")
+        } else {
+            write!(f, "rank {} (incarnation {})", self.rank, self.incarnation)
+        }
+    }
 }
 
 /// What the server learns from a handshake that succeeded.
@@ -322,22 +348,37 @@ fn client_answer(
 }
 
 impl ClientAnswer {
-    /// Checks the server's verdict, the protection it agreed to and its proof of the secret;
-    /// the connection's keys.
+    /// Checks the server's verdict, the protection it agreed to, its proof of the secret and
+    /// who it says it is (IDN-1: `expect`'s rank, at least `expect`'s incarnation); the
+    /// connection's keys.
     fn check(
         &self,
         secret: &Secret,
         status: u8,
-        agreed: u8,
-        server_tag: &[u8; TAG],
+        reply: &[u8; SERVER_REPLY],
+        expect: Option<Ident>,
     ) -> io::Result<Session> {
         if status != 1 {
             return Err(denied("peer rejected our credentials (wrong secret)"));
         }
+        let agreed = reply[0];
+        let (rank_b, inc_b) = (&reply[1..5], &reply[5..13]);
         secret
-            .mac(&[b"server", &self.nc, &self.ns, &[agreed]])
-            .verify_slice(server_tag)
+            .mac(&[b"server", &self.nc, &self.ns, &[agreed], rank_b, inc_b])
+            .verify_slice(&reply[13..])
             .map_err(|_| denied("peer failed to prove the group secret"))?;
+        let is = Ident {
+            rank: u32::from_le_bytes(rank_b.try_into().expect("4 bytes")),
+            incarnation: u64::from_le_bytes(inc_b.try_into().expect("8 bytes")),
+        };
+        if let Some(want) = expect {
+            if is.rank != want.rank || is.incarnation < want.incarnation {
+                return Err(denied(&format!(
+                    "the listener there is {is}, not {want} that the group's table names (its \
+                     address taken over by another worker, or a stale process)"
+                )));
+            }
+        }
         let mode = Mode::from_u8(agreed)
             .filter(|m| *m >= self.wants)
             .ok_or_else(|| denied("peer agreed to less protection than we asked for"))?;
@@ -359,13 +400,18 @@ fn closed_during_auth(_: io::Error) -> io::Error {
     denied("peer closed the connection during authentication (wrong secret?)")
 }
 
-/// Client side of the handshake: the connection's keys (wrap the connection with them).
+/// What the server sends after the status byte: agreed protection, rank, incarnation, tag.
+const SERVER_REPLY: usize = 1 + 4 + 8 + TAG;
+
+/// Client side of the handshake, by `me`, to the worker `expect` (IDN-1; `None`: whoever
+/// listens, for tools): the connection's keys (wrap the connection with them).
 pub(crate) async fn client(
     conn: &mut Conn,
     secret: &Secret,
     protection: WireProtection,
     kind: ConnKind,
     me: Ident,
+    expect: Option<Ident>,
 ) -> io::Result<Session> {
     let wants = protection.wants(seal::same_host(conn));
     let mut hello = [0u8; 8 + NONCE];
@@ -377,12 +423,11 @@ pub(crate) async fn client(
     conn.read_exact(&mut status)
         .await
         .map_err(closed_during_auth)?;
-    let mut rest = [0u8; 1 + TAG];
+    let mut rest = [0u8; SERVER_REPLY];
     if status[0] == 1 {
         conn.read_exact(&mut rest).await?;
     }
-    let tag = rest[1..].try_into().expect("TAG bytes");
-    answer.check(secret, status[0], rest[0], tag)
+    answer.check(secret, status[0], &rest, expect)
 }
 
 /// Client side of the handshake on a blocking stream (the stream's own timeouts bound it).
@@ -392,6 +437,7 @@ pub(crate) fn client_blocking(
     protection: WireProtection,
     kind: ConnKind,
     me: Ident,
+    expect: Option<Ident>,
 ) -> io::Result<Session> {
     use std::io::{Read, Write};
     let wants = protection.wants(seal::same_host_std(conn));
@@ -402,20 +448,20 @@ pub(crate) fn client_blocking(
     conn.flush()?;
     let mut status = [0u8; 1];
     conn.read_exact(&mut status).map_err(closed_during_auth)?;
-    let mut rest = [0u8; 1 + TAG];
+    let mut rest = [0u8; SERVER_REPLY];
     if status[0] == 1 {
         conn.read_exact(&mut rest)?;
     }
-    let tag = rest[1..].try_into().expect("TAG bytes");
-    answer.check(secret, status[0], rest[0], tag)
+    answer.check(secret, status[0], &rest, expect)
 }
 
-/// Server side of the handshake: the connection's kind, the peer's claimed rank and the
-/// connection's keys.
+/// Server side of the handshake, stating `me` (IDN-1): the connection's kind, the peer's
+/// claimed rank and the connection's keys.
 pub(crate) async fn server(
     conn: &mut Conn,
     secret: &Secret,
     protection: WireProtection,
+    me: Ident,
 ) -> io::Result<Accepted> {
     let mine = protection.wants(seal::same_host(conn));
     let mut ns = [0u8; NONCE];
@@ -441,13 +487,16 @@ pub(crate) async fn server(
     match (ok, ConnKind::from_u8(kind_b), Mode::from_u8(wants_b)) {
         (true, Some(kind), Some(wants)) => {
             let agreed = wants.max(mine);
+            let (my_rank, my_inc) = (me.rank.to_le_bytes(), me.incarnation.to_le_bytes());
             let server_tag = secret
-                .mac(&[b"server", nc, &ns, &[agreed as u8]])
+                .mac(&[b"server", nc, &ns, &[agreed as u8], &my_rank, &my_inc])
                 .finalize()
                 .into_bytes();
-            let mut reply = Vec::with_capacity(2 + TAG);
+            let mut reply = Vec::with_capacity(1 + SERVER_REPLY);
             reply.push(1);
             reply.push(agreed as u8);
+            reply.extend_from_slice(&my_rank);
+            reply.extend_from_slice(&my_inc);
             reply.extend_from_slice(&server_tag);
             conn.write_all(&reply).await?;
             conn.flush().await?;
@@ -483,29 +532,79 @@ pub(crate) async fn server(
 mod tests {
     use super::*;
 
+    /// The server the tests' clients dial.
+    const SERVER: Ident = Ident {
+        rank: 4,
+        incarnation: 1,
+    };
+
     async fn pair_with(
         cs: &Secret,
         ss: &Secret,
         cp: WireProtection,
         sp: WireProtection,
     ) -> (io::Result<(Session, Conn)>, io::Result<(Accepted, Conn)>) {
+        pair_expecting(cs, ss, cp, sp, SERVER).await
+    }
+
+    async fn pair_expecting(
+        cs: &Secret,
+        ss: &Secret,
+        cp: WireProtection,
+        sp: WireProtection,
+        expect: Ident,
+    ) -> (io::Result<(Session, Conn)>, io::Result<(Accepted, Conn)>) {
         let (a, b) = tokio::io::duplex(4096);
         let mut a: Conn = Box::new(a);
         let mut b: Conn = Box::new(b);
+        let me = Ident {
+            rank: 7,
+            incarnation: 2,
+        };
         let (c, s) = tokio::join!(
-            client(
-                &mut a,
-                cs,
-                cp,
-                ConnKind::Bulk,
-                Ident {
-                    rank: 7,
-                    incarnation: 2
-                }
-            ),
-            server(&mut b, ss, sp)
+            client(&mut a, cs, cp, ConnKind::Bulk, me, Some(expect)),
+            server(&mut b, ss, sp, SERVER)
         );
         (c.map(|c| (c, a)), s.map(|s| (s, b)))
+    }
+
+    /// IDN-1: a client that dialled one worker refuses a listener that is another rank, or an
+    /// older incarnation than the table holds; a newer one is the rank's holder.
+    #[tokio::test]
+    async fn a_dial_reaches_the_worker_it_meant_or_fails() {
+        let s = Secret::new("k");
+        let p = WireProtection::Auto;
+        for (expect, ok) in [
+            (SERVER, true),
+            (
+                Ident {
+                    incarnation: 0,
+                    ..SERVER
+                },
+                true,
+            ),
+            (Ident { rank: 5, ..SERVER }, false),
+            (
+                Ident {
+                    incarnation: 2,
+                    ..SERVER
+                },
+                false,
+            ),
+        ] {
+            let (c, _) = pair_expecting(&s, &s, p, p, expect).await;
+            match c {
+                Ok(_) => assert!(ok, "{expect} accepted {SERVER}"),
+                Err(e) => {
+                    assert!(!ok, "{expect}: {e}");
+                    assert!(
+                        e.to_string()
+                            .contains("the listener there is rank 4 (incarnation 1), not"),
+                        "{e}"
+                    );
+                }
+            }
+        }
     }
 
     async fn pair(
@@ -586,16 +685,31 @@ mod tests {
             Mode::Encrypt,
         )
         .unwrap();
-        let tag: [u8; TAG] = s
-            .mac(&[b"server", &answer.nc, &answer.ns, &[Mode::Mac as u8]])
+        let (rank, inc) = (1u32.to_le_bytes(), 0u64.to_le_bytes());
+        let tag = s
+            .mac(&[
+                b"server",
+                &answer.nc,
+                &answer.ns,
+                &[Mode::Mac as u8],
+                &rank,
+                &inc,
+            ])
             .finalize()
-            .into_bytes()
-            .into();
-        let e = answer.check(&s, 1, Mode::Mac as u8, &tag).err().unwrap();
+            .into_bytes();
+        let reply = |agreed: Mode| {
+            let mut r = [0u8; SERVER_REPLY];
+            r[0] = agreed as u8;
+            r[1..5].copy_from_slice(&rank);
+            r[5..13].copy_from_slice(&inc);
+            r[13..].copy_from_slice(&tag);
+            r
+        };
+        let e = answer.check(&s, 1, &reply(Mode::Mac), None).err().unwrap();
         assert!(e.to_string().contains("less protection"), "{e}");
         // And a forged agreement fails the tag.
         let e = answer
-            .check(&s, 1, Mode::Encrypt as u8, &tag)
+            .check(&s, 1, &reply(Mode::Encrypt), None)
             .err()
             .unwrap();
         assert!(e.to_string().contains("prove"), "{e}");
@@ -617,7 +731,7 @@ mod tests {
                     .unwrap();
                 rt.block_on(async {
                     let mut c: Conn = Box::new(tokio::net::TcpStream::from_std(s).unwrap());
-                    server(&mut c, &ss, WireProtection::Auto)
+                    server(&mut c, &ss, WireProtection::Auto, SERVER)
                         .await
                         .map(|a| (a.kind, a.rank))
                 })
@@ -634,6 +748,7 @@ mod tests {
                     rank: 3,
                     incarnation: 0,
                 },
+                Some(SERVER),
             );
             let srv = server.join().unwrap();
             if ok {

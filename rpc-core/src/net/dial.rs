@@ -247,6 +247,15 @@ impl Dialer {
     ///
     /// # Cancel safety
     /// Cancel safe: a dial abandoned half way leaves nothing behind.
+    /// Who must answer a dial to `to` (IDN-1): that rank, at least the incarnation the table
+    /// holds.
+    fn expect(&self, to: u32) -> auth::Ident {
+        auth::Ident {
+            rank: to,
+            incarnation: self.directory.incarnation(to),
+        }
+    }
+
     pub(crate) async fn dial(&self, to: u32, kind: ConnKind) -> Result<Conn, DialError> {
         let cfg = &self.cfg;
         let addr = self.directory.addr(to);
@@ -261,7 +270,14 @@ impl Dialer {
             .map_err(|e| self.failed(to, e))?;
         let session = tokio::time::timeout(
             cfg.handshake_timeout,
-            auth::client(&mut conn, &cfg.secret, cfg.protection, kind, cfg.me()),
+            auth::client(
+                &mut conn,
+                &cfg.secret,
+                cfg.protection,
+                kind,
+                cfg.me(),
+                Some(self.expect(to)),
+            ),
         )
         .await
         .map_err(|_| {
@@ -307,7 +323,8 @@ impl Dialer {
             let t = Some(cfg.handshake_timeout.min(left(deadline)));
             s.set_read_timeout(t)?;
             s.set_write_timeout(t)?;
-            auth::client_blocking(s, &cfg.secret, cfg.protection, kind, cfg.me())
+            let expect = Some(self.expect(to));
+            auth::client_blocking(s, &cfg.secret, cfg.protection, kind, cfg.me(), expect)
         };
         let session = setup(&mut stream).map_err(|e| self.failed(to, e))?;
         Ok((stream, session.into_keys()))

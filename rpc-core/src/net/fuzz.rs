@@ -213,7 +213,12 @@ pub fn handshake_server(data: &[u8]) {
     let p = protection(data.first().copied().unwrap_or(0) / 97);
     let (io, written) = FuzzIo::new(rest, piece);
     let mut conn: Conn = Box::new(io);
-    let r = run(auth::Gate::default().handshake(&mut conn, &secret(), p, Duration::from_secs(1)));
+    let me = auth::Ident {
+        rank: 1,
+        incarnation: 0,
+    };
+    let (gate, key) = (auth::Gate::default(), secret());
+    let r = run(gate.handshake(&mut conn, &key, p, Duration::from_secs(1), me));
     // Without the secret's tag nobody is admitted.
     assert!(r.is_err(), "a forged handshake was accepted");
     assert!(written.lock().expect("not poisoned").len() <= 128);
@@ -234,6 +239,10 @@ pub fn handshake_client(data: &[u8]) {
             rank: 3,
             incarnation: 0,
         },
+        Some(auth::Ident {
+            rank: 1,
+            incarnation: 0,
+        }),
     ));
     assert!(r.is_err(), "a forged server was believed");
 }

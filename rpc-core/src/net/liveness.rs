@@ -294,6 +294,7 @@ async fn accept(ctx: Arc<Ctx>, mut listener: Listener) {
                     &ctx.cfg.secret,
                     ctx.cfg.protection,
                     ctx.cfg.handshake_timeout,
+                    ctx.cfg.me(),
                 )
                 .await;
             match hs {
@@ -473,6 +474,10 @@ async fn dial(ctx: &Ctx, rank: u32) -> Option<Conn> {
         cfg.protection,
         ConnKind::Heartbeat,
         cfg.me(),
+        Some(auth::Ident {
+            rank,
+            incarnation: ctx.dialer.directory().incarnation(rank),
+        }),
     );
     let session = tokio::time::timeout(cfg.handshake_timeout.min(cfg.failure_timeout), hs)
         .await

@@ -346,6 +346,7 @@ impl Net {
                 &self.cfg.secret,
                 self.cfg.protection,
                 self.cfg.handshake_timeout,
+                self.cfg.me(),
             )
             .await;
         let auth::Accepted {

@@ -67,6 +67,7 @@ pub(crate) async fn join(
                 rank: me.rank,
                 incarnation: 0,
             },
+            Some(auth::RENDEZVOUS),
         ),
     )
     .await;

@@ -181,7 +181,13 @@ async fn read_join(
     let left = by.saturating_duration_since(Instant::now());
     // The server asks for the least (a joiner may ask for more).
     let conn = match gate
-        .handshake(&mut conn, &secret, WireProtection::Auto, left)
+        .handshake(
+            &mut conn,
+            &secret,
+            WireProtection::Auto,
+            left,
+            auth::RENDEZVOUS,
+        )
         .await
     {
         Ok(a) if a.kind == ConnKind::Rendezvous => a.session.wrap(conn),
