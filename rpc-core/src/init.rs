@@ -69,8 +69,9 @@ pub async fn init(config: Config, mut registry: Registry) -> Result<Agent, InitE
         addr: my_addr,
         heartbeat: heartbeat_addr,
         replace: cfg.replace,
+        token: cfg.replace_token.clone(),
     };
-    let (view, link) = rendezvous::join(
+    let (view, link, token) = rendezvous::join(
         &net_cfg.transport,
         &cfg.rendezvous,
         &net_cfg.secret,
@@ -160,6 +161,8 @@ pub async fn init(config: Config, mut registry: Registry) -> Result<Agent, InitE
             }
         }));
     }
+    // RDV-5: this incarnation's token goes to its launcher, which hands it to a replacement.
+    inner.net.membership.own.set_token(token);
     tokio::spawn(rendezvous::follow(
         link,
         Arc::clone(&inner.net.membership),

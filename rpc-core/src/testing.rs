@@ -186,6 +186,12 @@ async fn dial_as(
     Ok(session.wrap(conn))
 }
 
+/// The token the rendezvous issued to `agent`'s incarnation, which its launcher hands to a
+/// process that replaces it ([`Config::replace_token`](crate::Config::replace_token)).
+pub fn replace_token(agent: &Agent) -> String {
+    agent.inner.net.membership.own.token_value()
+}
+
 /// Stops (or resumes) the heartbeats of `agent`'s failure detector, as a frozen process's
 /// would stop: its peers declare it failed once their failure timeout passes. The agent itself
 /// goes on working (and watching its peers).

@@ -111,6 +111,13 @@ impl Child {
         Some(why)
     }
 
+    /// The token that lets a process started in its place take its rank at once (RDV-5),
+    /// if it reported one.
+    pub(crate) fn replace_token(&mut self) -> Option<String> {
+        self.watch.read(self.pid(), Instant::now());
+        self.watch.token().map(str::to_owned)
+    }
+
     /// Its exit as a code and in words, with the launcher's reason if it killed it.
     pub(crate) fn describe(&self, status: ExitStatus) -> (i32, String) {
         let (code, what) = describe(status);

@@ -290,9 +290,13 @@ fn run_workers(launch: &Launch) -> Result<Exit, LaunchError> {
         None
     };
     let first_rank = launch.node_rank * launch.nproc;
-    let spawn = |local: u32, count: u32| {
+    // A restarted process gets the token of the one it replaces (RDV-5).
+    let spawn = |local: u32, count: u32, token: Option<String>| {
         let mut env = child_env(launch, local, count, &rdzv, Some(secret.path()));
         env.push((rpc_core::SERVE_RENDEZVOUS_ENV.to_owned(), "0".to_owned()));
+        if let Some(t) = token {
+            env.push((rpc_core::REPLACE_TOKEN_ENV.to_owned(), t));
+        }
         Child::spawn(launch, first_rank + local, &env)
     };
     tracing::info!(
@@ -301,7 +305,7 @@ fn run_workers(launch: &Launch) -> Result<Exit, LaunchError> {
         master = %format!("{}:{}", rdzv.host, rdzv.port),
         "starting {} processes (a failed one is restarted alone)", launch.nproc
     );
-    let mut children = spawn_all(launch, |local| spawn(local, 0))?;
+    let mut children = spawn_all(launch, |local| spawn(local, 0, None))?;
     // Per local rank: how often it was restarted, the incarnation its running process holds
     // (`None` until a restarted one has joined), and whether it finished.
     let mut counts = vec![0u32; launch.nproc as usize];
@@ -389,7 +393,8 @@ fn run_workers(launch: &Launch) -> Result<Exit, LaunchError> {
                 "restarting rank {rank} alone (restart {restarts} of {})",
                 launch.max_restarts
             );
-            match spawn(l as u32, counts[l]) {
+            let token = children[l].replace_token();
+            match spawn(l as u32, counts[l], token) {
                 Ok(c) => children[l] = c,
                 Err(e) => {
                     child::stop_all(&mut children, libc::SIGTERM, launch.stop_grace);

@@ -74,6 +74,11 @@ impl Watch {
         }
     }
 
+    /// The token the child's rendezvous issued it, for the process that replaces it (RDV-5).
+    pub(crate) fn token(&self) -> Option<&str> {
+        self.last.as_ref()?.0.token.as_deref()
+    }
+
     /// Why the launcher must end the child now, if it must (SUP-1..3).
     pub(crate) fn verdict(&self, now: Instant) -> Option<String> {
         let (s, at) = self.last.as_ref()?;
@@ -120,19 +125,20 @@ mod tests {
     #[test]
     fn verdicts_follow_what_the_child_said_and_when() {
         let s = Duration::from_secs;
-        let (w, t) = watch_with("v1 42 1 0 1000 alive\n");
+        let (w, t) = watch_with("v1 42 1 0 1000 alive t1\n");
         assert_eq!(w.verdict(t + s(1)), None);
+        assert_eq!(w.token(), Some("t1"));
         let why = w.verdict(t + s(2)).expect("SUP-1");
         assert!(why.contains("no sign of life for 2.0 s"), "{why}");
-        let (w, t) = watch_with("v1 42 1 0 1000 alive\nv1 42 1 0 1000 evicted\n");
+        let (w, t) = watch_with("v1 42 1 0 1000 alive t1\nv1 42 1 0 1000 evicted t1\n");
         assert!(w.verdict(t).expect("SUP-2").contains("declared rank 1"));
-        let (w, t) = watch_with("v1 42 1 0 1000 adrift:400\n");
+        let (w, t) = watch_with("v1 42 1 0 1000 adrift:400 t1\n");
         assert_eq!(w.verdict(t), None);
         let why = w.verdict(t + Duration::from_millis(700)).expect("SUP-3");
         assert!(why.contains("lost the rendezvous 1.1 s ago"), "{why}");
-        let (w, t) = watch_with("v1 42 1 0 1000 alive\nv1 42 1 0 1000 done\n");
+        let (w, t) = watch_with("v1 42 1 0 1000 alive t1\nv1 42 1 0 1000 done -\n");
         assert_eq!(w.verdict(t + s(60)), None, "done: not watched");
-        let (w, t) = watch_with("v1 43 1 0 1000 evicted\nnonsense\n");
+        let (w, t) = watch_with("v1 43 1 0 1000 evicted t1\nnonsense\n");
         assert_eq!(
             w.verdict(t + s(60)),
             None,

@@ -183,7 +183,9 @@ fn a_worker_leaves_gracefully_and_the_others_go_on() {
 }
 
 /// RDV-2: after the group formed, a join for a live rank is refused unless it replaces the
-/// holder; one that says so takes the rank, and the holder is declared failed everywhere.
+/// holder; RDV-5: a replacement without the holder's token waits for the holder to fail and
+/// is refused when its deadline passes first; one with the token (its launcher's) takes the
+/// rank at once, and the holder is declared failed everywhere.
 #[test]
 fn a_live_rank_is_taken_only_by_a_replacement() {
     run(60, async {
@@ -194,10 +196,22 @@ fn a_live_rank_is_taken_only_by_a_replacement() {
             matches!(&err, InitError::Refused(why) if why.contains("has not failed")),
             "{err:?}"
         );
-        let new = g
-            .start_rank(1, true)
-            .await
-            .expect("a replacement takes the rank");
+        let brief = g
+            .config(1)
+            .with_replace(true)
+            .with_init_timeout(Duration::from_secs(1));
+        let err = rpc_core::init(brief, registry()).await.unwrap_err();
+        assert!(
+            matches!(&err, InitError::Refused(why) if why.contains("no token")),
+            "{err:?}"
+        );
+        let token = rpc_core::testing::replace_token(&a[1]);
+        let new = rpc_core::init(
+            g.config(1).with_replace(true).with_replace_token(token),
+            registry(),
+        )
+        .await
+        .expect("a replacement takes the rank");
         assert_eq!(new.incarnation(), 1);
         let mut watch = a[0].watch_membership();
         let e = next(&mut watch).await;

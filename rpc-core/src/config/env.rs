@@ -54,6 +54,12 @@ pub const RESTART_COUNT_ENV: [&str; 2] = ["RPC_RESTART_COUNT", "TORCHELASTIC_RES
 /// [`Config::serve_rendezvous`](crate::Config::serve_rendezvous)): a launcher that hosts a standalone one sets `0`.
 pub const SERVE_RENDEZVOUS_ENV: &str = "RPC_SERVE_RENDEZVOUS";
 
+/// The variable in which a launcher hands a restarted process the token the rendezvous issued
+/// to the process it replaces (the old process told its launcher, `rpc_core::supervisor`):
+/// with it, the replacement takes the rank at once, even from a holder not yet declared failed
+/// (RDV-5); without it, only once the group has declared the holder failed.
+pub const REPLACE_TOKEN_ENV: &str = "RPC_REPLACE_TOKEN";
+
 /// The variable a launcher sets to say what it restarts after a failure: `worker` (each
 /// failed process alone, into the running group) or `group` (every process); see
 /// [`Config::replaced_on_failure`](crate::Config::replaced_on_failure).

@@ -24,9 +24,9 @@ use crate::net::{Secret, Transport, WireProtection};
 
 pub use env::{
     launched_rank, launched_restart_count, FAILURE_TIMEOUT_ENV, HEARTBEAT_INTERVAL_ENV,
-    MASTER_ADDR_ENV, MASTER_PORT_ENV, MAX_WORLD_SIZE_ENV, RANK_ENV, RESTART_COUNT_ENV,
-    RESTART_MODE_ENV, SERVE_RENDEZVOUS_ENV, SIGNAL_GRACE_ENV, TORCHRUN_AGENT_STORE_ENV,
-    WIRE_PROTECTION_ENV, WORLD_SIZE_ENV,
+    MASTER_ADDR_ENV, MASTER_PORT_ENV, MAX_WORLD_SIZE_ENV, RANK_ENV, REPLACE_TOKEN_ENV,
+    RESTART_COUNT_ENV, RESTART_MODE_ENV, SERVE_RENDEZVOUS_ENV, SIGNAL_GRACE_ENV,
+    TORCHRUN_AGENT_STORE_ENV, WIRE_PROTECTION_ENV, WORLD_SIZE_ENV,
 };
 
 /// How a worker joins its group. Build with [`Config::new`] and the `with_*` setters.
@@ -67,6 +67,12 @@ pub struct Config {
     /// then on (fencing). While a group forms this changes nothing. Default: whether the
     /// launcher's restart count ([`launched_restart_count`]) is positive.
     pub replace: Option<bool>,
+    /// The token that lets this replacement take its rank from a holder the group has not
+    /// declared failed yet: the one the rendezvous issued to that holder, which told its
+    /// launcher. Without it, a replacement waits (within the init timeout) until the holder
+    /// is declared failed, so that holding the group's secret is not enough to evict a live
+    /// member. Default: [`REPLACE_TOKEN_ENV`] (set by `rpcrun` on a process it restarts).
+    pub replace_token: Option<String>,
     /// Whether a launcher replaces each failed process alone, into the running group
     /// (`rpcrun --restart worker`). Shutdown then waits, within its timeout, for a
     /// replacement of a failed rank 0 and meets the others at the replacement's barrier,
@@ -202,6 +208,7 @@ impl Default for Config {
             init_method: None,
             serve_rendezvous: None,
             replace: None,
+            replace_token: None,
             replaced_on_failure: None,
             listen_addr: None,
             transport: Transport::Tcp,
@@ -260,6 +267,8 @@ impl Config {
         with_serve_rendezvous(serve_rendezvous: bool) => Some(serve_rendezvous);
         /// Sets [`Config::replace`].
         with_replace(replace: bool) => Some(replace);
+        /// Sets [`Config::replace_token`].
+        with_replace_token(replace_token: impl Into<String>) => Some(replace_token.into());
         /// Sets [`Config::replaced_on_failure`].
         with_replaced_on_failure(replaced_on_failure: bool) => Some(replaced_on_failure);
         /// Sets [`Config::listen_addr`].

@@ -7,8 +7,9 @@ use std::time::Duration;
 
 use super::env::{
     env_number, Env, FAILURE_TIMEOUT_ENV, HEARTBEAT_INTERVAL_ENV, MASTER_ADDR_ENV, MASTER_PORT_ENV,
-    MAX_WORLD_SIZE_ENV, RANK_ENV, RESTART_COUNT_ENV, RESTART_MODE_ENV, SERVE_RENDEZVOUS_ENV,
-    SIGNAL_GRACE_ENV, TORCHRUN_AGENT_STORE_ENV, WIRE_PROTECTION_ENV, WORLD_SIZE_ENV,
+    MAX_WORLD_SIZE_ENV, RANK_ENV, REPLACE_TOKEN_ENV, RESTART_COUNT_ENV, RESTART_MODE_ENV,
+    SERVE_RENDEZVOUS_ENV, SIGNAL_GRACE_ENV, TORCHRUN_AGENT_STORE_ENV, WIRE_PROTECTION_ENV,
+    WORLD_SIZE_ENV,
 };
 use super::Config;
 use crate::error::InitError;
@@ -31,6 +32,8 @@ pub(crate) struct Resolved {
     pub serve_rendezvous: bool,
     /// It replaces the holder of its rank (see [`Config::replace`]).
     pub replace: bool,
+    /// The token its launcher handed it for that ([`REPLACE_TOKEN_ENV`]).
+    pub replace_token: Option<String>,
     /// A launcher replaces failed processes one by one (see [`Config::replaced_on_failure`]).
     pub replaced_on_failure: bool,
     pub listen_addr: String,
@@ -88,6 +91,10 @@ impl Config {
             name: self.name.unwrap_or_else(|| format!("worker{rank}")),
             serve_rendezvous,
             replace,
+            replace_token: self
+                .replace_token
+                .or_else(|| env(REPLACE_TOKEN_ENV))
+                .filter(|t| replace && !t.is_empty()),
             replaced_on_failure,
             rendezvous,
             listen_addr,

@@ -11,9 +11,11 @@
 //! it says it lost the rendezvous for longer than the failure timeout. A process that left its
 //! group gracefully says `done`, and is not watched until an agent of it joins a group again.
 //!
-//! A line: `v1 PID RANK INCARNATION TIMEOUT_MS STATE`, STATE one of `alive`, `evicted`,
-//! `adrift:MS` (the rendezvous lost MS milliseconds ago) and `done`; under 100 bytes, so each
-//! write is atomic on a pipe. The launcher reads only the lines of the process it started (a
+//! A line: `v1 PID RANK INCARNATION TIMEOUT_MS STATE TOKEN`, STATE one of `alive`, `evicted`,
+//! `adrift:MS` (the rendezvous lost MS milliseconds ago) and `done`, TOKEN the one the
+//! rendezvous issued to this incarnation (`-` if none), which the launcher hands to the
+//! process it starts in this one's place (RDV-5); under 200 bytes, so each write is atomic on
+//! a pipe. The launcher reads only the lines of the process it started (a
 //! program that starts processes before its agent takes the pipe passes the pipe on).
 
 use std::io::Write;
@@ -31,11 +33,33 @@ pub(crate) struct Own {
     evicted: Mutex<Option<String>>,
     /// Since when this worker has had no link to the rendezvous (it broke while running).
     adrift: Mutex<Option<Instant>>,
+    /// The token the rendezvous issued to this incarnation, for its launcher to hand to a
+    /// replacement (RDV-5).
+    token: Mutex<String>,
 }
 
 impl Own {
     pub(crate) fn evicted(&self, cause: &str) {
         lock(&self.evicted).get_or_insert_with(|| cause.to_owned());
+    }
+
+    pub(crate) fn set_token(&self, token: String) {
+        *lock(&self.token) = token;
+    }
+
+    /// The token as issued (empty: none yet).
+    pub(crate) fn token_value(&self) -> String {
+        lock(&self.token).clone()
+    }
+
+    /// The TOKEN of a status line (`-` for none).
+    fn token(&self) -> String {
+        let t = lock(&self.token);
+        if t.is_empty() || t.contains(char::is_whitespace) {
+            "-".into()
+        } else {
+            t.clone()
+        }
     }
 
     pub(crate) fn lost_rendezvous(&self) {
@@ -106,7 +130,8 @@ pub(crate) fn report_alive(
     if let Some(pipe) = pipe() {
         let mut pipe = lock(pipe);
         if !ended() {
-            write(&mut pipe, rank, incarnation, timeout, &own.state());
+            let state = format!("{} {}", own.state(), own.token());
+            write(&mut pipe, rank, incarnation, timeout, &state);
         }
     }
 }
@@ -115,7 +140,7 @@ pub(crate) fn report_alive(
 /// on, until an agent of this process reports again.
 pub(crate) fn report_done(rank: u32, incarnation: u64, timeout: Duration) {
     if let Some(pipe) = pipe() {
-        write(&mut lock(pipe), rank, incarnation, timeout, "done");
+        write(&mut lock(pipe), rank, incarnation, timeout, "done -");
     }
 }
 
@@ -142,6 +167,8 @@ pub struct Status {
     pub timeout: Duration,
     /// How it stands.
     pub state: StatusState,
+    /// The token a replacement of it presents (RDV-5), if it has one.
+    pub token: Option<String>,
 }
 
 /// How a reporting worker stands (see [`Status`]).
@@ -176,12 +203,17 @@ impl Status {
                 s.strip_prefix("adrift:")?.parse().ok()?,
             )),
         };
+        let token = match it.next()? {
+            "-" => None,
+            t => Some(t.to_owned()),
+        };
         it.next().is_none().then_some(Self {
             pid,
             rank,
             incarnation,
             timeout,
             state,
+            token,
         })
     }
 }
@@ -199,23 +231,25 @@ mod tests {
         assert!(own.state().starts_with("adrift:"));
         own.evicted("no heartbeat");
         assert_eq!(own.state(), "evicted");
-        let s = Status::parse("v1 77 3 2 1500 adrift:250").unwrap();
+        let s = Status::parse("v1 77 3 2 1500 adrift:250 c0ffee").unwrap();
+        assert_eq!(s.token.as_deref(), Some("c0ffee"));
         assert_eq!(
             (s.pid, s.rank, s.incarnation, s.timeout),
             (77, 3, 2, Duration::from_millis(1500))
         );
         assert_eq!(s.state, StatusState::Adrift(Duration::from_millis(250)));
         assert_eq!(
-            Status::parse("v1 1 0 0 1 done").unwrap().state,
+            Status::parse("v1 1 0 0 1 done -").unwrap().state,
             StatusState::Done
         );
         for bad in [
             "",
-            "v2 1 0 0 1 alive",
-            "v1 1 0 0 1 alive x",
-            "v1 1 x 0 1 alive",
-            "v1 1 0 0 1 adrift",
-            "v1 0 0 1 alive",
+            "v2 1 0 0 1 alive -",
+            "v1 1 0 0 1 alive - x",
+            "v1 1 x 0 1 alive -",
+            "v1 1 0 0 1 adrift -",
+            "v1 0 0 1 alive -",
+            "v1 1 0 0 1 alive",
         ] {
             assert_eq!(Status::parse(bad), None, "{bad}");
         }

@@ -22,6 +22,7 @@ pub(crate) fn fuzz_messages(data: &[u8]) {
         addr: "127.0.0.1:1".into(),
         heartbeat: String::new(),
         replace: false,
+        token: None,
     };
     let before = [
         me.clone(),
@@ -42,7 +43,7 @@ pub(crate) fn fuzz_messages(data: &[u8]) {
                     .any(|j| j.rank == join.rank || j.name == join.name);
                 assert_eq!(why.is_none(), fits && !clash, "{join:?}: {why:?}");
             }
-        } else if let Ok(Verdict::Table(t)) = bincode::deserialize::<Verdict>(&frame) {
+        } else if let Ok(Verdict::Table(t, _)) = bincode::deserialize::<Verdict>(&frame) {
             if let Ok(t) = check_table(t, &me) {
                 assert_eq!(t.members.len(), 3);
                 assert_eq!(t.members[1].endpoint.name, "w1");
@@ -68,22 +69,26 @@ pub(crate) fn fuzz_seeds() -> Vec<Vec<u8>> {
         addr: "127.0.0.1:5000".into(),
         heartbeat: "127.0.0.1:5001".into(),
         replace: false,
+        token: None,
     };
-    let table = Verdict::Table(View {
-        generation: 0,
-        members: ["w0", "w1", "w2"]
-            .iter()
-            .map(|n| Member {
-                endpoint: Endpoint {
-                    name: (*n).into(),
-                    addr: "127.0.0.1:1".into(),
-                    heartbeat: String::new(),
-                    incarnation: 0,
-                },
-                standing: Standing::Alive,
-            })
-            .collect(),
-    });
+    let table = Verdict::Table(
+        View {
+            generation: 0,
+            members: ["w0", "w1", "w2"]
+                .iter()
+                .map(|n| Member {
+                    endpoint: Endpoint {
+                        name: (*n).into(),
+                        addr: "127.0.0.1:1".into(),
+                        heartbeat: String::new(),
+                        incarnation: 0,
+                    },
+                    standing: Standing::Alive,
+                })
+                .collect(),
+        },
+        "a1b2".into(),
+    );
     fn enc<T: Serialize>(v: &T) -> Vec<u8> {
         bincode::serialize(v).expect("encodes")
     }
@@ -93,6 +98,7 @@ pub(crate) fn fuzz_seeds() -> Vec<Vec<u8>> {
             enc(&join),
             enc(&Verdict::Missing(vec![1, 2])),
             enc(&Verdict::Refused("no".into())),
+            enc(&Verdict::Held("held".into())),
         ]),
     ]
 }

@@ -21,16 +21,62 @@ use crate::net::{Membership, WireProtection};
 /// This worker's membership link: its connection to the rendezvous, kept after joining.
 pub(crate) struct Link(Framed_);
 
-/// Joins the group at `addr`; returns the group and the link [`follow`] keeps.
+/// What one try at joining gave.
+enum Joined {
+    /// The group, the link, this worker's replacement token.
+    In(View, Link, String),
+    /// The rank's holder is alive and this worker has no token for it (RDV-5).
+    Held(String),
+}
+
+/// Joins the group at `addr`; returns the group, the link [`follow`] keeps and the token the
+/// rendezvous issued to this incarnation (its launcher hands it to a replacement). A rank
+/// whose holder has not failed yet is tried again until the deadline (RDV-5).
 pub(crate) async fn join(
     transport: &Transport,
     addr: &str,
     secret: &Secret,
     protection: WireProtection,
-    mut me: Join,
+    me: Join,
     timeout_: Duration,
-) -> Result<(View, Link), InitError> {
+) -> Result<(View, Link, String), InitError> {
     let deadline = Instant::now() + timeout_;
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match join_once(
+            transport,
+            addr,
+            secret,
+            protection,
+            me.clone(),
+            left,
+            timeout_,
+        )
+        .await?
+        {
+            Joined::In(view, link, token) => return Ok((view, link, token)),
+            Joined::Held(why) if Instant::now() + backoff < deadline => {
+                tracing::info!(%why, "the rank's holder has not failed yet; trying again");
+                sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_millis(500));
+            }
+            Joined::Held(why) => return Err(InitError::Refused(why)),
+        }
+    }
+}
+
+/// One try at joining, within `left` (`timeout_` is the whole join's, for the errors).
+async fn join_once(
+    transport: &Transport,
+    addr: &str,
+    secret: &Secret,
+    protection: WireProtection,
+    mut me: Join,
+    left: Duration,
+    timeout_: Duration,
+) -> Result<Joined, InitError> {
+    let deadline = Instant::now() + left;
     let mut backoff = Duration::from_millis(20);
     let (mut conn, local_ip) = loop {
         match tokio::time::timeout_at(deadline, transport.connect(addr)).await {
@@ -113,7 +159,12 @@ pub(crate) async fn join(
         })?
         .map_err(err)?;
     match verdict {
-        Verdict::Table(t) => Ok((check_table(t, &me).map_err(err)?, Link(f))),
+        Verdict::Table(t, token) => Ok(Joined::In(
+            check_table(t, &me).map_err(err)?,
+            Link(f),
+            token,
+        )),
+        Verdict::Held(why) => Ok(Joined::Held(why)),
         Verdict::Missing(missing) => Err(InitError::RendezvousTimeout {
             missing,
             timeout: timeout_,

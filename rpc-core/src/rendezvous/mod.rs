@@ -154,6 +154,9 @@ pub(crate) struct Join {
     /// It replaces the holder of its rank in a group that formed before (it is a restarted
     /// process); ignored while the group forms.
     pub replace: bool,
+    /// The token the rendezvous issued to the holder it replaces, handed on by the launcher
+    /// (RDV-5).
+    pub token: Option<String>,
 }
 
 /// One rank as the rendezvous knows it.
@@ -188,10 +191,13 @@ pub(crate) struct View {
 
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) enum Verdict {
-    /// The group, by rank.
-    Table(View),
+    /// The group, by rank, and the token that lets this worker's launcher replace it (RDV-5).
+    Table(View, String),
     Missing(Vec<u32>),
     Refused(String),
+    /// The rank's holder is alive and the joiner has no token for it: it may try again until
+    /// its deadline (the holder may yet be declared failed).
+    Held(String),
 }
 
 /// A change the rendezvous tells members of.
@@ -424,6 +430,7 @@ mod tests {
             addr: String::new(),
             heartbeat: String::new(),
             replace: false,
+            token: None,
         }
     }
 

@@ -15,6 +15,11 @@
 //!   past the initial ones that come while the group forms wait until it has formed.
 //! - RDV-3: a failure is decided once per incarnation and told to all.
 //! - RDV-4: a failure is decided on evidence, not on one member's report (`evidence.rs`).
+//! - RDV-5: a live holder is replaced only by whoever may start its replacement: each
+//!   incarnation gets a token of its own when it joins (it tells its launcher, which hands
+//!   the token to the process it restarts); a replacement without it waits until the group
+//!   has declared the holder failed. A process that merely holds the group's secret cannot
+//!   evict a live member.
 
 use futures::StreamExt;
 use std::collections::BTreeMap;
@@ -48,6 +53,8 @@ struct Slot {
     standing: Standing,
     /// The member's queue of updates, while its connection lasts.
     out: Option<mpsc::Sender<Update>>,
+    /// What a replacement of this incarnation presents (RDV-5).
+    token: String,
 }
 
 impl Slot {
@@ -58,8 +65,16 @@ impl Slot {
             incarnation: 0,
             standing: Standing::Alive,
             out: None,
+            token: new_token(),
         }
     }
+}
+
+/// 16 random bytes, hex.
+fn new_token() -> String {
+    let mut raw = [0u8; 16];
+    crate::net::auth::fill_random(&mut raw);
+    raw.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 struct State {
@@ -239,7 +254,11 @@ impl State {
     fn form(&mut self) {
         let view = self.view();
         for (rank, f) in std::mem::take(&mut self.pending) {
-            self.admit(rank, f, Verdict::Table(view.clone()));
+            let token = self
+                .slots
+                .get(&rank)
+                .map_or_else(String::new, |s| s.token.clone());
+            self.admit(rank, f, Verdict::Table(view.clone(), token));
         }
         tracing::info!(size = %self.size, "group formed");
     }
@@ -354,6 +373,24 @@ impl State {
                      or Config::replace is set)",
                     join.rank, join.name, s.incarnation
                 )),
+                Some(s)
+                    if s.standing == Standing::Alive
+                        && join.token.as_deref() != Some(s.token.as_str()) =>
+                {
+                    // RDV-5: not yet; the joiner tries again until its deadline.
+                    let why = format!(
+                        "rank {} (`{}`) is held by incarnation {}, which has not failed, and \
+                         this process has no token from its launcher to replace it",
+                        join.rank, join.name, s.incarnation
+                    );
+                    tracing::info!(%why, "a replacement waits for its rank");
+                    tokio::spawn(async move {
+                        let (mut f, held) = (f, Verdict::Held(why));
+                        let _ =
+                            tokio::time::timeout(Duration::from_secs(5), send(&mut f, &held)).await;
+                    });
+                    return;
+                }
                 Some(_) => None,
             }
         };
@@ -380,14 +417,10 @@ impl State {
                 slot.standing = Standing::Alive;
                 slot.join = join;
                 slot.out = None;
+                slot.token = new_token();
                 slot
             }
-            None => self.slots.entry(rank).or_insert(Slot {
-                join,
-                incarnation: 0,
-                standing: Standing::Alive,
-                out: None,
-            }),
+            None => self.slots.entry(rank).or_insert_with(|| Slot::first(join)),
         };
         let endpoint = Endpoint {
             name: slot.join.name.clone(),
@@ -403,7 +436,11 @@ impl State {
         );
         self.announce(rank, Update::Joined { rank, endpoint }, Some(rank));
         let view = self.view();
-        self.admit(rank, f, Verdict::Table(view));
+        let token = self
+            .slots
+            .get(&rank)
+            .map_or_else(String::new, |s| s.token.clone());
+        self.admit(rank, f, Verdict::Table(view, token));
     }
 
     /// Incarnation `inc` of `rank` failed (RDV-3: once).
