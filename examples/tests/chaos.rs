@@ -1,0 +1,65 @@
+//! `scripts/chaos.py` in a short version: three trials of the training examples under their
+//! own launcher, each with one fault (SIGKILL or SIGSTOP of a random rank, the rendezvous's
+//! host killed, a damaged checkpoint) at a random step from a fixed seed; each must end with
+//! the uninterrupted run's parameters or a clear error, with nothing left running. The long
+//! version's figures are in docs/recovery.md.
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The harness, stopped on drop (it kills the run under way when it gets SIGTERM).
+struct Harness(Option<Child>);
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            // SAFETY: kill has no memory-safety preconditions.
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            let until = Instant::now() + Duration::from_secs(10);
+            while matches!(c.try_wait(), Ok(None)) && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+#[test]
+fn three_chaos_trials_end_identical_or_with_a_clear_error() {
+    let bin = Path::new(env!("CARGO_BIN_EXE_hybrid-rnn"))
+        .parent()
+        .unwrap();
+    assert!(
+        bin.join("pipeline").exists(),
+        "pipeline is built beside hybrid-rnn"
+    );
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let child = Command::new("python3")
+        .arg(root.join("scripts/chaos.py"))
+        .args(["--trials", "3", "--seed", "11", "--limit", "240"])
+        .env("BIN_DIR", bin)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("python3 runs the harness");
+    let mut harness = Harness(Some(child));
+    // The harness bounds each trial (240 s) and kills what it started; this bounds it whole.
+    let deadline = Instant::now() + Duration::from_secs(900);
+    let c = harness.0.as_mut().unwrap();
+    while c.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "the harness ran past 900 s");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let out = harness.0.take().unwrap().wait_with_output().unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    eprintln!("{text}");
+    assert!(out.status.success(), "{text}");
+    let summary: serde_json::Value =
+        serde_json::from_str(text.lines().rfind(|l| l.contains("summary")).unwrap()).unwrap();
+    assert_eq!(summary["passed"], true, "{text}");
+    assert_eq!(summary["trials"], 3, "{text}");
+}
