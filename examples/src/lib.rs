@@ -382,17 +382,7 @@ impl Workers {
 /// --trace` does; a failure to merge is reported, never fatal.
 fn merge_trace(trace: &std::path::Path) {
     match rpc_core::trace::merge_parts(trace, None) {
-        Ok(s) => eprintln!(
-            "trace {}: {} parts, {} events, clocks aligned within {} us{}",
-            trace.display(),
-            s.parts,
-            s.events,
-            s.clock_error_bound_ns.div_ceil(1000),
-            match s.dropped {
-                0 => String::new(),
-                d => format!(", {d} oldest events dropped (ring full)"),
-            }
-        ),
+        Ok(s) => eprintln!("trace {}: {s}", trace.display()),
         Err(e) => eprintln!("trace not written: {e}"),
     }
 }

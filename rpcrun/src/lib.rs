@@ -351,17 +351,7 @@ impl Launch {
         if self.node_rank == 0 {
             match rpc_core::trace::merge_parts(&trace, None) {
                 Ok(s) => {
-                    eprintln!(
-                        "rpcrun: trace {}: {} parts, {} events, clocks aligned within {} us{}",
-                        trace.display(),
-                        s.parts,
-                        s.events,
-                        s.clock_error_bound_ns.div_ceil(1000),
-                        match s.dropped {
-                            0 => String::new(),
-                            d => format!(", {d} oldest events dropped (ring full)"),
-                        }
-                    );
+                    eprintln!("rpcrun: trace {}: {s}", trace.display());
                     exit.trace = Some(s);
                 }
                 Err(e) => eprintln!("rpcrun: trace not written: {e}"),

@@ -63,16 +63,7 @@ fn main() {
         Command::Merge { trace, parts } => {
             let parts = (!parts.is_empty()).then_some(parts);
             rpc_core::trace::merge_parts(&trace, parts.as_deref())
-                .map(|s| {
-                    println!(
-                        "{}: {} parts, {} events, clocks aligned within {} us, {} dropped",
-                        trace.display(),
-                        s.parts,
-                        s.events,
-                        s.clock_error_bound_ns.div_ceil(1000),
-                        s.dropped
-                    )
-                })
+                .map(|s| println!("{}: {s}", trace.display()))
                 .map_err(|e| e.to_string())
         }
         Command::Report { trace, json } => report(&trace, json),
