@@ -270,6 +270,21 @@ impl Holders {
                 );
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
+            // The others hear of the replacement in their own time: they all know it before
+            // they are asked to work with it (VIEW-1).
+            let me = self.agent.rank();
+            let others: Vec<u32> = (0..self.agent.world_size() as u32)
+                .filter(|&w| w != me && w != r && self.agent.is_live(w).unwrap_or(false))
+                .collect();
+            let new = self.agent.incarnation_of(r)?;
+            let left = deadline.saturating_duration_since(Instant::now());
+            let late = self.agent.await_known(others, r, new, left).await?;
+            ensure!(
+                late.is_empty(),
+                "workers {late:?} did not hear of {}'s replacement within {} s: {err:#}",
+                self.agent.name_of(r),
+                timeout.as_secs()
+            );
         }
         Ok(lost)
     }

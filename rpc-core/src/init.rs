@@ -29,6 +29,7 @@ pub async fn init(config: Config, mut registry: Registry) -> Result<Agent, InitE
     registry.insert_internal::<crate::dispatch::CancelCall>();
     registry.insert_internal::<crate::shutdown::ShutdownBarrier>();
     registry.insert_internal::<crate::trace::TraceClock>();
+    registry.insert_internal::<crate::view_sync::KnowsIncarnation>();
     let net_cfg = &cfg.net;
     let bind_error = |source| InitError::Bind {
         addr: cfg.listen_addr.clone(),
@@ -70,6 +71,14 @@ pub async fn init(config: Config, mut registry: Registry) -> Result<Agent, InitE
         heartbeat: heartbeat_addr,
         replace: cfg.replace,
         token: cfg.replace_token.clone(),
+        resume: None,
+    };
+    let redial = rendezvous::Redial {
+        transport: net_cfg.transport.clone(),
+        addr: cfg.rendezvous.clone(),
+        secret: net_cfg.secret.clone(),
+        protection: net_cfg.protection,
+        me: join.clone(),
     };
     let (view, link, token) = rendezvous::join(
         &net_cfg.transport,
@@ -168,7 +177,8 @@ pub async fn init(config: Config, mut registry: Registry) -> Result<Agent, InitE
         Arc::clone(&inner.net.membership),
         reports_rx,
         Arc::clone(&inner.life),
-        me,
+        (me, incarnation),
+        redial,
     ));
     inner.net.serve(listener, Arc::clone(&inner), heartbeats);
     if let Some(grace) = cfg.signal_grace {

@@ -62,8 +62,9 @@
 //! - `dispatch`: the callee, one path for requests from the wire, calls to oneself and
 //!   blocking connections (admission, panics, keep-calls).
 //! - `call`: the caller, plan, send, reply, blocking.
-//! - `agent`, `shutdown`, `signals`, `init`: the [`Agent`] API; leaving the group
-//!   ([`Agent::shutdown`], [`Agent::wait_for_group`]); an orderly end on SIGTERM; [`init`].
+//! - `agent`, `shutdown`, `signals`, `view_sync`, `init`: the [`Agent`] API; leaving the group
+//!   ([`Agent::shutdown`], [`Agent::wait_for_group`]); an orderly end on SIGTERM; waiting
+//!   until the others know a replacement ([`Agent::await_known`]); [`init`].
 //! - [`ext`]: the layer-author API. [`testing`]: whole groups in one process, crafted
 //!   frames, fuzz-target replay. `fuzz` (tests and the `fuzzing` feature only): the entry
 //!   points of the fuzz targets in `fuzz/`.
@@ -96,6 +97,7 @@ mod signals;
 mod state;
 pub mod testing;
 pub mod trace;
+mod view_sync;
 mod wire;
 
 pub use blob::Blob;

@@ -186,6 +186,17 @@ async fn dial_as(
     Ok(session.wrap(conn))
 }
 
+/// Drops `agent`'s link to the rendezvous, as a network fault would; it dials again at once
+/// (RDV-6).
+pub fn cut_rendezvous_link(agent: &Agent) {
+    agent.inner.net.membership.cut_link.notify_one();
+}
+
+/// Whether `agent` has a link to the rendezvous now.
+pub fn has_rendezvous_link(agent: &Agent) -> bool {
+    !agent.inner.net.membership.own.is_adrift()
+}
+
 /// The token the rendezvous issued to `agent`'s incarnation, which its launcher hands to a
 /// process that replaces it ([`Config::replace_token`](crate::Config::replace_token)).
 pub fn replace_token(agent: &Agent) -> String {

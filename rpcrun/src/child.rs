@@ -105,7 +105,8 @@ impl Child {
         self.watch.read(self.pid(), now);
         let why = self.watch.verdict(now)?;
         tracing::warn!("rank {} (pid {}): {why}; killing it", self.rank, self.pid());
-        self.signal(libc::SIGCONT);
+        // SIGKILL alone: it ends a stopped process too, where a SIGCONT first would let it
+        // run for a moment on stale timers (declaring its peers failed, reporting them).
         self.signal(libc::SIGKILL);
         self.killed_because = Some(why.clone());
         Some(why)

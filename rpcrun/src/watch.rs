@@ -22,6 +22,9 @@ pub(crate) struct Watch {
     partial: Vec<u8>,
     /// The last line of the child itself, and when it came.
     last: Option<(Status, Instant)>,
+    /// The last token it reported (a `done` line carries none, and must not lose it: the
+    /// process that replaces a finished one needs it too).
+    token: Option<String>,
 }
 
 impl Watch {
@@ -42,6 +45,7 @@ impl Watch {
             pipe: std::fs::File::from(read),
             partial: Vec::new(),
             last: None,
+            token: None,
         };
         Ok((watch, write))
     }
@@ -63,7 +67,12 @@ impl Watch {
                 .ok()
                 .and_then(Status::parse);
             match status {
-                Some(s) if s.pid == pid => self.last = Some((s, now)),
+                Some(s) if s.pid == pid => {
+                    if s.token.is_some() {
+                        self.token.clone_from(&s.token);
+                    }
+                    self.last = Some((s, now));
+                }
                 Some(_) => {} // a process the child started, with the pipe inherited
                 None => tracing::debug!("an unreadable status line from pid {pid}"),
             }
@@ -76,7 +85,7 @@ impl Watch {
 
     /// The token the child's rendezvous issued it, for the process that replaces it (RDV-5).
     pub(crate) fn token(&self) -> Option<&str> {
-        self.last.as_ref()?.0.token.as_deref()
+        self.token.as_deref()
     }
 
     /// Why the launcher must end the child now, if it must (SUP-1..3).
@@ -138,6 +147,7 @@ mod tests {
         assert!(why.contains("lost the rendezvous 1.1 s ago"), "{why}");
         let (w, t) = watch_with("v1 42 1 0 1000 alive t1\nv1 42 1 0 1000 done -\n");
         assert_eq!(w.verdict(t + s(60)), None, "done: not watched");
+        assert_eq!(w.token(), Some("t1"), "a done line keeps the token");
         let (w, t) = watch_with("v1 43 1 0 1000 evicted t1\nnonsense\n");
         assert_eq!(
             w.verdict(t + s(60)),

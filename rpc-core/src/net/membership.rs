@@ -82,6 +82,8 @@ pub(crate) struct Membership {
     left_hooks: RwLock<Vec<RankHook>>,
     /// This worker's own standing, as its launcher is told it (`supervisor.rs`).
     pub(crate) own: super::supervisor::Own,
+    /// Tests: drops this worker's link to the rendezvous, as a network fault would.
+    pub(crate) cut_link: tokio::sync::Notify,
 }
 
 /// How a rank stood when this worker joined (a replacement joins a group where some ranks
@@ -151,6 +153,7 @@ impl Membership {
             events_tx: broadcast::channel(1024).0,
             hooks: RwLock::new(Vec::new()),
             own: Default::default(),
+            cut_link: tokio::sync::Notify::new(),
             rejoin_hooks: RwLock::new(Vec::new()),
             left_hooks: RwLock::new(Vec::new()),
             directory,

@@ -66,6 +66,16 @@ impl Own {
         lock(&self.adrift).get_or_insert_with(Instant::now);
     }
 
+    /// The link to the rendezvous is back (RDV-6).
+    pub(crate) fn found_rendezvous(&self) {
+        *lock(&self.adrift) = None;
+    }
+
+    /// Whether this worker has no link to the rendezvous now.
+    pub(crate) fn is_adrift(&self) -> bool {
+        lock(&self.adrift).is_some()
+    }
+
     /// The STATE of a status line.
     fn state(&self) -> String {
         if lock(&self.evicted).is_some() {

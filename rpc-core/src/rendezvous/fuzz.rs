@@ -23,6 +23,7 @@ pub(crate) fn fuzz_messages(data: &[u8]) {
         heartbeat: String::new(),
         replace: false,
         token: None,
+        resume: None,
     };
     let before = [
         me.clone(),
@@ -70,6 +71,7 @@ pub(crate) fn fuzz_seeds() -> Vec<Vec<u8>> {
         heartbeat: "127.0.0.1:5001".into(),
         replace: false,
         token: None,
+        resume: None,
     };
     let table = Verdict::Table(
         View {

@@ -173,48 +173,155 @@ async fn join_once(
     }
 }
 
-/// Keeps this worker's view in step with the group's (`me` is its rank): applies every update
-/// from the rendezvous (a failure another member's detector decided, a graceful leave, a new
-/// incarnation of a rank) and sends this worker's reports, until `stop` or the link breaks
-/// (then only this worker's own detector changes its view).
+/// What a member needs to dial the rendezvous again (RDV-6): where, how, and its join, which
+/// [`follow`] turns into a resume of its incarnation.
+pub(crate) struct Redial {
+    pub transport: Transport,
+    pub addr: String,
+    pub secret: Secret,
+    pub protection: WireProtection,
+    pub me: Join,
+}
+
+/// Keeps this worker's view in step with the group's (`me` is its rank, `incarnation` its
+/// incarnation): applies every update from the rendezvous (a failure the group decided, a
+/// graceful leave, a new incarnation of a rank) and sends this worker's reports, until `stop`.
+/// A link that breaks is dialled again (RDV-6): the rendezvous re-attaches this incarnation
+/// and sends the group as it is now, and what changed meanwhile is applied; while there is no
+/// link the worker is adrift (its launcher ends it after its failure timeout, SUP-3), and a
+/// rendezvous that no longer counts this incarnation a member ends the following for good.
 pub(crate) async fn follow(
     link: Link,
     membership: Arc<Membership>,
     mut reports: mpsc::Receiver<Report>,
     life: Arc<crate::lifecycle::Lifecycle>,
-    me: u32,
+    (me, incarnation): (u32, u64),
+    redial: Redial,
 ) {
     let stop = life.stop.clone();
+    let mut link = link;
+    loop {
+        if !serve_link(link, &membership, &mut reports, &stop, me).await || life.is_stopping() {
+            return;
+        }
+        membership.own.lost_rendezvous();
+        tracing::warn!(
+            rank = me,
+            "lost the connection to the rendezvous; dialling it again"
+        );
+        link = match redial_until(&redial, &membership, &stop, (me, incarnation)).await {
+            Some(l) => l,
+            None => return,
+        };
+    }
+}
+
+/// Serves one link until it breaks (true) or the worker stops (false).
+async fn serve_link(
+    link: Link,
+    membership: &Membership,
+    reports: &mut mpsc::Receiver<Report>,
+    stop: &tokio_util::sync::CancellationToken,
+    me: u32,
+) -> bool {
     let (mut sink, mut stream) = link.0.split();
     loop {
         tokio::select! {
-            () = stop.cancelled() => return,
+            () = stop.cancelled() => return false,
+            () = membership.cut_link.notified() => return true,
             r = reports.recv() => match r {
                 Some(r) => {
                     let send = send_sink(&mut sink, &r);
                     let sent = tokio::time::timeout(Duration::from_secs(10), send).await;
                     if !matches!(sent, Ok(Ok(()))) {
-                        break;
+                        return true;
                     }
                 }
-                None => return,
+                None => return false,
             },
             frame = stream.next() => match frame.map(|f| f.and_then(|f| decode_update(&f))) {
-                Some(Ok(u)) => apply(&membership, me, u),
+                Some(Ok(u)) => apply(membership, me, u),
                 Some(Err(e)) => {
                     tracing::warn!(cause = %e, "bad message from the rendezvous");
-                    break;
+                    return true;
                 }
-                None => break,
+                None => return true,
             },
         }
     }
-    if !life.is_stopping() {
-        membership.own.lost_rendezvous();
-        tracing::warn!(
-            rank = me,
-            "lost the connection to the rendezvous: this worker hears of no replacement from now on"
+}
+
+/// Dials the rendezvous until it re-attaches this incarnation (the new link, the group's
+/// changes meanwhile applied), refuses it (`None`: no longer a member), or the worker stops.
+async fn redial_until(
+    redial: &Redial,
+    membership: &Membership,
+    stop: &tokio_util::sync::CancellationToken,
+    (me, incarnation): (u32, u64),
+) -> Option<Link> {
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        let mut join = redial.me.clone();
+        join.resume = Some(incarnation);
+        join.replace = false;
+        join.token = Some(membership.own.token_value());
+        let (t, a, s, p) = (
+            &redial.transport,
+            &redial.addr,
+            &redial.secret,
+            redial.protection,
         );
+        let tried = tokio::select! {
+            () = stop.cancelled() => return None,
+            r = join_once(t, a, s, p, join, Duration::from_secs(5), Duration::from_secs(5)) => r,
+        };
+        match tried {
+            Ok(Joined::In(view, link, _)) => {
+                for (rank, m) in view.members.into_iter().enumerate() {
+                    catch_up(membership, me, rank as u32, m);
+                }
+                membership.own.found_rendezvous();
+                tracing::info!(rank = me, "the rendezvous link is back");
+                return Some(link);
+            }
+            Err(InitError::Refused(why)) => {
+                tracing::error!(rank = me, %why, "the rendezvous no longer counts this worker");
+                membership.own.evicted(&why);
+                return None;
+            }
+            Ok(Joined::Held(_)) | Err(_) => {
+                tokio::select! {
+                    () = stop.cancelled() => return None,
+                    () = sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+            }
+        }
+    }
+}
+
+/// Applies what the group's table says of `rank` now, as the updates missed while the link
+/// was down would have (each is ignored where this worker knew it already).
+fn catch_up(m: &Membership, me: u32, rank: u32, member: super::Member) {
+    use crate::net::Standing;
+    if rank == me || member.standing == Standing::Vacant {
+        return;
+    }
+    let incarnation = member.endpoint.incarnation;
+    let endpoint = member.endpoint;
+    apply(m, me, Update::Joined { rank, endpoint });
+    match member.standing {
+        Standing::Failed(cause) => apply(
+            m,
+            me,
+            Update::Failed {
+                rank,
+                incarnation,
+                cause,
+            },
+        ),
+        Standing::Left => apply(m, me, Update::Left { rank, incarnation }),
+        Standing::Alive | Standing::Vacant => {}
     }
 }
 

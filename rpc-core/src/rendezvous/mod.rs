@@ -25,7 +25,7 @@ mod server;
 
 #[cfg(any(test, feature = "fuzzing"))]
 pub(crate) use fuzz::{fuzz_messages, fuzz_seeds};
-pub(crate) use member::{follow, join};
+pub(crate) use member::{follow, join, Redial};
 
 use futures::{SinkExt, StreamExt};
 use serde::{Deserialize, Serialize};
@@ -155,8 +155,11 @@ pub(crate) struct Join {
     /// process); ignored while the group forms.
     pub replace: bool,
     /// The token the rendezvous issued to the holder it replaces, handed on by the launcher
-    /// (RDV-5).
+    /// (RDV-5); with `resume`, this worker's own.
     pub token: Option<String>,
+    /// It already holds its rank as this incarnation and lost its link to the rendezvous: the
+    /// link is re-attached (RDV-6).
+    pub resume: Option<u64>,
 }
 
 /// One rank as the rendezvous knows it.
@@ -431,6 +434,7 @@ mod tests {
             heartbeat: String::new(),
             replace: false,
             token: None,
+            resume: None,
         }
     }
 

@@ -20,6 +20,10 @@
 //!   the token to the process it restarts); a replacement without it waits until the group
 //!   has declared the holder failed. A process that merely holds the group's secret cannot
 //!   evict a live member.
+//! - RDV-6: a member whose link broke dials again and resumes: with its incarnation and token
+//!   it is re-attached (a link of an earlier connection that ends later detaches nothing) and
+//!   sent the group as it is, so it misses no change; one the group no longer counts is
+//!   refused, naming why.
 
 use futures::StreamExt;
 use std::collections::BTreeMap;
@@ -43,8 +47,8 @@ enum Event {
     Join(Join, Box<Framed_>),
     /// A member's report: its rank, its incarnation, what it says.
     Report(u32, u64, Report),
-    /// A member's connection ended.
-    Closed(u32, u64),
+    /// A member's connection ended: its rank, incarnation and link number.
+    Closed(u32, u64, u64),
 }
 
 struct Slot {
@@ -53,8 +57,10 @@ struct Slot {
     standing: Standing,
     /// The member's queue of updates, while its connection lasts.
     out: Option<mpsc::Sender<Update>>,
-    /// What a replacement of this incarnation presents (RDV-5).
+    /// What a replacement of this incarnation presents (RDV-5), and a resume (RDV-6).
     token: String,
+    /// The number of the member's current connection (RDV-6).
+    link: u64,
 }
 
 impl Slot {
@@ -66,6 +72,7 @@ impl Slot {
             standing: Standing::Alive,
             out: None,
             token: new_token(),
+            link: 0,
         }
     }
 }
@@ -90,6 +97,8 @@ struct State {
     watchers: broadcast::Sender<MembershipEvent>,
     /// Failure reports not confirmed yet (RDV-4).
     suspicions: Suspicions,
+    /// Member connections so far (each gets the next number, RDV-6).
+    links: u64,
 }
 
 /// Serves the group: formation until `deadline` (RDV-1), then membership for as long as the
@@ -114,6 +123,7 @@ pub(super) async fn serve(
         events: tx.clone(),
         watchers,
         suspicions: Suspicions::default(),
+        links: 0,
     };
     let gate = auth::Gate::default();
     let mut formed = size.is_dynamic();
@@ -163,7 +173,7 @@ pub(super) async fn serve(
                 }
                 Event::Join(join, f) => state.rejoin(join, *f),
                 Event::Report(rank, inc, r) => state.report(rank, inc, r),
-                Event::Closed(rank, inc) => state.closed(rank, inc),
+                Event::Closed(rank, inc, link) => state.closed(rank, inc, link),
             }
             // Any change may complete the evidence on a suspicion (RDV-4).
             if formed {
@@ -250,6 +260,15 @@ impl State {
         }
     }
 
+    /// The verdict that admits `rank`: the group, and that incarnation's token (RDV-5).
+    fn table_for(&self, rank: u32) -> Verdict {
+        let token = self
+            .slots
+            .get(&rank)
+            .map_or_else(String::new, |s| s.token.clone());
+        Verdict::Table(self.view(), token)
+    }
+
     /// Every rank joined: each gets the table and becomes a member.
     fn form(&mut self) {
         let view = self.view();
@@ -271,6 +290,9 @@ impl State {
         let incarnation = slot.incarnation;
         let (out_tx, mut out_rx) = mpsc::channel::<Update>(MEMBER_QUEUE);
         slot.out = Some(out_tx);
+        self.links += 1;
+        slot.link = self.links;
+        let link = self.links;
         let events = self.events.clone();
         tokio::spawn(async move {
             let (mut sink, mut stream) = f.split();
@@ -312,7 +334,7 @@ impl State {
                 () = writer => {}
                 () = reader => {}
             }
-            let _ = events.send(Event::Closed(rank, incarnation)).await;
+            let _ = events.send(Event::Closed(rank, incarnation, link)).await;
         });
     }
 
@@ -351,8 +373,47 @@ impl State {
         }
     }
 
+    /// A member that lost its link resumes it (RDV-6).
+    fn resume(&mut self, join: Join, inc: u64, f: Framed_) {
+        let why = match self.slots.get(&join.rank) {
+            None => Some(format!("rank {} has no member", join.rank)),
+            Some(s) if s.incarnation != inc => Some(format!(
+                "rank {} is held by incarnation {} now, not {inc}",
+                join.rank, s.incarnation
+            )),
+            Some(s) if join.token.as_deref() != Some(s.token.as_str()) => Some(format!(
+                "a resume of rank {} (incarnation {inc}) without its token",
+                join.rank
+            )),
+            Some(s) => match &s.standing {
+                Standing::Failed(cause) => Some(format!(
+                    "incarnation {inc} of rank {} was declared failed: {cause}",
+                    join.rank
+                )),
+                Standing::Left => Some(format!("rank {} left the group", join.rank)),
+                _ => None,
+            },
+        };
+        if let Some(why) = why {
+            tracing::warn!(%why, "rendezvous refused a resume");
+            refuse(f, why);
+            return;
+        }
+        let rank = join.rank;
+        tracing::info!(
+            rank,
+            incarnation = inc,
+            "a member's rendezvous link resumed"
+        );
+        let table = self.table_for(rank);
+        self.admit(rank, f, table);
+    }
+
     /// A join after the group formed (RDV-2).
     fn rejoin(&mut self, join: Join, f: Framed_) {
+        if let Some(inc) = join.resume {
+            return self.resume(join, inc, f);
+        }
         let why = if join.size != self.size || join.rank >= self.size.capacity() {
             refusal(&join, self.size, std::iter::empty())
         } else {
@@ -435,12 +496,8 @@ impl State {
             "a new incarnation joined",
         );
         self.announce(rank, Update::Joined { rank, endpoint }, Some(rank));
-        let view = self.view();
-        let token = self
-            .slots
-            .get(&rank)
-            .map_or_else(String::new, |s| s.token.clone());
-        self.admit(rank, f, Verdict::Table(view, token));
+        let table = self.table_for(rank);
+        self.admit(rank, f, table);
     }
 
     /// Incarnation `inc` of `rank` failed (RDV-3: once).
@@ -535,9 +592,10 @@ impl State {
 
     /// A member's connection ended: it is not told of changes any more. Whether it failed is
     /// for the failure detectors to say (a connection to the rendezvous can break alone).
-    fn closed(&mut self, rank: u32, inc: u64) {
+    fn closed(&mut self, rank: u32, inc: u64, link: u64) {
         if let Some(s) = self.slots.get_mut(&rank) {
-            if s.incarnation == inc {
+            // An earlier link that ends after a resume detaches nothing (RDV-6).
+            if s.incarnation == inc && s.link == link {
                 s.out = None;
             }
         }
