@@ -45,6 +45,7 @@ mod mux_client;
 mod mux_server;
 mod peer;
 mod seal;
+mod secret;
 mod serve;
 pub(crate) mod shm;
 mod spin;
