@@ -474,7 +474,11 @@ pub fn main_with(name: &str, run: impl FnOnce() -> Result<i32>) -> ! {
     let code = match run() {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("{name}: error: {e:#}");
+            // One write for the whole line: the processes of a run share their stderr, and
+            // `eprintln!` writes a line piece by piece (they interleaved).
+            use std::io::Write;
+            let line = format!("{name}: error: {e:#}\n");
+            let _ = std::io::stderr().lock().write_all(line.as_bytes());
             if is_fatal(&e) {
                 rpcrun::FATAL_EXIT_CODE
             } else {
