@@ -492,9 +492,13 @@ fn messages_nobody_receives_are_bounded() {
     let held =
         t.rt.block_on(t.agent.rpc_async(1u32, integration_tests::mailbox_held, ()));
     assert_eq!(held.unwrap(), (4, 64 << 20, 0));
+    // The 64 MiB held, the refused message in flight (its frame and its tensor, 16 MiB each)
+    // and what the allocator keeps of freed 16 MiB blocks: measured 133-199 MB of growth on the
+    // 2-vCPU VM (199 in a CI run, past the earlier 164 MB limit); the unbounded mailbox this
+    // guards against held all 64 messages, 1 GiB.
     t.survived_within(
         "64 unreceived messages of 16 MiB",
-        MAX_GROWTH_KB + (64 << 10),
+        MAX_GROWTH_KB + (128 << 10),
     );
     // Kept 300 ms from now on: what waits is dropped.
     t.rt.block_on(
