@@ -29,9 +29,15 @@ pub enum DeviceError {
         "cuda:{0} was requested but this build has no CUDA support (enable the `cuda` feature)"
     )]
     CudaNotCompiled(usize),
-    /// No usable CUDA driver or device.
-    #[error("cuda:{0} was requested but no CUDA driver or device is available")]
-    CudaUnavailable(usize),
+    /// This build has CUDA, but the driver or the device is missing; `cause` is the driver's
+    /// answer (from `cuInit` and `cuDeviceGetCount`).
+    #[error("cuda:{device} was requested but this machine cannot use it: {cause}")]
+    CudaUnavailable {
+        /// The device asked for.
+        device: usize,
+        /// Why not: the driver's error, or how many devices there are.
+        cause: String,
+    },
     /// The backend refused.
     #[error("cannot open {0}")]
     Backend(DeviceSpec, #[source] candle_core::Error),
@@ -70,22 +76,83 @@ impl DeviceSpec {
         }
     }
 
-    /// Opens the device.
+    /// Opens the device. A CUDA device is probed first (the driver initialised, the ordinal
+    /// below the device count), so a machine without a driver or GPU gets
+    /// [`DeviceError::CudaUnavailable`] naming the driver's answer, never a panic.
     pub fn device(&self) -> Result<Device, DeviceError> {
         match *self {
             Self::Cpu => Ok(Device::Cpu),
-            Self::Cuda(n) => cuda::open(n),
+            Self::Cuda(n) => {
+                let count = cuda_devices().map_err(|e| e.for_device(n))?;
+                if n >= count {
+                    return Err(DeviceError::CudaUnavailable {
+                        device: n,
+                        cause: format!("the driver reports {count} CUDA device(s)"),
+                    });
+                }
+                cuda::open(n)
+            }
         }
     }
+
+    /// `cuda:N` where this process can use it, else the CPU (PyTorch's
+    /// `cuda if torch.cuda.is_available() else cpu`, per local rank).
+    pub fn cuda_if_usable(n: usize) -> Self {
+        match cuda_devices() {
+            Ok(count) if n < count => Self::Cuda(n),
+            _ => Self::Cpu,
+        }
+    }
+}
+
+impl DeviceError {
+    fn for_device(self, n: usize) -> Self {
+        match self {
+            Self::CudaNotCompiled(_) => Self::CudaNotCompiled(n),
+            Self::CudaUnavailable { cause, .. } => Self::CudaUnavailable { device: n, cause },
+            other => other,
+        }
+    }
+}
+
+/// How many CUDA devices this process can use: the driver's count once `cuInit` succeeded.
+/// Fails with [`DeviceError::CudaNotCompiled`] in a build without the `cuda` feature and with
+/// [`DeviceError::CudaUnavailable`] (the driver's error) where the driver cannot start, such
+/// as a machine without one running a CUDA build on the stub library of
+/// `scripts/cuda-toolkit.sh`. Probed once per process.
+pub fn cuda_devices() -> Result<usize, DeviceError> {
+    cuda::count()
 }
 
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::*;
-    pub(super) fn open(n: usize) -> Result<Device, DeviceError> {
-        if !candle_core::utils::cuda_is_available() {
-            return Err(DeviceError::CudaUnavailable(n));
+    use cudarc::driver::{result, DriverError};
+    use std::sync::OnceLock;
+
+    fn describe(e: DriverError) -> String {
+        let name = e.error_name().map(|s| s.to_string_lossy().into_owned());
+        let text = e.error_string().map(|s| s.to_string_lossy().into_owned());
+        match (name, text) {
+            (Ok(name), Ok(text)) => format!("{name}: {text}"),
+            _ => format!("CUDA driver error {}", e.0 as i32),
         }
+    }
+
+    pub(super) fn count() -> Result<usize, DeviceError> {
+        static PROBE: OnceLock<Result<usize, String>> = OnceLock::new();
+        let probed = PROBE.get_or_init(|| {
+            result::init().map_err(|e| format!("cuInit failed: {}", describe(e)))?;
+            let n = result::device::get_count()
+                .map_err(|e| format!("cuDeviceGetCount failed: {}", describe(e)))?;
+            Ok(usize::try_from(n).unwrap_or(0))
+        });
+        probed
+            .clone()
+            .map_err(|cause| DeviceError::CudaUnavailable { device: 0, cause })
+    }
+
+    pub(super) fn open(n: usize) -> Result<Device, DeviceError> {
         Device::new_cuda(n).map_err(|e| DeviceError::Backend(DeviceSpec::Cuda(n), e))
     }
 }
@@ -93,6 +160,9 @@ mod cuda {
 #[cfg(not(feature = "cuda"))]
 mod cuda {
     use super::*;
+    pub(super) fn count() -> Result<usize, DeviceError> {
+        Err(DeviceError::CudaNotCompiled(0))
+    }
     pub(super) fn open(n: usize) -> Result<Device, DeviceError> {
         Err(DeviceError::CudaNotCompiled(n))
     }
@@ -114,5 +184,31 @@ mod tests {
             Err(DeviceError::CudaNotCompiled(0))
         ));
         assert!(matches!(DeviceSpec::Cpu.device(), Ok(Device::Cpu)));
+    }
+
+    /// Without a usable GPU (no `cuda` feature, or a CUDA build on a machine without a driver
+    /// or device), every CUDA request fails naming the device and the cause, and
+    /// `cuda_if_usable` falls back to the CPU. With a GPU, the count is the driver's.
+    #[test]
+    fn cuda_requests_name_the_device_and_the_cause() {
+        match cuda_devices() {
+            Ok(count) => {
+                assert_eq!(DeviceSpec::cuda_if_usable(0), DeviceSpec::Cuda(0));
+                let err = DeviceSpec::Cuda(count).device().unwrap_err();
+                assert!(err.to_string().contains(&format!("cuda:{count}")), "{err}");
+                assert!(err.to_string().contains("device(s)"), "{err}");
+            }
+            Err(e) => {
+                eprintln!("no usable CUDA here: {e}");
+                assert_eq!(DeviceSpec::cuda_if_usable(0), DeviceSpec::Cpu);
+                let err = DeviceSpec::Cuda(2).device().unwrap_err();
+                assert!(err.to_string().starts_with("cuda:2 was requested"), "{err}");
+                #[cfg(feature = "cuda")]
+                assert!(
+                    matches!(err, DeviceError::CudaUnavailable { device: 2, .. }),
+                    "{err}"
+                );
+            }
+        }
     }
 }

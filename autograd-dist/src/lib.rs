@@ -96,7 +96,7 @@ mod record;
 mod stage;
 mod tensor;
 
-pub use device::{DeviceError, DeviceSpec};
+pub use device::{cuda_devices, DeviceError, DeviceSpec};
 pub use devmap::{DeviceMapError, DeviceMaps};
 pub use dist_optim::{
     parameter_rrefs, parameter_var, set_gradient_hook, DistributedOptimizer, GradientHook,

@@ -4,7 +4,11 @@
 //! a [`Blob`], which rides in the envelope's side table: large tensors take the bulk path, and
 //! no element goes through serde. Sending gathers the elements once into a new buffer (strided
 //! tensors included: the strides are walked directly, with no intermediate contiguous copy);
-//! receiving builds the tensor from that buffer with one copy. Inside a distributed autograd
+//! receiving builds the tensor from that buffer with one copy. A tensor on a CUDA device costs
+//! the same two: one device-to-host copy into the buffer sent (contiguous tensors; a strided
+//! one is first gathered by candle), one host-to-device copy into the tensor received on the
+//! mapped device; both from pageable memory, which the driver stages through its own pinned
+//! buffers. Inside a distributed autograd
 //! context the same hook records the send and recv functions (see `record.rs`).
 
 use bytes::Bytes;
@@ -118,6 +122,10 @@ fn gather<T: WithDType>(data: &[T], layout: &Layout) -> Bytes {
 /// The tensor's elements in row-major order, gathered once.
 pub(crate) fn to_bytes(t: &Tensor) -> candle_core::Result<Bytes> {
     if !matches!(t.device(), Device::Cpu) {
+        #[cfg(feature = "cuda")]
+        if let Some(b) = cuda::to_bytes(t)? {
+            return Ok(b);
+        }
         return to_bytes(&t.to_device(&Device::Cpu)?);
     }
     let (storage, layout) = t.storage_and_layout();
@@ -149,6 +157,41 @@ pub(crate) fn to_bytes(t: &Tensor) -> candle_core::Result<Bytes> {
         | CpuStorage::F4(v)
         | CpuStorage::F8E8M0(v) => raw(v)?,
     })
+}
+
+/// A contiguous CUDA tensor's elements copied from the device straight into the buffer that
+/// is sent (one device-to-host copy; through candle's `to_device` and the gather it would be
+/// two). Strided tensors and packed dtypes take candle's path (`None`).
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+
+    pub(super) fn to_bytes(t: &Tensor) -> candle_core::Result<Option<Bytes>> {
+        let (storage, layout) = t.storage_and_layout();
+        let (Storage::Cuda(cs), Some((a, b))) = (&*storage, layout.contiguous_offsets()) else {
+            return Ok(None);
+        };
+        let stream = cs.device.cuda_stream();
+        macro_rules! dtoh {
+            ($t:ty) => {{
+                let view = cs.as_cuda_slice::<$t>()?.slice(a..b);
+                let v = stream.clone_dtoh(&view).map_err(candle_core::Error::wrap)?;
+                Bytes::from_owner(VecBytes(v))
+            }};
+        }
+        Ok(Some(match t.dtype() {
+            DType::U8 => dtoh!(u8),
+            DType::U32 => dtoh!(u32),
+            DType::I16 => dtoh!(i16),
+            DType::I32 => dtoh!(i32),
+            DType::I64 => dtoh!(i64),
+            DType::BF16 => dtoh!(half::bf16),
+            DType::F16 => dtoh!(half::f16),
+            DType::F32 => dtoh!(f32),
+            DType::F64 => dtoh!(f64),
+            _ => return Ok(None),
+        }))
+    }
 }
 
 /// The name candle parses back with `DType::from_str`.

@@ -254,6 +254,21 @@ fn bad_input_fails_with_a_message_not_a_panic() {
     assert_eq!(r.code, Some(rpcrun::FATAL_EXIT_CODE));
     assert!(r.stderr.contains("no checkpoint"), "{}", r.stderr);
 
+    // A device a worker cannot use (CUDA in a build without it, or on a machine without a
+    // driver): the master names the worker and the cause, and no restart is spent on it.
+    let out = dir.join("no-gpu");
+    let mut args = with(&["--shard2-devices", "cpu,cuda:1", "--out-dir"]);
+    args.push(out.to_str().unwrap().to_owned());
+    let r = run(&strs(&args), &[], &dir, limit);
+    assert_eq!(r.code, Some(rpcrun::FATAL_EXIT_CODE), "{}", r.stderr);
+    assert!(
+        r.stderr
+            .contains("hybrid-rnn: error: worker rank 2 cannot hold its shard: cuda:1"),
+        "{}",
+        r.stderr
+    );
+    assert!(r.stderr.contains("0 restart(s)"), "{}", r.stderr);
+
     // Rank 0 of an external group whose workers never come: the missing ranks are named.
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()

@@ -20,7 +20,8 @@
 //!
 //! `soak` runs a million mixed calls (`--calls`) among three processes and watches their
 //! memory and their remote references (see `soak.rs`). `ddp [--world-sizes 2,4] [--steps N]`
-//! times the data-parallel step on the anchors' reference model (see `ddp.rs`).
+//! times the data-parallel step on the anchors' reference model (see `ddp.rs`). `nccl` (built
+//! with `--features cuda`, two GPUs or more) times NCCL's all-reduce against the ring's.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -37,6 +38,8 @@ use serde_json::json;
 mod allreduce;
 mod calls;
 mod ddp;
+#[cfg(feature = "cuda")]
+mod nccl;
 mod overhead;
 mod rrefs;
 mod soak;
@@ -410,6 +413,8 @@ fn main() -> Result<()> {
             Ok(())
         }
         "latency" | "throughput" | "tensor" | "rref" => drive(mode, threads),
+        #[cfg(feature = "cuda")]
+        "nccl" => nccl::nccl_bench(),
         "overhead" => overhead(threads, false),
         "trace-overhead" => overhead(threads, true),
         "ddp" => {

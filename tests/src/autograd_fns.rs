@@ -131,6 +131,12 @@ pub async fn echo_tensor(_ctx: CallContext, t: RTensor) -> Result<RTensor, BoxEr
     Ok(t)
 }
 
+/// Where its argument landed on this worker (`cpu`, `cuda:0`), and the argument.
+#[remote]
+pub async fn device_of(_ctx: CallContext, t: RTensor) -> Result<(String, RTensor), BoxError> {
+    Ok((autograd_dist::DeviceSpec::of(t.device()).to_string(), t))
+}
+
 /// Constructor of a remote tensor: `x @ W` kept on this worker.
 #[remote]
 pub async fn make_activation(ctx: CallContext, w: String, x: RTensor) -> Result<RTensor, BoxError> {
@@ -235,6 +241,7 @@ pub fn register(b: rpc_core::RegistryBuilder) -> rpc_core::RegistryBuilder {
         .and_then(|b| b.register(param_grad))
         .and_then(|b| b.register(live_contexts))
         .and_then(|b| b.register(echo_tensor))
+        .and_then(|b| b.register(device_of))
         .and_then(|b| b.register(make_activation))
         .and_then(|b| b.register(add_to))
         .and_then(|b| b.register(keep_and_add))

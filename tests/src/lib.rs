@@ -56,6 +56,34 @@ use rpc_core::ext::AgentExt;
 use rpc_core::{remote, Blob, BoxError, CallContext, Registry};
 use serde::{Deserialize, Serialize};
 
+/// The CUDA devices a GPU test may use, or `None` (the test then returns at once, having
+/// said why on stderr): GPU tests are skipped with a message where there is no GPU, never
+/// passed silently. With `RPC_EXPECT_GPU=1` (set by `scripts/gpu-check.sh`) a missing GPU
+/// fails the test instead, naming the cause. `at_least` is the number of GPUs the test needs.
+pub fn gpus(test: &str, at_least: usize) -> Option<usize> {
+    gpus_expected(
+        test,
+        at_least,
+        std::env::var("RPC_EXPECT_GPU").is_ok_and(|v| v == "1"),
+    )
+}
+
+/// [`gpus`], with whether a GPU is expected given rather than read from the environment.
+pub fn gpus_expected(test: &str, at_least: usize, expected: bool) -> Option<usize> {
+    let why = match autograd_dist::cuda_devices() {
+        Ok(n) if n >= at_least => return Some(n),
+        Ok(n) => format!("it needs {at_least} CUDA devices, this machine has {n}"),
+        Err(e) => e.to_string(),
+    };
+    // Fewer GPUs than a test needs is a skip even when GPUs are expected; none is not.
+    let none = !matches!(autograd_dist::cuda_devices(), Ok(n) if n > 0);
+    if expected && none {
+        panic!("GPU test {test}: a GPU was expected (RPC_EXPECT_GPU=1) but {why}");
+    }
+    eprintln!("GPU test {test} skipped: {why}");
+    None
+}
+
 /// Runs `f` on a fresh multi-threaded runtime and fails the test if it takes longer than
 /// `secs` seconds. Every async test goes through this.
 pub fn run<F: Future>(secs: u64, f: F) -> F::Output {

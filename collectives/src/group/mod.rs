@@ -3,9 +3,12 @@
 //! Layout: this file the API ([`ProcessGroup`] and its operations); `op.rs` one operation's
 //! messages (tags, sends, receives, the one verdict of a mismatch); `ring.rs` the ring
 //! algorithms; `rooted.rs` reduce, gather, scatter and all-to-all; `element.rs` the element
-//! kernels of the fast ring (`f32`, `f64` folded straight from received bytes).
+//! kernels of the fast ring (`f32`, `f64` folded straight from received bytes); `nccl.rs`
+//! (feature `nccl`) the same operations for tensors on CUDA devices, through NCCL.
 
 mod element;
+#[cfg(feature = "nccl")]
+mod nccl;
 mod op;
 mod ring;
 mod rooted;
@@ -231,6 +234,11 @@ impl ProcessGroup {
     /// The ring: `n - 1` reduce-scatter steps, then `n - 1` all-gather steps, each sending one
     /// `1/n` chunk to the next rank while receiving one from the previous.
     pub async fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor, CollectiveError> {
+        #[cfg(feature = "nccl")]
+        if let Some(turn) = nccl::turn(self, t) {
+            let seq = mailbox(&self.agent).next_seq(self.id);
+            return self.nccl_all_reduce(seq, turn, t, op).await;
+        }
         let o = self.begin("all_reduce", t)?;
         let out = self.ring_all_reduce(&o, t, op).await;
         self.end(&o);
@@ -245,18 +253,30 @@ impl ProcessGroup {
         op: ReduceOp,
     ) -> Result<Tensor, CollectiveError> {
         let seq = mailbox(&self.agent).next_seq(self.id);
+        #[cfg(feature = "nccl")]
+        if let Some(turn) = nccl::turn(self, t) {
+            return self.nccl_reduce_scatter(seq, turn, t, op).await;
+        }
         self.reduce_scatter_at(t, op, seq).await
     }
 
     /// Every member's `t`, in member order (all must have the same shape and dtype).
     pub async fn all_gather(&self, t: &Tensor) -> Result<Vec<Tensor>, CollectiveError> {
         let seq = mailbox(&self.agent).next_seq(self.id);
+        #[cfg(feature = "nccl")]
+        if let Some(turn) = nccl::turn(self, t) {
+            return self.nccl_all_gather(seq, turn, t).await;
+        }
         self.all_gather_at(t, seq).await
     }
 
     /// `root`'s `t` on every member (`t` gives the shape and dtype on the others).
     pub async fn broadcast(&self, t: &Tensor, root: u32) -> Result<Tensor, CollectiveError> {
         let seq = mailbox(&self.agent).next_seq(self.id);
+        #[cfg(feature = "nccl")]
+        if let Some(turn) = nccl::turn(self, t) {
+            return self.nccl_broadcast(seq, turn, t, root).await;
+        }
         self.broadcast_at(t, root, seq).await
     }
 
@@ -287,6 +307,10 @@ impl ProcessGroup {
         root: u32,
     ) -> Result<Option<Tensor>, CollectiveError> {
         let seq = mailbox(&self.agent).next_seq(self.id);
+        #[cfg(feature = "nccl")]
+        if let Some(turn) = nccl::turn(self, t) {
+            return self.nccl_reduce(seq, turn, t, op, root).await;
+        }
         self.reduce_at(t, op, root, seq).await
     }
 
@@ -298,6 +322,10 @@ impl ProcessGroup {
         root: u32,
     ) -> Result<Option<Vec<Tensor>>, CollectiveError> {
         let seq = mailbox(&self.agent).next_seq(self.id);
+        #[cfg(feature = "nccl")]
+        if let Some(turn) = nccl::turn(self, t) {
+            return self.nccl_gather(seq, turn, t, root).await;
+        }
         self.gather_at(t, root, seq).await
     }
 
@@ -410,6 +438,11 @@ impl ProcessGroup {
     /// [`ProcessGroup::all_reduce`] in the background, so communication overlaps computation.
     pub fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Work<Tensor> {
         let t = t.clone();
+        #[cfg(feature = "nccl")]
+        if let Some(turn) = nccl::turn(self, &t) {
+            return self
+                .background(|g, seq| async move { g.nccl_all_reduce(seq, turn, &t, op).await });
+        }
         self.background(|g, seq| async move {
             let o = g.begin_at("all_reduce", &t, seq)?;
             let out = g.ring_all_reduce(&o, &t, op).await;
@@ -433,30 +466,55 @@ impl ProcessGroup {
     /// [`ProcessGroup::broadcast`] in the background.
     pub fn broadcast_async(&self, t: &Tensor, root: u32) -> Work<Tensor> {
         let t = t.clone();
+        #[cfg(feature = "nccl")]
+        if let Some(turn) = nccl::turn(self, &t) {
+            return self
+                .background(|g, seq| async move { g.nccl_broadcast(seq, turn, &t, root).await });
+        }
         self.background(|g, seq| async move { g.broadcast_at(&t, root, seq).await })
     }
 
     /// [`ProcessGroup::all_gather`] in the background.
     pub fn all_gather_async(&self, t: &Tensor) -> Work<Vec<Tensor>> {
         let t = t.clone();
+        #[cfg(feature = "nccl")]
+        if let Some(turn) = nccl::turn(self, &t) {
+            return self.background(|g, seq| async move { g.nccl_all_gather(seq, turn, &t).await });
+        }
         self.background(|g, seq| async move { g.all_gather_at(&t, seq).await })
     }
 
     /// [`ProcessGroup::reduce_scatter`] in the background.
     pub fn reduce_scatter_async(&self, t: &Tensor, op: ReduceOp) -> Work<Tensor> {
         let t = t.clone();
+        #[cfg(feature = "nccl")]
+        if let Some(turn) = nccl::turn(self, &t) {
+            return self.background(|g, seq| async move {
+                g.nccl_reduce_scatter(seq, turn, &t, op).await
+            });
+        }
         self.background(|g, seq| async move { g.reduce_scatter_at(&t, op, seq).await })
     }
 
     /// [`ProcessGroup::reduce`] in the background.
     pub fn reduce_async(&self, t: &Tensor, op: ReduceOp, root: u32) -> Work<Option<Tensor>> {
         let t = t.clone();
+        #[cfg(feature = "nccl")]
+        if let Some(turn) = nccl::turn(self, &t) {
+            return self
+                .background(|g, seq| async move { g.nccl_reduce(seq, turn, &t, op, root).await });
+        }
         self.background(|g, seq| async move { g.reduce_at(&t, op, root, seq).await })
     }
 
     /// [`ProcessGroup::gather`] in the background.
     pub fn gather_async(&self, t: &Tensor, root: u32) -> Work<Option<Vec<Tensor>>> {
         let t = t.clone();
+        #[cfg(feature = "nccl")]
+        if let Some(turn) = nccl::turn(self, &t) {
+            return self
+                .background(|g, seq| async move { g.nccl_gather(seq, turn, &t, root).await });
+        }
         self.background(|g, seq| async move { g.gather_at(&t, root, seq).await })
     }
 

@@ -324,6 +324,15 @@ impl Mailbox {
     }
 
     /// The members of `group`, as registered here.
+    /// The verdict that dooms operations of `group` (a member declared failed), if any: how a
+    /// collective that does not receive through the mailbox (NCCL) learns of it (COL-2).
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    pub(crate) fn group_doomed(&self, group: u64) -> Option<String> {
+        let m = self.lock();
+        let first = m.groups.get(&group)?.0.first().copied()?;
+        m.doomed(first, group).map(|e| e.to_string())
+    }
+
     pub(crate) fn group_ranks(&self, group: u64) -> Option<Arc<Vec<u32>>> {
         self.lock().groups.get(&group).map(|(r, _)| Arc::clone(r))
     }

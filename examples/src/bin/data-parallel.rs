@@ -91,7 +91,7 @@ async fn replica(args: Args) -> Result<i32> {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(0);
-    let device = Device::cuda_if_available(local_rank)?;
+    let device = autograd_dist::DeviceSpec::cuda_if_usable(local_rank).device()?;
     // The data, and this replica's share of each epoch.
     let dir = wordlang::data_dir();
     let mut train = wordlang::load(&dir, "train.tsv")?;

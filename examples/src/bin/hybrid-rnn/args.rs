@@ -5,7 +5,6 @@ use std::path::PathBuf;
 
 use anyhow::{ensure, Context, Result};
 use autograd_dist::{DeviceSpec, OptimizerKind};
-use candle_core::Device;
 use clap::Parser;
 use examples::checkpoint::Flags;
 use examples::lang::data::Data;
@@ -161,7 +160,7 @@ impl Args {
 
     pub fn shard2_devices(&self) -> Result<(DeviceSpec, DeviceSpec)> {
         if self.shard2_devices == "auto" {
-            let two_gpus = candle_core::utils::cuda_is_available() && Device::new_cuda(1).is_ok();
+            let two_gpus = autograd_dist::cuda_devices().is_ok_and(|n| n >= 2);
             return Ok(if two_gpus {
                 (DeviceSpec::Cuda(0), DeviceSpec::Cuda(1))
             } else {

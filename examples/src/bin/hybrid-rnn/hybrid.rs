@@ -12,6 +12,7 @@ use examples::checkpoint::Tensors;
 use examples::lang::data::{Batch, Split};
 use examples::lang::model::{self, Dims, Encoder, EncoderInput, HEAD_PARAMS};
 use examples::recovery::Holders;
+use examples::Fatal;
 use rpc_core::Agent;
 use rref::RRef;
 
@@ -41,6 +42,18 @@ impl Hybrid {
     pub async fn new(agent: &Agent, args: &Args, dims: &Dims, instance: u64) -> Result<Self> {
         let encoder = Encoder::new(dims, args.seed)?;
         let (d0, d1) = args.shard2_devices()?;
+        let [r1, r2] = shard::SHARD_RANKS;
+        for (rank, devices) in [(r1, vec![args.shard1_device]), (r2, vec![d0, d1])] {
+            let usable = agent.rpc_async(rank, shard::usable_devices, (devices,));
+            if let Err(why) = usable
+                .await
+                .context("asking the workers for their devices")?
+            {
+                return Err(
+                    Fatal(format!("worker rank {rank} cannot hold its shard: {why}")).into(),
+                );
+            }
+        }
         let holders = Holders::take(agent, shard::SHARD_RANKS);
         let s1 = rref::remote(
             agent,

@@ -60,6 +60,7 @@ fn registry() -> Result<Registry> {
     let b = collectives::install(b)?;
     Ok(b.register(shard::new_net_shard1)?
         .register(shard::new_net_shard2)?
+        .register(shard::usable_devices)?
         .register(shard::shard_forward)?
         .register(shard::shard_parameters)?
         .register(shard::shard_values)?

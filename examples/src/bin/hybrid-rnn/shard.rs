@@ -69,6 +69,20 @@ async fn build(
     Ok(NetShard { head, vars })
 }
 
+/// Whether this worker can use `devices`: `Err` names the first it cannot and why (no CUDA in
+/// this build, no driver, too few GPUs). A value, not a failed call: the master stops the
+/// job for it instead of restarting into the same refusal.
+#[remote]
+pub async fn usable_devices(
+    _ctx: CallContext,
+    devices: Vec<DeviceSpec>,
+) -> Result<Result<(), String>, BoxError> {
+    Ok(devices
+        .iter()
+        .try_for_each(|d| d.device().map(drop))
+        .map_err(|e| e.to_string()))
+}
+
 /// `NetShard1`: the head on one device.
 #[remote]
 pub async fn new_net_shard1(
