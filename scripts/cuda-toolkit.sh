@@ -28,6 +28,7 @@ if [ ! -f "$PREFIX/.complete" ]; then
     log "installing CUDA 13.4 wheels into $PREFIX"
     rm -rf "$PREFIX" # what an interrupted run left
     python3 -m pip install --quiet --disable-pip-version-check --no-warn-script-location \
+        --root-user-action=ignore \
         --target "$PREFIX" \
         "nvidia-cuda-nvcc==13.4.92" "nvidia-cuda-crt==13.4.92" "nvidia-nvvm==13.4.92" \
         "nvidia-cuda-runtime==13.4.92" "nvidia-cuda-cccl==13.3.4.3.1" \

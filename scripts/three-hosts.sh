@@ -8,7 +8,11 @@
 # SUP-1). The group must notice, recover (RESTART: `group`, every process restarted and the
 # run resumed from its checkpoint; `worker`, only the failed one, the master replaying from
 # the checkpoint in its own process) and finish with the same parameters as a run on
-# loopback, every launcher exiting 0.
+# loopback, every launcher exiting 0. `rdvkill` and `rdvfreeze`: host 0, where the rendezvous
+# lives (in its launcher) beside the master, killed (SIGKILL, every process) or frozen
+# (SIGSTOP, every process). The group cannot go on without them: the launchers of hosts 1 and
+# 2 must each end with an error naming the rendezvous within RDV_BOUND seconds (default 120),
+# leaving no process behind.
 #
 #   scripts/three-hosts.sh [HYBRID_RNN_FLAGS...]
 #
@@ -30,7 +34,9 @@ fault=${FAULT:-cut}
 restart=${RESTART:-group}
 case "$fault:$restart" in
     cut:group | cut:worker | freeze:group | freeze:worker) ;;
-    *) echo "three-hosts: FAULT is cut or freeze, RESTART group or worker"; exit 2 ;;
+    rdvkill:group | rdvkill:worker | rdvfreeze:group | rdvfreeze:worker) ;;
+    *) echo "three-hosts: FAULT is cut, freeze, rdvkill or rdvfreeze, RESTART group or worker"
+        exit 2 ;;
 esac
 cut_at=${CUT_AT_STEP:-150}
 cut_secs=${CUT_SECS:-4}
@@ -49,7 +55,7 @@ hosts=("${tag}0" "${tag}1" "${tag}2")
 pids=()
 frozen=
 cleanup() {
-    if [ -n "$frozen" ]; then kill -9 "$frozen" 2>/dev/null || true; kill -CONT "$frozen" 2>/dev/null || true; fi
+    for f in $frozen; do kill -9 "$f" 2>/dev/null || true; done
     for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
     for n in "${hosts[@]}" "$hub"; do ip netns del "$n" 2>/dev/null || true; done
 }
@@ -117,10 +123,45 @@ if [ "$fault" = cut ]; then
         ip netns exec "${hosts[2]}" tc qdisc del dev v2 root
     fi
     echo "link restored after $((SECONDS - fault_start)) s"
-else
+elif [ "$fault" = freeze ]; then
     frozen=$(child_of "$(child_of "${pids[1]}")")
     kill -STOP "$frozen"
     echo "step $(done_steps): froze host 1's process (pid $frozen, SIGSTOP), restart $restart"
+else
+    # Host 0: its launcher (the rendezvous) and the master under it.
+    launcher0=$(child_of "${pids[0]}")
+    master=$(child_of "$launcher0")
+    if [ "$fault" = rdvkill ]; then
+        # unshare --kill-child: its child, the namespace's init, and with it every process
+        # of the namespace, die with it.
+        kill -9 "${pids[0]}"
+        echo "step $(done_steps): killed host 0 (rendezvous and master), restart $restart"
+    else
+        frozen="$launcher0 $master"
+        kill -STOP $frozen
+        echo "step $(done_steps): froze host 0 (rendezvous pid $launcher0, master pid $master)"
+    fi
+    bound=${RDV_BOUND:-120}
+    status=0
+    for i in 1 2; do
+        left=$((fault_start + bound - SECONDS))
+        code=0
+        if [ "$left" -le 0 ]; then code=124; else
+            timeout "$left" tail --pid="${pids[$i]}" -f /dev/null || code=124
+        fi
+        if [ "$code" = 124 ]; then
+            echo "host $i: its launcher still runs $bound s after the fault"; status=1; continue
+        fi
+        wait "${pids[$i]}" && code=0 || code=$?
+        echo "host $i: rpcrun exited $code after $((SECONDS - fault_start)) s"
+        [ "$code" != 0 ] || { echo "host $i: a failed job reported success"; status=1; }
+        grep -h -i -E "rendezvous" "$out/host$i.err" | grep -v "^\[rank" | tail -2 | sed 's/^/  /'
+        grep -q -i "rendezvous" "$out/host$i.err" || { echo "host $i: no word of the rendezvous"; status=1; }
+    done
+    python3 -c 'import json,sys; print(json.dumps({"three_hosts": True, "fault": sys.argv[1],
+        "restart": sys.argv[2], "launchers_ended_s": int(sys.argv[3]), "ok": sys.argv[4] == "0"}))' \
+        "$fault" "$restart" "$((SECONDS - fault_start))" "$status"
+    exit "$status"
 fi
 
 status=0

@@ -122,7 +122,7 @@ pub use net::{
     Secret, Transport, WireProtection, WorkerFailed, SECRET_ENV, SECRET_FILE_ENV,
 };
 pub use registry::{RegistryBuilder, RegistryError, RemoteFn};
-pub use rendezvous::{GroupSize, RendezvousServer};
+pub use rendezvous::{probe_rendezvous, GroupSize, RendezvousServer};
 pub use rpc_macros::remote;
 pub use shutdown::{JobFailed, ShutdownReport};
 pub use state::Agent;

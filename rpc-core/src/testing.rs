@@ -192,6 +192,15 @@ pub fn cut_rendezvous_link(agent: &Agent) {
     agent.inner.net.membership.cut_link.notify_one();
 }
 
+/// Freezes (or thaws) `server`: while frozen it sends nothing on any member's link, neither
+/// updates nor the ticks of RDV-7 (a member's redial gets no answer either), as a stopped
+/// process would not; its connections stay open.
+pub fn freeze_rendezvous(server: &RendezvousServer, frozen: bool) {
+    server
+        .silenced
+        .store(frozen, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Whether `agent` has a link to the rendezvous now.
 pub fn has_rendezvous_link(agent: &Agent) -> bool {
     !agent.inner.net.membership.own.is_adrift()

@@ -4,7 +4,7 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::child::{self, Child};
 use crate::env::{child_env, Rendezvous};
@@ -107,6 +107,16 @@ pub(crate) fn run(launch: &Launch) -> Result<Exit, LaunchError> {
                         );
                     }
                     code
+                } else if let Err(why) = rendezvous_back(launch, &rdzv, secret.path()) {
+                    // RDZ-1: the group's rendezvous (rank 0's, on node 0) is gone.
+                    tracing::error!("{why}; not restarting");
+                    failures.push(Failure {
+                        attempt,
+                        rank: launch.node_rank * launch.nproc,
+                        code: 1,
+                        what: why,
+                    });
+                    1
                 } else {
                     attempt += 1;
                     tracing::warn!(
@@ -125,6 +135,53 @@ pub(crate) fn run(launch: &Launch) -> Result<Exit, LaunchError> {
             trace: None,
         });
     }
+}
+
+/// How long a launcher of another node than 0 waits, before restarting a process, for the
+/// group's rendezvous to answer (with `--restart group` rank 0's process hosts it, and node
+/// 0's launcher restarts that too: it is back within seconds; with `--restart worker` node 0's
+/// launcher hosts it and it never left), unless node 0 is gone or frozen.
+const RENDEZVOUS_BACK: Duration = Duration::from_secs(60);
+
+/// RDZ-1: before a group restart on a node other than 0, the rendezvous must answer (a
+/// connection and the authenticated handshake, `rpc_core::probe_rendezvous`) within
+/// [`RENDEZVOUS_BACK`]. Without it, each restart's processes waited their whole init timeout
+/// (120 s in the examples) for a rendezvous whose host was dead or frozen, restart after
+/// restart. `Err` names the address and the last cause.
+fn rendezvous_back(
+    launch: &Launch,
+    rdzv: &Rendezvous,
+    secret: &std::path::Path,
+) -> Result<(), String> {
+    if launch.nnodes <= 1 || launch.node_rank == 0 {
+        return Ok(());
+    }
+    let addr = format!("{}:{}", rdzv.host, rdzv.port);
+    let secret = rpc_core::Secret::from_file(secret).map_err(|e| format!("{e}"))?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("starting a runtime to reach the rendezvous: {e}"))?;
+    let deadline = Instant::now() + RENDEZVOUS_BACK;
+    let mut last = String::new();
+    while Instant::now() < deadline {
+        let tried = rt.block_on(rpc_core::probe_rendezvous(
+            &rpc_core::Transport::Tcp,
+            &addr,
+            &secret,
+            Duration::from_secs(5),
+        ));
+        match tried {
+            Ok(()) => return Ok(()),
+            Err(e) => last = rpc_core::error_chain(&e),
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    Err(format!(
+        "the rendezvous at {addr} did not answer within {} s of the failure (its host is down, \
+         frozen or cut off): {last}",
+        RENDEZVOUS_BACK.as_secs()
+    ))
 }
 
 /// Where the group meets in this attempt: the given address, else a port of 127.0.0.1 free now.
@@ -381,6 +438,23 @@ fn run_workers(launch: &Launch) -> Result<Exit, LaunchError> {
                 child::stop_all(&mut children, libc::SIGTERM, launch.stop_grace);
                 return Ok(Exit {
                     code,
+                    restarts,
+                    failures,
+                    trace: None,
+                });
+            }
+            if let Err(why) = rendezvous_back(launch, &rdzv, secret.path()) {
+                // RDZ-1: node 0's launcher, which hosts the rendezvous, is gone.
+                tracing::error!("{why}; not restarting");
+                failures.push(Failure {
+                    attempt: counts[l],
+                    rank,
+                    code: 1,
+                    what: why,
+                });
+                child::stop_all(&mut children, libc::SIGTERM, launch.stop_grace);
+                return Ok(Exit {
+                    code: 1,
                     restarts,
                     failures,
                     trace: None,

@@ -429,6 +429,46 @@ fn a_member_that_lost_its_rendezvous_link_resumes_and_misses_no_change() {
     });
 }
 
+/// RDV-7: a rendezvous that falls silent (a frozen process keeps its connections open and says
+/// nothing) is noticed: the members take their links for broken within the link's silence
+/// bound (3 s) and are adrift (which their launchers end, SUP-3); once it speaks again they
+/// resume. Before RDV-7 a member waited on a frozen rendezvous for good, never adrift.
+#[test]
+fn a_frozen_rendezvous_leaves_its_members_adrift_within_the_silence_bound() {
+    run(60, async {
+        let g = group(Transport::Tcp).await;
+        let a = &g.agents;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(a.iter().all(testing::has_rendezvous_link));
+        testing::freeze_rendezvous(&g.server, true);
+        let frozen = tokio::time::Instant::now();
+        while a.iter().any(testing::has_rendezvous_link) {
+            assert!(
+                frozen.elapsed() < Duration::from_secs(6),
+                "a member still counts on a rendezvous silent for 6 s"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let took = frozen.elapsed();
+        assert!(
+            took >= Duration::from_millis(2500),
+            "adrift after only {took:?}"
+        );
+        testing::freeze_rendezvous(&g.server, false);
+        let thawed = tokio::time::Instant::now();
+        while !a.iter().all(testing::has_rendezvous_link) {
+            assert!(
+                thawed.elapsed() < Duration::from_secs(10),
+                "the members did not resume once the rendezvous spoke again"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        for r in futures::future::join_all(a.iter().map(|x| x.shutdown())).await {
+            assert!(r.is_clean(), "{r:?}");
+        }
+    });
+}
+
 /// VIEW-1: right after a replacement joined, each member hears of it in its own time; a
 /// coordinator that waits with `await_known` finds every worker it asked knowing the new
 /// incarnation, and is told which did not when it asks about one nobody has. (The hybrid

@@ -77,62 +77,8 @@ async fn join_once(
     timeout_: Duration,
 ) -> Result<Joined, InitError> {
     let deadline = Instant::now() + left;
-    let mut backoff = Duration::from_millis(20);
-    let (mut conn, local_ip) = loop {
-        match tokio::time::timeout_at(deadline, transport.connect(addr)).await {
-            Ok(Ok(c)) => break c,
-            Ok(Err(e)) if Instant::now() + backoff < deadline => {
-                tracing::debug!(cause = %e, addr, "rendezvous not reachable yet");
-                sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_millis(500));
-            }
-            Ok(Err(source)) => {
-                return Err(InitError::RendezvousUnreachable {
-                    addr: addr.to_owned(),
-                    timeout: timeout_,
-                    source,
-                })
-            }
-            Err(_) => {
-                return Err(InitError::RendezvousUnreachable {
-                    addr: addr.to_owned(),
-                    timeout: timeout_,
-                    source: io::Error::new(io::ErrorKind::TimedOut, "connect timed out"),
-                })
-            }
-        }
-    };
-    let hs = tokio::time::timeout_at(
-        deadline,
-        auth::client(
-            &mut conn,
-            secret,
-            protection,
-            ConnKind::Rendezvous,
-            auth::Ident {
-                rank: me.rank,
-                incarnation: 0,
-            },
-            Some(auth::RENDEZVOUS),
-        ),
-    )
-    .await;
-    let session = match hs {
-        Ok(Ok(s)) => s,
-        Ok(Err(source)) => {
-            return Err(InitError::Auth {
-                addr: addr.to_owned(),
-                source,
-            })
-        }
-        Err(_) => {
-            return Err(InitError::Auth {
-                addr: addr.to_owned(),
-                source: io::Error::new(io::ErrorKind::TimedOut, "handshake timed out"),
-            })
-        }
-    };
-    let conn = session.wrap(conn);
+    let how = (protection, me.rank, timeout_);
+    let (conn, local_ip) = dial(transport, addr, secret, how, deadline).await?;
     // A wildcard listener is advertised under the IP this host uses to reach the rendezvous.
     if let Some(ip) = local_ip {
         for addr in [&mut me.addr, &mut me.heartbeat] {
@@ -171,6 +117,91 @@ async fn join_once(
         }),
         Verdict::Refused(why) => Err(InitError::Refused(why)),
     }
+}
+
+/// Whether a rendezvous answers at `addr` (`tcp://host:port` or `host:port`): a connection
+/// and the authenticated handshake, within `within`. A launcher asks before it restarts its
+/// processes into a group whose rendezvous may be gone with its host: a dead host refuses or
+/// drops the connection, a frozen one accepts it (the kernel does) but never completes the
+/// handshake; either way this fails within `within`, naming the address and the cause.
+pub async fn probe_rendezvous(
+    transport: &Transport,
+    addr: &str,
+    secret: &Secret,
+    within: Duration,
+) -> Result<(), InitError> {
+    let addr = addr.strip_prefix("tcp://").unwrap_or(addr);
+    let how = (WireProtection::Auto, 0, within);
+    dial(transport, addr, secret, how, Instant::now() + within)
+        .await
+        .map(drop)
+}
+
+/// Connects to the rendezvous and completes the handshake (as rank `rank`, with `protection`)
+/// by `deadline`, retrying refused connections; `timeout_` is named in the errors.
+async fn dial(
+    transport: &Transport,
+    addr: &str,
+    secret: &Secret,
+    (protection, rank, timeout_): (WireProtection, u32, Duration),
+    deadline: Instant,
+) -> Result<(crate::net::transport::Conn, Option<std::net::IpAddr>), InitError> {
+    let mut backoff = Duration::from_millis(20);
+    let (mut conn, local_ip) = loop {
+        match tokio::time::timeout_at(deadline, transport.connect(addr)).await {
+            Ok(Ok(c)) => break c,
+            Ok(Err(e)) if Instant::now() + backoff < deadline => {
+                tracing::debug!(cause = %e, addr, "rendezvous not reachable yet");
+                sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_millis(500));
+            }
+            Ok(Err(source)) => {
+                return Err(InitError::RendezvousUnreachable {
+                    addr: addr.to_owned(),
+                    timeout: timeout_,
+                    source,
+                })
+            }
+            Err(_) => {
+                return Err(InitError::RendezvousUnreachable {
+                    addr: addr.to_owned(),
+                    timeout: timeout_,
+                    source: io::Error::new(io::ErrorKind::TimedOut, "connect timed out"),
+                })
+            }
+        }
+    };
+    let hs = tokio::time::timeout_at(
+        deadline,
+        auth::client(
+            &mut conn,
+            secret,
+            protection,
+            ConnKind::Rendezvous,
+            auth::Ident {
+                rank,
+                incarnation: 0,
+            },
+            Some(auth::RENDEZVOUS),
+        ),
+    )
+    .await;
+    let session = match hs {
+        Ok(Ok(s)) => s,
+        Ok(Err(source)) => {
+            return Err(InitError::Auth {
+                addr: addr.to_owned(),
+                source,
+            })
+        }
+        Err(_) => {
+            return Err(InitError::Auth {
+                addr: addr.to_owned(),
+                source: io::Error::new(io::ErrorKind::TimedOut, "handshake timed out"),
+            })
+        }
+    };
+    Ok((session.wrap(conn), local_ip))
 }
 
 /// What a member needs to dial the rendezvous again (RDV-6): where, how, and its join, which
@@ -225,10 +256,19 @@ async fn serve_link(
     me: u32,
 ) -> bool {
     let (mut sink, mut stream) = link.0.split();
+    let mut heard = Instant::now();
     loop {
         tokio::select! {
             () = stop.cancelled() => return false,
             () = membership.cut_link.notified() => return true,
+            () = tokio::time::sleep_until(heard + super::LINK_SILENCE) => {
+                tracing::warn!(
+                    rank = me,
+                    silent_for = ?super::LINK_SILENCE,
+                    "the rendezvous said nothing (frozen, or cut off)"
+                );
+                return true;
+            }
             r = reports.recv() => match r {
                 Some(r) => {
                     let send = send_sink(&mut sink, &r);
@@ -240,7 +280,10 @@ async fn serve_link(
                 None => return false,
             },
             frame = stream.next() => match frame.map(|f| f.and_then(|f| decode_update(&f))) {
-                Some(Ok(u)) => apply(membership, me, u),
+                Some(Ok(u)) => {
+                    heard = Instant::now();
+                    apply(membership, me, u);
+                }
                 Some(Err(e)) => {
                     tracing::warn!(cause = %e, "bad message from the rendezvous");
                     return true;
@@ -350,6 +393,7 @@ fn apply(m: &Membership, me: u32, u: Update) {
                 "the group declared this worker failed: its peers refuse it from now on"
             );
         }
+        Update::Alive => {}
         other => tracing::warn!(?other, "ignored a membership update for an unknown rank"),
     }
 }

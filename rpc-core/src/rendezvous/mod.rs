@@ -5,7 +5,9 @@
 //! connection, reports the failures its detector decides and a graceful leave on it, and
 //! hears of every change (a rank failed, left, is held by a new incarnation: a restarted
 //! process that joined in its place, or was taken for the first time by a worker joining a
-//! group that grows) from it ([`follow`]).
+//! group that grows) from it ([`follow`]); when nothing changes, the rendezvous still says it
+//! is alive every `LINK_TICK`, and a member that hears nothing for `LINK_SILENCE` dials it
+//! again (RDV-7).
 //!
 //! A group's size is a [`GroupSize`]: the ranks it forms with and the ranks it may grow to
 //! (its capacity). Ranks past the initial ones are vacant until a worker joins the running
@@ -25,11 +27,14 @@ mod server;
 
 #[cfg(any(test, feature = "fuzzing"))]
 pub(crate) use fuzz::{fuzz_messages, fuzz_seeds};
+pub use member::probe_rendezvous;
 pub(crate) use member::{follow, join, Redial};
 
 use futures::{SinkExt, StreamExt};
 use serde::{Deserialize, Serialize};
 use std::io;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::broadcast;
 use tokio::task::JoinHandle;
@@ -46,6 +51,14 @@ const MAX_MSG: usize = 16 << 20;
 /// Extra time a joiner waits past its own deadline for the server's verdict (which names the
 /// missing ranks).
 const VERDICT_GRACE: Duration = Duration::from_secs(5);
+/// RDV-7: the rendezvous speaks on every member's link at least this often (`Update::Alive`
+/// when it has nothing else to say) ...
+const LINK_TICK: Duration = Duration::from_millis(500);
+/// ... and a member that hears nothing on its link for this long takes the link for broken
+/// (a frozen rendezvous, or its host cut off, keeps the TCP connection open and says
+/// nothing): it dials again (RDV-6) and is adrift meanwhile, which its launcher ends (SUP-3).
+/// A false alarm costs one redial and resume.
+const LINK_SILENCE: Duration = Duration::from_secs(3);
 
 /// How many workers a group has: the ranks it forms with (`0..initial`) and the ranks it may
 /// grow to (`0..capacity`). Every worker of a group and its rendezvous must agree on it.
@@ -216,6 +229,8 @@ pub(crate) enum Update {
         incarnation: u64,
         cause: String,
     },
+    /// Nothing changed; the rendezvous is alive (RDV-7).
+    Alive,
 }
 
 /// What a member tells the rendezvous.
@@ -278,6 +293,9 @@ pub struct RendezvousServer {
     task: Option<JoinHandle<()>>,
     events: broadcast::Sender<MembershipEvent>,
     formed: tokio::sync::watch::Receiver<bool>,
+    /// Tests: while set, the rendezvous sends nothing on any member's link, as a frozen
+    /// process would not (`testing::freeze_rendezvous`).
+    pub(crate) silenced: Arc<AtomicBool>,
 }
 
 impl RendezvousServer {
@@ -309,19 +327,21 @@ impl RendezvousServer {
         // Bounded: a watcher that falls this far behind is told it lagged.
         let events = broadcast::channel(1024).0;
         let (formed_tx, formed) = tokio::sync::watch::channel(false);
+        let silenced = Arc::new(AtomicBool::new(false));
         let task = tokio::spawn(server::serve(
             listener,
             secret,
             size,
             deadline,
             events.clone(),
-            formed_tx,
+            (formed_tx, Arc::clone(&silenced)),
         ));
         Ok(Self {
             addr,
             task: Some(task),
             events,
             formed,
+            silenced,
         })
     }
 

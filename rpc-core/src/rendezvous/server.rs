@@ -27,6 +27,8 @@
 
 use futures::StreamExt;
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{broadcast, mpsc};
 use tokio::time::Instant;
@@ -99,6 +101,8 @@ struct State {
     suspicions: Suspicions,
     /// Member connections so far (each gets the next number, RDV-6).
     links: u64,
+    /// Tests: nothing is sent while set (a frozen rendezvous).
+    silenced: Arc<AtomicBool>,
 }
 
 /// Serves the group: formation until `deadline` (RDV-1), then membership for as long as the
@@ -109,7 +113,7 @@ pub(super) async fn serve(
     size: GroupSize,
     deadline: Instant,
     watchers: broadcast::Sender<MembershipEvent>,
-    formed_tx: tokio::sync::watch::Sender<bool>,
+    (formed_tx, silenced): (tokio::sync::watch::Sender<bool>, Arc<AtomicBool>),
 ) {
     let initial = size.initial();
     // Bounded: joins and reports are few; a full queue slows the readers, it drops nothing.
@@ -124,6 +128,7 @@ pub(super) async fn serve(
         watchers,
         suspicions: Suspicions::default(),
         links: 0,
+        silenced,
     };
     let gate = auth::Gate::default();
     let mut formed = size.is_dynamic();
@@ -294,13 +299,31 @@ impl State {
         slot.link = self.links;
         let link = self.links;
         let events = self.events.clone();
+        let silenced = Arc::clone(&self.silenced);
         tokio::spawn(async move {
             let (mut sink, mut stream) = f.split();
+            let hold = || async {
+                while silenced.load(Ordering::Relaxed) {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            };
             let writer = async {
+                hold().await;
                 if super::send_sink(&mut sink, &first).await.is_err() {
                     return;
                 }
-                while let Some(u) = out_rx.recv().await {
+                // RDV-7: a word at least every LINK_TICK, so that members notice silence.
+                let mut tick = tokio::time::interval(super::LINK_TICK);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    let u = tokio::select! {
+                        u = out_rx.recv() => match u {
+                            Some(u) => u,
+                            None => return,
+                        },
+                        _ = tick.tick() => Update::Alive,
+                    };
+                    hold().await;
                     let sent = tokio::time::timeout(
                         Duration::from_secs(10),
                         super::send_sink(&mut sink, &u),
@@ -352,6 +375,7 @@ impl State {
             Update::Failed { cause, .. } => MembershipChange::Failed {
                 cause: cause.clone(),
             },
+            Update::Alive => return,
         };
         let _ = self.watchers.send(MembershipEvent {
             generation: self.generation,
