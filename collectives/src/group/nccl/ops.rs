@@ -2,20 +2,73 @@
 //! NCCL call enqueued on the communicator's stream.
 
 use candle_core::Tensor;
-use cudarc::nccl::result as nc;
+use cudarc::nccl::{result as nc, sys as ncs};
 
 use super::{address, nccl_err, nccl_op, nccl_type, run, Turn};
-use crate::group::op::Op;
 use crate::group::{CollectiveError, ProcessGroup, ReduceOp};
 
+/// What an NCCL call of one source and one destination buffer is given ([`ProcessGroup::one_call`]
+/// made both: `count` elements of `ty` in the source, as many as the call writes in the
+/// destination).
+struct Call {
+    src: u64,
+    dst: u64,
+    count: usize,
+    ty: ncs::ncclDataType_t,
+    comm: ncs::ncclComm_t,
+    stream: ncs::cudaStream_t,
+}
+
+type Status = Result<nc::NcclStatus, nc::NcclError>;
+
 impl ProcessGroup {
-    fn nccl_begin(
+    /// `root`'s position in the group, or the error every member gives alike.
+    fn position_of(&self, op: &'static str, root: u32) -> Result<usize, CollectiveError> {
+        self.ranks
+            .iter()
+            .position(|&r| r == root)
+            .ok_or_else(|| CollectiveError::Failed {
+                op,
+                members: self.ranks.to_vec(),
+                message: format!("root {root} is not a member"),
+            })
+    }
+
+    /// One operation of one NCCL call (`what`, for errors) from `t` into a new tensor of
+    /// `out_dims` on `t`'s device: `count` is the count the call is given.
+    async fn one_call(
         &self,
-        name: &'static str,
+        (name, seq, turn): (&'static str, u64, Turn),
         t: &Tensor,
-        seq: u64,
-    ) -> Result<Op<'_>, CollectiveError> {
-        self.begin_at(name, t, seq)
+        (out_dims, count): (Vec<usize>, usize),
+        what: &'static str,
+        call: impl FnOnce(Call) -> Status,
+    ) -> Result<Tensor, CollectiveError> {
+        let o = self.begin_at(name, t, seq)?;
+        let out = async {
+            let t = t.contiguous()?;
+            let ty = nccl_type(&o, t.dtype())?;
+            let out = Tensor::zeros(out_dims, t.dtype(), t.device())?;
+            run(self, &o, turn, t.device(), |comm, stream| {
+                let (src, dst) = (address(&t, stream)?, address(&out, stream)?);
+                let stream = stream.cu_stream() as _;
+                call(Call {
+                    src,
+                    dst,
+                    count,
+                    ty,
+                    comm,
+                    stream,
+                })
+                .map(drop)
+                .map_err(|e| nccl_err(&o, what, e))
+            })
+            .await?;
+            Ok(out)
+        }
+        .await;
+        self.end(&o);
+        out
     }
 
     /// All-reduce of a CUDA tensor through NCCL.
@@ -26,35 +79,15 @@ impl ProcessGroup {
         t: &Tensor,
         op: ReduceOp,
     ) -> Result<Tensor, CollectiveError> {
-        let o = self.nccl_begin("all_reduce", t, seq)?;
-        let out = async {
-            let t = t.contiguous()?;
-            let (ty, red) = (nccl_type(&o, t.dtype())?, nccl_op(op));
-            let out = t.zeros_like()?;
-            let n = t.elem_count();
-            run(self, &o, turn, t.device(), |comm, stream| {
-                let (src, dst) = (address(&t, stream)?, address(&out, stream)?);
-                // SAFETY: both buffers hold `n` elements of `ty` on the communicator's device.
-                unsafe {
-                    nc::all_reduce(
-                        src as _,
-                        dst as _,
-                        n,
-                        ty,
-                        red,
-                        comm,
-                        stream.cu_stream() as _,
-                    )
-                }
-                .map(drop)
-                .map_err(|e| nccl_err(&o, "ncclAllReduce", e))
-            })
-            .await?;
-            Ok(out)
-        }
-        .await;
-        self.end(&o);
-        out
+        let (dims, red) = ((t.dims().to_vec(), t.elem_count()), nccl_op(op));
+        self.one_call(("all_reduce", seq, turn), t, dims, "ncclAllReduce", |c| {
+            // SAFETY: both buffers hold `count` elements of `ty` on the communicator's device.
+            unsafe {
+                let (src, dst) = (c.src as _, c.dst as _);
+                nc::all_reduce(src, dst, c.count, c.ty, red, c.comm, c.stream)
+            }
+        })
+        .await
     }
 
     /// Broadcast of a CUDA tensor through NCCL.
@@ -65,38 +98,38 @@ impl ProcessGroup {
         t: &Tensor,
         root: u32,
     ) -> Result<Tensor, CollectiveError> {
-        let o = self.nccl_begin("broadcast", t, seq)?;
-        let out = async {
-            let Some(at) = self.ranks.iter().position(|&r| r == root) else {
-                return Err(o.failed(format!("root {root} is not a member")));
-            };
-            let t = t.contiguous()?;
-            let ty = nccl_type(&o, t.dtype())?;
-            let out = t.zeros_like()?;
-            let n = t.elem_count();
-            run(self, &o, turn, t.device(), |comm, stream| {
-                let (src, dst) = (address(&t, stream)?, address(&out, stream)?);
-                // SAFETY: both buffers hold `n` elements of `ty` on the communicator's device.
-                unsafe {
-                    nc::broadcast(
-                        src as _,
-                        dst as _,
-                        n,
-                        ty,
-                        at as i32,
-                        comm,
-                        stream.cu_stream() as _,
-                    )
-                }
-                .map(drop)
-                .map_err(|e| nccl_err(&o, "ncclBroadcast", e))
-            })
-            .await?;
-            Ok(out)
-        }
-        .await;
-        self.end(&o);
-        out
+        let at = self.position_of("broadcast", root)? as i32;
+        let dims = (t.dims().to_vec(), t.elem_count());
+        self.one_call(("broadcast", seq, turn), t, dims, "ncclBroadcast", |c| {
+            // SAFETY: both buffers hold `count` elements of `ty` on the communicator's device.
+            unsafe {
+                let (src, dst) = (c.src as _, c.dst as _);
+                nc::broadcast(src, dst, c.count, c.ty, at, c.comm, c.stream)
+            }
+        })
+        .await
+    }
+
+    /// Reduce of a CUDA tensor onto `root` through NCCL.
+    pub(in crate::group) async fn nccl_reduce(
+        &self,
+        seq: u64,
+        turn: Turn,
+        t: &Tensor,
+        op: ReduceOp,
+        root: u32,
+    ) -> Result<Option<Tensor>, CollectiveError> {
+        let at = self.position_of("reduce", root)? as i32;
+        let (dims, red) = ((t.dims().to_vec(), t.elem_count()), nccl_op(op));
+        let out = self.one_call(("reduce", seq, turn), t, dims, "ncclReduce", |c| {
+            // SAFETY: both buffers hold `count` elements of `ty` on the communicator's device.
+            unsafe {
+                let (src, dst) = (c.src as _, c.dst as _);
+                nc::reduce(src, dst, c.count, c.ty, red, at, c.comm, c.stream)
+            }
+        });
+        let out = out.await?;
+        Ok((self.agent.rank() == root).then_some(out))
     }
 
     /// All-gather of a CUDA tensor through NCCL: one buffer, viewed per member.
@@ -106,29 +139,24 @@ impl ProcessGroup {
         turn: Turn,
         t: &Tensor,
     ) -> Result<Vec<Tensor>, CollectiveError> {
-        let o = self.nccl_begin("all_gather", t, seq)?;
-        let out = async {
-            let t = t.contiguous()?;
-            let ty = nccl_type(&o, t.dtype())?;
-            let mut dims = vec![self.size()];
-            dims.extend_from_slice(t.dims());
-            let all = Tensor::zeros(dims, t.dtype(), t.device())?;
-            let n = t.elem_count();
-            run(self, &o, turn, t.device(), |comm, stream| {
-                let (src, dst) = (address(&t, stream)?, address(&all, stream)?);
-                // SAFETY: `all` holds `size * n` elements of `ty`, `t` holds `n`.
-                unsafe { nc::all_gather(src as _, dst as _, n, ty, comm, stream.cu_stream() as _) }
-                    .map(drop)
-                    .map_err(|e| nccl_err(&o, "ncclAllGather", e))
-            })
+        let mut dims = vec![self.size()];
+        dims.extend_from_slice(t.dims());
+        let all = self
+            .one_call(
+                ("all_gather", seq, turn),
+                t,
+                (dims, t.elem_count()),
+                "ncclAllGather",
+                |c| {
+                    // SAFETY: the destination holds `size * count` elements of `ty`, the source
+                    // `count`.
+                    unsafe {
+                        nc::all_gather(c.src as _, c.dst as _, c.count, c.ty, c.comm, c.stream)
+                    }
+                },
+            )
             .await?;
-            (0..self.size())
-                .map(|i| Ok(all.get(i)?))
-                .collect::<Result<Vec<_>, CollectiveError>>()
-        }
-        .await;
-        self.end(&o);
-        out
+        (0..self.size()).map(|i| Ok(all.get(i)?)).collect()
     }
 
     /// Reduce-scatter of a CUDA tensor through NCCL: this member's chunk of the flattened
@@ -156,69 +184,16 @@ impl ProcessGroup {
                 .flatten_all()?
                 .narrow(0, start, base + usize::from(me < extra))?);
         }
-        let o = self.nccl_begin("reduce_scatter", t, seq)?;
-        let out = async {
-            let t = t.contiguous()?;
-            let (ty, red) = (nccl_type(&o, t.dtype())?, nccl_op(op));
-            let per = len / self.size();
-            let out = Tensor::zeros(per, t.dtype(), t.device())?;
-            run(self, &o, turn, t.device(), |comm, stream| {
-                let (src, dst) = (address(&t, stream)?, address(&out, stream)?);
-                // SAFETY: `t` holds `size * per` elements of `ty`, `out` holds `per`.
-                unsafe {
-                    nc::reduce_scatter(
-                        src as _,
-                        dst as _,
-                        per,
-                        ty,
-                        red,
-                        comm,
-                        stream.cu_stream() as _,
-                    )
-                }
-                .map(drop)
-                .map_err(|e| nccl_err(&o, "ncclReduceScatter", e))
-            })
-            .await?;
-            Ok(out)
-        }
-        .await;
-        self.end(&o);
-        out
-    }
-
-    /// Reduce of a CUDA tensor onto `root` through NCCL.
-    pub(in crate::group) async fn nccl_reduce(
-        &self,
-        seq: u64,
-        turn: Turn,
-        t: &Tensor,
-        op: ReduceOp,
-        root: u32,
-    ) -> Result<Option<Tensor>, CollectiveError> {
-        let o = self.nccl_begin("reduce", t, seq)?;
-        let out = async {
-            let Some(at) = self.ranks.iter().position(|&r| r == root) else {
-                return Err(o.failed(format!("root {root} is not a member")));
-            };
-            let t = t.contiguous()?;
-            let (ty, red) = (nccl_type(&o, t.dtype())?, nccl_op(op));
-            let out = t.zeros_like()?;
-            let n = t.elem_count();
-            run(self, &o, turn, t.device(), |comm, stream| {
-                let (src, dst) = (address(&t, stream)?, address(&out, stream)?);
-                let s = stream.cu_stream() as _;
-                // SAFETY: both buffers hold `n` elements of `ty` on the communicator's device.
-                unsafe { nc::reduce(src as _, dst as _, n, ty, red, at as i32, comm, s) }
-                    .map(drop)
-                    .map_err(|e| nccl_err(&o, "ncclReduce", e))
-            })
-            .await?;
-            Ok((self.agent.rank() == root).then_some(out))
-        }
-        .await;
-        self.end(&o);
-        out
+        let (per, red) = (len / n, nccl_op(op));
+        let name = ("reduce_scatter", seq, turn);
+        self.one_call(name, t, (vec![per], per), "ncclReduceScatter", |c| {
+            // SAFETY: the source holds `size * count` elements of `ty`, the destination `count`.
+            unsafe {
+                let (src, dst) = (c.src as _, c.dst as _);
+                nc::reduce_scatter(src, dst, c.count, c.ty, red, c.comm, c.stream)
+            }
+        })
+        .await
     }
 
     /// Gather of CUDA tensors onto `root` through NCCL (point-to-point sends and receives in
@@ -230,11 +205,9 @@ impl ProcessGroup {
         t: &Tensor,
         root: u32,
     ) -> Result<Option<Vec<Tensor>>, CollectiveError> {
-        let o = self.nccl_begin("gather", t, seq)?;
+        let at = self.position_of("gather", root)?;
+        let o = self.begin_at("gather", t, seq)?;
         let out = async {
-            let Some(at) = self.ranks.iter().position(|&r| r == root) else {
-                return Err(o.failed(format!("root {root} is not a member")));
-            };
             let t = t.contiguous()?;
             let ty = nccl_type(&o, t.dtype())?;
             let n = t.elem_count();
