@@ -4,9 +4,11 @@
 //! messages (tags, sends, receives, the one verdict of a mismatch); `ring.rs` the ring
 //! algorithms; `rooted.rs` reduce, gather, scatter and all-to-all; `element.rs` the element
 //! kernels of the fast ring (`f32`, `f64` folded straight from received bytes); `nccl.rs`
-//! (feature `nccl`) the same operations for tensors on CUDA devices, through NCCL.
+//! (feature `nccl`) the same operations for tensors on CUDA devices, through NCCL, and
+//! `generation.rs` how its members agree on their communicator.
 
 mod element;
+mod generation;
 #[cfg(feature = "nccl")]
 mod nccl;
 mod op;

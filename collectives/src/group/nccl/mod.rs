@@ -6,7 +6,9 @@
 //!
 //! - NC-1: one communicator per group and device, made on first use and after a failure:
 //!   the group's first member makes NCCL's unique id and sends it to the others over RPC
-//!   (the group's own messages); every member joins with its position in the group.
+//!   (the group's own messages); every member joins with its position in the group. Members
+//!   agree on keeping or rebuilding it, and on the new one's number, from the generations
+//!   they exchange (`generation.rs`), so members that went apart agree again.
 //! - NC-2: members agree before NCCL sees a buffer: every operation first exchanges, over
 //!   RPC, its header (shape, dtype) and the communicator each member holds, so a mismatch
 //!   fails on every member with one message (COL-1) instead of NCCL reading past a buffer,
@@ -71,7 +73,6 @@ struct Turns {
 #[derive(Default)]
 struct Slot {
     comm: Option<Arc<Comm>>,
-    generations: u64,
     turns: Turns,
 }
 
@@ -231,14 +232,14 @@ async fn run(
         .collect();
     let sends = others.iter().map(|&r| o.send(r, 0, token.clone()));
     futures::future::try_join_all(sends).await?;
-    let mut fresh = mine == 0;
+    let mut theirs = Vec::with_capacity(others.len());
     for &r in &others {
-        let theirs: Vec<i64> = o.recv(r, 0).await?.to_vec1()?;
-        fresh |= theirs.first() != Some(&(mine as i64));
+        let got: Vec<i64> = o.recv(r, 0).await?.to_vec1()?;
+        theirs.push(got.first().map_or(0, |&g| g.max(0) as u64));
     }
-    let comm = match held {
-        Some(c) if !fresh => c,
-        _ => {
+    let comm = match (held, super::generation::agree(mine, &theirs)) {
+        (Some(c), None) => c,
+        (held, agreed) => {
             state
                 .slots
                 .lock()
@@ -247,7 +248,8 @@ async fn run(
                 .or_default()
                 .comm = None;
             drop(held);
-            join(g, o, &state, cuda.cuda_stream()).await?
+            let generation = agreed.unwrap_or(mine + 1);
+            join(g, o, &state, (cuda.cuda_stream(), generation)).await?
         }
     };
     turn.wait().await;
@@ -305,7 +307,7 @@ async fn join(
     g: &ProcessGroup,
     o: &Op<'_>,
     state: &State,
-    stream: Arc<CudaStream>,
+    (stream, generation): (Arc<CudaStream>, u64),
 ) -> Result<Arc<Comm>, CollectiveError> {
     let leader = g.ranks[0];
     let id = if g.agent().rank() == leader {
@@ -345,11 +347,10 @@ async fn join(
     };
     let mut slots = state.slots.lock().unwrap_or_else(|p| p.into_inner());
     let slot = slots.entry(g.id).or_default();
-    slot.generations += 1;
     let comm = Arc::new(Comm {
         raw,
         stream,
-        generation: slot.generations,
+        generation,
     });
     slot.comm = Some(Arc::clone(&comm));
     Ok(comm)
