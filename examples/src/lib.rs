@@ -205,6 +205,9 @@ pub struct Workers {
     /// Ranks killed on purpose and not started again.
     killed: std::collections::HashSet<u32>,
     port: u16,
+    /// The rendezvous's socket, bound when the port was chosen, which rank 0 serves on
+    /// (RDV-8: let go, another process could take the port before rank 0 binds it).
+    rendezvous: std::sync::Arc<std::net::TcpListener>,
     secret: Secret,
     world: u32,
     /// The job's trace (`--trace PATH`): every process records, the parts merge at the end.
@@ -251,14 +254,14 @@ impl Workers {
                 _ => {}
             }
         }
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?
-            .local_addr()?
-            .port();
+        let rendezvous = std::net::TcpListener::bind("127.0.0.1:0")?;
+        let port = rendezvous.local_addr()?.port();
         let mut w = Self {
             children: Vec::new(),
             args,
             killed: Default::default(),
             port,
+            rendezvous: std::sync::Arc::new(rendezvous),
             secret: Secret::generate(),
             world,
             trace,
@@ -295,6 +298,7 @@ impl Workers {
     pub fn rank0_config(&self, name: &str, timeout: Duration) -> Config {
         let mut cfg = Config::new();
         cfg.trace.clone_from(&self.trace);
+        cfg.rendezvous_listener = Some(std::sync::Arc::clone(&self.rendezvous));
         cfg.with_rank(0)
             .with_world_size(self.world)
             .with_name(name)

@@ -39,13 +39,6 @@ impl Drop for Frozen {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .unwrap()
-}
-
 fn done_steps(out: &Path) -> u64 {
     std::fs::read_to_string(out.join("progress"))
         .ok()
@@ -60,7 +53,7 @@ fn freeze_node_1(restart: &str, reference: &str, rpcrun: &Path) {
     std::fs::create_dir_all(&out).unwrap();
     let secret = dir.join("secret");
     std::fs::write(&secret, "a test secret of the three launchers").unwrap();
-    let rdzv = format!("127.0.0.1:{}", free_port());
+    let rdzv = format!("127.0.0.1:{}", common::free_port());
     let mut nodes: Vec<Spawned> = (0..3)
         .map(|i| {
             let d = dir.join(format!("node{i}"));

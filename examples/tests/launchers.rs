@@ -4,6 +4,8 @@
 //! with `MASTER_ADDR`/`MASTER_PORT` and the secret. Three `hello-group` processes are started
 //! with each set of variables, as that launcher would start them.
 
+mod common;
+
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -18,15 +20,8 @@ impl Drop for Group {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
-
 fn launched_like(rank_var: &str, size_var: &str) {
-    let port = free_port().to_string();
+    let port = common::free_port().to_string();
     let mut group = Group(Vec::new());
     for rank in 0..3 {
         let child = Command::new(env!("CARGO_BIN_EXE_hello-group"))
@@ -102,4 +97,86 @@ fn open_mpi_variables() {
 #[test]
 fn mpich_variables() {
     launched_like("PMI_RANK", "PMI_SIZE");
+}
+
+/// RDV-8: `rpcrun` chooses the rendezvous's port and keeps it bound until rank 0 serves on it.
+/// Here rank 0 starts only once another process (this test) has tried to take the port in
+/// between, as any program on the host may (an outgoing connection's ephemeral port is
+/// enough): the attempt fails and the launch succeeds with no restart. Before, the launcher
+/// let the port go; the test took it, rank 0 failed with "cannot bind 127.0.0.1:PORT: Address
+/// already in use" and, with no restart allowed, the launch exited 1 (CI met this race once).
+#[test]
+fn a_port_taken_before_rank_0_starts_cannot_fail_the_launch() {
+    let hello = env!("CARGO_BIN_EXE_hello-group");
+    let rpcrun = std::path::Path::new(hello).with_file_name("rpcrun");
+    assert!(
+        rpcrun.exists(),
+        "{} is missing: build it first (cargo build -p rpcrun)",
+        rpcrun.display()
+    );
+    let dir = std::env::temp_dir().join(format!("launchers-port-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    // Rank 0 says its port, then waits (at most 10 s) for the test to have tried it.
+    let script = r#"if [ "$RANK" = 0 ]; then
+        echo "$MASTER_PORT" > port.tmp && mv port.tmp port
+        i=0; while [ ! -e tried ] && [ $i -lt 200 ]; do sleep 0.05; i=$((i+1)); done
+    fi
+    exec "$HELLO""#;
+    let child = Command::new(&rpcrun)
+        .args([
+            "--nproc",
+            "3",
+            "--max-restarts",
+            "0",
+            "--",
+            "sh",
+            "-c",
+            script,
+        ])
+        .env("HELLO", hello)
+        .env_remove("RPC_SECRET")
+        .current_dir(&dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starts rpcrun");
+    let mut group = Group(vec![child]);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let port = loop {
+        if let Ok(p) = std::fs::read_to_string(dir.join("port")) {
+            break p.trim().to_owned();
+        }
+        assert!(Instant::now() < deadline, "rank 0 never said its port");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let thief = std::net::TcpListener::bind(format!("127.0.0.1:{port}"));
+    std::fs::write(dir.join("tried"), "").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while group.0[0].try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "rpcrun did not end within 120 s");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = group.0.remove(0).wait_with_output().unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(
+        out.status.success(),
+        "the launch failed ({}); the test took the port: {}\n{stderr}",
+        out.status,
+        thief.is_ok()
+    );
+    assert!(
+        stdout.contains(r#"group formed: ["worker0", "worker1", "worker2"]"#),
+        "{stdout}"
+    );
+    assert!(
+        thief.is_err(),
+        "the port was free to take before rank 0 started"
+    );
+    drop(thief);
+    std::fs::remove_dir_all(dir).unwrap();
 }

@@ -83,20 +83,13 @@ fn trains_reports_and_draws_the_timeline() {
     assert_eq!(&png[1..4], b"PNG");
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
-
 /// Stage 1's process killed (SIGKILL) in the middle of step 2: the master's step fails with an
 /// error naming the stage and its worker, and the master exits 1 within seconds. The processes
 /// are started as a launcher would, so the master's own message is what the test reads.
 #[test]
 fn a_killed_stage_fails_the_step_naming_it() {
     let dir = scratch("kill");
-    let port = free_port().to_string();
+    let port = common::free_port().to_string();
     let mut args: Vec<String> = SMALL.iter().map(|s| s.to_string()).collect();
     args.extend(
         [

@@ -59,7 +59,19 @@ pub async fn init(config: Config, mut registry: Registry) -> Result<Agent, InitE
     };
     let server = if cfg.serve_rendezvous {
         let (t, secret) = (&net_cfg.transport, net_cfg.secret.clone());
-        Some(RendezvousServer::start(t, &cfg.rendezvous, secret, cfg.size, cfg.init_timeout).await?)
+        Some(match &cfg.rendezvous_listener {
+            Some(l) => {
+                let l = l.try_clone().map_err(|source| InitError::Bind {
+                    addr: cfg.rendezvous.clone(),
+                    source,
+                })?;
+                RendezvousServer::adopt(l, secret, cfg.size, cfg.init_timeout)?
+            }
+            None => {
+                RendezvousServer::start(t, &cfg.rendezvous, secret, cfg.size, cfg.init_timeout)
+                    .await?
+            }
+        })
     } else {
         None
     };

@@ -2,7 +2,7 @@
 //! with its rank, or not), stopped by signalling its whole group.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Command, ExitStatus, Stdio};
 use std::thread::JoinHandle;
@@ -29,6 +29,7 @@ impl Child {
         launch: &Launch,
         rank: u32,
         env: &[(String, String)],
+        handed: Option<RawFd>,
     ) -> Result<Self, LaunchError> {
         let spawn_err = |source| LaunchError::Spawn {
             rank,
@@ -46,6 +47,10 @@ impl Child {
         for k in crate::env::REMOVED {
             cmd.env_remove(k);
         }
+        if let Some(h) = handed {
+            // RDV-8: the rendezvous's socket, which this process serves on.
+            cmd.env(rpc_core::RENDEZVOUS_FD_ENV, h.to_string());
+        }
         if launch.prefix {
             cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
         }
@@ -56,6 +61,12 @@ impl Child {
                 // The status pipe's write end stays open in the program (only there).
                 if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
                     return Err(std::io::Error::last_os_error());
+                }
+                // So does the rendezvous's socket, when handed over.
+                if let Some(h) = handed {
+                    if libc::fcntl(h, libc::F_SETFD, 0) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
                 }
                 // The child dies with the launcher, whatever kills the launcher.
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {

@@ -61,8 +61,9 @@ pub(crate) fn child_env(
 
 /// Variables removed from every child's environment: another launcher's rank variables (a
 /// stale `SLURM_PROCID` must not contradict ours; ours come first anyway) are kept, but a
-/// secret given as text is replaced by the file.
-pub(crate) const REMOVED: [&str; 1] = [rpc_core::SECRET_ENV];
+/// secret given as text is replaced by the file, and a rendezvous socket handed to this
+/// launcher is not named to its children (RDV-8: the one they may get is this launcher's).
+pub(crate) const REMOVED: [&str; 2] = [rpc_core::SECRET_ENV, rpc_core::RENDEZVOUS_FD_ENV];
 
 #[cfg(test)]
 mod tests {

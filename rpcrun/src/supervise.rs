@@ -2,6 +2,8 @@
 //! and start them again ([`Restart::Group`]) or start only the failed one again, which rejoins
 //! the running group ([`Restart::Worker`]), while restarts are left; stop them all on a signal.
 
+use std::net::TcpListener;
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -75,7 +77,8 @@ pub(crate) fn run(launch: &Launch) -> Result<Exit, LaunchError> {
     let mut failures = Vec::new();
     let mut attempt = 0;
     loop {
-        let rdzv = rendezvous(launch)?;
+        // Held for the attempt: rank 0 serves the rendezvous on it (RDV-8).
+        let (rdzv, held) = rendezvous(launch)?;
         tracing::info!(
             attempt,
             nproc = launch.nproc,
@@ -83,7 +86,8 @@ pub(crate) fn run(launch: &Launch) -> Result<Exit, LaunchError> {
             master = %format!("{}:{}", rdzv.host, rdzv.port),
             "starting {} processes", launch.nproc
         );
-        let ended = run_attempt(launch, attempt, &rdzv, secret.path(), &handlers)?;
+        let handed = held.as_ref().map(|l| l.as_raw_fd());
+        let ended = run_attempt(launch, attempt, (&rdzv, handed), secret.path(), &handlers)?;
         let code = match ended {
             Ended::Success => 0,
             Ended::Signalled(s) => {
@@ -184,41 +188,46 @@ fn rendezvous_back(
     ))
 }
 
-/// Where the group meets in this attempt: the given address, else a port of 127.0.0.1 free now.
-fn rendezvous(launch: &Launch) -> Result<Rendezvous, LaunchError> {
+/// Where the group meets in this attempt: the given address, else a free port of 127.0.0.1,
+/// with the socket bound to it, which the launcher keeps until whoever serves the rendezvous
+/// takes it over (RDV-8: let go, any process on the host could take the port in between).
+fn rendezvous(launch: &Launch) -> Result<(Rendezvous, Option<TcpListener>), LaunchError> {
     if let Some(hp) = &launch.rdzv {
         let (host, port) = hp.rsplit_once(':').expect("validated");
-        return Ok(Rendezvous {
+        let rdzv = Rendezvous {
             host: host
                 .trim_start_matches('[')
                 .trim_end_matches(']')
                 .to_owned(),
             port: port.parse().expect("validated"),
-        });
+        };
+        return Ok((rdzv, None));
     }
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map_err(|source| LaunchError::System {
-            what: "finding a free port for the rendezvous",
-            source,
-        })?
-        .port();
-    Ok(Rendezvous {
+    let system = |source| LaunchError::System {
+        what: "binding a free port for the rendezvous",
+        source,
+    };
+    let held = TcpListener::bind("127.0.0.1:0").map_err(system)?;
+    let port = held.local_addr().map_err(system)?.port();
+    let rdzv = Rendezvous {
         host: "127.0.0.1".into(),
         port,
-    })
+    };
+    Ok((rdzv, Some(held)))
 }
 
 fn run_attempt(
     launch: &Launch,
     attempt: u32,
-    rdzv: &Rendezvous,
+    (rdzv, handed): (&Rendezvous, Option<RawFd>),
     secret: &std::path::Path,
     handlers: &Handlers,
 ) -> Result<Ended, LaunchError> {
     let mut children = spawn_all(launch, |local| {
         let env = child_env(launch, local, attempt, rdzv, Some(secret));
-        Child::spawn(launch, launch.node_rank * launch.nproc + local, &env)
+        let rank = launch.node_rank * launch.nproc + local;
+        // Rank 0 serves the rendezvous, on the socket held for it if there is one.
+        Child::spawn(launch, rank, &env, handed.filter(|_| rank == 0))
     })?;
     loop {
         if let Some(s) = forward_signal(handlers, &mut children, launch) {
@@ -289,7 +298,7 @@ const FORM_TIMEOUT: Duration = Duration::from_secs(120);
 fn run_workers(launch: &Launch) -> Result<Exit, LaunchError> {
     let secret = SecretFile::resolve(launch)?;
     let handlers = Handlers::install()?;
-    let rdzv = rendezvous(launch)?;
+    let (rdzv, held) = rendezvous(launch)?;
     let system = |what| move |source| LaunchError::System { what, source };
     // The rendezvous (node 0's launcher hosts it) and what it decides about local ranks.
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -314,18 +323,23 @@ fn run_workers(launch: &Launch) -> Result<Exit, LaunchError> {
             "0.0.0.0"
         };
         let bind = format!("{host}:{}", rdzv.port);
-        let server = rt
-            .block_on(rpc_core::RendezvousServer::start(
+        let server = match held {
+            // RDV-8: the port chosen here, never let go.
+            Some(l) => rt.block_on(async {
+                rpc_core::RendezvousServer::adopt(l, key, launch.world_size(), FORM_TIMEOUT)
+            }),
+            None => rt.block_on(rpc_core::RendezvousServer::start(
                 &rpc_core::Transport::Tcp,
                 &bind,
                 key,
                 launch.world_size(),
                 FORM_TIMEOUT,
-            ))
-            .map_err(|e| LaunchError::System {
-                what: "starting the rendezvous",
-                source: std::io::Error::other(e.to_string()),
-            })?;
+            )),
+        }
+        .map_err(|e| LaunchError::System {
+            what: "starting the rendezvous",
+            source: std::io::Error::other(e.to_string()),
+        })?;
         let mut events = server.subscribe();
         rt.spawn(async move {
             loop {
@@ -354,7 +368,7 @@ fn run_workers(launch: &Launch) -> Result<Exit, LaunchError> {
         if let Some(t) = token {
             env.push((rpc_core::REPLACE_TOKEN_ENV.to_owned(), t));
         }
-        Child::spawn(launch, first_rank + local, &env)
+        Child::spawn(launch, first_rank + local, &env, None)
     };
     tracing::info!(
         nproc = launch.nproc,

@@ -22,6 +22,7 @@ use std::time::Duration;
 
 use crate::net::{Secret, Transport, WireProtection};
 
+pub use crate::rendezvous::RENDEZVOUS_FD_ENV;
 pub use env::{
     launched_rank, launched_restart_count, FAILURE_TIMEOUT_ENV, HEARTBEAT_INTERVAL_ENV,
     MASTER_ADDR_ENV, MASTER_PORT_ENV, MAX_WORLD_SIZE_ENV, RANK_ENV, REPLACE_TOKEN_ENV,
@@ -61,6 +62,12 @@ pub struct Config {
     /// Whether this worker hosts the rendezvous. Default: [`SERVE_RENDEZVOUS_ENV`] (`0` or
     /// `1`) if set (a launcher that hosts it sets `0`), else `rank == 0`.
     pub serve_rendezvous: Option<bool>,
+    /// The socket the rendezvous this worker hosts serves on, bound already by whoever chose
+    /// its port (which must be the rendezvous's), so that no other process can take the port
+    /// between the choice and the bind (RDV-8). Default: the socket named in
+    /// [`RENDEZVOUS_FD_ENV`] (a launcher hands it to the process it starts) if set, else the
+    /// rendezvous binds its port itself.
+    pub rendezvous_listener: Option<std::sync::Arc<std::net::TcpListener>>,
     /// Whether this process replaces the holder of its rank in a group that is already
     /// running (it was restarted after a failure): the rendezvous then admits it as the rank's
     /// next incarnation, and the group's connections from the previous one are refused from
@@ -207,6 +214,7 @@ impl Default for Config {
             max_world_size: None,
             init_method: None,
             serve_rendezvous: None,
+            rendezvous_listener: None,
             replace: None,
             replace_token: None,
             replaced_on_failure: None,
@@ -265,6 +273,9 @@ impl Config {
         with_init_method(init_method: impl Into<String>) => Some(init_method.into());
         /// Sets [`Config::serve_rendezvous`].
         with_serve_rendezvous(serve_rendezvous: bool) => Some(serve_rendezvous);
+        /// Sets [`Config::rendezvous_listener`].
+        with_rendezvous_listener(rendezvous_listener: std::net::TcpListener) =>
+            Some(std::sync::Arc::new(rendezvous_listener));
         /// Sets [`Config::replace`].
         with_replace(replace: bool) => Some(replace);
         /// Sets [`Config::replace_token`].
@@ -342,6 +353,52 @@ mod tests {
 
     fn base() -> Config {
         Config::new().with_secret(Secret::new("a secret of many bytes"))
+    }
+
+    /// RDV-8: a rendezvous listener handed over is served on only by the worker that serves
+    /// the rendezvous, and only if it listens on the rendezvous's port; a variable that names
+    /// no socket this process inherited is refused, naming it.
+    #[test]
+    fn a_handed_rendezvous_listener_must_listen_on_the_rendezvous_port() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        let vars = |p: u16| {
+            let p = p.to_string();
+            env(&[
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", &p),
+                ("RANK", "0"),
+                ("WORLD_SIZE", "2"),
+            ])
+        };
+        let handed = || base().with_rendezvous_listener(l.try_clone().unwrap());
+        let r = handed().resolve_with(&vars(port)).unwrap();
+        let got = r
+            .rendezvous_listener
+            .expect("served on")
+            .local_addr()
+            .unwrap();
+        assert_eq!(got.port(), port);
+        let e = handed()
+            .resolve_with(&vars(port.wrapping_sub(1).max(1)))
+            .unwrap_err();
+        assert!(e.to_string().contains("listens on 127.0.0.1:"), "{e}");
+        let r = handed()
+            .with_serve_rendezvous(false)
+            .resolve_with(&vars(port))
+            .unwrap();
+        assert!(r.rendezvous_listener.is_none());
+        // Descriptor 1 is this process's stdout, not a socket.
+        let e = base()
+            .resolve_with(&|k| match k {
+                RENDEZVOUS_FD_ENV => Some("1".to_owned()),
+                k => vars(port)(k),
+            })
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("RPC_RENDEZVOUS_FD=\"1\" names no"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -11,7 +11,7 @@ use super::env::{
     SERVE_RENDEZVOUS_ENV, SIGNAL_GRACE_ENV, TORCHRUN_AGENT_STORE_ENV, WIRE_PROTECTION_ENV,
     WORLD_SIZE_ENV,
 };
-use super::Config;
+use super::{Config, RENDEZVOUS_FD_ENV};
 use crate::error::InitError;
 use crate::net::{NetConfig, Secret, Transport, WireProtection, SECRET_ENV, SECRET_FILE_ENV};
 use crate::rendezvous::GroupSize;
@@ -30,6 +30,8 @@ pub(crate) struct Resolved {
     /// `host:port` of the rendezvous.
     pub rendezvous: String,
     pub serve_rendezvous: bool,
+    /// The socket the rendezvous it serves listens on, when one was handed over (RDV-8).
+    pub rendezvous_listener: Option<std::sync::Arc<std::net::TcpListener>>,
     /// It replaces the holder of its rank (see [`Config::replace`]).
     pub replace: bool,
     /// The token its launcher handed it for that ([`REPLACE_TOKEN_ENV`]).
@@ -67,6 +69,10 @@ impl Config {
         self.check_limits()?;
         let (heartbeat_interval, failure_timeout) = self.liveness(env)?;
         let serve_rendezvous = self.serves_rendezvous(env, rank)?;
+        let rendezvous_listener = match serve_rendezvous {
+            true => self.handed_listener(env, &rendezvous)?,
+            false => None,
+        };
         let (replace, replaced_on_failure) = self.restarts(env)?;
         let protection = self.protection(env)?;
         let signal_grace = match self.signal_grace {
@@ -90,6 +96,7 @@ impl Config {
             size,
             name: self.name.unwrap_or_else(|| format!("worker{rank}")),
             serve_rendezvous,
+            rendezvous_listener,
             replace,
             replace_token: self
                 .replace_token
@@ -302,6 +309,25 @@ impl Config {
             },
             (None, None) => rank == 0,
         })
+    }
+
+    /// The listener the rendezvous this worker serves takes over (RDV-8): the program's, else
+    /// the one its launcher handed it ([`RENDEZVOUS_FD_ENV`]); checked to listen on the
+    /// rendezvous's port.
+    fn handed_listener(
+        &self,
+        env: Env<'_>,
+        rendezvous: &str,
+    ) -> Result<Option<std::sync::Arc<std::net::TcpListener>>, InitError> {
+        let listener = match (&self.rendezvous_listener, env(RENDEZVOUS_FD_ENV)) {
+            (Some(l), _) => l
+                .try_clone()
+                .map_err(|e| config_error(format!("cannot copy the rendezvous listener: {e}")))?,
+            (None, Some(v)) => crate::rendezvous::handed_listener(&v)?,
+            (None, None) => return Ok(None),
+        };
+        let listener = crate::rendezvous::check_handed(listener, rendezvous)?;
+        Ok(Some(std::sync::Arc::new(listener)))
     }
 
     /// Whether this process replaces a failed holder of its rank, and whether the launcher

@@ -22,11 +22,14 @@
 mod evidence;
 #[cfg(any(test, feature = "fuzzing"))]
 mod fuzz;
+mod handed;
 mod member;
 mod server;
 
 #[cfg(any(test, feature = "fuzzing"))]
 pub(crate) use fuzz::{fuzz_messages, fuzz_seeds};
+pub use handed::RENDEZVOUS_FD_ENV;
+pub(crate) use handed::{check as check_handed, inherited as handed_listener};
 pub use member::probe_rendezvous;
 pub(crate) use member::{follow, join, Redial};
 
@@ -43,7 +46,7 @@ use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
 use crate::error::InitError;
 use crate::net::auth::Secret;
-use crate::net::transport::{Conn, Transport};
+use crate::net::transport::{Conn, Listener, Transport};
 use crate::net::{Endpoint, MembershipEvent, Standing};
 
 /// Largest rendezvous message (a table of many workers still fits).
@@ -312,13 +315,41 @@ impl RendezvousServer {
     ) -> Result<Self, InitError> {
         let size = size.into();
         size.check().map_err(InitError::Config)?;
-        let listener = transport
-            .bind(bind)
-            .await
-            .map_err(|source| InitError::Bind {
-                addr: bind.to_owned(),
-                source,
-            })?;
+        let listener = transport.bind(bind).await;
+        let listener = listener.map_err(|source| InitError::Bind {
+            addr: bind.to_owned(),
+            source,
+        })?;
+        Self::serve(listener, bind, secret, size, timeout)
+    }
+
+    /// [`RendezvousServer::start`] on a TCP listener bound already (RDV-8: a launcher that
+    /// chose the port keeps it bound until the rendezvous serves on it, so that no other
+    /// process can take it in between). Must run inside a Tokio runtime.
+    pub fn adopt(
+        listener: std::net::TcpListener,
+        secret: Secret,
+        size: impl Into<GroupSize>,
+        timeout: Duration,
+    ) -> Result<Self, InitError> {
+        let size = size.into();
+        size.check().map_err(InitError::Config)?;
+        let what = listener
+            .local_addr()
+            .map_or_else(|_| "the listener handed over".to_owned(), |a| a.to_string());
+        match Listener::adopt_tcp(listener) {
+            Ok(l) => Self::serve(l, &what, secret, size, timeout),
+            Err(source) => Err(InitError::Bind { addr: what, source }),
+        }
+    }
+
+    fn serve(
+        listener: Listener,
+        bind: &str,
+        secret: Secret,
+        size: GroupSize,
+        timeout: Duration,
+    ) -> Result<Self, InitError> {
         let addr = listener.local_addr().map_err(|source| InitError::Bind {
             addr: bind.to_owned(),
             source,

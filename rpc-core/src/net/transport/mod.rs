@@ -59,6 +59,12 @@ pub(crate) enum Listener {
 }
 
 impl Listener {
+    /// A TCP listener bound already, on the runtime this is called in.
+    pub(crate) fn adopt_tcp(l: std::net::TcpListener) -> io::Result<Self> {
+        l.set_nonblocking(true)?;
+        Ok(Self::Tcp(tokio::net::TcpListener::from_std(l)?))
+    }
+
     /// Accepts the next connection.
     ///
     /// # Cancel safety
@@ -97,10 +103,7 @@ impl Detached {
     /// The listener, on the runtime this is called in.
     pub(crate) fn attach(self) -> io::Result<Listener> {
         match self {
-            Self::Tcp(l) => {
-                l.set_nonblocking(true)?;
-                Ok(Listener::Tcp(tokio::net::TcpListener::from_std(l)?))
-            }
+            Self::Tcp(l) => Listener::adopt_tcp(l),
             Self::Memory(l) => Ok(Listener::Memory(l)),
         }
     }
