@@ -89,6 +89,7 @@ mod error;
 #[cfg(any(test, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzz;
+mod memory;
 mod module;
 mod optim;
 mod pipeline;
@@ -104,6 +105,7 @@ pub use dist_optim::{
 };
 pub use engine::{context, gradients, live_contexts, DistContext};
 pub use error::AutogradError;
+pub use memory::retain_freed_memory;
 pub use module::{register_module, Held, Module, RemoteModule};
 pub use optim::{Gradients, Optimizer, OptimizerKind, OptimizerState};
 pub use pipeline::{

@@ -418,8 +418,11 @@ fn main() -> Result<()> {
         "overhead" => overhead(threads, false),
         "trace-overhead" => overhead(threads, true),
         "ddp" => {
-            // One compute thread per process, like the anchor (set before any thread exists).
+            // One compute thread per process, like the anchor (set before any thread exists),
+            // and freed tensors' memory kept for the next step (MEM-1), as training programs
+            // built on the crates do.
             std::env::set_var("RAYON_NUM_THREADS", "1");
+            autograd_dist::retain_freed_memory();
             let steps: usize = value("--steps")?
                 .map(|v| v.parse())
                 .transpose()?
@@ -447,6 +450,7 @@ fn main() -> Result<()> {
         "ddp-rank" => {
             // One member of a `ddp` group (started by `ddp`).
             std::env::set_var("RAYON_NUM_THREADS", "1");
+            autograd_dist::retain_freed_memory();
             let n: u32 = args.get(1).context("world size")?.parse()?;
             let rank: u32 = args.get(2).context("rank")?.parse()?;
             let rendezvous = args.get(3).context("rendezvous address")?;
