@@ -1,4 +1,4 @@
-//! How a training process keeps the memory its tensors free (MEM-1).
+//! How a training process keeps the memory its tensors free (ALLOC-1).
 //!
 //! candle gives every result a fresh buffer, and its backward pass three per gradient (the
 //! product, zeros to add it to, and their sum). glibc's allocator serves each allocation of
@@ -10,7 +10,7 @@
 //! keep; ours cannot, so the allocator keeps the pages instead.
 
 /// Keeps the memory freed by tensors in this process for the next allocations instead of
-/// handing it back to the kernel (MEM-1): with glibc, no allocation gets a mapping of its own
+/// handing it back to the kernel (ALLOC-1): with glibc, no allocation gets a mapping of its own
 /// (`M_MMAP_MAX` 0), every thread allocates from one arena (`M_ARENA_MAX` 1, so that a
 /// buffer freed on one thread serves the next step's allocation on another) and the heap is
 /// never trimmed. Returns whether it applied (only with glibc).

@@ -1,4 +1,4 @@
-//! MEM-1, in a process of its own with its own `main` (the allocator's settings are the
+//! ALLOC-1, in a process of its own with its own `main` (the allocator's settings are the
 //! process's, and must be made before any thread allocates): after `retain_freed_memory`, a
 //! 64 MB buffer freed and allocated again costs no page faults, on the main thread and on a
 //! thread started after it (as a runtime's are); with glibc's defaults each one is a fresh
@@ -46,7 +46,7 @@ fn main() {
     for f in [&main, &thread] {
         assert!(
             f[1..].iter().all(|&n| n < 1_000),
-            "MEM-1: a freed buffer was not reused: {f:?} page faults"
+            "ALLOC-1: a freed buffer was not reused: {f:?} page faults"
         );
     }
     println!("memory: ok");

@@ -419,7 +419,7 @@ fn main() -> Result<()> {
         "trace-overhead" => overhead(threads, true),
         "ddp" => {
             // One compute thread per process, like the anchor (set before any thread exists),
-            // and freed tensors' memory kept for the next step (MEM-1), as training programs
+            // and freed tensors' memory kept for the next step (ALLOC-1), as training programs
             // built on the crates do.
             std::env::set_var("RAYON_NUM_THREADS", "1");
             autograd_dist::retain_freed_memory();

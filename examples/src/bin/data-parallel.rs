@@ -63,7 +63,7 @@ const WIDTHS: [usize; 4] = [DIM, 1024, 512, LANGS.len()];
 const SEED: u64 = 7;
 
 fn main() {
-    // Freed tensors' memory kept for the next step (MEM-1), before any thread starts.
+    // Freed tensors' memory kept for the next step (ALLOC-1), before any thread starts.
     autograd_dist::retain_freed_memory();
     examples::main_with("data-parallel", run)
 }
