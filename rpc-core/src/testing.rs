@@ -197,8 +197,18 @@ pub fn cut_rendezvous_link(agent: &Agent) {
 /// process would not; its connections stay open.
 pub fn freeze_rendezvous(server: &RendezvousServer, frozen: bool) {
     server
+        .faults
         .silenced
         .store(frozen, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Deafens (or restores) `server`: while deaf it drops every report it reads, as a connection
+/// that breaks loses the reports still on their way (TCP accepted them from the sender).
+pub fn deafen_rendezvous(server: &RendezvousServer, deaf: bool) {
+    server
+        .faults
+        .deaf
+        .store(deaf, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// Whether `agent` has a link to the rendezvous now.

@@ -507,3 +507,49 @@ fn a_coordinator_waits_until_the_others_know_a_replacement() {
         a[2].shutdown_within(Duration::from_secs(1)).await;
     });
 }
+
+/// RDV-9: a failure report lost on its way to the rendezvous (its connection broke with the
+/// report in flight) is sent again once the member is linked again, for as long as the group
+/// has not decided on that incarnation: rank 2 stops its heartbeats while the rendezvous drops
+/// every report it reads (`testing::deafen_rendezvous`); once it hears again and the two
+/// reporters' links break and come back, the group declares rank 2 failed. Before, a member's
+/// detector reported once (LIVE-1) and the report was gone with the link: rank 2 stayed a
+/// member for good though both others refused it.
+#[test]
+fn a_report_lost_with_its_link_is_sent_again() {
+    run(60, async {
+        let g = group(Transport::Tcp).await;
+        let a = &g.agents;
+        let mut events = g.server.subscribe();
+        testing::deafen_rendezvous(&g.server, true);
+        testing::silence(&a[2], true);
+        // Both detectors decide within the failure timeout and report to a deaf rendezvous.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while a[0].is_live(2u32).unwrap() || a[1].is_live(2u32).unwrap() {
+            assert!(tokio::time::Instant::now() < deadline, "no local verdicts");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        testing::deafen_rendezvous(&g.server, false);
+        testing::cut_rendezvous_link(&a[0]);
+        testing::cut_rendezvous_link(&a[1]);
+        let failed = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                match events.recv().await {
+                    Ok(e) if e.rank == 2 && matches!(e.change, MembershipChange::Failed { .. }) => {
+                        return e;
+                    }
+                    Ok(_) => {}
+                    Err(e) => panic!("the rendezvous's events ended: {e}"),
+                }
+            }
+        })
+        .await
+        .expect("the group declares rank 2 failed within 10 s of the links' return");
+        assert_eq!(failed.incarnation, 0, "{failed:?}");
+        testing::silence(&a[2], false);
+        for x in a {
+            let _ = x.shutdown().await;
+        }
+    });
+}

@@ -9,6 +9,7 @@ use futures::StreamExt;
 use tokio::sync::mpsc;
 use tokio::time::{sleep, Instant};
 
+use super::unsettled::Unsettled;
 use super::{
     check_table, decode_update, framed, recv, send, send_sink, Framed_, Join, Report, Update,
     Verdict, View, VERDICT_GRACE,
@@ -231,8 +232,13 @@ pub(crate) async fn follow(
 ) {
     let stop = life.stop.clone();
     let mut link = link;
+    // RDV-9: what this member reported and the group has not decided yet, and what of it to
+    // send again first on a new link.
+    let mut unsettled = Unsettled::default();
+    let mut resend = Vec::new();
     loop {
-        if !serve_link(link, &membership, &mut reports, &stop, me).await || life.is_stopping() {
+        let queues = (&mut reports, &mut unsettled, resend);
+        if !serve_link(link, &membership, queues, &stop, me).await || life.is_stopping() {
             return;
         }
         membership.own.lost_rendezvous();
@@ -240,22 +246,31 @@ pub(crate) async fn follow(
             rank = me,
             "lost the connection to the rendezvous; dialling it again"
         );
-        link = match redial_until(&redial, &membership, &stop, (me, incarnation)).await {
+        let who = (me, incarnation);
+        (link, resend) = match redial_until(&redial, &membership, &stop, who, &mut unsettled).await
+        {
             Some(l) => l,
             None => return,
         };
     }
 }
 
-/// Serves one link until it breaks (true) or the worker stops (false).
+/// Serves one link until it breaks (true) or the worker stops (false): sends `resend` first,
+/// then each report as it comes (kept in `unsettled` until the group decides, RDV-9).
 async fn serve_link(
     link: Link,
     membership: &Membership,
-    reports: &mut mpsc::Receiver<Report>,
+    (reports, unsettled, resend): (&mut mpsc::Receiver<Report>, &mut Unsettled, Vec<Report>),
     stop: &tokio_util::sync::CancellationToken,
     me: u32,
 ) -> bool {
     let (mut sink, mut stream) = link.0.split();
+    for r in resend {
+        let sent = tokio::time::timeout(Duration::from_secs(10), send_sink(&mut sink, &r)).await;
+        if !matches!(sent, Ok(Ok(()))) {
+            return true;
+        }
+    }
     let mut heard = Instant::now();
     loop {
         tokio::select! {
@@ -271,6 +286,7 @@ async fn serve_link(
             }
             r = reports.recv() => match r {
                 Some(r) => {
+                    unsettled.sent(&r);
                     let send = send_sink(&mut sink, &r);
                     let sent = tokio::time::timeout(Duration::from_secs(10), send).await;
                     if !matches!(sent, Ok(Ok(()))) {
@@ -282,6 +298,7 @@ async fn serve_link(
             frame = stream.next() => match frame.map(|f| f.and_then(|f| decode_update(&f))) {
                 Some(Ok(u)) => {
                     heard = Instant::now();
+                    unsettled.heard(&u);
                     apply(membership, me, u);
                 }
                 Some(Err(e)) => {
@@ -295,13 +312,15 @@ async fn serve_link(
 }
 
 /// Dials the rendezvous until it re-attaches this incarnation (the new link, the group's
-/// changes meanwhile applied), refuses it (`None`: no longer a member), or the worker stops.
+/// changes meanwhile applied, and the reports of `unsettled` to send again on it, RDV-9),
+/// refuses it (`None`: no longer a member), or the worker stops.
 async fn redial_until(
     redial: &Redial,
     membership: &Membership,
     stop: &tokio_util::sync::CancellationToken,
     (me, incarnation): (u32, u64),
-) -> Option<Link> {
+    unsettled: &mut Unsettled,
+) -> Option<(Link, Vec<Report>)> {
     let mut backoff = Duration::from_millis(50);
     loop {
         let mut join = redial.me.clone();
@@ -320,12 +339,17 @@ async fn redial_until(
         };
         match tried {
             Ok(Joined::In(view, link, _)) => {
+                let resend = unsettled.resend(&view);
                 for (rank, m) in view.members.into_iter().enumerate() {
                     catch_up(membership, me, rank as u32, m);
                 }
                 membership.own.found_rendezvous();
-                tracing::info!(rank = me, "the rendezvous link is back");
-                return Some(link);
+                tracing::info!(
+                    rank = me,
+                    reports_again = resend.len(),
+                    "the rendezvous link is back"
+                );
+                return Some((link, resend));
             }
             Err(InitError::Refused(why)) => {
                 tracing::error!(rank = me, %why, "the rendezvous no longer counts this worker");

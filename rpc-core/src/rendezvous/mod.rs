@@ -25,6 +25,7 @@ mod fuzz;
 mod handed;
 mod member;
 mod server;
+mod unsettled;
 
 #[cfg(any(test, feature = "fuzzing"))]
 pub(crate) use fuzz::{fuzz_messages, fuzz_seeds};
@@ -296,9 +297,18 @@ pub struct RendezvousServer {
     task: Option<JoinHandle<()>>,
     events: broadcast::Sender<MembershipEvent>,
     formed: tokio::sync::watch::Receiver<bool>,
-    /// Tests: while set, the rendezvous sends nothing on any member's link, as a frozen
-    /// process would not (`testing::freeze_rendezvous`).
-    pub(crate) silenced: Arc<AtomicBool>,
+    /// Faults tests inject (`testing::freeze_rendezvous`, `testing::deafen_rendezvous`).
+    pub(crate) faults: Arc<Faults>,
+}
+
+/// Faults a test injects into a rendezvous.
+#[derive(Debug, Default)]
+pub(crate) struct Faults {
+    /// While set, it sends nothing on any member's link, as a frozen process would not.
+    pub silenced: AtomicBool,
+    /// While set, it drops the reports it reads, as a connection that breaks loses those
+    /// still on their way.
+    pub deaf: AtomicBool,
 }
 
 impl RendezvousServer {
@@ -358,21 +368,21 @@ impl RendezvousServer {
         // Bounded: a watcher that falls this far behind is told it lagged.
         let events = broadcast::channel(1024).0;
         let (formed_tx, formed) = tokio::sync::watch::channel(false);
-        let silenced = Arc::new(AtomicBool::new(false));
+        let faults = Arc::new(Faults::default());
         let task = tokio::spawn(server::serve(
             listener,
             secret,
             size,
             deadline,
             events.clone(),
-            (formed_tx, Arc::clone(&silenced)),
+            (formed_tx, Arc::clone(&faults)),
         ));
         Ok(Self {
             addr,
             task: Some(task),
             events,
             formed,
-            silenced,
+            faults,
         })
     }
 

@@ -27,7 +27,7 @@
 
 use futures::StreamExt;
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{broadcast, mpsc};
@@ -101,8 +101,8 @@ struct State {
     suspicions: Suspicions,
     /// Member connections so far (each gets the next number, RDV-6).
     links: u64,
-    /// Tests: nothing is sent while set (a frozen rendezvous).
-    silenced: Arc<AtomicBool>,
+    /// Tests: faults injected (a frozen rendezvous, reports lost on their way).
+    faults: Arc<super::Faults>,
 }
 
 /// Serves the group: formation until `deadline` (RDV-1), then membership for as long as the
@@ -113,7 +113,7 @@ pub(super) async fn serve(
     size: GroupSize,
     deadline: Instant,
     watchers: broadcast::Sender<MembershipEvent>,
-    (formed_tx, silenced): (tokio::sync::watch::Sender<bool>, Arc<AtomicBool>),
+    (formed_tx, faults): (tokio::sync::watch::Sender<bool>, Arc<super::Faults>),
 ) {
     let initial = size.initial();
     // Bounded: joins and reports are few; a full queue slows the readers, it drops nothing.
@@ -128,7 +128,7 @@ pub(super) async fn serve(
         watchers,
         suspicions: Suspicions::default(),
         links: 0,
-        silenced,
+        faults,
     };
     let gate = auth::Gate::default();
     let mut formed = size.is_dynamic();
@@ -299,11 +299,11 @@ impl State {
         slot.link = self.links;
         let link = self.links;
         let events = self.events.clone();
-        let silenced = Arc::clone(&self.silenced);
+        let faults = Arc::clone(&self.faults);
         tokio::spawn(async move {
             let (mut sink, mut stream) = f.split();
             let hold = || async {
-                while silenced.load(Ordering::Relaxed) {
+                while faults.silenced.load(Ordering::Relaxed) {
                     tokio::time::sleep(Duration::from_millis(10)).await;
                 }
             };
@@ -337,6 +337,7 @@ impl State {
             let reader = async {
                 while let Some(Ok(frame)) = stream.next().await {
                     match bincode::deserialize::<Report>(&frame) {
+                        Ok(_) if faults.deaf.load(Ordering::Relaxed) => {}
                         Ok(r) => {
                             if events
                                 .send(Event::Report(rank, incarnation, r))
