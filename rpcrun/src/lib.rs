@@ -4,7 +4,10 @@
 //! with the variables the framework's `rpc_core::init` reads: `RANK`, `LOCAL_RANK`,
 //! `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `GROUP_RANK` (the node's rank), `MASTER_ADDR`,
 //! `MASTER_PORT`, `RPC_RESTART_COUNT`, and the group secret as a file (`RPC_SECRET_FILE`,
-//! readable by this user only; never on a command line). It then supervises them:
+//! readable by this user only; never on a command line). On one node it chooses the
+//! rendezvous's port itself and keeps it bound: rank 0 inherits that socket and serves on it
+//! (`RPC_RENDEZVOUS_FD`, RDV-8), so that no other process can take the port first. It then
+//! supervises them:
 //!
 //! - each child's output is passed on line by line, prefixed with `[rank<R>]: ` (unless
 //!   [`Launch::prefix_output`] turns that off);
