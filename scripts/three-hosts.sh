@@ -14,6 +14,15 @@
 # 2 must each end with an error naming the rendezvous within RDV_BOUND seconds (default 120),
 # leaving no process behind.
 #
+# RDZV=etcd: the launchers meet in etcd (`--rdzv etcd://...`, rpcrun built with its `etcd`
+# feature), which runs on the hub, and a fourth host's launcher waits as a spare. Node 0 of
+# the running round (rank 0, the master, the group's rendezvous) is wherever the launchers'
+# order put it: `rdvkill` kills that host, `rdvfreeze` freezes every process on it; the job
+# must go on without it (the spare takes its place) and end bit-identical, every other
+# launcher exiting 0; the frozen host, thawed after the end, must exit 0 within 60 s.
+# `etcdkill`: etcd killed mid-run; every launcher must end non-zero naming etcd within
+# RDV_BOUND seconds (it can no longer know whether the others go on without it).
+#
 #   scripts/three-hosts.sh [HYBRID_RNN_FLAGS...]
 #
 # Environment: BIN_DIR (where hybrid-rnn and rpcrun are; default: builds target/release),
@@ -32,10 +41,13 @@ flags=("$@")
 [ ${#flags[@]} -gt 0 ] || flags=(--epochs 1 --checkpoint-every 100)
 fault=${FAULT:-cut}
 restart=${RESTART:-group}
-case "$fault:$restart" in
-    cut:group | cut:worker | freeze:group | freeze:worker) ;;
-    rdvkill:group | rdvkill:worker | rdvfreeze:group | rdvfreeze:worker) ;;
-    *) echo "three-hosts: FAULT is cut, freeze, rdvkill or rdvfreeze, RESTART group or worker"
+rdzv=${RDZV:-embedded}
+case "$rdzv:$fault:$restart" in
+    embedded:cut:group | embedded:cut:worker | embedded:freeze:group | embedded:freeze:worker) ;;
+    embedded:rdv*:group | embedded:rdv*:worker) ;;
+    etcd:rdvkill:group | etcd:rdvfreeze:group | etcd:etcdkill:group) ;;
+    *) echo "three-hosts: FAULT is cut, freeze, rdvkill or rdvfreeze, RESTART group or worker;"
+        echo "  with RDZV=etcd, FAULT is rdvkill, rdvfreeze or etcdkill, RESTART group"
         exit 2 ;;
 esac
 cut_at=${CUT_AT_STEP:-150}
@@ -46,17 +58,26 @@ if [ -z "${BIN_DIR:-}" ]; then
     BIN_DIR=target/release
 fi
 bin=$(cd "$BIN_DIR" && pwd)
+if [ "$rdzv" = etcd ]; then
+    command -v etcd >/dev/null || skip "etcd is not installed (Debian: apt-get install etcd-server)"
+    if "$bin/rpcrun" --nnodes 2 --rdzv etcd://127.0.0.1:1/probe --secret-file /dev/null -- true 2>&1 |
+        grep -q "built without etcd"; then
+        skip "rpcrun was built without etcd (cargo build -p rpcrun --features etcd)"
+    fi
+fi
 rm -rf "$out" && mkdir -p "$out"
 out=$(cd "$out" && pwd)
 
 tag="rpc3h$$"
 hub="${tag}hub"
 hosts=("${tag}0" "${tag}1" "${tag}2")
+[ "$rdzv" = etcd ] && hosts+=("${tag}3")
 pids=()
+etcd_pid=
 frozen=
 cleanup() {
     for f in $frozen; do kill -9 "$f" 2>/dev/null || true; done
-    for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+    for p in "${pids[@]}" $etcd_pid; do kill -9 "$p" 2>/dev/null || true; done
     for n in "${hosts[@]}" "$hub"; do ip netns del "$n" 2>/dev/null || true; done
 }
 trap cleanup EXIT
@@ -66,7 +87,7 @@ ip netns add "$hub" || skip "cannot make network namespaces"
 ip -n "$hub" link add br0 type bridge
 ip -n "$hub" link set br0 up
 netem=yes
-for i in 0 1 2; do
+for i in "${!hosts[@]}"; do
     ns=${hosts[$i]}
     ip netns add "$ns"
     ip link add "v$i" netns "$ns" type veth peer name "h$i" netns "$hub"
@@ -89,6 +110,10 @@ tail -1 "$out/ref.out"
 
 head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$out/secret"
 chmod 600 "$out/secret"
+if [ "$rdzv" = etcd ]; then
+    . scripts/three-hosts-etcd.sh
+    exit $?
+fi
 for i in 0 1 2; do
     ip netns exec "${hosts[$i]}" unshare --pid --fork --kill-child --mount-proc \
         "$bin/rpcrun" --nnodes 3 --nproc 1 --node-rank "$i" --rdzv 10.232.0.1:29500 \

@@ -43,6 +43,13 @@
 //! too. Survivors keep their processes and their state; what the program does about a
 //! replaced peer is the program's (`Agent::watch_membership`).
 //!
+//! With the `etcd` feature, `--rdzv etcd://HOST:PORT[,HOST:PORT...]/JOB` has the launchers
+//! meet in etcd instead of at node 0: they agree there, round after round, which nodes take
+//! part (node ranks in the order they joined; extra launchers wait as spares), node 0 of a
+//! round serves the group's rendezvous through its rank 0, and a failure anywhere, or a node
+//! whose lease lapsed (killed, frozen, cut off), begins the next round on every node. The job
+//! outlives any host while enough launchers are left (ETC-1..4, docs/recovery.md).
+//!
 //! ```no_run
 //! let exit = rpcrun::Launch::new("target/release/hybrid-rnn")
 //!     .nproc(3)
@@ -54,6 +61,7 @@
 
 mod child;
 mod env;
+mod etcd;
 pub mod report;
 mod secret;
 mod supervise;
@@ -102,6 +110,10 @@ pub enum LaunchError {
          call it from main before starting one, or from a std::thread"
     )]
     InsideRuntime,
+    /// The launchers' rendezvous failed them (etcd: unreachable, a lost lease not taken
+    /// again, a round that did not form in time).
+    #[error("rendezvous: {0}")]
+    Rendezvous(String),
     /// Another system call the launcher needs failed (signal handlers, a free port).
     #[error("{what}: {source}")]
     System {
@@ -183,6 +195,8 @@ pub struct Launch {
     stop_grace: Duration,
     env: Vec<(String, String)>,
     trace: Option<PathBuf>,
+    local_addr: Option<String>,
+    join_timeout: Duration,
 }
 
 impl Launch {
@@ -203,6 +217,8 @@ impl Launch {
             stop_grace: Duration::from_secs(5),
             trace: None,
             env: Vec::new(),
+            local_addr: None,
+            join_timeout: Duration::from_secs(120),
         }
     }
 
@@ -231,10 +247,28 @@ impl Launch {
         self
     }
 
-    /// The group's rendezvous, `HOST:PORT` (rank 0 serves it there). Default, on one node:
+    /// The group's rendezvous: `HOST:PORT` (rank 0 serves it there), or, with the `etcd`
+    /// feature, `etcd://HOST:PORT[,HOST:PORT...]/JOB`: the launchers agree in etcd, round
+    /// after round, which nodes take part (node ranks are assigned there, `--node-rank` is
+    /// not given), and the job outlives the loss of any node while enough launchers are
+    /// left (spares included; see the etcd section of the crate docs). Default, on one node:
     /// 127.0.0.1 and a port free at each start.
-    pub fn rendezvous(mut self, host_port: impl Into<String>) -> Self {
-        self.rdzv = Some(host_port.into());
+    pub fn rendezvous(mut self, addr: impl Into<String>) -> Self {
+        self.rdzv = Some(addr.into());
+        self
+    }
+
+    /// With an etcd rendezvous: the address this node offers the others for the group's
+    /// rendezvous when it is node 0 of a round (default: the address it reaches etcd from).
+    pub fn local_addr(mut self, host: impl Into<String>) -> Self {
+        self.local_addr = Some(host.into());
+        self
+    }
+
+    /// With an etcd rendezvous: how long a round may take to gather `nnodes` launchers before
+    /// this one gives up (default 120 s).
+    pub fn join_timeout(mut self, timeout: Duration) -> Self {
+        self.join_timeout = timeout;
         self
     }
 
@@ -314,6 +348,32 @@ impl Launch {
                 self.nnodes
             ));
         }
+        if let Some(spec) = self.rdzv.as_deref().and_then(etcd::Spec::parse) {
+            spec.map_err(LaunchError::Invalid)?;
+            if !cfg!(feature = "etcd") {
+                return bad("this rpcrun was built without etcd: \
+                     cargo build --release -p rpcrun --features etcd (needs protoc)"
+                    .into());
+            }
+            if self.node_rank != 0 {
+                return bad("--node-rank is not given with an etcd rendezvous: \
+                     the launchers are ranked in the order they join"
+                    .into());
+            }
+            if self.restart == Restart::Worker {
+                return bad(
+                    "--restart worker needs the rendezvous in node 0's launcher: \
+                     with etcd, restarts are of the group"
+                        .into(),
+                );
+            }
+            if self.trace.is_some() {
+                return bad("--trace with an etcd rendezvous: not supported yet \
+                     (trace with a HOST:PORT rendezvous)"
+                    .into());
+            }
+            return Ok(());
+        }
         if let Some(r) = &self.rdzv {
             match r.rsplit_once(':') {
                 Some((h, p)) if !h.is_empty() && p.parse::<u16>().is_ok() => {}
@@ -331,6 +391,10 @@ impl Launch {
             return Err(LaunchError::InsideRuntime);
         }
         self.validate()?;
+        #[cfg(feature = "etcd")]
+        if let Some(spec) = self.rdzv.as_deref().and_then(etcd::Spec::parse) {
+            return etcd::run(self, &spec.map_err(LaunchError::Invalid)?);
+        }
         let Some(trace) = &self.trace else {
             return supervise::run(self);
         };

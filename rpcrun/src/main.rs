@@ -22,12 +22,21 @@ struct Args {
     /// Nodes in the group (each runs its own rpcrun with its --node-rank).
     #[arg(long, default_value_t = 1)]
     nnodes: u32,
-    /// This node's rank in 0..NNODES.
+    /// This node's rank in 0..NNODES (not with an etcd rendezvous, which ranks the nodes).
     #[arg(long, default_value_t = 0)]
     node_rank: u32,
-    /// The rendezvous, HOST:PORT on node 0 (default on one node: 127.0.0.1, a free port).
+    /// The rendezvous: HOST:PORT on node 0 (default on one node: 127.0.0.1, a free port), or
+    /// etcd://HOST:PORT[,HOST:PORT...]/JOB (built with the `etcd` feature), where the job
+    /// outlives any node while enough launchers are left.
     #[arg(long)]
     rdzv: Option<String>,
+    /// With an etcd rendezvous: the address this node offers the others (default: the one
+    /// it reaches etcd from).
+    #[arg(long)]
+    local_addr: Option<String>,
+    /// With an etcd rendezvous: seconds a round may take to gather NNODES launchers.
+    #[arg(long, default_value_t = 120)]
+    join_timeout: u64,
     /// Restarts after failures before giving up (of the group, or of single processes).
     #[arg(long, default_value_t = 0)]
     max_restarts: u32,
@@ -80,6 +89,10 @@ fn main() {
     if let Some(r) = args.rdzv {
         launch = launch.rendezvous(r);
     }
+    if let Some(a) = args.local_addr {
+        launch = launch.local_addr(a);
+    }
+    launch = launch.join_timeout(Duration::from_secs(args.join_timeout));
     if let Some(f) = args.secret_file {
         launch = launch.secret_file(f);
     }

@@ -20,23 +20,25 @@ const POLL: Duration = Duration::from_millis(10);
 const FORWARDED: [i32; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
 
 /// How one attempt ended.
-enum Ended {
+pub(crate) enum Ended {
     /// Every child exited with status 0.
     Success,
     /// A child failed; the others were stopped.
     Failed(Failure),
     /// The launcher got this signal; it was forwarded and every child stopped.
     Signalled(i32),
+    /// The attempt's `abort` said why every child had to stop (etcd: ETC-2); they were.
+    Abandoned(String),
 }
 
 /// The launcher's signal handlers, removed on drop.
-struct Handlers {
+pub(crate) struct Handlers {
     got: Arc<AtomicUsize>,
     ids: Vec<signal_hook::SigId>,
 }
 
 impl Handlers {
-    fn install() -> Result<Self, LaunchError> {
+    pub(crate) fn install() -> Result<Self, LaunchError> {
         let got = Arc::new(AtomicUsize::new(0));
         let mut ids = Vec::new();
         for s in FORWARDED {
@@ -52,7 +54,7 @@ impl Handlers {
     }
 
     /// The signal received, if any.
-    fn received(&self) -> Option<i32> {
+    pub(crate) fn received(&self) -> Option<i32> {
         match self.got.load(Ordering::SeqCst) {
             0 => None,
             s => Some(s as i32),
@@ -87,12 +89,24 @@ pub(crate) fn run(launch: &Launch) -> Result<Exit, LaunchError> {
             "starting {} processes", launch.nproc
         );
         let handed = held.as_ref().map(|l| l.as_raw_fd());
-        let ended = run_attempt(launch, attempt, (&rdzv, handed), secret.path(), &handlers)?;
+        let ended = run_attempt(
+            launch,
+            attempt,
+            (&rdzv, handed),
+            secret.path(),
+            &handlers,
+            &mut || None,
+        )?;
         let code = match ended {
             Ended::Success => 0,
             Ended::Signalled(s) => {
                 tracing::warn!("stopped every process on {}", child::signal_name(s));
                 128 + s
+            }
+            // No abort was given: nothing abandons this attempt.
+            Ended::Abandoned(why) => {
+                tracing::error!("stopped every process: {why}");
+                1
             }
             Ended::Failed(f) => {
                 let code = f.code;
@@ -216,12 +230,15 @@ fn rendezvous(launch: &Launch) -> Result<(Rendezvous, Option<TcpListener>), Laun
     Ok((rdzv, Some(held)))
 }
 
-fn run_attempt(
+/// Starts this node's processes and supervises them until they all succeed, one fails, the
+/// launcher gets a signal, or `abort` says why they must stop.
+pub(crate) fn run_attempt(
     launch: &Launch,
     attempt: u32,
     (rdzv, handed): (&Rendezvous, Option<RawFd>),
     secret: &std::path::Path,
     handlers: &Handlers,
+    abort: &mut dyn FnMut() -> Option<String>,
 ) -> Result<Ended, LaunchError> {
     let mut children = spawn_all(launch, |local| {
         let env = child_env(launch, local, attempt, rdzv, Some(secret));
@@ -232,6 +249,10 @@ fn run_attempt(
     loop {
         if let Some(s) = forward_signal(handlers, &mut children, launch) {
             return Ok(Ended::Signalled(s));
+        }
+        if let Some(why) = abort() {
+            child::stop_all(&mut children, libc::SIGTERM, launch.stop_grace);
+            return Ok(Ended::Abandoned(why));
         }
         let mut running = 0;
         for c in &mut children {
