@@ -8,6 +8,10 @@ with the uninterrupted run's `params_sha256`, or exits non-zero with a clear err
 time limit, with no process of it left behind.
 
     scripts/chaos.py [--trials N] [--seed S] [--examples hybrid-rnn,pipeline] [--limit SECS]
+                     [--hosts [--rdzv etcd|embedded]]
+
+`--hosts`: every rank on an emulated host of its own, under `rpcrun` per host, with link cuts
+among the faults and the launchers meeting in etcd (scripts/chaos_hosts.py says more).
 
 BIN_DIR names the directory of the example binaries (default: builds target/release). One
 JSON line per trial, then a summary line; the exit status is 0 when every trial passed.
@@ -17,11 +21,15 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import chaos_hosts  # noqa: E402
 
 # Small configurations: each run about 100 steps, a checkpoint every 20.
 FLAGS = {
@@ -45,7 +53,7 @@ def stop_running(*_):
             os.killpg(pgid, signal.SIGKILL)
         except OSError:
             pass
-    sys.exit(143)
+    sys.exit(143)  # with --hosts, the `finally` of main ends the launchers and the hosts
 
 
 def children(pid):
@@ -214,6 +222,9 @@ def main():
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--examples", default="hybrid-rnn,pipeline")
     ap.add_argument("--limit", type=float, default=300.0, help="seconds per trial")
+    ap.add_argument("--hosts", action="store_true", help="each rank on a host of its own")
+    ap.add_argument("--rdzv", choices=["etcd", "embedded"], default=None,
+                    help="with --hosts: where the launchers meet (default: etcd if usable)")
     a = ap.parse_args()
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, stop_running)
@@ -225,7 +236,21 @@ def main():
     if not bin_dir:
         subprocess.run(["cargo", "build", "--release", "-q", "-p", "examples", "--bin",
                         "hybrid-rnn", "--bin", "pipeline"], cwd=root, check=True)
+        if a.hosts:
+            etcd = ["--features", "etcd"] if shutil.which("protoc") else []
+            subprocess.run(["cargo", "build", "--release", "-q", "-p", "rpcrun", "--bin",
+                            "rpcrun", *etcd], cwd=root, check=True)
         bin_dir = os.path.join(root, "target", "release")
+    hosts = None
+    if a.hosts:
+        why = chaos_hosts.usable(bin_dir)
+        if why:
+            print(json.dumps({"chaos": True, "skipped": why}))
+            return int(os.environ.get("SKIP_STATUS", "0"))
+        rdzv = a.rdzv or ("embedded" if chaos_hosts.etcd_usable(bin_dir) else "etcd")
+        if rdzv == "etcd" and (why := chaos_hosts.etcd_usable(bin_dir)):
+            print(json.dumps({"chaos": True, "skipped": why}))
+            return int(os.environ.get("SKIP_STATUS", "0"))
     examples = a.examples.split(",")
     tmp = tempfile.mkdtemp(prefix="chaos-")
     reference = {}
@@ -240,13 +265,32 @@ def main():
                           "params_sha256": reference[ex][:16]}), flush=True)
     outcomes = {}
     lost = []
-    for n in range(a.trials):
-        line = trial(bin_dir, rng, rng.choice(examples), n, a.limit, reference, tmp)
-        print(json.dumps(line), flush=True)
-        outcomes[line["outcome"]] = outcomes.get(line["outcome"], 0) + 1
-        lost += line.get("time_lost_s") or []
+    ok = True
+    if a.hosts:
+        hosts = chaos_hosts.Hosts(max(WORLD[e] for e in examples) + 1, f"rpcx{os.getpid()}")
+        cfg = {"bin_dir": bin_dir, "flags": FLAGS, "world": WORLD, "rdzv": rdzv,
+               "done_steps": done_steps, "children": children, "rank_of": rank_of,
+               "damage": damage_newest_checkpoint, "left_behind": left_behind,
+               "last_json": last_json}
+        print(json.dumps({"hosts": len(hosts.names), "rdzv": rdzv}), flush=True)
+    try:
+        if hosts and rdzv == "etcd":
+            hosts.start_etcd(os.path.join(tmp, "etcd"))
+        for n in range(a.trials):
+            ex = rng.choice(examples)
+            if hosts:
+                line = chaos_hosts.trial(hosts, cfg, rng, ex, n, a.limit, reference, tmp)
+            else:
+                line = trial(bin_dir, rng, ex, n, a.limit, reference, tmp)
+                line["passed"] = line["outcome"] in ("identical", "clear error")
+            print(json.dumps(line), flush=True)
+            outcomes[line["outcome"]] = outcomes.get(line["outcome"], 0) + 1
+            lost += line.get("time_lost_s") or []
+            ok = ok and line["passed"]
+    finally:
+        if hosts:
+            hosts.close()
     subprocess.run(["rm", "-rf", tmp])
-    ok = all(k in ("identical", "clear error") for k in outcomes)
     print(json.dumps({"summary": True, "seed": seed, "trials": a.trials, "outcomes": outcomes,
                       "time_lost_s_median": sorted(lost)[len(lost) // 2] if lost else None,
                       "passed": ok}), flush=True)
