@@ -5,8 +5,8 @@
 //! the new group by the caller (a [`crate::DistributedSampler`] of the new size and index).
 //!
 //! - EL-1: after [`ElasticDdp::recover`] every survivor holds the committed parameters (rolled
-//!   back, then broadcast from the new group's first rank), so a step that completed on some
-//!   members and failed on others is redone by all, and the replicas stay identical.
+//!   back, then shared as EL-4 says), so a step that completed on some members and failed on
+//!   others is redone by all, and the replicas stay identical.
 //! - EL-2: the new group is the old one without the ranks this worker's failure detector
 //!   declared failed; `recover` waits (bounded) until it has declared at least one, so a member
 //!   that learned of the failure through another's abort does not re-form the same group.
@@ -14,15 +14,20 @@
 //!   collective and recover again.
 //! - EL-3: with [`Rejoin::WaitForReplacement`] the group keeps its size: the survivors wait for
 //!   a new incarnation of each failed member, and the replacement ([`ElasticDdp::join`])
-//!   receives the committed parameters and step from the group's first rank, so all members
-//!   go on from the same state.
+//!   receives the committed parameters and step, so all members go on from the same state.
+//! - EL-4: the committed state comes from the survivors, not from a chosen rank: each
+//!   survivor offers its committed values (identical, EL-1), each replacement the lowest value
+//!   there is, and an all-reduce takes the maximum, a survivor's value bit for bit. So any
+//!   rank may be replaced, the group's first included, while one survivor is left (before, the
+//!   first rank sent the state, and a replacement of it could not join).
 
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor, Var};
 
+use crate::ddp::DEFAULT_BUCKET_BYTES;
 use crate::group::{new_group, CollectiveError, ProcessGroup};
-use crate::DistributedDataParallel;
+use crate::{DistributedDataParallel, ReduceOp};
 
 /// [`DistributedDataParallel`] with commits and recovery from failed members.
 #[derive(Debug)]
@@ -167,13 +172,10 @@ impl ElasticDdp {
             "data-parallel group re-formed after a failure"
         );
         let vars = self.ddp.vars().to_vec();
-        self.ddp = DistributedDataParallel::with_bucket_bytes(group, vars, self.ddp.bucket_bytes())
-            .await?
+        self.ddp = DistributedDataParallel::assume_equal(group, vars, self.ddp.bucket_bytes())
             .with_reduce_op(self.ddp.reduce_op());
-        // EL-3: a replacement learns the step from the group's first rank.
-        let first = self.group().ranks()[0];
-        let step = Tensor::new(&[self.committed_step as f64], &Device::Cpu)?;
-        self.group().broadcast(&step, first).await?;
+        // EL-3, EL-4: the replacements learn the state and the step from the survivors.
+        share_committed(self.ddp.group(), self.ddp.vars(), Some(self.committed_step)).await?;
         self.reforms += 1;
         Ok(self.committed_step)
     }
@@ -181,24 +183,12 @@ impl ElasticDdp {
     /// A replacement of a failed member joins the survivors' re-formed group (they call
     /// [`ElasticDdp::recover_with`] with [`Rejoin::WaitForReplacement`]): `group` has the same
     /// ranks as theirs, `vars` the shapes of their parameters. It receives the committed
-    /// parameters from the group's first rank (which must be a survivor), commits them, and
-    /// returns the step to go on from (EL-3). The survivors' gradient buckets and reduction
-    /// must be the defaults.
+    /// parameters from the survivors (any rank may be replaced, the first included: EL-4),
+    /// commits them, and returns the step to go on from (EL-3). The survivors' gradient
+    /// buckets and reduction must be the defaults.
     pub async fn join(group: ProcessGroup, vars: Vec<Var>) -> Result<(Self, u64), CollectiveError> {
-        let first = group.ranks()[0];
-        if first == group.agent().rank() {
-            return Err(CollectiveError::Failed {
-                op: "join",
-                members: group.ranks().to_vec(),
-                message: "the group's first rank sends the committed state, so a replacement of \
-                          it cannot join this way"
-                    .into(),
-            });
-        }
-        let ddp = DistributedDataParallel::new(group, vars).await?;
-        let zero = Tensor::new(&[0f64], &Device::Cpu)?;
-        let step = ddp.group().broadcast(&zero, first).await?;
-        let step = step.to_vec1::<f64>()?[0] as u64;
+        let ddp = DistributedDataParallel::assume_equal(group, vars, DEFAULT_BUCKET_BYTES);
+        let step = share_committed(ddp.group(), ddp.vars(), None).await?;
         let committed = snapshot(ddp.vars())?;
         Ok((
             Self {
@@ -220,6 +210,41 @@ pub enum Rejoin {
     /// Wait for a replacement of each (a process that joins the group as the rank's next
     /// incarnation, e.g. restarted by `rpcrun --restart worker`) and go on with it.
     WaitForReplacement,
+}
+
+/// EL-4: makes `vars` and the step the survivors' on every member of `group`. A survivor
+/// passes its committed step (its `vars` hold the committed values), a replacement `None`.
+/// Fails on every member when none is a survivor.
+async fn share_committed(
+    group: &ProcessGroup,
+    vars: &[Var],
+    step: Option<u64>,
+) -> Result<u64, CollectiveError> {
+    let survivor = step.is_some();
+    let offered = Tensor::new(&[step.map_or(-1.0, |s| s as f64)], &Device::Cpu)?;
+    let step = group
+        .all_reduce(&offered, ReduceOp::Max)
+        .await?
+        .to_vec1::<f64>()?[0];
+    if step < 0.0 {
+        return Err(CollectiveError::Failed {
+            op: "join",
+            members: group.ranks().to_vec(),
+            message: "no member of the group survived to hold the committed state: every one \
+                      is a replacement"
+                .into(),
+        });
+    }
+    for v in vars {
+        let t = v.as_tensor();
+        let mine = if survivor {
+            t.clone()
+        } else {
+            t.zeros_like()?.affine(1.0, f64::NEG_INFINITY)?
+        };
+        v.set(&group.all_reduce(&mine, ReduceOp::Max).await?)?;
+    }
+    Ok(step as u64)
 }
 
 fn snapshot(vars: &[Var]) -> Result<Vec<Tensor>, CollectiveError> {

@@ -53,7 +53,14 @@ fn harness(flags: &[&str], trials: u64, seed: &str) {
     let child = Command::new("python3")
         .arg(root.join("scripts/chaos.py"))
         .args(flags)
-        .args(["--trials", &trials.to_string(), "--seed", seed, "--limit", "240"])
+        .args([
+            "--trials",
+            &trials.to_string(),
+            "--seed",
+            seed,
+            "--limit",
+            "240",
+        ])
         .env("BIN_DIR", bin)
         .env("SKIP_STATUS", "77")
         .stdin(Stdio::null())

@@ -3,6 +3,7 @@
 //! that joins the running group and receives the committed state. Either way the replicas end
 //! bit-identical and as accurate as the run without a failure (the same global batches).
 
+use std::path::Path;
 use std::time::Duration;
 
 mod common;
@@ -56,4 +57,51 @@ fn a_killed_replica_is_survived_by_shrinking_or_by_a_replacement() {
             "{a} vs {accuracy} without a failure: {j}"
         );
     }
+}
+
+/// Under `rpcrun --restart worker` every rank is a replica and any may be lost: rank 0, the
+/// group's first rank, is killed at step 50 and replaced by its launcher; the replacement gets
+/// the committed state from the survivors (EL-4) and the run ends with the parameters of the
+/// run without a failure, bit for bit. Before EL-4 the survivors' first rank sent that state,
+/// so a replacement of rank 0 could not join ("the group's first rank sends the committed
+/// state, so a replacement of it cannot join this way") and the job failed.
+#[test]
+fn a_replaced_rank_0_rejoins_under_rpcrun_and_the_run_ends_as_without_a_failure() {
+    let elastic = env!("CARGO_BIN_EXE_elastic-ddp");
+    let rpcrun = Path::new(elastic).parent().unwrap().join("rpcrun");
+    if !rpcrun.exists() {
+        eprintln!("skipped: no rpcrun beside elastic-ddp (cargo build -p rpcrun)");
+        return;
+    }
+    let launch = |extra: &[&str]| {
+        let mut args = vec!["--nproc", "4", "--restart", "worker", "--max-restarts", "2"];
+        args.extend([
+            "--no-prefix",
+            "--",
+            elastic,
+            "--steps",
+            "90",
+            "--commit-every",
+            "20",
+        ]);
+        args.extend(extra);
+        let (code, out, err) =
+            run_to_end(rpcrun.to_str().unwrap(), &args, Duration::from_secs(120));
+        assert_eq!(code, Some(0), "{out}\n{err}");
+        let j = last_json(&out, &err);
+        assert_eq!(j["replicas_identical"], true, "{j}");
+        j
+    };
+    let base = launch(&[]);
+    let replaced = launch(&["--kill-at", "50", "--victim", "0"]);
+    assert_eq!(
+        replaced["incarnations"],
+        serde_json::json!([1, 0, 0, 0]),
+        "{replaced}"
+    );
+    assert_eq!(replaced["recovered_from_step"], 40, "{replaced}");
+    assert_eq!(
+        replaced["params_sha256"], base["params_sha256"],
+        "{replaced} vs {base}"
+    );
 }

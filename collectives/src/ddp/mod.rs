@@ -60,11 +60,14 @@ impl std::fmt::Debug for DistributedDataParallel {
     }
 }
 
+/// PyTorch DDP's default bucket size, 25 MiB.
+pub(crate) const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
+
 impl DistributedDataParallel {
     /// Wraps `vars` (the same parameters, in the same order, on every member) and makes them
     /// equal to the first rank's values. Buckets default to 25 MiB, like PyTorch's DDP.
     pub async fn new(group: ProcessGroup, vars: Vec<Var>) -> Result<Self, CollectiveError> {
-        Self::with_bucket_bytes(group, vars, 25 << 20).await
+        Self::with_bucket_bytes(group, vars, DEFAULT_BUCKET_BYTES).await
     }
 
     /// [`DistributedDataParallel::new`] with an explicit bucket size.
@@ -81,14 +84,20 @@ impl DistributedDataParallel {
                 v.set(&t)?;
             }
         }
-        Ok(Self {
+        Ok(Self::assume_equal(group, vars, bucket_bytes))
+    }
+
+    /// Wraps `vars` as they are: the caller made them equal on every member (`ElasticDdp`'s
+    /// recovery, EL-4).
+    pub(crate) fn assume_equal(group: ProcessGroup, vars: Vec<Var>, bucket_bytes: usize) -> Self {
+        Self {
             group,
             vars,
             bucket_bytes: bucket_bytes.max(1),
             op: ReduceOp::Mean,
             hook: Arc::new(AllReduceHook),
             plan: Mutex::new(None),
-        })
+        }
     }
 
     /// The group the replicas live on.

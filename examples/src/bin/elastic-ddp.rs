@@ -12,7 +12,13 @@
 //! group as its next incarnation and receives the committed parameters and step, and the four
 //! go on. Rank 0 prints one JSON line: `members`, `reforms`, `recovered_from_step`,
 //! `steps_replayed`, `recovery_s`, `replicas_identical` (the replicas' parameters compared
-//! bit for bit over the final group), `test_accuracy`, `seconds`.
+//! bit for bit over the final group), `params_sha256`, `test_accuracy`, `seconds`.
+//!
+//! Under a launcher (`rpcrun --nproc 4 --restart worker -- elastic-ddp`, on one node or
+//! several) every rank is a replica and faults come from outside: a replica that fails is
+//! started again by its launcher, joins as its rank's next incarnation, and the others wait
+//! for it (as with `--wait-for-replacement`), so the run ends with the parameters of an
+//! uninterrupted one. With `--restart group` every replica starts again from the beginning.
 
 use std::time::{Duration, Instant};
 
@@ -25,7 +31,6 @@ use rpc_core::trace::Cat;
 use rpc_core::{Agent, Config, Registry};
 
 const WORLD: u32 = 4;
-const VICTIM: u32 = 3;
 const BATCH: usize = 96;
 const LR: f64 = 0.5;
 const SEED: u64 = 3;
@@ -34,16 +39,21 @@ struct Args {
     steps: u64,
     commit_every: u64,
     kill_at: Option<u64>,
+    victim: u32,
     wait: bool,
     trace: Option<std::path::PathBuf>,
+    out_dir: Option<std::path::PathBuf>,
 }
 
 const USAGE: &str =
     "elastic-ddp: data parallelism that survives a lost replica: four replica processes train \
 with a ring all-reduce, commit every K steps, and, when a replica is killed, roll back to the \
 commit and go on with three (or with a replacement process).\n\n\
-usage: elastic-ddp [--steps N] [--commit-every K] [--kill-at STEP] [--wait-for-replacement] \
-[--trace PATH]\n\n\
+usage: elastic-ddp [--steps N] [--commit-every K] [--kill-at STEP] [--victim RANK] \
+[--wait-for-replacement] [--out-dir DIR] [--trace PATH]\n\n\
+--victim RANK: the replica killed at --kill-at (default 3); under a launcher it kills itself \
+(SIGKILL), and any rank may be the victim, rank 0 included.\n\
+--out-dir DIR: rank 0 writes the steps done to DIR/progress as it goes.\n\
 --trace PATH: every process records the job's trace, merged into PATH at the end (Trace Event \
 Format, for Perfetto; `rpctrace report PATH` says what held each step up).";
 
@@ -52,8 +62,10 @@ fn parse_args() -> Result<Args> {
         steps: 300,
         commit_every: 20,
         kill_at: None,
+        victim: 3,
         wait: false,
         trace: None,
+        out_dir: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -66,7 +78,9 @@ fn parse_args() -> Result<Args> {
                     .context("--commit-every takes an integer")?
             }
             "--kill-at" => a.kill_at = Some(value()?.parse().context("--kill-at takes a step")?),
+            "--victim" => a.victim = value()?.parse().context("--victim takes a rank")?,
             "--wait-for-replacement" => a.wait = true,
+            "--out-dir" => a.out_dir = Some(value()?.into()),
             "--trace" => a.trace = Some(value()?.into()),
             "-h" | "--help" => {
                 println!("{USAGE}");
@@ -80,6 +94,15 @@ fn parse_args() -> Result<Args> {
     }
     if a.kill_at.is_some_and(|k| k == 0 || k >= a.steps) {
         bail!("--kill-at must be within 1..{} (--steps)", a.steps);
+    }
+    if a.victim >= WORLD {
+        bail!("--victim must be a rank within 0..{WORLD}");
+    }
+    if a.victim == 0 && !examples::is_worker() {
+        bail!("--victim 0: rank 0 starts the others here; under a launcher any rank may be it");
+    }
+    if let Some(d) = &a.out_dir {
+        std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
     }
     Ok(a)
 }
@@ -108,7 +131,10 @@ fn main() -> Result<()> {
             let agent = rpc_core::init(cfg, registry()?).await?;
             let result = replica(&agent, &args, None).await;
             let report = agent.shutdown().await;
-            result?;
+            let summary = result?;
+            if agent.rank() == 0 {
+                println!("{summary}");
+            }
             examples::check_shutdown(&agent, &report)
         });
     }
@@ -154,12 +180,16 @@ async fn replica(
         (ElasticDdp::new(world, vars).await?, 0)
     };
     let mut sgd = candle_nn::SGD::new(el.ddp().vars().to_vec(), LR)?;
-    let rejoin = if args.wait {
+    // Replaced one by one, a lost replica comes back by its launcher's hand.
+    let replaced = std::env::var(rpc_core::RESTART_MODE_ENV).is_ok_and(|m| m == "worker");
+    let rejoin = if args.wait || replaced {
         Rejoin::WaitForReplacement
     } else {
         Rejoin::Shrink
     };
-    let (mut recovered_from, mut replayed, mut recovery_s) = (None, 0, 0.0);
+    // A replacement recovered from the step it joined at.
+    let (mut recovered_from, mut replayed, mut recovery_s) =
+        ((agent.incarnation() > 0).then_some(step), 0, 0.0);
     let mut failures = 0;
     while step < args.steps {
         if step % args.commit_every == 0 {
@@ -181,16 +211,23 @@ async fn replica(
         let loss =
             candle_nn::loss::cross_entropy(&logits(&x, v[0].as_tensor(), v[1].as_tensor())?, &y)?;
         let mut grads = loss.backward()?;
-        if let Some(w) = workers.as_deref_mut() {
-            if args.kill_at == Some(step) && failures == 0 {
-                w.kill(VICTIM)?;
-                tracing::warn!(rank = VICTIM, step, "killed a replica (SIGKILL)");
+        if args.kill_at == Some(step) && failures == 0 {
+            if let Some(w) = workers.as_deref_mut() {
+                w.kill(args.victim)?;
+                tracing::warn!(rank = args.victim, step, "killed a replica (SIGKILL)");
+            } else if agent.rank() == args.victim && agent.incarnation() == 0 {
+                tracing::warn!(step, "killing this replica (SIGKILL), as --victim asks");
+                // SAFETY: kill has no memory-safety preconditions.
+                unsafe { libc::kill(std::process::id() as i32, libc::SIGKILL) };
             }
         }
         match el.ddp().reduce_gradients(&mut grads).await {
             Ok(()) => {
                 sgd.step(&grads)?;
                 step += 1;
+                if let (Some(d), 0) = (&args.out_dir, agent.rank()) {
+                    std::fs::write(d.join("progress"), format!("{step}\n"))?;
+                }
             }
             Err(e) => {
                 failures += 1;
@@ -200,8 +237,8 @@ async fn replica(
                     step, cause = %rpc_core::error_chain(&e), "an all-reduce failed; recovering"
                 );
                 if let (Some(w), true) = (workers.as_deref_mut(), args.wait) {
-                    wait_declared(agent, VICTIM, Duration::from_secs(30)).await?;
-                    w.respawn(VICTIM)?;
+                    wait_declared(agent, args.victim, Duration::from_secs(30)).await?;
+                    w.respawn(args.victim)?;
                 }
                 let from = el.recover_with(Duration::from_secs(60), rejoin).await?;
                 recovery_s = at.elapsed().as_secs_f64();
@@ -231,6 +268,11 @@ async fn replica(
     if agent.rank() != 0 {
         return Ok(serde_json::Value::Null);
     }
+    let named: Vec<(String, Tensor)> = ["w", "b"]
+        .iter()
+        .zip(el.ddp().vars())
+        .map(|(n, v)| (n.to_string(), v.as_tensor().clone()))
+        .collect();
     let test = examples::lang::wordlang::load(&examples::lang::wordlang::data_dir(), "test.tsv")?;
     let v = el.ddp().vars();
     let mut correct = 0usize;
@@ -255,6 +297,7 @@ async fn replica(
         "steps_replayed": replayed,
         "recovery_s": recovery_s,
         "replicas_identical": identical,
+        "params_sha256": examples::checkpoint::params_sha256(&named)?,
         "test_accuracy": correct as f64 / test.len() as f64,
         "seconds": started.elapsed().as_secs_f64(),
     }))
