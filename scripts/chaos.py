@@ -40,7 +40,11 @@ FLAGS = {
                  "--train-limit", "6400", "--test-limit", "200", "--epochs", "1",
                  "--stages", "3", "--micro-batches", "4", "--checkpoint-every", "20"],
 }
-WORLD = {"hybrid-rnn": 3, "pipeline": 4}
+# Under `--hosts` only: elastic data parallelism, every rank a replica, replaced alone.
+FLAGS["elastic-ddp"] = ["--steps", "150", "--commit-every", "20"]
+WORLD = {"hybrid-rnn": 3, "pipeline": 4, "elastic-ddp": 4}
+# Flags every run of the example gets besides its out-dir.
+QUIET = {"hybrid-rnn": ["--quiet"], "pipeline": ["--quiet"], "elastic-ddp": []}
 FAULTS = ["kill", "stop", "rendezvous", "damage"]
 
 # The process group of the run under way: ended with the harness, however it ends.
@@ -116,8 +120,8 @@ def last_json(text):
 
 def run(bin_dir, example, out_dir, extra, limit):
     """Runs `example` to its end (at most `limit` s): (code, stdout, stderr, seconds)."""
-    cmd = [os.path.join(bin_dir, example)] + FLAGS[example] + ["--quiet", "--out-dir", out_dir]
-    cmd += extra
+    cmd = [os.path.join(bin_dir, example)] + FLAGS[example] + QUIET[example]
+    cmd += ["--out-dir", out_dir] + extra
     start = time.monotonic()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)
@@ -220,7 +224,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--examples", default="hybrid-rnn,pipeline")
+    ap.add_argument("--examples", default=None,
+                    help="default: hybrid-rnn,pipeline (with --hosts: and elastic-ddp)")
     ap.add_argument("--limit", type=float, default=300.0, help="seconds per trial")
     ap.add_argument("--hosts", action="store_true", help="each rank on a host of its own")
     ap.add_argument("--rdzv", choices=["etcd", "embedded"], default=None,
@@ -235,7 +240,8 @@ def main():
     bin_dir = os.environ.get("BIN_DIR")
     if not bin_dir:
         subprocess.run(["cargo", "build", "--release", "-q", "-p", "examples", "--bin",
-                        "hybrid-rnn", "--bin", "pipeline"], cwd=root, check=True)
+                        "hybrid-rnn", "--bin", "pipeline", "--bin", "elastic-ddp"], cwd=root,
+                       check=True)
         if a.hosts:
             etcd = ["--features", "etcd"] if shutil.which("protoc") else []
             subprocess.run(["cargo", "build", "--release", "-q", "-p", "rpcrun", "--bin",
@@ -251,7 +257,11 @@ def main():
         if rdzv == "etcd" and (why := chaos_hosts.etcd_usable(bin_dir)):
             print(json.dumps({"chaos": True, "skipped": why}))
             return int(os.environ.get("SKIP_STATUS", "0"))
-    examples = a.examples.split(",")
+    examples = (a.examples or ("hybrid-rnn,pipeline,elastic-ddp" if a.hosts
+                               else "hybrid-rnn,pipeline")).split(",")
+    if not a.hosts and "elastic-ddp" in examples:
+        print(json.dumps({"chaos": True, "error": "elastic-ddp runs only with --hosts"}))
+        return 2
     tmp = tempfile.mkdtemp(prefix="chaos-")
     reference = {}
     for ex in examples:
@@ -268,7 +278,7 @@ def main():
     ok = True
     if a.hosts:
         hosts = chaos_hosts.Hosts(max(WORLD[e] for e in examples) + 1, f"rpcx{os.getpid()}")
-        cfg = {"bin_dir": bin_dir, "flags": FLAGS, "world": WORLD, "rdzv": rdzv,
+        cfg = {"bin_dir": bin_dir, "flags": FLAGS, "quiet": QUIET, "world": WORLD, "rdzv": rdzv,
                "done_steps": done_steps, "children": children, "rank_of": rank_of,
                "damage": damage_newest_checkpoint, "left_behind": left_behind,
                "last_json": last_json}

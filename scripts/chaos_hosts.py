@@ -10,6 +10,11 @@ killed, or node 0's host (rank 0, the master and the group's rendezvous) killed 
 etcd every trial must end with the uninterrupted run's parameters; with the embedded
 rendezvous the last one must end with a clear error instead. Either way no process and no
 launcher may be left when the trial ends.
+
+`elastic-ddp` (four replicas, no checkpoints) runs with `--restart worker`: a lost replica is
+started again alone and rejoins the others, who rolled back to their last commit. Its
+launchers always meet at node 0 (etcd restarts whole groups only), so node 0's host killed must
+end it with a clear error; it has no checkpoint to damage.
 """
 
 import json
@@ -111,7 +116,8 @@ def etcd_usable(bin_dir):
 def trial(h, cfg, rng, example, n, limit, reference, tmp):
     """One trial on hosts `h`; `cfg` holds bin_dir, flags, world, rdzv, helpers."""
     world = cfg["world"][example]
-    fault = rng.choice(["kill", "stop", "cut", "damage", "rendezvous"])
+    elastic = example == "elastic-ddp"
+    fault = rng.choice(["kill", "stop", "cut", "rendezvous"] + ([] if elastic else ["damage"]))
     at = rng.randrange(22, 85)
     out_dir = os.path.join(tmp, f"chaos-{os.getpid()}-{n}")
     os.makedirs(out_dir)
@@ -119,7 +125,8 @@ def trial(h, cfg, rng, example, n, limit, reference, tmp):
     with open(secret, "w") as f:
         f.write(os.urandom(16).hex())
     os.chmod(secret, 0o600)
-    etcd = cfg["rdzv"] == "etcd"
+    etcd = cfg["rdzv"] == "etcd" and not elastic
+    restart = "worker" if elastic else "group"
     bin_dir = cfg["bin_dir"]
     hosts = list(range(world + 1 if etcd else world))
     launchers = {}
@@ -129,9 +136,9 @@ def trial(h, cfg, rng, example, n, limit, reference, tmp):
             "--node-rank", str(i), "--rdzv", f"{NET}.1:29500"]
         cmd = ["ip", "netns", "exec", h.names[i], "unshare", "--pid", "--fork", "--kill-child",
                "--mount-proc", os.path.join(bin_dir, "rpcrun"), "--nnodes", str(world),
-               "--nproc", "1", *rdzv, "--secret-file", secret, "--max-restarts", "3", "--",
-               os.path.join(bin_dir, example), *cfg["flags"][example], "--quiet",
-               "--out-dir", out_dir]
+               "--nproc", "1", *rdzv, "--secret-file", secret, "--max-restarts", "3",
+               "--restart", restart, "--", os.path.join(bin_dir, example),
+               *cfg["flags"][example], *cfg["quiet"][example], "--out-dir", out_dir]
         launchers[i] = subprocess.Popen(
             cmd, stdout=open(os.path.join(out_dir, f"host{i}.out"), "w"),
             stderr=open(os.path.join(out_dir, f"host{i}.err"), "w"))
@@ -222,10 +229,15 @@ def trial(h, cfg, rng, example, n, limit, reference, tmp):
     else:
         outcome = "unclear failure"
     shutil.rmtree(out_dir, ignore_errors=True)
-    line = {"trial": n, "example": example, "fault": fault, "rank": rank, "host": host,
+    line = {"trial": n, "example": example, "fault": fault, "restart": restart,
+            "rdzv": "etcd" if etcd else "node 0", "rank": rank, "host": host,
             "at_step": injected, "outcome": outcome, "exits": codes,
             "seconds": round(seconds, 1), "recoveries": j.get("recoveries"),
             "time_lost_s": j.get("time_lost_s")}
+    if elastic:
+        # Rolled back and re-formed: the recovery's own time (detection is before it).
+        line["recoveries"] = j.get("reforms")
+        line["time_lost_s"] = [round(j["recovery_s"], 3)] if j.get("recovered_from_step") else None
     # With etcd the job outlives node 0's host; at node 0 it cannot, and must say so.
     line["passed"] = outcome == "identical" or (
         outcome == "clear error" and not etcd and fault == "rendezvous")
