@@ -14,6 +14,12 @@
 # 2 must each end with an error naming the rendezvous within RDV_BOUND seconds (default 120),
 # leaving no process behind.
 #
+# `pair`: the link between hosts 1 and 2 alone cut both ways for CUT_SECS (each still reaches
+# host 0): each of the two healthy workers takes the other for failed, but neither report is
+# confirmed (RDV-4), so neither is evicted; the run must end bit-identical, every launcher 0.
+# `impostor`: a process on host 2 with the group's secret but no token claims rank 1, which
+# is alive on host 1 (RDV-5): it must be refused, naming why, and the run go on untouched.
+#
 # RDZV=etcd: the launchers meet in etcd (`--rdzv etcd://...`, rpcrun built with its `etcd`
 # feature), which runs on the hub, and a fourth host's launcher waits as a spare. Node 0 of
 # the running round (rank 0, the master, the group's rendezvous) is wherever the launchers'
@@ -45,6 +51,7 @@ rdzv=${RDZV:-embedded}
 case "$rdzv:$fault:$restart" in
     embedded:cut:group | embedded:cut:worker | embedded:freeze:group | embedded:freeze:worker) ;;
     embedded:rdv*:group | embedded:rdv*:worker) ;;
+    embedded:pair:group | embedded:impostor:worker) ;;
     etcd:rdvkill:group | etcd:rdvfreeze:group | etcd:etcdkill:group) ;;
     *) echo "three-hosts: FAULT is cut, freeze, rdvkill or rdvfreeze, RESTART group or worker;"
         echo "  with RDZV=etcd, FAULT is rdvkill, rdvfreeze or etcdkill, RESTART group"
@@ -148,6 +155,33 @@ if [ "$fault" = cut ]; then
         ip netns exec "${hosts[2]}" tc qdisc del dev v2 root
     fi
     echo "link restored after $((SECONDS - fault_start)) s"
+elif [ "$fault" = pair ]; then
+    echo "step $(done_steps): cutting the link between hosts 1 and 2 alone for $cut_secs s"
+    ip -n "${hosts[1]}" route add blackhole 10.232.0.3/32
+    ip -n "${hosts[2]}" route add blackhole 10.232.0.2/32
+    sleep "$cut_secs"
+    ip -n "${hosts[1]}" route del blackhole 10.232.0.3/32
+    ip -n "${hosts[2]}" route del blackhole 10.232.0.2/32
+    echo "link restored after $((SECONDS - fault_start)) s"
+elif [ "$fault" = impostor ]; then
+    echo "step $(done_steps): an impostor on host 2 claims rank 1, alive on host 1"
+    # It is refused at each try, and tries again within its init timeout in case the holder
+    # fails (RDV-5); seen refused, it is ended here.
+    ip netns exec "${hosts[2]}" unshare --pid --fork --kill-child --mount-proc \
+        env RANK=1 WORLD_SIZE=3 MASTER_ADDR=10.232.0.1 MASTER_PORT=29500 \
+        RPC_SECRET_FILE="$out/secret" RPC_RESTART_COUNT=1 RPC_SERVE_RENDEZVOUS=0 \
+        RUST_LOG=rpc_core=info "$bin/hybrid-rnn" "${flags[@]}" --quiet \
+        >"$out/impostor.out" 2>"$out/impostor.err" &
+    impostor=$!
+    pids+=("$impostor")
+    until grep -q "has not failed" "$out/impostor.err"; do
+        if [ $((SECONDS - fault_start)) -gt 30 ] || ! kill -0 "$impostor" 2>/dev/null; then
+            echo "the impostor was not refused within 30 s"; tail -5 "$out/impostor.err"; exit 1
+        fi
+        sleep 0.05
+    done
+    kill -9 "$impostor"
+    echo "the impostor was refused: $(grep -m1 -o 'rank 1 .* to replace it' "$out/impostor.err")"
 elif [ "$fault" = freeze ]; then
     frozen=$(child_of "$(child_of "${pids[1]}")")
     kill -STOP "$frozen"
@@ -201,7 +235,7 @@ if [ -n "$frozen" ] && [ -e "/proc/$frozen" ] && ! grep -q '^State:.*Z' "/proc/$
 fi
 grep -h -E "restarting|killing|killed|exited" "$out"/host*.err | grep -v "^\[rank" | sed 's/^/  /' || true
 tail -1 "$out/host0.out"
-python3 - "$out/ref.out" "$out/host0.out" "$status" <<'PY'
+python3 - "$out/ref.out" "$out/host0.out" "$status" "$fault" <<'PY'
 import json, sys
 # The last line, without rpcrun's `[rank0]: ` prefix.
 last = lambda p: json.loads(open(p).read().strip().splitlines()[-1].split("]: ", 1)[-1])
@@ -212,5 +246,12 @@ print(json.dumps({"three_hosts": True, "bit_identical": same, "recoveries": b["r
                   "accuracy": {"loopback": a["test_accuracy"], "three_hosts": b["test_accuracy"]},
                   "ms_per_step": {"loopback": a["ms_per_step_median"],
                                   "three_hosts": b["ms_per_step_median"]}}))
-sys.exit(0 if same and sys.argv[3] == "0" and b["recoveries"] >= 1 else 1)
+# An impostor refused, or a cut that evicts no one, costs no recovery; the others need one.
+need = 0 if sys.argv[4] in ("pair", "impostor") else 1
+# A cut between two workers costs at most a restart, not their RPC timeout (DIAL-2: before, a
+# send refused while the route was gone stalled the restarted group for 120 s).
+quick = sys.argv[4] != "pair" or sum(b["time_lost_s"]) <= 30
+if not quick:
+    print(f"the cut cost {sum(b['time_lost_s'])} s")
+sys.exit(0 if same and sys.argv[3] == "0" and b["recoveries"] >= need and quick else 1)
 PY

@@ -2,8 +2,10 @@
 //! hosts (network and PID namespaces, one `rpcrun --nnodes 3` each) and a fault mid-run:
 //! host 2's link cut for 3 s and restored (the group restarts), or host 1's only process
 //! frozen with SIGSTOP (its launcher must end it, SUP-1), with the whole group restarted or
-//! only the frozen process. Each run must recover, every launcher exit 0, and the parameters
-//! end bit-identical to the same run on loopback. Before the launchers watched their children,
+//! only the frozen process; the link between hosts 1 and 2 alone cut (neither worker is
+//! evicted, RDV-4); or an impostor with the secret claiming rank 1 from host 2 (refused,
+//! RDV-5). Each run must recover, every launcher exit 0, and the parameters end bit-identical
+//! to the same run on loopback. Before the launchers watched their children,
 //! a frozen process hung its launcher for good. Host 0, where the rendezvous and the master
 //! live, killed or frozen: the group cannot go on, and the launchers of hosts 1 and 2 must end
 //! with an error naming the rendezvous within 120 s (RDV-7: before, a frozen rendezvous left
@@ -65,6 +67,22 @@ fn three_hosts_end_with_an_error_when_the_rendezvous_host_is_killed() {
 #[test]
 fn three_hosts_end_with_an_error_when_the_rendezvous_host_freezes() {
     scenario("rdvfreeze", "group", "froze host 0");
+}
+
+/// RDV-4 in a training run: the link between two healthy workers cut; neither is evicted.
+#[test]
+fn three_hosts_finish_untouched_when_the_link_between_two_workers_is_cut() {
+    scenario(
+        "pair",
+        "group",
+        "cutting the link between hosts 1 and 2 alone",
+    );
+}
+
+/// RDV-5 across hosts: a process with the secret but no token claims a live rank.
+#[test]
+fn three_hosts_refuse_an_impostor_claiming_a_live_rank() {
+    scenario("impostor", "worker", "the impostor was refused: rank 1");
 }
 
 #[test]

@@ -3,6 +3,13 @@
 //!
 //! - DIAL-1: every dial is bounded: connecting by the connect timeout (and, for a blocking
 //!   connection, the call's deadline), the handshake by the handshake timeout.
+//! - DIAL-2: a control connection's dial that is refused or finds no route ([`may_pass`]) to
+//!   a peer the failure detector has not declared failed is tried again (pauses from 20 ms,
+//!   doubling to 0.5 s) for twice the failure timeout: a peer that is gone is declared within
+//!   its failure timeout, and the call then fails with that verdict; a route that came back
+//!   (a link that flapped, a restarted group whose peer is still binding) costs a pause, not
+//!   the call. Before, the first refusal failed the call, and a collective whose member
+//!   could not send stalled its peers until their RPC timeout.
 
 use std::collections::HashMap;
 use std::io;
@@ -187,6 +194,18 @@ impl Directory {
         };
         true
     }
+}
+
+/// Whether a dial that failed with `e` may succeed if tried again soon (DIAL-2): refused (no
+/// listener yet, or any more), or no route (`EINVAL` from a blackhole route, unreachable
+/// host or network); not a timeout, which took its whole bound already, nor a handshake's
+/// refusal.
+pub(crate) fn may_pass(e: &io::Error) -> bool {
+    use io::ErrorKind::*;
+    matches!(
+        e.kind(),
+        ConnectionRefused | InvalidInput | HostUnreachable | NetworkUnreachable
+    )
 }
 
 /// A dial that failed: who, where, why.

@@ -213,21 +213,40 @@ impl Net {
         // A dial to a peer that is declared failed meanwhile (a connect that hangs on a cut
         // link) ends with the verdict, not with the connect timeout.
         let gone = self.membership.gone(to);
-        let dial = self.peers[to as usize].client(
-            &self.dialer,
-            self.cfg.max_frame_bytes,
-            self.cfg.max_queued_bytes,
-        );
-        tokio::select! {
-            biased;
-            () = gone.cancelled() => {
-                let cause = self
-                    .membership
-                    .failure(to)
-                    .map_or_else(|| "it was declared failed".to_owned(), |f| f.cause);
-                Err(self.dialer.failed(to, std::io::Error::other(cause)))
+        let declared = || {
+            let cause = self
+                .membership
+                .failure(to)
+                .map_or_else(|| "it was declared failed".to_owned(), |f| f.cause);
+            Err(self.dialer.failed(to, std::io::Error::other(cause)))
+        };
+        // DIAL-2: refused or unreachable, a peer not declared failed is dialled again.
+        let retry_until = tokio::time::Instant::now() + 2 * self.cfg.failure_timeout;
+        let mut pause = std::time::Duration::from_millis(20);
+        loop {
+            let dial = self.peers[to as usize].client(
+                &self.dialer,
+                self.cfg.max_frame_bytes,
+                self.cfg.max_queued_bytes,
+            );
+            let tried = tokio::select! {
+                biased;
+                () = gone.cancelled() => return declared(),
+                r = dial => r,
+            };
+            match tried {
+                Err(e)
+                    if dial::may_pass(&e.source) && tokio::time::Instant::now() < retry_until =>
+                {
+                    tokio::select! {
+                        biased;
+                        () = gone.cancelled() => return declared(),
+                        () = tokio::time::sleep(pause) => {}
+                    }
+                    pause = (pause * 2).min(std::time::Duration::from_millis(500));
+                }
+                r => return r,
             }
-            r = dial => r,
         }
     }
 
