@@ -67,8 +67,10 @@ fi
 bin=$(cd "$BIN_DIR" && pwd)
 if [ "$rdzv" = etcd ]; then
     command -v etcd >/dev/null || skip "etcd is not installed (Debian: apt-get install etcd-server)"
-    if "$bin/rpcrun" --nnodes 2 --rdzv etcd://127.0.0.1:1/probe --secret-file /dev/null -- true 2>&1 |
-        grep -q "built without etcd"; then
+    # (Its refusal exits 1: read its words, not its status, which pipefail would pass on.)
+    said=$("$bin/rpcrun" --nnodes 2 --rdzv etcd://127.0.0.1:1/probe --secret-file /dev/null \
+        -- true 2>&1 || true)
+    if grep -q "built without etcd" <<<"$said"; then
         skip "rpcrun was built without etcd (cargo build -p rpcrun --features etcd)"
     fi
 fi
