@@ -101,6 +101,24 @@ def left_behind(tag):
     return out
 
 
+def end_frozen(pid):
+    """Kills a process the trial stopped (SIGKILL, then SIGCONT so that it dies), if any."""
+    for s in (signal.SIGKILL, signal.SIGCONT) if pid else ():
+        try:
+            os.kill(pid, s)
+        except OSError:
+            pass
+
+
+def sweep(tag):
+    """Kills what is left of a trial (a moment after its end) and returns their pids."""
+    time.sleep(0.2)
+    leftover = left_behind(tag)
+    for pid in leftover:
+        os.kill(pid, signal.SIGKILL)
+    return leftover
+
+
 def done_steps(out_dir):
     try:
         with open(os.path.join(out_dir, "progress")) as f:
@@ -183,17 +201,9 @@ def trial(bin_dir, rng, example, n, limit, reference, tmp):
             out, err = p.communicate()
             code = None
     finally:
-        if frozen:
-            for s in (signal.SIGKILL, signal.SIGCONT):
-                try:
-                    os.kill(frozen, s)
-                except OSError:
-                    pass
+        end_frozen(frozen)
     seconds = time.monotonic() - start
-    time.sleep(0.2)
-    leftover = left_behind(out_dir)
-    for pid in leftover:
-        os.kill(pid, signal.SIGKILL)
+    leftover = sweep(out_dir)
     j = last_json(out) or {}
     if code is None:
         outcome = "hang"
@@ -280,7 +290,7 @@ def main():
         hosts = chaos_hosts.Hosts(max(WORLD[e] for e in examples) + 1, f"rpcx{os.getpid()}")
         cfg = {"bin_dir": bin_dir, "flags": FLAGS, "quiet": QUIET, "world": WORLD, "rdzv": rdzv,
                "done_steps": done_steps, "children": children, "rank_of": rank_of,
-               "damage": damage_newest_checkpoint, "left_behind": left_behind,
+               "damage": damage_newest_checkpoint, "end_frozen": end_frozen, "sweep": sweep,
                "last_json": last_json}
         print(json.dumps({"hosts": len(hosts.names), "rdzv": rdzv}), flush=True)
     try:

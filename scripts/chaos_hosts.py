@@ -194,21 +194,13 @@ def trial(h, cfg, rng, example, n, limit, reference, tmp):
             codes[i] = p.wait(timeout=max(1, limit - (time.monotonic() - start_t)))
         except subprocess.TimeoutExpired:
             codes[i] = None
-    if frozen:
-        for s in (signal.SIGKILL, signal.SIGCONT):
-            try:
-                os.kill(frozen, s)
-            except OSError:
-                pass
+    cfg["end_frozen"](frozen)
     for p in launchers.values():
         if p.poll() is None:
             p.kill()
             p.wait()
     seconds = time.monotonic() - start_t
-    time.sleep(0.2)
-    leftover = cfg["left_behind"](out_dir)
-    for pid in leftover:
-        os.kill(pid, signal.SIGKILL)
+    leftover = cfg["sweep"](out_dir)
     outs = "".join(open(os.path.join(out_dir, f"host{i}.out")).read() for i in hosts)
     errs = {i: open(os.path.join(out_dir, f"host{i}.err")).read() for i in hosts}
     j = cfg["last_json"]("\n".join(l for l in outs.splitlines() if "params_sha256" in l)) or {}
