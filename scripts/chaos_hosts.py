@@ -11,10 +11,15 @@ etcd every trial must end with the uninterrupted run's parameters; with the embe
 rendezvous the last one must end with a clear error instead. Either way no process and no
 launcher may be left when the trial ends.
 
-`elastic-ddp` (four replicas, no checkpoints) runs with `--restart worker`: a lost replica is
-started again alone and rejoins the others, who rolled back to their last commit. Its
-launchers always meet at node 0 (etcd restarts whole groups only), so node 0's host killed must
-end it with a clear error; it has no checkpoint to damage.
+`elastic-ddp` (four replicas, no checkpoints) and `param-server` (six processes: rank 0
+coordinates, two servers each back the other's shard up, three trainers) run with `--restart
+worker`: a lost replica is started again alone and rejoins the others, who rolled back to their
+last commit; a lost server's shards go on at their backups, a lost trainer's replacement joins
+at the others' step, a lost coordinator's replacement watches the same clocks. Their launchers
+always meet at node 0 (etcd restarts whole groups only), so node 0's host killed must end them
+with a clear error; they have no checkpoint to damage. A parameter server's run passes on its
+own line (`updates_lost: 0`, every trainer index at its last step), not on bits: its BSP sums
+arrive in any order.
 """
 
 import json
@@ -116,8 +121,10 @@ def etcd_usable(bin_dir):
 def trial(h, cfg, rng, example, n, limit, reference, tmp):
     """One trial on hosts `h`; `cfg` holds bin_dir, flags, world, rdzv, helpers."""
     world = cfg["world"][example]
+    # Replaced one process at a time, meeting at node 0; no checkpoints to damage.
+    alone = example in ("elastic-ddp", "param-server")
     elastic = example == "elastic-ddp"
-    fault = rng.choice(["kill", "stop", "cut", "rendezvous"] + ([] if elastic else ["damage"]))
+    fault = rng.choice(["kill", "stop", "cut", "rendezvous"] + ([] if alone else ["damage"]))
     at = rng.randrange(22, 85)
     out_dir = os.path.join(tmp, f"chaos-{os.getpid()}-{n}")
     os.makedirs(out_dir)
@@ -125,8 +132,8 @@ def trial(h, cfg, rng, example, n, limit, reference, tmp):
     with open(secret, "w") as f:
         f.write(os.urandom(16).hex())
     os.chmod(secret, 0o600)
-    etcd = cfg["rdzv"] == "etcd" and not elastic
-    restart = "worker" if elastic else "group"
+    etcd = cfg["rdzv"] == "etcd" and not alone
+    restart = "worker" if alone else "group"
     bin_dir = cfg["bin_dir"]
     hosts = list(range(world + 1 if etcd else world))
     launchers = {}
@@ -211,8 +218,11 @@ def trial(h, cfg, rng, example, n, limit, reference, tmp):
         outcome = "not injected (the run ended first)"
     elif leftover:
         outcome = "process left behind"
-    elif all(c == 0 for c in rest.values()) and j.get("params_sha256") == reference[example]:
+    elif all(c == 0 for c in rest.values()) and j.get("params_sha256") == reference.get(example):
         outcome = "identical"
+    elif (all(c == 0 for c in rest.values()) and example == "param-server"
+          and j.get("updates_lost") == 0 and j.get("finished") is True):
+        outcome = "no update lost"
     elif all(c == 0 for c in rest.values()):
         outcome = "WRONG PARAMETERS"
     elif all(c != 0 and "error" in errs[i].strip().splitlines()[-1:][0].lower()
@@ -231,10 +241,16 @@ def trial(h, cfg, rng, example, n, limit, reference, tmp):
         line["recoveries"] = j.get("reforms")
         line["time_lost_s"] = [round(j["recovery_s"], 3)] if j.get("recovered_from_step") else None
     # With etcd the job outlives node 0's host; at node 0 it cannot, and must say so.
-    line["passed"] = outcome == "identical" or (
+    line["passed"] = outcome in ("identical", "no update lost") or (
         outcome == "clear error" and not etcd and fault == "rendezvous")
     if detail:
         line["detail"] = detail
-    if outcome not in ("identical",):
+    if example == "param-server":
+        line["recoveries"] = None
+        line["time_lost_s"] = None
+        line["replaced"] = [r for r, i in enumerate(j.get("incarnations") or []) if i]
+        line["updates_lost"] = j.get("updates_lost")
+        line["applied_updates"] = j.get("applied_updates")
+    if outcome not in ("identical", "no update lost"):
         line["stderr_tail"] = {i: e.strip().splitlines()[-2:] for i, e in errs.items()}
     return line

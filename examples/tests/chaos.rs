@@ -4,9 +4,9 @@
 //! the uninterrupted run's parameters or a clear error, with nothing left running; and three
 //! trials across emulated hosts (`--hosts --rdzv etcd`: each rank in a namespace of its own
 //! under `rpcrun`, the launchers meeting in etcd, link cuts and node 0's host killed among the
-//! faults), each of which must end with the uninterrupted run's parameters. That one needs
-//! root, etcd and an `rpcrun` built with its `etcd` feature (`.ci/run` has them) and is
-//! skipped elsewhere, saying why. The long versions' figures are in docs/recovery.md.
+//! faults), each of which must end with the uninterrupted run's parameters; and two trials of
+//! the parameter server across hosts. Those need root (the etcd one also etcd and an `rpcrun`
+//! built with its `etcd` feature; `.ci/run` has them) and are skipped elsewhere, saying why. The long versions' figures are in docs/recovery.md.
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -38,6 +38,25 @@ fn three_chaos_trials_end_identical_or_with_a_clear_error() {
 #[test]
 fn three_chaos_trials_across_hosts_meeting_in_etcd_end_identical() {
     harness(&["--hosts", "--rdzv", "etcd"], 3, "7");
+}
+
+/// The parameter server across hosts (its launchers meet at node 0, a lost process is
+/// replaced alone): seed 2 kills server 2 (its shard goes on at the backup, PS-8) and cuts
+/// trainer 1's host off for 2-4 s (evicted, replaced, joined at the others' step); each run
+/// must end with `updates_lost: 0` and every trainer index at its last step.
+#[test]
+fn two_parameter_server_trials_across_hosts_lose_no_update() {
+    harness(
+        &[
+            "--hosts",
+            "--rdzv",
+            "embedded",
+            "--examples",
+            "param-server",
+        ],
+        2,
+        "2",
+    );
 }
 
 /// Runs the harness with `flags`, `trials` trials from `seed`; every trial must pass.

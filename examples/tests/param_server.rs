@@ -57,3 +57,64 @@ fn a_killed_server_loses_no_update_and_a_replacement_trainer_finishes() {
     assert!((hurt - base).abs() < 0.03, "{j}");
     assert!(err.contains("failing over to the shard's backup"), "{err}");
 }
+
+/// Under `rpcrun --restart worker` every process takes its role from its rank and a lost one
+/// is started again by its launcher: server 2 SIGKILLs itself at step 20 and trainer 2 at step
+/// 40. The replacement server holds nothing, so its shard goes on at the backup for good
+/// (PS-8), and the replacement trainer joins under its index while the shard may not yet have
+/// heard that the old process failed. Before PS-8 the trainers' calls went to the replacement
+/// server once it had joined ("no parameter shard 1 on `worker2`"), every trainer failed, and
+/// the launcher ran out of restarts (exit 137).
+#[test]
+fn under_rpcrun_a_replaced_server_and_trainer_lose_no_update() {
+    let ps = env!("CARGO_BIN_EXE_param-server");
+    let rpcrun = std::path::Path::new(ps).parent().unwrap().join("rpcrun");
+    if !rpcrun.exists() {
+        eprintln!("skipped: no rpcrun beside param-server (cargo build -p rpcrun)");
+        return;
+    }
+    let args = [
+        "--nproc",
+        "6",
+        "--restart",
+        "worker",
+        "--max-restarts",
+        "3",
+        "--no-prefix",
+        "--",
+        ps,
+        "--steps",
+        "80",
+        "--slow-factor",
+        "1",
+        "--kill-server-at",
+        "20",
+        "--kill-trainer-at",
+        "40",
+    ];
+    let (code, out, err) = run_to_end(rpcrun.to_str().unwrap(), &args, Duration::from_secs(180));
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    let j = last_json(&out, &err);
+    assert_eq!(j["launched"], true, "{j}");
+    assert_eq!(j["updates_lost"], 0, "{j}");
+    assert_eq!(j["failed_over"], true, "{j}");
+    assert_eq!(
+        j["incarnations"],
+        serde_json::json!([0, 0, 1, 0, 0, 1]),
+        "{j}"
+    );
+    // The trainers that ran throughout: every push acknowledged, every step applied.
+    assert_eq!(
+        j["acked_pushes"],
+        serde_json::json!([160, 160, null]),
+        "{j}"
+    );
+    for shard in 0..2 {
+        assert_eq!(j["applied_updates"][shard][0], 80, "{j}");
+        assert_eq!(j["applied_updates"][shard][1], 80, "{j}");
+    }
+    let rejoined = j["trainer_rejoined_at"][2].as_u64().expect("a replacement");
+    assert!((40..80).contains(&rejoined), "{j}");
+    assert!(j["test_accuracy"].as_f64().unwrap() > 0.6, "{j}");
+    assert!(err.contains("a replacement server holds no shard"), "{err}");
+}

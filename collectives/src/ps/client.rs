@@ -1,5 +1,5 @@
 //! A trainer's side: [`PsClient`] routes each shard's calls to its primary, and to its backup
-//! once the group has declared the primary failed (PS-5).
+//! once the group has declared the primary failed (PS-5), for good (PS-8).
 
 use candle_core::Tensor;
 use rpc_core::{Agent, RemoteFn, RpcError};
@@ -86,6 +86,16 @@ impl PsClient {
         F::Args: Clone,
     {
         let r = &self.routes[i];
+        if !self.failed_over(i) && r.backup.is_some() && self.ever_failed(r.server) {
+            // PS-8: a replacement of the primary's process holds nothing of the shard.
+            tracing::warn!(
+                shard = r.shard,
+                primary = r.server,
+                backup = r.backup,
+                "failing over to the shard's backup: its primary failed before",
+            );
+            self.failed_over[i].store(true, Ordering::Relaxed);
+        }
         if !self.failed_over(i) {
             let e = match self.agent.rpc_async(r.server, f, args.clone()).await {
                 Ok(v) => return Ok(v),
@@ -113,7 +123,9 @@ impl PsClient {
     /// Whether `e` from `server` means the group declared it failed (waiting, bounded by the
     /// call timeout, for the verdict after a lost connection).
     async fn primary_lost(&self, server: u32, e: &RpcError) -> bool {
-        if matches!(e, RpcError::PeerFailed { .. } | RpcError::PeerLeft { .. }) {
+        if matches!(e, RpcError::PeerFailed { .. } | RpcError::PeerLeft { .. })
+            || self.ever_failed(server)
+        {
             return true;
         }
         if !log::transient(e) {
@@ -127,6 +139,13 @@ impl PsClient {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         false
+    }
+
+    /// Whether any incarnation of `server` has failed (PS-8): the group declared one failed,
+    /// or the rank runs as a replacement (a process that joined later knows of no verdict).
+    fn ever_failed(&self, server: u32) -> bool {
+        self.agent.incarnation_of(server).is_ok_and(|i| i > 0)
+            || self.agent.failed_workers().iter().any(|f| f.rank == server)
     }
 
     /// Every shard's parameters for step `clock` (waiting as the consistency mode requires).

@@ -38,6 +38,12 @@
 //!   it.
 //! - PS-7: a push for a step ahead of the trainer's clock (a step it has not pulled) is refused,
 //!   naming both steps: accepted, it would hold every other trainer back under BSP.
+//! - PS-8: a shard whose primary the group has declared failed is served by its backup from
+//!   then on, also after a launcher started the primary's rank again: the replacement process
+//!   holds nothing of the shard (nothing re-replicates it), so trainers never call it for the
+//!   shard. A replacement trainer's join is admitted while the shard still counts the old
+//!   incarnation of its rank as live (the group admitted a newer one, so the old one is gone,
+//!   whatever order the verdict and the join arrive in).
 
 mod client;
 mod log;

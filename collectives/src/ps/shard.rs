@@ -183,7 +183,8 @@ impl Shard {
                 }
                 if self.departed[trainer].is_none() {
                     if let Some((r, i)) = self.trainer_ranks[trainer] {
-                        if (r, i) != (rank, incarnation) {
+                        // PS-8: a newer incarnation of the holder's rank replaces it.
+                        if (r, i) != (rank, incarnation) && !(r == rank && i < incarnation) {
                             return Err(format!(
                                 "trainer {trainer} is held by live rank {r} (incarnation {i}); \
                                  only a departed trainer can be replaced"
@@ -426,5 +427,34 @@ mod tests {
             panic!("a join to a departed index is admitted")
         };
         assert_eq!(at, 3, "the slowest live trainer's step");
+    }
+
+    /// PS-8: a newer incarnation of the rank that holds an index may join before the shard
+    /// has heard that the old one failed; an older incarnation, or another rank, may not.
+    #[test]
+    fn a_newer_incarnation_of_the_holder_joins_before_the_verdict() {
+        let mut s = shard(Consistency::Bsp);
+        submit(&mut s, push(0, 0, [0.0, 0.0])).unwrap();
+        submit(&mut s, push(1, 0, [0.0, 0.0])).unwrap();
+        let join = |rank, incarnation| Change::Join {
+            trainer: 1,
+            rank,
+            incarnation,
+            at: 0,
+        };
+        submit(&mut s, join(11, 2)).unwrap();
+        assert_eq!(s.trainer_ranks[1], Some((11, 2)));
+        for (rank, incarnation) in [(11, 1), (12, 3)] {
+            let e = s.admit(join(rank, incarnation)).unwrap_err();
+            assert!(e.to_string().contains("held by live rank 11"), "{e}");
+        }
+        // The old incarnation's departure, heard late, changes nothing.
+        let late = Change::Depart {
+            trainer: 1,
+            incarnation: 0,
+            worker: "w".into(),
+            cause: "gone".into(),
+        };
+        assert!(matches!(s.admit(late).unwrap(), Admitted::Held(_)));
     }
 }
