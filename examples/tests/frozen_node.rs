@@ -164,3 +164,114 @@ fn a_frozen_child_on_another_node_is_ended_and_the_run_recovers() {
         freeze_node_1(restart, &reference, &rpcrun);
     }
 }
+
+/// RDZ-2: a rank on another node lost after the job's last step. Two `rpcrun --nnodes 2
+/// --nproc 3 --restart worker` launchers run the parameter server; trainer 2 (rank 5, node 1)
+/// stops itself (SIGSTOP) right after its last push, and the test stops node 1's launcher too
+/// until node 0's processes are done, so that it asks the rendezvous only after the job ended
+/// without rank 5 (on a real cluster: a cut, or a slow node). Node 0's launcher still answers
+/// that the job has ended, and node 1's exits 0 without restarting rank 5. Before, node 0's
+/// launcher exited at once, and node 1's found no rendezvous, waited 60 s for it (RDZ-1) and
+/// exited 1 for a job that had succeeded.
+#[test]
+fn a_rank_lost_after_the_job_ended_does_not_fail_its_node() {
+    let ps = env!("CARGO_BIN_EXE_param-server");
+    let rpcrun = Path::new(ps).parent().unwrap().join("rpcrun");
+    if !rpcrun.exists() {
+        eprintln!("skipped: no rpcrun beside param-server (cargo build -p rpcrun)");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("frozen-end-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let secret = dir.join("secret");
+    std::fs::write(&secret, "a test secret of the two launchers").unwrap();
+    let rdzv = format!("127.0.0.1:{}", common::free_port());
+    let mut nodes: Vec<Spawned> = (0..2)
+        .map(|i| {
+            let d = dir.join(format!("node{i}"));
+            std::fs::create_dir_all(&d).unwrap();
+            let node = i.to_string();
+            let args = [
+                "--nnodes",
+                "2",
+                "--nproc",
+                "3",
+                "--node-rank",
+                &node,
+                "--rdzv",
+                &rdzv,
+                "--secret-file",
+                secret.to_str().unwrap(),
+                "--max-restarts",
+                "3",
+                "--restart",
+                "worker",
+                "--",
+                ps,
+                "--steps",
+                "60",
+                "--slow-factor",
+                "1",
+                "--freeze-trainer-at",
+                "60",
+            ];
+            Spawned::start(rpcrun.to_str().unwrap(), &args, &[], &d)
+        })
+        .collect();
+    // Rank 5 stops itself after its last push; its launcher is stopped at once after.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let launcher = nodes[1].child.id();
+    loop {
+        let stopped = ranks_of(launcher)
+            .into_iter()
+            .any(|(r, pid)| r == 5 && stopped(pid));
+        if stopped {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "rank 5 never stopped: {}",
+            nodes[1].stderr()
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let _held = Frozen(Some(launcher));
+    signal(launcher, libc::SIGSTOP);
+    // Node 0's processes are done: it says so, lingering (RDZ-2), or it exited (before).
+    while !nodes[0].stderr().contains("telling their launchers")
+        && nodes[0].child.try_wait().unwrap().is_none()
+    {
+        assert!(
+            Instant::now() < deadline,
+            "node 0 never ended: {}",
+            nodes[0].stderr()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    signal(launcher, libc::SIGCONT);
+    let codes: Vec<Option<i32>> = nodes
+        .iter_mut()
+        .map(|n| n.wait(Duration::from_secs(120)))
+        .collect();
+    let errs: Vec<String> = nodes.iter().map(Spawned::stderr).collect();
+    assert_eq!(codes, [Some(0); 2], "{errs:#?}");
+    assert!(
+        errs[1].contains("the job ended meanwhile") && !errs[1].contains("restarting rank 5 alone"),
+        "node 1 did not hear that the job had ended: {}",
+        errs[1]
+    );
+    let j = last_json(&nodes[0].stdout().replace("[rank0]: ", ""), &errs[0]);
+    assert_eq!(j["updates_lost"], 0, "{j}");
+    assert_eq!(j["trainers_lost_at_the_end"], serde_json::json!([2]), "{j}");
+    drop(nodes);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Whether process `pid` is stopped (state `T`).
+fn stopped(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit_once(") ").map(|(_, r)| r.starts_with('T')))
+        .unwrap_or(false)
+}

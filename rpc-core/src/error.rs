@@ -376,6 +376,12 @@ pub enum InitError {
     /// The rendezvous refused this worker (duplicate name or rank, world size disagreement).
     #[error("rendezvous refused worker: {0}")]
     Refused(String),
+    /// The job whose rendezvous this is has ended (RDV-10): nothing is left to join.
+    #[error("the job of the rendezvous at {addr} has ended: nothing is left to join")]
+    JobEnded {
+        /// Rendezvous address.
+        addr: String,
+    },
     /// Authentication with the rendezvous failed.
     #[error("authentication with rendezvous at {addr} failed")]
     Auth {

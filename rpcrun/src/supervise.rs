@@ -125,24 +125,33 @@ pub(crate) fn run(launch: &Launch) -> Result<Exit, LaunchError> {
                         );
                     }
                     code
-                } else if let Err(why) = rendezvous_back(launch, &rdzv, secret.path()) {
-                    // RDZ-1: the group's rendezvous (rank 0's, on node 0) is gone.
-                    tracing::error!("{why}; not restarting");
-                    failures.push(Failure {
-                        attempt,
-                        rank: launch.node_rank * launch.nproc,
-                        code: 1,
-                        what: why,
-                    });
-                    1
                 } else {
-                    attempt += 1;
-                    tracing::warn!(
-                        "restarting all {} processes (restart {attempt} of {})",
-                        launch.nproc,
-                        launch.max_restarts
-                    );
-                    continue;
+                    match rendezvous_back(launch, &rdzv, secret.path()) {
+                        Err(why) => {
+                            // RDZ-1: the group's rendezvous (rank 0's, on node 0) is gone.
+                            tracing::error!("{why}; not restarting");
+                            failures.push(Failure {
+                                attempt,
+                                rank: launch.node_rank * launch.nproc,
+                                code: 1,
+                                what: why,
+                            });
+                            1
+                        }
+                        Ok(Back::Ended) => {
+                            tracing::info!("{JOB_ENDED}; not restarting");
+                            0
+                        }
+                        Ok(Back::Answered) => {
+                            attempt += 1;
+                            tracing::warn!(
+                                "restarting all {} processes (restart {attempt} of {})",
+                                launch.nproc,
+                                launch.max_restarts
+                            );
+                            continue;
+                        }
+                    }
                 }
             }
         };
@@ -170,9 +179,9 @@ fn rendezvous_back(
     launch: &Launch,
     rdzv: &Rendezvous,
     secret: &std::path::Path,
-) -> Result<(), String> {
+) -> Result<Back, String> {
     if launch.nnodes <= 1 || launch.node_rank == 0 {
-        return Ok(());
+        return Ok(Back::Answered);
     }
     let addr = format!("{}:{}", rdzv.host, rdzv.port);
     let secret = rpc_core::Secret::from_file(secret).map_err(|e| format!("{e}"))?;
@@ -190,7 +199,8 @@ fn rendezvous_back(
             Duration::from_secs(5),
         ));
         match tried {
-            Ok(()) => return Ok(()),
+            Ok(()) => return Ok(Back::Answered),
+            Err(rpc_core::InitError::JobEnded { .. }) => return Ok(Back::Ended),
             Err(e) => last = rpc_core::error_chain(&e),
         }
         std::thread::sleep(Duration::from_millis(200));
@@ -200,6 +210,48 @@ fn rendezvous_back(
          frozen or cut off): {last}",
         RENDEZVOUS_BACK.as_secs()
     ))
+}
+
+/// How a launcher says that the job ended before it restarted a process (RDZ-2).
+const JOB_ENDED: &str = "the job ended meanwhile (the rendezvous says so)";
+
+/// How long node 0's launcher keeps the rendezvous up after its processes succeeded while a
+/// rank of another node is lost and not replaced (RDZ-2): that node's launcher asks before it
+/// restarts the rank, within its child's failure timeout and the kill.
+const LINGER: Duration = Duration::from_secs(15);
+
+/// RDZ-2 (`--restart worker`, node 0): the job ended with `lost` ranks not replaced (their
+/// launchers may be about to restart them): the rendezvous says that the job has ended to
+/// whoever asks (`RendezvousServer::end`, RDV-10) for [`LINGER`], unless a signal comes. Before,
+/// node 0's launcher exited at once, and a launcher that restarted a rank lost near the end
+/// found no rendezvous, waited 60 s (RDZ-1) and exited 1 for a job that had succeeded.
+fn linger(
+    server: &rpc_core::RendezvousServer,
+    lost: &std::collections::BTreeSet<u32>,
+    handlers: &Handlers,
+) {
+    if lost.is_empty() {
+        return;
+    }
+    server.end();
+    tracing::info!(
+        ?lost,
+        "the job ended with ranks lost and not replaced; telling their launchers for {} s",
+        LINGER.as_secs()
+    );
+    let until = Instant::now() + LINGER;
+    while Instant::now() < until && handlers.received().is_none() {
+        std::thread::sleep(POLL);
+    }
+}
+
+/// What the rendezvous said when a launcher asked before a restart.
+#[derive(Debug, PartialEq, Eq)]
+enum Back {
+    /// It answers: restart.
+    Answered,
+    /// RDZ-2: the job has ended (node 0's launcher said so): nothing to restart.
+    Ended,
 }
 
 /// Where the group meets in this attempt: the given address, else a free port of 127.0.0.1,
@@ -328,7 +380,7 @@ fn run_workers(launch: &Launch) -> Result<Exit, LaunchError> {
         .build()
         .map_err(system("starting the rendezvous's runtime"))?;
     let (verdicts_tx, verdicts) = std::sync::mpsc::sync_channel::<rpc_core::MembershipEvent>(1024);
-    let _server = if launch.node_rank == 0 {
+    let rdzv_server = if launch.node_rank == 0 {
         let key = rpc_core::Secret::from_file(secret.path()).map_err(|e| LaunchError::Secret {
             path: secret.path().display().to_string(),
             source: std::io::Error::other(e.to_string()),
@@ -405,6 +457,8 @@ fn run_workers(launch: &Launch) -> Result<Exit, LaunchError> {
     let mut done = vec![false; launch.nproc as usize];
     let mut failures = Vec::new();
     let mut restarts = 0;
+    // Node 0: the ranks (of any node) whose last incarnation failed and has no successor yet.
+    let mut lost = std::collections::BTreeSet::new();
     loop {
         if let Some(s) = forward_signal(&handlers, &mut children, launch) {
             let code = 128 + s;
@@ -416,6 +470,15 @@ fn run_workers(launch: &Launch) -> Result<Exit, LaunchError> {
             });
         }
         while let Ok(e) = verdicts.try_recv() {
+            match e.change {
+                rpc_core::MembershipChange::Failed { .. } => {
+                    lost.insert(e.rank);
+                }
+                rpc_core::MembershipChange::Joined { .. } => {
+                    lost.remove(&e.rank);
+                }
+                _ => {}
+            }
             let Some(local) = e.rank.checked_sub(first_rank).filter(|l| *l < launch.nproc) else {
                 continue;
             };
@@ -478,22 +541,31 @@ fn run_workers(launch: &Launch) -> Result<Exit, LaunchError> {
                     trace: None,
                 });
             }
-            if let Err(why) = rendezvous_back(launch, &rdzv, secret.path()) {
-                // RDZ-1: node 0's launcher, which hosts the rendezvous, is gone.
-                tracing::error!("{why}; not restarting");
-                failures.push(Failure {
-                    attempt: counts[l],
-                    rank,
-                    code: 1,
-                    what: why,
-                });
-                child::stop_all(&mut children, libc::SIGTERM, launch.stop_grace);
-                return Ok(Exit {
-                    code: 1,
-                    restarts,
-                    failures,
-                    trace: None,
-                });
+            match rendezvous_back(launch, &rdzv, secret.path()) {
+                Err(why) => {
+                    // RDZ-1: node 0's launcher, which hosts the rendezvous, is gone.
+                    tracing::error!("{why}; not restarting");
+                    failures.push(Failure {
+                        attempt: counts[l],
+                        rank,
+                        code: 1,
+                        what: why,
+                    });
+                    child::stop_all(&mut children, libc::SIGTERM, launch.stop_grace);
+                    return Ok(Exit {
+                        code: 1,
+                        restarts,
+                        failures,
+                        trace: None,
+                    });
+                }
+                Ok(Back::Ended) => {
+                    // RDZ-2: the group finished without this rank.
+                    tracing::info!("{JOB_ENDED}; not restarting rank {rank}");
+                    done[l] = true;
+                    continue;
+                }
+                Ok(Back::Answered) => {}
             }
             restarts += 1;
             counts[l] += 1;
@@ -513,6 +585,9 @@ fn run_workers(launch: &Launch) -> Result<Exit, LaunchError> {
         }
         if done.iter().all(|d| *d) {
             child::stop_all(&mut children, libc::SIGTERM, launch.stop_grace);
+            if let Some(server) = &rdzv_server {
+                linger(server, &lost, &handlers);
+            }
             return Ok(Exit {
                 code: 0,
                 restarts,

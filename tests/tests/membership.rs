@@ -553,3 +553,41 @@ fn a_report_lost_with_its_link_is_sent_again() {
         }
     });
 }
+
+/// RDV-10: once its host says the job ended, the rendezvous tells every connection so: a
+/// probe (a launcher asking before it restarts a process) and a join both get
+/// `InitError::JobEnded`, never a seat in a group that is gone; before the end, the probe
+/// answers plainly.
+#[test]
+fn after_the_job_ended_the_rendezvous_says_so_to_probes_and_joins() {
+    run(60, async {
+        let secret = Secret::generate();
+        let server = RendezvousServer::start(
+            &Transport::Tcp,
+            "127.0.0.1:0",
+            secret.clone(),
+            1,
+            Duration::from_secs(30),
+        )
+        .await
+        .expect("rendezvous starts");
+        let addr = server.local_addr().to_owned();
+        let probe =
+            || rpc_core::probe_rendezvous(&Transport::Tcp, &addr, &secret, Duration::from_secs(5));
+        probe().await.expect("a live rendezvous answers");
+        let config = Config::new()
+            .with_rank(0)
+            .with_world_size(1)
+            .with_init_method(format!("tcp://{addr}"))
+            .with_serve_rendezvous(false)
+            .with_secret(secret.clone())
+            .with_init_timeout(Duration::from_secs(10));
+        server.end();
+        let e = probe().await.expect_err("the job ended");
+        assert!(matches!(e, rpc_core::InitError::JobEnded { .. }), "{e:?}");
+        let e = rpc_core::init(config, registry())
+            .await
+            .expect_err("nothing is left to join");
+        assert!(rpc_core::error_chain(&e).contains("has ended"), "{e:?}");
+    });
+}

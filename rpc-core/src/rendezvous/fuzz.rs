@@ -101,6 +101,7 @@ pub(crate) fn fuzz_seeds() -> Vec<Vec<u8>> {
             enc(&Verdict::Missing(vec![1, 2])),
             enc(&Verdict::Refused("no".into())),
             enc(&Verdict::Held("held".into())),
+            enc(&Verdict::Ended),
         ]),
     ]
 }

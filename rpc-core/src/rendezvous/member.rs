@@ -117,6 +117,9 @@ async fn join_once(
             timeout: timeout_,
         }),
         Verdict::Refused(why) => Err(InitError::Refused(why)),
+        Verdict::Ended => Err(InitError::JobEnded {
+            addr: addr.to_owned(),
+        }),
     }
 }
 
@@ -133,10 +136,20 @@ pub async fn probe_rendezvous(
 ) -> Result<(), InitError> {
     let addr = addr.strip_prefix("tcp://").unwrap_or(addr);
     let how = (WireProtection::Auto, 0, within);
-    dial(transport, addr, secret, how, Instant::now() + within)
-        .await
-        .map(drop)
+    let (conn, _) = dial(transport, addr, secret, how, Instant::now() + within).await?;
+    // RDV-10: a rendezvous whose job has ended says so at once; a live one waits for a join.
+    let mut f = framed(conn);
+    match tokio::time::timeout(ENDED_WITHIN.min(within), recv::<Verdict>(&mut f)).await {
+        Ok(Ok(Verdict::Ended)) => Err(InitError::JobEnded {
+            addr: addr.to_owned(),
+        }),
+        _ => Ok(()),
+    }
 }
+
+/// How long [`probe_rendezvous`] listens, after the handshake, for a rendezvous to say that
+/// its job has ended (it says so at once).
+const ENDED_WITHIN: Duration = Duration::from_millis(300);
 
 /// Connects to the rendezvous and completes the handshake (as rank `rank`, with `protection`)
 /// by `deadline`, retrying refused connections; `timeout_` is named in the errors.

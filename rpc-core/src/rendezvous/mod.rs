@@ -18,6 +18,11 @@
 //! with [`RendezvousServer::start`] (a launcher or a test can then bind port 0 and hand the
 //! address to every worker; that is what lets any rank, rank 0 included, be replaced). Its
 //! connections pass the same authenticated handshake as RPC connections.
+//!
+//! RDV-10: once its host has said that the job ended ([`RendezvousServer::end`]), the
+//! rendezvous tells every connection so, first thing: a join fails with
+//! [`InitError::JobEnded`] and [`probe_rendezvous`] returns it, never a seat in a group that
+//! is gone.
 
 mod evidence;
 #[cfg(any(test, feature = "fuzzing"))]
@@ -37,7 +42,7 @@ pub(crate) use member::{follow, join, Redial};
 use futures::{SinkExt, StreamExt};
 use serde::{Deserialize, Serialize};
 use std::io;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::broadcast;
@@ -218,6 +223,9 @@ pub(crate) enum Verdict {
     /// The rank's holder is alive and the joiner has no token for it: it may try again until
     /// its deadline (the holder may yet be declared failed).
     Held(String),
+    /// The job has ended (RDV-10): nothing is left to join; sent to every connection, before
+    /// it says anything, once the rendezvous's host has called [`RendezvousServer::end`].
+    Ended,
 }
 
 /// A change the rendezvous tells members of.
@@ -309,6 +317,9 @@ pub(crate) struct Faults {
     /// While set, it drops the reports it reads, as a connection that breaks loses those
     /// still on their way.
     pub deaf: AtomicBool,
+    /// Not a fault: set by [`RendezvousServer::end`], after which every connection is told
+    /// that the job has ended (RDV-10).
+    pub ended: AtomicBool,
 }
 
 impl RendezvousServer {
@@ -384,6 +395,15 @@ impl RendezvousServer {
             formed,
             faults,
         })
+    }
+
+    /// RDV-10: the job has ended (its host knows: with `rpcrun --restart worker`, node 0's
+    /// launcher once its processes succeeded). From now on every connection is told so at once:
+    /// a replacement that a launcher on another node started for a rank lost near the end
+    /// fails to join with [`InitError::JobEnded`], and [`probe_rendezvous`] answers the same,
+    /// so that launcher stops instead of taking the rendezvous's exit for its host's death.
+    pub fn end(&self) {
+        self.faults.ended.store(true, Ordering::SeqCst);
     }
 
     /// The address workers should use as `tcp://<addr>`.

@@ -141,7 +141,8 @@ pub(super) async fn serve(
                 let Ok(conn) = acc else { continue };
                 let (tx, secret, gate) = (tx.clone(), secret.clone(), gate.clone());
                 let by = if formed { Instant::now() + Duration::from_secs(30) } else { deadline };
-                tokio::spawn(read_join(conn, tx, secret, gate, by));
+                let ended = Arc::clone(&state.faults);
+                tokio::spawn(read_join(conn, (tx, ended), secret, gate, by));
             }
             Some(ev) = rx.recv() => {
                 match ev {
@@ -203,7 +204,7 @@ pub(super) async fn serve(
 /// Authenticates a connection and reads its join, by `by`.
 async fn read_join(
     mut conn: Conn,
-    tx: mpsc::Sender<Event>,
+    (tx, switches): (mpsc::Sender<Event>, Arc<super::Faults>),
     secret: Secret,
     gate: auth::Gate,
     by: Instant,
@@ -232,6 +233,11 @@ async fn read_join(
         }
     };
     let mut f = framed(conn);
+    if switches.ended.load(Ordering::SeqCst) {
+        // RDV-10: said first, whatever the connection came for (a join or a probe).
+        let _ = tokio::time::timeout(Duration::from_secs(5), send(&mut f, &Verdict::Ended)).await;
+        return;
+    }
     if let Ok(Ok(join)) = tokio::time::timeout_at(by, recv::<Join>(&mut f)).await {
         let _ = tx.send(Event::Join(join, Box::new(f))).await;
     }

@@ -19,7 +19,9 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use rpc_core::{remote, Agent, BoxError, CallContext, Config, RegistryBuilder, RegistryError};
+use rpc_core::{
+    remote, Agent, BoxError, CallContext, Config, RegistryBuilder, RegistryError, RpcError,
+};
 
 use crate::model::{
     self, accuracy, final_params, stats, Plan, TrainReport, BACKUPS, FIRST_TRAINER, SHARDS,
@@ -100,9 +102,13 @@ pub async fn run(args: &Args) -> Result<()> {
             slow_factor: if t == 0 { args.slow_factor } else { 1.0 },
             seed: 7,
             backup: args.backup,
-            kill_at: args
-                .kill_trainer_at
-                .filter(|_| t == TRAINERS - 1 && first_attempt(&agent)),
+            fault: [
+                (args.kill_trainer_at, libc::SIGKILL),
+                (args.freeze_trainer_at, libc::SIGSTOP),
+            ]
+            .into_iter()
+            .find_map(|(at, sig)| Some((at?, sig)))
+            .filter(|_| t == TRAINERS - 1 && first_attempt(&agent)),
         };
         let join = agent.incarnation() > 0;
         if !join {
@@ -227,9 +233,11 @@ async fn coordinate(agent: &Agent, args: &Args) -> Result<serde_json::Value> {
     let lost: u64 = reports
         .iter()
         .enumerate()
-        .filter(|(_, (_, inc))| *inc == 0)
+        .filter_map(|(t, r)| r.as_ref().filter(|(_, inc)| *inc == 0).map(|r| (t, r)))
         .map(|(t, ((acked, ..), _))| acked.saturating_sub(applied.iter().map(|s| s[t]).sum()))
         .sum();
+    let first =
+        |r: &Option<(TrainReport, u64)>| r.as_ref().map(|((.., first), inc)| (*first, *inc));
     let named = vec![("w".to_string(), w.clone()), ("b".to_string(), b.clone())];
     Ok(serde_json::json!({
         "mode": format!("{:?}", args.modes[0]),
@@ -244,11 +252,16 @@ async fn coordinate(agent: &Agent, args: &Args) -> Result<serde_json::Value> {
         // on). A trainer killed between its pushes to the two shards leaves them one push of
         // it apart: a step it was never acknowledged.
         "finished": true,
-        "acked_pushes": reports.iter().map(|((a, ..), inc)| (*inc == 0).then_some(*a))
+        "acked_pushes": reports.iter()
+            .map(|r| r.as_ref().and_then(|((a, ..), inc)| (*inc == 0).then_some(*a)))
             .collect::<Vec<_>>(),
         "applied_updates": applied,
-        "failed_over": reports.iter().any(|((_, over, _), _)| over.iter().any(|&o| o)),
-        "trainer_rejoined_at": reports.iter().map(|((.., first), inc)| (*inc > 0).then_some(*first))
+        "failed_over": reports.iter().flatten().any(|((_, over, _), _)| over.iter().any(|&o| o)),
+        "trainer_rejoined_at": reports.iter()
+            .map(|r| first(r).and_then(|(f, inc)| (inc > 0).then_some(f)))
+            .collect::<Vec<_>>(),
+        "trainers_lost_at_the_end": reports.iter().enumerate()
+            .filter_map(|(t, r)| r.is_none().then_some(t))
             .collect::<Vec<_>>(),
         "incarnations": (0..WORLD).map(|r| agent.incarnation_of(r).ok()).collect::<Vec<_>>(),
         "params_sha256": examples::checkpoint::params_sha256(&named)?,
@@ -256,8 +269,9 @@ async fn coordinate(agent: &Agent, args: &Args) -> Result<serde_json::Value> {
 }
 
 /// Every trainer's report (asked again while its loop is still ending, or its process is
-/// being replaced; at most a minute).
-async fn collect_reports(agent: &Agent) -> Result<Vec<(TrainReport, u64)>> {
+/// being replaced; at most a minute); `None` for one lost after its last step (the shards
+/// hold all of it: nobody replaces it).
+async fn collect_reports(agent: &Agent) -> Result<Vec<Option<(TrainReport, u64)>>> {
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut out = Vec::new();
     for t in 0..TRAINERS {
@@ -265,10 +279,15 @@ async fn collect_reports(agent: &Agent) -> Result<Vec<(TrainReport, u64)>> {
         loop {
             match agent.rpc_async(rank, trainer_report, ()).await {
                 Ok(Some(r)) => {
-                    out.push(r);
+                    out.push(Some(r));
                     break;
                 }
                 Ok(None) => {}
+                Err(e @ (RpcError::PeerFailed { .. } | RpcError::PeerLeft { .. })) => {
+                    tracing::warn!(rank, cause = %e, "a trainer was lost after its last step");
+                    out.push(None);
+                    break;
+                }
                 Err(e) => tracing::info!(rank, cause = %e, "asking a trainer for its report"),
             }
             anyhow::ensure!(

@@ -26,7 +26,8 @@
 //! `launched.rs` says how each role recovers. Rank 0 prints the run's line (`launched: true`,
 //! `updates_lost`, `incarnations`, `params_sha256`...) and writes the slowest trainer's step to
 //! `D/progress`. `--kill-server-at` and `--kill-trainer-at` make server 2 and trainer 2 SIGKILL
-//! themselves (first incarnation only).
+//! themselves, `--freeze-trainer-at` makes trainer 2 SIGSTOP itself (at `--steps`: after its
+//! last push; first incarnation only).
 //!
 //! Layout: `model.rs` the model, shards and trainer loop both modes share, `local.rs` the
 //! local mode, `launched.rs` the launched one.
@@ -56,6 +57,7 @@ struct Args {
     backup: bool,
     kill_server_at: Option<u64>,
     kill_trainer_at: Option<u64>,
+    freeze_trainer_at: Option<u64>,
     replace_trainer: bool,
     trace: Option<std::path::PathBuf>,
     out_dir: Option<std::path::PathBuf>,
@@ -70,7 +72,7 @@ usage: param-server [--slow-factor F] [--steps N] [--staleness S] \
      [--no-replacement] [--trace PATH] [--out-dir D]\n\n\
 Under a launcher (rpcrun --nproc 6 --restart worker -- param-server ...) each process takes \
 its role from its rank and a lost one is started again; --out-dir D: rank 0 writes the slowest \
-trainer's step to D/progress.\n\n\
+trainer's step to D/progress; --freeze-trainer-at STEP: trainer 2 stops itself (SIGSTOP) there.\n\n\
 --trace PATH: every process records the job's trace, merged into PATH at the end (Trace Event \
 Format, for Perfetto; `rpctrace report PATH` says what held each trainer's step up).";
 
@@ -83,6 +85,7 @@ fn parse_args() -> Result<Args> {
         backup: true,
         kill_server_at: None,
         kill_trainer_at: None,
+        freeze_trainer_at: None,
         replace_trainer: true,
         trace: None,
         out_dir: None,
@@ -107,6 +110,13 @@ fn parse_args() -> Result<Args> {
             "--kill-trainer-at" => {
                 a.kill_trainer_at =
                     Some(value()?.parse().context("--kill-trainer-at takes a step")?)
+            }
+            "--freeze-trainer-at" => {
+                a.freeze_trainer_at = Some(
+                    value()?
+                        .parse()
+                        .context("--freeze-trainer-at takes a step")?,
+                )
             }
             "--no-replacement" => a.replace_trainer = false,
             "--trace" => a.trace = Some(value()?.into()),
@@ -141,6 +151,14 @@ fn parse_args() -> Result<Args> {
     }
     if let Some(d) = &a.out_dir {
         std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
+    }
+    if a.freeze_trainer_at
+        .is_some_and(|k| !launched || k > a.steps)
+    {
+        bail!(
+            "--freeze-trainer-at is for a launched run, at a step within 0..={}",
+            a.steps
+        );
     }
     if launched && (a.trace.is_some() || !a.replace_trainer) {
         bail!(

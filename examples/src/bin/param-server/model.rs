@@ -47,8 +47,22 @@ pub struct Plan {
     pub slow_factor: f64,
     pub seed: u64,
     pub backup: bool,
-    /// The step at which this trainer SIGKILLs itself (a fault the launched mode injects).
-    pub kill_at: Option<u64>,
+    /// A fault the launched mode injects: at this step (before its push; at `steps`, after
+    /// the last one) the trainer sends itself this signal (SIGKILL, or SIGSTOP: frozen).
+    pub fault: Option<(u64, i32)>,
+}
+
+/// Sends this process `plan`'s fault signal if `step` is its step.
+fn fault_at(plan: &Plan, step: u64) {
+    if let Some((at, sig)) = plan.fault.filter(|(at, _)| *at == step) {
+        tracing::warn!(
+            step = at,
+            signal = sig,
+            "this trainer signals itself, as asked"
+        );
+        // SAFETY: kill has no memory-safety preconditions.
+        unsafe { libc::kill(std::process::id() as i32, sig) };
+    }
 }
 
 /// Trainer: steps up to `steps` over its partition, pulling and pushing through the servers;
@@ -69,7 +83,7 @@ pub async fn train(
         slow_factor,
         seed,
         backup,
-        kill_at: None,
+        fault: None,
     };
     Ok(train_loop(ctx.agent(), trainer, plan, join).await?)
 }
@@ -89,11 +103,7 @@ pub async fn train_loop(
     for step in first..plan.steps {
         let mut span = agent.tracer().span(Cat::Step, "step");
         span.detail(|| format!("trainer {trainer} step {step}"));
-        if plan.kill_at == Some(step) {
-            tracing::warn!(step, "killing this trainer (SIGKILL), as asked");
-            // SAFETY: kill has no memory-safety preconditions.
-            unsafe { libc::kill(std::process::id() as i32, libc::SIGKILL) };
-        }
+        fault_at(&plan, step);
         let shards = client.pull(step).await?;
         let started = Instant::now();
         let w = Var::from_tensor(&Tensor::cat(&[&shards[0][0], &shards[1][0]], 0)?)?;
@@ -122,6 +132,7 @@ pub async fn train_loop(
             .await?;
         drop(span);
     }
+    fault_at(&plan, plan.steps.max(first));
     Ok((
         client.acked_pushes(),
         (0..SHARDS.len()).map(|i| client.failed_over(i)).collect(),
