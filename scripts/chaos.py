@@ -13,7 +13,8 @@ time limit, with no process of it left behind.
 `--hosts`: every rank on an emulated host of its own, under `rpcrun` per host, with link cuts
 among the faults and the launchers meeting in etcd (scripts/chaos_hosts.py says more).
 
-BIN_DIR names the directory of the example binaries (default: builds target/release). One
+BIN_DIR names the directory of the example binaries (default: builds target/release);
+CHAOS_KEEP=1 keeps the logs of a trial across hosts that did not pass (its line names them). One
 JSON line per trial, then a summary line; the exit status is 0 when every trial passed.
 """
 
@@ -320,7 +321,8 @@ def main():
     finally:
         if hosts:
             hosts.close()
-    subprocess.run(["rm", "-rf", tmp])
+    if os.environ.get("CHAOS_KEEP") != "1":
+        subprocess.run(["rm", "-rf", tmp])
     print(json.dumps({"summary": True, "seed": seed, "trials": a.trials, "outcomes": outcomes,
                       "time_lost_s_median": sorted(lost)[len(lost) // 2] if lost else None,
                       "passed": ok}), flush=True)

@@ -230,7 +230,11 @@ def trial(h, cfg, rng, example, n, limit, reference, tmp):
         outcome = "clear error"
     else:
         outcome = "unclear failure"
-    shutil.rmtree(out_dir, ignore_errors=True)
+    # A trial that did not pass keeps its logs (one `hostN.err` per host) for a look.
+    passed_now = outcome in ("identical", "no update lost") or (
+        outcome == "clear error" and not etcd and fault == "rendezvous")
+    if passed_now or os.environ.get("CHAOS_KEEP") != "1":
+        shutil.rmtree(out_dir, ignore_errors=True)
     line = {"trial": n, "example": example, "fault": fault, "restart": restart,
             "rdzv": "etcd" if etcd else "node 0", "rank": rank, "host": host,
             "at_step": injected, "outcome": outcome, "exits": codes,
@@ -241,8 +245,9 @@ def trial(h, cfg, rng, example, n, limit, reference, tmp):
         line["recoveries"] = j.get("reforms")
         line["time_lost_s"] = [round(j["recovery_s"], 3)] if j.get("recovered_from_step") else None
     # With etcd the job outlives node 0's host; at node 0 it cannot, and must say so.
-    line["passed"] = outcome in ("identical", "no update lost") or (
-        outcome == "clear error" and not etcd and fault == "rendezvous")
+    line["passed"] = passed_now
+    if not passed_now and os.environ.get("CHAOS_KEEP") == "1":
+        line["kept"] = out_dir
     if detail:
         line["detail"] = detail
     if example == "param-server":

@@ -84,7 +84,10 @@ pub use mailbox::{
     irecv, isend, mailbox_stats, recv, send, set_mailbox_limits, Handle, MailboxLimits,
     MailboxStats, P2pError,
 };
-pub use ps::{serve_replica, serve_shard, shard_stats, Consistency, PsClient, Replica, ShardStats};
+pub use ps::{
+    primary_failed, serve_replica, serve_shard, shard_stats, Consistency, PsClient, Replica,
+    ShardStats,
+};
 
 /// Adds the collectives' functions to a worker's registry.
 pub fn install(

@@ -141,11 +141,8 @@ impl PsClient {
         false
     }
 
-    /// Whether any incarnation of `server` has failed (PS-8): the group declared one failed,
-    /// or the rank runs as a replacement (a process that joined later knows of no verdict).
     fn ever_failed(&self, server: u32) -> bool {
-        self.agent.incarnation_of(server).is_ok_and(|i| i > 0)
-            || self.agent.failed_workers().iter().any(|f| f.rank == server)
+        primary_failed(&self.agent, server)
     }
 
     /// Every shard's parameters for step `clock` (waiting as the consistency mode requires).
@@ -188,4 +185,12 @@ impl PsClient {
         let got = futures::future::try_join_all(calls).await?;
         Ok(got.into_iter().min().unwrap_or(0))
     }
+}
+
+/// Whether any incarnation of server `server` has failed, as `agent` sees it (PS-8): the group
+/// declared one failed, or the rank runs as a replacement (a process that joined later knows
+/// of no verdict). A shard whose primary this is lives at its backup.
+pub fn primary_failed(agent: &Agent, server: u32) -> bool {
+    agent.incarnation_of(server).is_ok_and(|i| i > 0)
+        || agent.failed_workers().iter().any(|f| f.rank == server)
 }

@@ -54,7 +54,7 @@ use candle_core::Tensor;
 use rpc_core::Agent;
 use serde::{Deserialize, Serialize};
 
-pub use client::PsClient;
+pub use client::{primary_failed, PsClient};
 pub(crate) use log::Replicate;
 pub(crate) use server::{Join, Pull, Push};
 

@@ -179,11 +179,11 @@ async fn wait_for_servers(agent: &Agent) -> Result<()> {
     Ok(())
 }
 
-/// The rank that serves shard number `i` now: its primary unless the group ever declared
-/// that rank failed (a replacement holds nothing, PS-8), else its backup.
+/// The rank that serves shard number `i` now: its primary unless any incarnation of it
+/// failed (a replacement holds nothing, PS-8), else its backup.
 fn holder(agent: &Agent, i: usize) -> u32 {
     let primary = SHARDS[i].0;
-    if agent.failed_workers().iter().any(|f| f.rank == primary) {
+    if collectives::primary_failed(agent, primary) {
         BACKUPS[i]
     } else {
         primary
