@@ -215,28 +215,42 @@ fn rendezvous_back(
 /// How a launcher says that the job ended before it restarted a process (RDZ-2).
 const JOB_ENDED: &str = "the job ended meanwhile (the rendezvous says so)";
 
-/// How long node 0's launcher keeps the rendezvous up after its processes succeeded while a
-/// rank of another node is lost and not replaced (RDZ-2): that node's launcher asks before it
-/// restarts the rank, within its child's failure timeout and the kill.
+/// How long node 0's launcher, its processes done, waits for the other members to go.
+const SETTLE: Duration = Duration::from_secs(5);
+
+/// How long node 0's launcher then keeps telling the launchers of ranks still running or lost
+/// that the job ended (RDZ-2): each hears it when it next asks, within its child's failure
+/// timeout and the kill.
 const LINGER: Duration = Duration::from_secs(15);
 
-/// RDZ-2 (`--restart worker`, node 0): the job ended with `lost` ranks not replaced (their
-/// launchers may be about to restart them): the rendezvous says that the job has ended to
-/// whoever asks (`RendezvousServer::end`, RDV-10) for [`LINGER`], unless a signal comes. Before,
-/// node 0's launcher exited at once, and a launcher that restarted a rank lost near the end
+/// RDZ-2 (`--restart worker`, node 0, its processes done): waits up to [`SETTLE`] for the
+/// members still linked to the rendezvous to go; if some are linked then, or `lost` (failed,
+/// no successor: their launchers may be about to restart them), the rendezvous says that the
+/// job has ended to whoever asks and closes the links still open (`RendezvousServer::end`,
+/// RDV-10), for [`LINGER`], unless a signal comes. Before, node 0's launcher exited at once: a
+/// launcher that restarted a rank lost near the end, or whose replacement had just joined,
 /// found no rendezvous, waited 60 s (RDZ-1) and exited 1 for a job that had succeeded.
 fn linger(
     server: &rpc_core::RendezvousServer,
     lost: &std::collections::BTreeSet<u32>,
     handlers: &Handlers,
 ) {
-    if lost.is_empty() {
+    let settle = Instant::now() + SETTLE;
+    while !server.linked_ranks().is_empty()
+        && Instant::now() < settle
+        && handlers.received().is_none()
+    {
+        std::thread::sleep(POLL);
+    }
+    let linked = server.linked_ranks();
+    if linked.is_empty() && lost.is_empty() {
         return;
     }
     server.end();
     tracing::info!(
+        ?linked,
         ?lost,
-        "the job ended with ranks lost and not replaced; telling their launchers for {} s",
+        "the job ended here with ranks still running or lost; telling their launchers for {} s",
         LINGER.as_secs()
     );
     let until = Instant::now() + LINGER;

@@ -556,8 +556,8 @@ fn a_report_lost_with_its_link_is_sent_again() {
 
 /// RDV-10: once its host says the job ended, the rendezvous tells every connection so: a
 /// probe (a launcher asking before it restarts a process) and a join both get
-/// `InitError::JobEnded`, never a seat in a group that is gone; before the end, the probe
-/// answers plainly.
+/// `InitError::JobEnded`, never a seat in a group that is gone, and a member still linked
+/// loses its link; before the end, the probe answers plainly and the member is linked.
 #[test]
 fn after_the_job_ended_the_rendezvous_says_so_to_probes_and_joins() {
     run(60, async {
@@ -575,19 +575,37 @@ fn after_the_job_ended_the_rendezvous_says_so_to_probes_and_joins() {
         let probe =
             || rpc_core::probe_rendezvous(&Transport::Tcp, &addr, &secret, Duration::from_secs(5));
         probe().await.expect("a live rendezvous answers");
-        let config = Config::new()
-            .with_rank(0)
-            .with_world_size(1)
-            .with_init_method(format!("tcp://{addr}"))
-            .with_serve_rendezvous(false)
-            .with_secret(secret.clone())
-            .with_init_timeout(Duration::from_secs(10));
+        let config = || {
+            Config::new()
+                .with_rank(0)
+                .with_world_size(1)
+                .with_init_method(format!("tcp://{addr}"))
+                .with_serve_rendezvous(false)
+                .with_secret(secret.clone())
+                .with_shutdown_timeout(Duration::from_secs(5))
+        };
+        let member = rpc_core::init(config(), registry()).await.expect("joins");
+        let linked = |want: Vec<u32>| {
+            let server = &server;
+            async move {
+                for _ in 0..300 {
+                    if server.linked_ranks() == want {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                panic!("linked {:?}, not {want:?}", server.linked_ranks());
+            }
+        };
+        linked(vec![0]).await;
         server.end();
         let e = probe().await.expect_err("the job ended");
         assert!(matches!(e, rpc_core::InitError::JobEnded { .. }), "{e:?}");
-        let e = rpc_core::init(config, registry())
+        linked(vec![]).await;
+        let e = rpc_core::init(config(), registry())
             .await
             .expect_err("nothing is left to join");
         assert!(rpc_core::error_chain(&e).contains("has ended"), "{e:?}");
+        drop(member);
     });
 }

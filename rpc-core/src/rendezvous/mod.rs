@@ -22,7 +22,7 @@
 //! RDV-10: once its host has said that the job ended ([`RendezvousServer::end`]), the
 //! rendezvous tells every connection so, first thing: a join fails with
 //! [`InitError::JobEnded`] and [`probe_rendezvous`] returns it, never a seat in a group that
-//! is gone.
+//! is gone; the links of members still connected are closed within a tick.
 
 mod evidence;
 #[cfg(any(test, feature = "fuzzing"))]
@@ -320,6 +320,8 @@ pub(crate) struct Faults {
     /// Not a fault: set by [`RendezvousServer::end`], after which every connection is told
     /// that the job has ended (RDV-10).
     pub ended: AtomicBool,
+    /// Not a fault: the ranks whose member is linked now ([`RendezvousServer::linked_ranks`]).
+    pub linked: std::sync::Mutex<Vec<u32>>,
 }
 
 impl RendezvousServer {
@@ -404,6 +406,16 @@ impl RendezvousServer {
     /// so that launcher stops instead of taking the rendezvous's exit for its host's death.
     pub fn end(&self) {
         self.faults.ended.store(true, Ordering::SeqCst);
+    }
+
+    /// The ranks whose member holds its link to the rendezvous now (a member that exited,
+    /// failed or lost its link is not among them).
+    pub fn linked_ranks(&self) -> Vec<u32> {
+        self.faults
+            .linked
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// The address workers should use as `tcp://<addr>`.

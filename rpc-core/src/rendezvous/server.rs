@@ -185,6 +185,7 @@ pub(super) async fn serve(
             if formed {
                 state.decide();
             }
+            state.publish_linked();
             }
             _ = tokio::time::sleep_until(deadline), if !formed => {
                 let missing: Vec<u32> =
@@ -293,6 +294,18 @@ impl State {
         tracing::info!(size = %self.size, "group formed");
     }
 
+    /// Tells the server's handle which ranks have a member linked now
+    /// (`RendezvousServer::linked_ranks`).
+    fn publish_linked(&self) {
+        let linked = self
+            .slots
+            .iter()
+            .filter(|(_, s)| s.out.is_some())
+            .map(|(r, _)| *r)
+            .collect();
+        *self.faults.linked.lock().unwrap_or_else(|p| p.into_inner()) = linked;
+    }
+
     /// Sends `first` on `f`, then serves the member's updates and reports.
     fn admit(&mut self, rank: u32, f: Framed_, first: Verdict) {
         let Some(slot) = self.slots.get_mut(&rank) else {
@@ -329,6 +342,11 @@ impl State {
                         },
                         _ = tick.tick() => Update::Alive,
                     };
+                    // RDV-10: the job ended; a member still linked loses the link (and its
+                    // redial is told that the job ended).
+                    if faults.ended.load(Ordering::SeqCst) {
+                        return;
+                    }
                     hold().await;
                     let sent = tokio::time::timeout(
                         Duration::from_secs(10),
