@@ -51,45 +51,16 @@ fn freeze_node_1(restart: &str, reference: &str, rpcrun: &Path) {
     let _ = std::fs::remove_dir_all(&dir);
     let out = dir.join("run");
     std::fs::create_dir_all(&out).unwrap();
-    let secret = dir.join("secret");
-    std::fs::write(&secret, "a test secret of the three launchers").unwrap();
-    let rdzv = format!("127.0.0.1:{}", common::free_port());
-    let mut nodes: Vec<Spawned> = (0..3)
-        .map(|i| {
-            let d = dir.join(format!("node{i}"));
-            std::fs::create_dir_all(&d).unwrap();
-            let mut args: Vec<String> = [
-                "--nnodes",
-                "3",
-                "--nproc",
-                "1",
-                "--node-rank",
-                &i.to_string(),
-                "--rdzv",
-                &rdzv,
-                "--secret-file",
-                secret.to_str().unwrap(),
-                "--max-restarts",
-                "3",
-                "--restart",
-                restart,
-                "--",
-            ]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-            args.push(env!("CARGO_BIN_EXE_hybrid-rnn").into());
-            args.extend(FLAGS.iter().map(|s| s.to_string()));
-            args.extend([
-                "--quiet".into(),
-                "--out-dir".into(),
-                out.display().to_string(),
-            ]);
-            // The program's own recovery follows the launcher's mode.
-            args.extend(["--restart".into(), restart.into()]);
-            Spawned::start(rpcrun.to_str().unwrap(), &args, &[], &d)
-        })
-        .collect();
+    let mut program: Vec<String> = vec![env!("CARGO_BIN_EXE_hybrid-rnn").into()];
+    program.extend(FLAGS.iter().map(|s| s.to_string()));
+    program.extend([
+        "--quiet".into(),
+        "--out-dir".into(),
+        out.display().to_string(),
+    ]);
+    // The program's own recovery follows the launcher's mode.
+    program.extend(["--restart".into(), restart.into()]);
+    let mut nodes = launch_nodes(&dir, rpcrun, (3, 1), restart, &program);
     let deadline = Instant::now() + Duration::from_secs(120);
     while done_steps(&out) < 30 {
         assert!(
@@ -184,41 +155,12 @@ fn a_rank_lost_after_the_job_ended_does_not_fail_its_node() {
     let dir = std::env::temp_dir().join(format!("frozen-end-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let secret = dir.join("secret");
-    std::fs::write(&secret, "a test secret of the two launchers").unwrap();
-    let rdzv = format!("127.0.0.1:{}", common::free_port());
-    let mut nodes: Vec<Spawned> = (0..2)
-        .map(|i| {
-            let d = dir.join(format!("node{i}"));
-            std::fs::create_dir_all(&d).unwrap();
-            let node = i.to_string();
-            let args = [
-                "--nnodes",
-                "2",
-                "--nproc",
-                "3",
-                "--node-rank",
-                &node,
-                "--rdzv",
-                &rdzv,
-                "--secret-file",
-                secret.to_str().unwrap(),
-                "--max-restarts",
-                "3",
-                "--restart",
-                "worker",
-                "--",
-                ps,
-                "--steps",
-                "60",
-                "--slow-factor",
-                "1",
-                "--freeze-trainer-at",
-                "60",
-            ];
-            Spawned::start(rpcrun.to_str().unwrap(), &args, &[], &d)
-        })
+    let program: Vec<String> = [ps, "--steps", "60", "--slow-factor", "1"]
+        .into_iter()
+        .chain(["--freeze-trainer-at", "60"])
+        .map(String::from)
         .collect();
+    let mut nodes = launch_nodes(&dir, &rpcrun, (2, 3), "worker", &program);
     // Rank 5 stops itself after its last push; its launcher is stopped at once after.
     let deadline = Instant::now() + Duration::from_secs(120);
     let launcher = nodes[1].child.id();
@@ -266,6 +208,49 @@ fn a_rank_lost_after_the_job_ended_does_not_fail_its_node() {
     assert_eq!(j["trainers_lost_at_the_end"], serde_json::json!([2]), "{j}");
     drop(nodes);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `nnodes` launchers of `nproc` processes each on loopback (`--restart restart`, three
+/// restarts), meeting at a free port with a shared secret, each in its own directory under
+/// `dir`, running `program` (its path, then its flags).
+fn launch_nodes(
+    dir: &Path,
+    rpcrun: &Path,
+    (nnodes, nproc): (u32, u32),
+    restart: &str,
+    program: &[String],
+) -> Vec<Spawned> {
+    let secret = dir.join("secret");
+    std::fs::write(&secret, "a test secret of the launchers").unwrap();
+    let rdzv = format!("127.0.0.1:{}", common::free_port());
+    (0..nnodes)
+        .map(|i| {
+            let d = dir.join(format!("node{i}"));
+            std::fs::create_dir_all(&d).unwrap();
+            let mut args: Vec<String> = [
+                "--nnodes",
+                &nnodes.to_string(),
+                "--nproc",
+                &nproc.to_string(),
+                "--node-rank",
+                &i.to_string(),
+                "--rdzv",
+                &rdzv,
+                "--secret-file",
+                secret.to_str().unwrap(),
+                "--max-restarts",
+                "3",
+                "--restart",
+                restart,
+                "--",
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+            args.extend(program.iter().cloned());
+            Spawned::start(rpcrun.to_str().unwrap(), &args, &[], &d)
+        })
+        .collect()
 }
 
 /// Whether process `pid` is stopped (state `T`).
