@@ -33,9 +33,18 @@ impl std::fmt::Display for Fatal {
 
 impl std::error::Error for Fatal {}
 
-/// Whether `e` is, or was caused by, a [`Fatal`] error.
+/// Whether `e` is, or was caused by, a [`Fatal`] error, or by a configuration that joining
+/// the group refused (`rpc_core::InitError::Config`: a short secret, a bad address; every
+/// restart would meet it again).
 pub fn is_fatal(e: &anyhow::Error) -> bool {
-    e.downcast_ref::<Fatal>().is_some() || e.chain().any(|c| c.is::<Fatal>())
+    e.downcast_ref::<Fatal>().is_some()
+        || e.chain().any(|c| {
+            c.is::<Fatal>()
+                || matches!(
+                    c.downcast_ref::<rpc_core::InitError>(),
+                    Some(rpc_core::InitError::Config(_))
+                )
+        })
 }
 
 /// `x` rounded to `digits` decimals (for the JSON lines).

@@ -118,3 +118,49 @@ fn under_rpcrun_a_replaced_server_and_trainer_lose_no_update() {
     assert!(j["test_accuracy"].as_f64().unwrap() > 0.6, "{j}");
     assert!(err.contains("a replacement server holds no shard"), "{err}");
 }
+
+/// A configuration that no restart can mend ends the launch at once with rpcrun's fatal
+/// status (78), saying why: a secret too short to join with (`InitError::Config`), and a group
+/// of the wrong size. Before, every child failed with status 1 and the launcher spent its
+/// three restarts on the same error.
+#[test]
+fn under_rpcrun_a_configuration_no_restart_can_mend_is_fatal() {
+    let ps = env!("CARGO_BIN_EXE_param-server");
+    let rpcrun = std::path::Path::new(ps).parent().unwrap().join("rpcrun");
+    if !rpcrun.exists() {
+        eprintln!("skipped: no rpcrun beside param-server (cargo build -p rpcrun)");
+        return;
+    }
+    let short = std::env::temp_dir().join(format!("short-secret-{}", std::process::id()));
+    std::fs::write(&short, "short secret!").unwrap();
+    let cases = [
+        (
+            "6",
+            Some(short.to_str().unwrap()),
+            "the group secret is 13 bytes",
+        ),
+        ("4", None, "param-server needs 6 processes"),
+    ];
+    for (nproc, secret, why) in cases {
+        let mut args = vec![
+            "--nproc",
+            nproc,
+            "--restart",
+            "worker",
+            "--max-restarts",
+            "3",
+        ];
+        if let Some(s) = secret {
+            args.extend(["--secret-file", s]);
+        }
+        args.extend(["--", ps, "--steps", "5"]);
+        let (code, out, err) = run_to_end(rpcrun.to_str().unwrap(), &args, Duration::from_secs(60));
+        assert_eq!(code, Some(78), "{out}\n{err}");
+        assert!(err.contains(why), "{err}");
+        assert!(
+            err.contains("not restarting") && !err.contains("restarting rank"),
+            "{err}"
+        );
+    }
+    let _ = std::fs::remove_file(&short);
+}

@@ -80,12 +80,14 @@ pub async fn run(args: &Args) -> Result<()> {
         .with_shutdown_timeout(timeout)
         .with_signal_grace(examples::SIGNAL_GRACE);
     let agent = rpc_core::init(cfg, crate::registry()?).await?;
-    anyhow::ensure!(
-        agent.world_size() == WORLD as usize,
-        "param-server needs {WORLD} processes (rank 0 coordinates, 1-2 serve, 3-5 train), \
-         not {}: run it with `rpcrun --nproc {WORLD}` (or --nnodes x --nproc that make {WORLD})",
-        agent.world_size()
-    );
+    if agent.world_size() != WORLD as usize {
+        return Err(examples::Fatal(format!(
+            "param-server needs {WORLD} processes (rank 0 coordinates, 1-2 serve, 3-5 train), \
+             not {}: run it with `rpcrun --nproc {WORLD}` (or nodes x processes that make it)",
+            agent.world_size()
+        ))
+        .into());
+    }
     let rank = agent.rank();
     if rank == 0 {
         let result = coordinate(&agent, args).await;

@@ -177,8 +177,13 @@ fn parse_args() -> Result<Args> {
     Ok(a)
 }
 
-fn main() -> Result<()> {
-    examples::init_tracing();
+fn main() {
+    // An error is printed naming the program; one no restart can mend exits with rpcrun's
+    // fatal status, so that a launcher gives up at once.
+    examples::main_with("param-server", || run().map(|()| 0));
+}
+
+fn run() -> Result<()> {
     let rt = examples::runtime()?;
     if launched::under_launcher() {
         let args = parse_args()?;
