@@ -125,3 +125,44 @@ fn a_failed_job_is_no_success_on_any_member() {
         assert!(a[0].shutdown().await.job_failed.is_some());
     });
 }
+
+/// SHUT-2: once the barrier has said the job failed, calls still in flight are not drained for
+/// the whole shutdown timeout (their work is for a job that failed): here the master's call to
+/// worker 1 sleeps for a minute (a trainer waiting for a step that will never come), and every
+/// member shuts down within seconds, the call aborted. Before, every member waited out the
+/// shutdown timeout (60 s here; 300 s in the parameter server's local mode, which outlived
+/// its test).
+#[test]
+fn a_failed_job_does_not_wait_for_calls_in_flight() {
+    each_transport(60, |t| async move {
+        let a = start_group(
+            3,
+            t,
+            Secret::generate(),
+            |_| registry(),
+            |_, c| c.with_shutdown_timeout(Duration::from_secs(60)),
+        )
+        .await
+        .expect("group starts");
+        let waiting: Vec<_> = a[1..]
+            .iter()
+            .map(|w| {
+                let w = w.clone();
+                tokio::spawn(async move { w.wait_for_group().await })
+            })
+            .collect();
+        let master = a[0].clone();
+        let stuck = tokio::spawn(async move { master.rpc_async(1u32, sleep_ms, (60_000,)).await });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let start = std::time::Instant::now();
+        let report = a[0].shutdown_failed("trainer 2 failed", true).await;
+        assert!(report.job_failed.is_some(), "{report:?}");
+        for w in waiting {
+            let r = w.await.unwrap();
+            assert!(r.job_failed.is_some(), "{r:?}");
+        }
+        let took = start.elapsed();
+        assert!(took < Duration::from_secs(15), "took {took:?}");
+        assert!(stuck.await.unwrap().is_err(), "the call was aborted");
+    });
+}

@@ -23,6 +23,10 @@
 //! - SHUT-1: a job that failed is never reported as a success: rank 0's
 //!   [`Agent::shutdown_failed`] reaches every member that arrives at its barrier, whose
 //!   report says so and is not clean.
+//! - SHUT-2: once a member knows the job failed (its own `shutdown_failed`, or the barrier's
+//!   word), its calls in flight drain for at most a second before they are aborted, instead
+//!   of the shutdown timeout: a call waiting for work that will never come (a trainer's pull
+//!   for a step its failed peer will not push) cannot hold the failure's report back.
 //! - AG-7: where a launcher replaces failed processes one by one
 //!   ([`Config::replaced_on_failure`](crate::Config::replaced_on_failure)), a rank whose
 //!   rank 0 failed waits, within the barrier's timeout, for rank 0's next incarnation and
@@ -112,7 +116,8 @@ impl Agent {
     /// [`ShutdownReport::job_failed`] then says so and is not clean, so that a worker that
     /// only serves exits non-zero instead of reporting success for a failed job. `retry`:
     /// whether running the job again may succeed. Only the first call of any shutdown decides;
-    /// rank 0's failure is the one the others hear.
+    /// rank 0's failure is the one the others hear. Calls still in flight then drain for at
+    /// most a second before they are aborted, on every member that heard (SHUT-2).
     ///
     /// ```no_run
     /// # async fn demo(agent: rpc_core::Agent, train: impl std::future::Future<Output = Result<(), String>>) {
@@ -173,6 +178,10 @@ impl Agent {
         once(self, t, Some(barrier)).await
     }
 }
+
+/// How long calls in flight may go on draining once the job failed (SHUT-2): long enough for
+/// a reply already on its way, short of a wait that could outlast anyone's patience.
+const FAILED_JOB_DRAIN: Duration = Duration::from_secs(1);
 
 /// The barrier's bound for [`Agent::wait_for_group`]: none in practice (the group's failure
 /// detection ends the wait for a member that failed).
@@ -262,7 +271,12 @@ async fn run(agent: Agent, t: Duration, group_barrier: Option<Duration>) -> Shut
     life.set_stopping();
     life.calls.close();
     let in_flight = life.calls.len();
-    let drained = tokio::time::timeout(t, life.calls.wait()).await.is_ok();
+    // SHUT-2: the work of a job that failed is wanted by nobody.
+    let drain = match job_failed {
+        Some(_) => t.min(FAILED_JOB_DRAIN),
+        None => t,
+    };
+    let drained = tokio::time::timeout(drain, life.calls.wait()).await.is_ok();
     let aborted = if drained { 0 } else { life.calls.len() };
     // Phase 3: tell the peers' failure detectors this worker is leaving (it is not failing),
     // close our outgoing connections and the listener, then let the peers close theirs (they
