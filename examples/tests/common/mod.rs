@@ -61,7 +61,9 @@ impl Spawned {
             }
             assert!(
                 Instant::now() < deadline,
-                "no exit within {limit:?}:\n{}",
+                "no exit within {limit:?}; its processes:\n{}\nstdout:\n{}\nstderr:\n{}",
+                process_tree(self.child.id()),
+                self.stdout(),
                 self.stderr()
             );
             std::thread::sleep(Duration::from_millis(20));
@@ -69,9 +71,65 @@ impl Spawned {
     }
 }
 
+/// `pid` and its descendants, a line each: pid, state (`R`, `S`, `T` stopped...), the kernel
+/// function it sleeps in, its rank if it has one, per thread the states: what a hang's
+/// report needs to say which process waits on what.
+pub fn process_tree(pid: u32) -> String {
+    let mut out = String::new();
+    let mut todo = vec![(pid, 0)];
+    while let Some((p, depth)) = todo.pop() {
+        let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
+        let state = stat.rsplit(") ").next().and_then(|r| r.chars().next());
+        let wchan = std::fs::read_to_string(format!("/proc/{p}/wchan")).unwrap_or_default();
+        let rank = std::fs::read(format!("/proc/{p}/environ"))
+            .unwrap_or_default()
+            .split(|&b| b == 0)
+            .find_map(|kv| kv.strip_prefix(b"RANK=").map(|r| r.to_vec()))
+            .map(|r| String::from_utf8_lossy(&r).into_owned());
+        let threads: String = std::fs::read_dir(format!("/proc/{p}/task"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|t| {
+                let s = std::fs::read_to_string(t.path().join("stat")).ok()?;
+                s.rsplit(") ").next()?.chars().next()
+            })
+            .collect();
+        out += &format!(
+            "{:indent$}pid {p} state {state:?} wchan {wchan:?} rank {rank:?} threads {threads}\n",
+            "",
+            indent = depth * 2
+        );
+        // A child is listed under the thread that started it.
+        for t in std::fs::read_dir(format!("/proc/{p}/task"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let kids = std::fs::read_to_string(t.path().join("children")).unwrap_or_default();
+            todo.extend(
+                kids.split_whitespace()
+                    .filter_map(|k| k.parse().ok())
+                    .map(|k| (k, depth + 1)),
+            );
+        }
+    }
+    out
+}
+
 /// Runs `bin` with `args` in a fresh temporary directory until it exits (at most `limit`):
 /// its exit code, stdout and stderr.
 pub fn run_to_end(bin: &str, args: &[&str], limit: Duration) -> (Option<i32>, String, String) {
+    run_to_end_with(bin, args, &[], limit)
+}
+
+/// [`run_to_end`] with `env` added to the program's environment.
+pub fn run_to_end_with(
+    bin: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+    limit: Duration,
+) -> (Option<i32>, String, String) {
     let name = Path::new(bin)
         .file_name()
         .unwrap()
@@ -83,7 +141,7 @@ pub fn run_to_end(bin: &str, args: &[&str], limit: Duration) -> (Option<i32>, St
         args.join("_").replace('-', "")
     ));
     std::fs::create_dir_all(&dir).unwrap();
-    let mut p = Spawned::start(bin, args, &[], &dir);
+    let mut p = Spawned::start(bin, args, env, &dir);
     let code = p.wait(limit);
     let (out, err) = (p.stdout(), p.stderr());
     drop(p);

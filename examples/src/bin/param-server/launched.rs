@@ -24,7 +24,7 @@ use rpc_core::{
 };
 
 use crate::model::{
-    self, accuracy, final_params, stats, Plan, TrainReport, BACKUPS, FIRST_TRAINER, SHARDS,
+    self, accuracy, final_params, stats, Fault, Plan, TrainReport, BACKUPS, FIRST_TRAINER, SHARDS,
     TRAINERS, WORLD,
 };
 use crate::Args;
@@ -105,11 +105,12 @@ pub async fn run(args: &Args) -> Result<()> {
             seed: 7,
             backup: args.backup,
             fault: [
-                (args.kill_trainer_at, libc::SIGKILL),
-                (args.freeze_trainer_at, libc::SIGSTOP),
+                (args.kill_trainer_at, Fault::Signal(libc::SIGKILL)),
+                (args.freeze_trainer_at, Fault::Signal(libc::SIGSTOP)),
+                (args.fail_trainer_at, Fault::Error),
             ]
             .into_iter()
-            .find_map(|(at, sig)| Some((at?, sig)))
+            .find_map(|(at, fault)| Some((at?, fault)))
             .filter(|_| t == TRAINERS - 1 && first_attempt(&agent)),
         };
         let join = agent.incarnation() > 0;

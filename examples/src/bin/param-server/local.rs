@@ -8,7 +8,8 @@ use collectives::Consistency;
 use rpc_core::Agent;
 
 use crate::model::{
-    accuracy, final_params, reset_shards, stats, train, BACKUPS, FIRST_TRAINER, SHARDS, TRAINERS,
+    accuracy, final_params, reset_shards, stats, train, Fault, TrainReport, BACKUPS, FIRST_TRAINER,
+    SHARDS, TRAINERS,
 };
 use crate::Args;
 
@@ -17,6 +18,7 @@ use crate::Args;
 struct Faults {
     kill_server_at: Option<u64>,
     kill_trainer_at: Option<u64>,
+    fail_trainer_at: Option<u64>,
     replace_trainer: bool,
 }
 
@@ -42,9 +44,12 @@ pub async fn run_modes(
     let faults = Faults {
         kill_server_at: args.kill_server_at,
         kill_trainer_at: args.kill_trainer_at,
+        fail_trainer_at: args.fail_trainer_at,
         replace_trainer: args.replace_trainer,
     };
-    let with_faults = faults.kill_server_at.is_some() || faults.kill_trainer_at.is_some();
+    let with_faults = faults.kill_server_at.is_some()
+        || faults.kill_trainer_at.is_some()
+        || faults.fail_trainer_at.is_some();
     for &mode in &args.modes {
         let base = run(agent, args, mode, test, workers, Faults::default()).await?;
         let (name, bound) = match mode {
@@ -120,25 +125,40 @@ async fn run(
             .rpc_async(s, reset_shards, (mode, args.backup))
             .await?;
     }
+    let with_faults = faults.kill_server_at.is_some()
+        || faults.kill_trainer_at.is_some()
+        || faults.fail_trainer_at.is_some();
+    tracing::info!(?mode, with_faults, "a run starts");
     let start = Instant::now();
     let trainer_rank = |t: usize| FIRST_TRAINER + t as u32;
-    let mut runs: Vec<tokio::task::JoinHandle<_>> = (0..TRAINERS)
-        .map(|t| {
-            let slow = if t == 0 { args.slow_factor } else { 1.0 };
+    let mut runs = Runs::default();
+    let victim = TRAINERS - 1;
+    for t in 0..TRAINERS {
+        let slow = if t == 0 { args.slow_factor } else { 1.0 };
+        let fault = faults
+            .fail_trainer_at
+            .filter(|_| t == victim)
+            .map(|at| (at, Fault::Error));
+        runs.start(
+            t,
             tokio::spawn(agent.rpc_async(
                 trainer_rank(t),
                 train,
-                (t, args.steps, slow, 7, args.backup, false),
-            ))
-        })
-        .collect();
-    let victim = TRAINERS - 1;
+                (t, args.steps, slow, 7, args.backup, false, fault),
+            )),
+        );
+    }
     let mut server_killed = faults.kill_server_at.is_none();
     let mut trainer_killed = faults.kill_trainer_at.is_none();
-    let mut rejoined_at = None;
-    // Watch the trainers' clocks (on shard 0's primary, which is never killed) and inject
-    // the failures when they are due.
-    while !(server_killed && trainer_killed) && runs.iter().any(|r| !r.is_finished()) {
+    // Only the killed trainer's own run may fail, when no replacement takes its index.
+    let may_fail = |t: usize, killed: bool| t == victim && killed && !faults.replace_trainer;
+    // Until every run has ended: watch the trainers' clocks (on shard 0's primary, which is
+    // never killed) and inject the failures when they are due.
+    while !runs.collect(|t| may_fail(t, trainer_killed)).await? {
+        if server_killed && trainer_killed {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            continue;
+        }
         let (_, clocks, _) = agent.rpc_async(SHARDS[0].0, stats, (SHARDS[0].1,)).await?;
         let live_min = clocks.iter().copied().min().unwrap_or(0);
         if !server_killed && faults.kill_server_at.is_some_and(|k| live_min >= k) {
@@ -159,19 +179,23 @@ async fn run(
                 let mut watch = agent.watch_membership();
                 workers.respawn(rank)?;
                 wait_joined(&mut watch, rank).await?;
-                runs[victim] = tokio::spawn(agent.rpc_async(
-                    rank,
-                    train,
-                    (victim, args.steps, 1.0, 7, args.backup, true),
-                ));
+                runs.start(
+                    victim,
+                    tokio::spawn(agent.rpc_async(
+                        rank,
+                        train,
+                        (victim, args.steps, 1.0, 7, args.backup, true, None),
+                    )),
+                );
             }
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let mut acked = Vec::new();
     let mut failed_over = false;
-    for (t, r) in runs.into_iter().enumerate() {
-        match r.await? {
+    let mut rejoined_at = None;
+    for (t, r) in runs.ended.into_iter().enumerate() {
+        match r.expect("every run ended") {
             Ok((a, over, first)) => {
                 failed_over |= over.iter().any(|&o| o);
                 // A replacement's count covers only its own part of the run.
@@ -181,16 +205,14 @@ async fn run(
                 }
                 acked.push((!replacement).then_some(a));
             }
-            Err(e)
-                if t == victim && faults.kill_trainer_at.is_some() && !faults.replace_trainer =>
-            {
+            Err(e) => {
                 tracing::info!(cause = %e, "the killed trainer's run ended");
                 acked.push(None);
             }
-            Err(e) => return Err(e).with_context(|| format!("trainer {t}")),
         }
     }
     let seconds = start.elapsed().as_secs_f64();
+    tracing::info!(seconds, "every trainer's run ended");
     // Every shard's counters, from a live holder of it.
     let mut max_staleness = 0;
     let mut applied = Vec::new();
@@ -212,6 +234,7 @@ async fn run(
     }
     // Evaluate the final parameters on the test split.
     let (w, b) = final_params(agent, args.backup).await?;
+    tracing::info!("the run's final parameters are in");
     Ok(Outcome {
         seconds,
         accuracy: accuracy(&w, &b, test)?,
@@ -235,4 +258,46 @@ async fn wait_joined(watch: &mut rpc_core::MembershipWatch, rank: u32) -> Result
     })
     .await
     .context("the replacement trainer did not join within 60 s")?
+}
+
+/// A trainer's run: its `train` call.
+type Run = tokio::task::JoinHandle<Result<TrainReport, rpc_core::RpcError>>;
+
+/// The trainers' runs, by trainer index, and the result of each one that ended.
+#[derive(Default)]
+struct Runs {
+    running: Vec<Option<Run>>,
+    ended: Vec<Option<Result<TrainReport, rpc_core::RpcError>>>,
+}
+
+impl Runs {
+    /// Trainer `t`'s run is `run` (a replacement's takes the place of the killed one's).
+    fn start(&mut self, t: usize, run: Run) {
+        if self.running.len() <= t {
+            self.running.resize_with(t + 1, || None);
+            self.ended.resize_with(t + 1, || None);
+        }
+        self.running[t] = Some(run);
+        self.ended[t] = None;
+    }
+
+    /// Takes in the runs that ended; whether all have. A run that failed, unless `may_fail`
+    /// says its trainer may, fails the whole run at once, naming it: the other trainers' BSP
+    /// pulls would wait for its steps until their deadline, saying nothing.
+    async fn collect(&mut self, may_fail: impl Fn(usize) -> bool) -> Result<bool> {
+        for (t, slot) in self.running.iter_mut().enumerate() {
+            if !slot.as_ref().is_some_and(|r| r.is_finished()) {
+                continue;
+            }
+            match slot.take().expect("a finished run").await? {
+                Err(e) if !may_fail(t) => {
+                    let rank = FIRST_TRAINER + t as u32;
+                    return Err(anyhow::Error::new(e))
+                        .with_context(|| format!("trainer {t} (rank {rank}) failed"));
+                }
+                result => self.ended[t] = Some(result),
+            }
+        }
+        Ok(self.running.iter().all(Option::is_none))
+    }
 }

@@ -29,6 +29,12 @@
 //! themselves, `--freeze-trainer-at` makes trainer 2 SIGSTOP itself (at `--steps`: after its
 //! last push; first incarnation only).
 //!
+//! `--fail-trainer-at STEP` (either mode) makes trainer 2's run end with an error at that step
+//! while its process lives on: a trainer's error ends the run at once, naming the trainer
+//! (locally the whole run fails; under a launcher the trainer's process exits and is
+//! replaced), where the others' BSP pulls would otherwise wait for its steps until their
+//! deadline.
+//!
 //! Layout: `model.rs` the model, shards and trainer loop both modes share, `local.rs` the
 //! local mode, `launched.rs` the launched one.
 
@@ -58,6 +64,7 @@ struct Args {
     kill_server_at: Option<u64>,
     kill_trainer_at: Option<u64>,
     freeze_trainer_at: Option<u64>,
+    fail_trainer_at: Option<u64>,
     replace_trainer: bool,
     trace: Option<std::path::PathBuf>,
     out_dir: Option<std::path::PathBuf>,
@@ -69,10 +76,12 @@ server processes hold two shards (each the other's backup), three trainer proces
 under BSP, SSP or ASP; optionally a server and a trainer are killed and recovered.\n\n\
 usage: param-server [--slow-factor F] [--steps N] [--staleness S] \
      [--mode bsp|ssp|asp|all] [--no-backup] [--kill-server-at STEP] [--kill-trainer-at STEP] \
-     [--no-replacement] [--trace PATH] [--out-dir D]\n\n\
+     [--no-replacement] [--fail-trainer-at STEP] [--trace PATH] [--out-dir D]\n\n\
 Under a launcher (rpcrun --nproc 6 --restart worker -- param-server ...) each process takes \
 its role from its rank and a lost one is started again; --out-dir D: rank 0 writes the slowest \
 trainer's step to D/progress; --freeze-trainer-at STEP: trainer 2 stops itself (SIGSTOP) there.\n\n\
+--fail-trainer-at STEP: trainer 2's run ends with an error there (its process lives on); the \
+run then fails at once, naming it.\n\n\
 --trace PATH: every process records the job's trace, merged into PATH at the end (Trace Event \
 Format, for Perfetto; `rpctrace report PATH` says what held each trainer's step up).";
 
@@ -86,6 +95,7 @@ fn parse_args() -> Result<Args> {
         kill_server_at: None,
         kill_trainer_at: None,
         freeze_trainer_at: None,
+        fail_trainer_at: None,
         replace_trainer: true,
         trace: None,
         out_dir: None,
@@ -118,6 +128,10 @@ fn parse_args() -> Result<Args> {
                         .context("--freeze-trainer-at takes a step")?,
                 )
             }
+            "--fail-trainer-at" => {
+                a.fail_trainer_at =
+                    Some(value()?.parse().context("--fail-trainer-at takes a step")?)
+            }
             "--no-replacement" => a.replace_trainer = false,
             "--trace" => a.trace = Some(value()?.into()),
             "--out-dir" => a.out_dir = Some(value()?.into()),
@@ -132,7 +146,10 @@ fn parse_args() -> Result<Args> {
         bail!("--slow-factor must be >= 1 and --steps > 0");
     }
     let launched = launched::under_launcher();
-    let faults = a.kill_server_at.is_some() || a.kill_trainer_at.is_some() || launched;
+    let faults = a.kill_server_at.is_some()
+        || a.kill_trainer_at.is_some()
+        || a.fail_trainer_at.is_some()
+        || launched;
     let all = [
         Consistency::Bsp,
         Consistency::Ssp(a.staleness),
@@ -169,7 +186,10 @@ fn parse_args() -> Result<Args> {
     if a.kill_server_at.is_some() && !a.backup {
         bail!("--kill-server-at needs the backups (without them the shard is lost)");
     }
-    for k in [a.kill_server_at, a.kill_trainer_at].into_iter().flatten() {
+    for k in [a.kill_server_at, a.kill_trainer_at, a.fail_trainer_at]
+        .into_iter()
+        .flatten()
+    {
         if k == 0 || k >= a.steps {
             bail!("a kill step must be within 1..{} (--steps)", a.steps);
         }

@@ -47,27 +47,40 @@ pub struct Plan {
     pub slow_factor: f64,
     pub seed: u64,
     pub backup: bool,
-    /// A fault the launched mode injects: at this step (before its push; at `steps`, after
-    /// the last one) the trainer sends itself this signal (SIGKILL, or SIGSTOP: frozen).
-    pub fault: Option<(u64, i32)>,
+    /// A fault to inject at this step (before its push; at `steps`, after the last one).
+    pub fault: Option<(u64, Fault)>,
 }
 
-/// Sends this process `plan`'s fault signal if `step` is its step.
-fn fault_at(plan: &Plan, step: u64) {
-    if let Some((at, sig)) = plan.fault.filter(|(at, _)| *at == step) {
-        tracing::warn!(
-            step = at,
-            signal = sig,
-            "this trainer signals itself, as asked"
-        );
-        // SAFETY: kill has no memory-safety preconditions.
-        unsafe { libc::kill(std::process::id() as i32, sig) };
+/// A fault a trainer injects into itself, as asked.
+#[derive(Clone, Copy, Debug, serde::Serialize, serde::Deserialize)]
+pub enum Fault {
+    /// It sends its process this signal (SIGKILL, or SIGSTOP: frozen).
+    Signal(i32),
+    /// Its run ends with an error; the process lives on.
+    Error,
+}
+
+/// Injects `plan`'s fault if `step` is its step.
+fn fault_at(plan: &Plan, step: u64) -> Result<()> {
+    match plan.fault.filter(|(at, _)| *at == step) {
+        Some((at, Fault::Signal(sig))) => {
+            tracing::warn!(
+                step = at,
+                signal = sig,
+                "this trainer signals itself, as asked"
+            );
+            // SAFETY: kill has no memory-safety preconditions.
+            unsafe { libc::kill(std::process::id() as i32, sig) };
+            Ok(())
+        }
+        Some((at, Fault::Error)) => anyhow::bail!("failed at step {at}, as asked"),
+        None => Ok(()),
     }
 }
 
 /// Trainer: steps up to `steps` over its partition, pulling and pushing through the servers;
 /// as a replacement (`join`), it first takes over trainer index `trainer` and starts at the
-/// step the shards give it.
+/// step the shards give it; `fault`: one to inject into itself.
 #[remote]
 pub async fn train(
     ctx: CallContext,
@@ -77,15 +90,28 @@ pub async fn train(
     seed: u64,
     backup: bool,
     join: bool,
+    fault: Option<(u64, Fault)>,
 ) -> Result<TrainReport, BoxError> {
     let plan = Plan {
         steps,
         slow_factor,
         seed,
         backup,
-        fault: None,
+        fault,
     };
-    Ok(train_loop(ctx.agent(), trainer, plan, join).await?)
+    match train_loop(ctx.agent(), trainer, plan, join).await {
+        Ok(r) => Ok(r),
+        Err(e) if ctx.agent().is_shutting_down() => {
+            // The job ended under it (another's failure, said where it happened).
+            tracing::info!(trainer, cause = %format!("{e:#}"), "the trainer's run was cut short");
+            Err(e.into())
+        }
+        Err(e) => {
+            // Said here too: the caller may be waiting on another trainer's run.
+            tracing::error!(trainer, cause = %format!("{e:#}"), "the trainer's run failed");
+            Err(e.into())
+        }
+    }
 }
 
 /// The loop of [`train`], for trainer index `trainer` on `agent`'s process.
@@ -103,7 +129,7 @@ pub async fn train_loop(
     for step in first..plan.steps {
         let mut span = agent.tracer().span(Cat::Step, "step");
         span.detail(|| format!("trainer {trainer} step {step}"));
-        fault_at(&plan, step);
+        fault_at(&plan, step)?;
         let shards = client.pull(step).await?;
         let started = Instant::now();
         let w = Var::from_tensor(&Tensor::cat(&[&shards[0][0], &shards[1][0]], 0)?)?;
@@ -132,7 +158,7 @@ pub async fn train_loop(
             .await?;
         drop(span);
     }
-    fault_at(&plan, plan.steps.max(first));
+    fault_at(&plan, plan.steps.max(first))?;
     Ok((
         client.acked_pushes(),
         (0..SHARDS.len()).map(|i| client.failed_over(i)).collect(),
