@@ -3,11 +3,10 @@
 //! that joins the running group and receives the committed state. Either way the replicas end
 //! bit-identical and as accurate as the run without a failure (the same global batches).
 
-use std::path::Path;
 use std::time::Duration;
 
 mod common;
-use common::{last_json, run_to_end};
+use common::{last_json, rpcrun_beside, run_to_end};
 
 fn run(args: &[&str]) -> serde_json::Value {
     let (code, out, err) = run_to_end(
@@ -68,11 +67,9 @@ fn a_killed_replica_is_survived_by_shrinking_or_by_a_replacement() {
 #[test]
 fn a_replaced_rank_0_rejoins_under_rpcrun_and_the_run_ends_as_without_a_failure() {
     let elastic = env!("CARGO_BIN_EXE_elastic-ddp");
-    let rpcrun = Path::new(elastic).parent().unwrap().join("rpcrun");
-    if !rpcrun.exists() {
-        eprintln!("skipped: no rpcrun beside elastic-ddp (cargo build -p rpcrun)");
+    let Some(rpcrun) = rpcrun_beside(elastic) else {
         return;
-    }
+    };
     let launch = |extra: &[&str]| {
         let mut args = vec!["--nproc", "4", "--restart", "worker", "--max-restarts", "2"];
         args.extend([

@@ -9,7 +9,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{alive, last_json, ranks_of, run_to_end, signal, Spawned};
+use common::{alive, last_json, ranks_of, rpcrun_beside, run_to_end, signal, Spawned};
 
 const FLAGS: [&str; 14] = [
     "--embedding",
@@ -147,11 +147,9 @@ fn a_frozen_child_on_another_node_is_ended_and_the_run_recovers() {
 #[test]
 fn a_rank_lost_after_the_job_ended_does_not_fail_its_node() {
     let ps = env!("CARGO_BIN_EXE_param-server");
-    let rpcrun = Path::new(ps).parent().unwrap().join("rpcrun");
-    if !rpcrun.exists() {
-        eprintln!("skipped: no rpcrun beside param-server (cargo build -p rpcrun)");
+    let Some(rpcrun) = rpcrun_beside(ps) else {
         return;
-    }
+    };
     let dir = std::env::temp_dir().join(format!("frozen-end-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 mod common;
-use common::{last_json, run_to_end, run_to_end_with};
+use common::{last_json, rpcrun_beside, run_to_end, run_to_end_with};
 
 #[test]
 fn a_killed_server_loses_no_update_and_a_replacement_trainer_finishes() {
@@ -95,11 +95,9 @@ fn a_trainer_whose_run_fails_ends_the_run_at_once_naming_it() {
 #[test]
 fn under_rpcrun_a_replaced_server_and_trainer_lose_no_update() {
     let ps = env!("CARGO_BIN_EXE_param-server");
-    let rpcrun = std::path::Path::new(ps).parent().unwrap().join("rpcrun");
-    if !rpcrun.exists() {
-        eprintln!("skipped: no rpcrun beside param-server (cargo build -p rpcrun)");
+    let Some(rpcrun) = rpcrun_beside(ps) else {
         return;
-    }
+    };
     let args = [
         "--nproc",
         "6",
@@ -153,11 +151,9 @@ fn under_rpcrun_a_replaced_server_and_trainer_lose_no_update() {
 #[test]
 fn under_rpcrun_a_configuration_no_restart_can_mend_is_fatal() {
     let ps = env!("CARGO_BIN_EXE_param-server");
-    let rpcrun = std::path::Path::new(ps).parent().unwrap().join("rpcrun");
-    if !rpcrun.exists() {
-        eprintln!("skipped: no rpcrun beside param-server (cargo build -p rpcrun)");
+    let Some(rpcrun) = rpcrun_beside(ps) else {
         return;
-    }
+    };
     let short = std::env::temp_dir().join(format!("short-secret-{}", std::process::id()));
     std::fs::write(&short, "short secret!").unwrap();
     let cases = [

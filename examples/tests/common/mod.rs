@@ -241,3 +241,15 @@ pub fn free_port() -> u16 {
         .map(|a| a.port())
         .expect("a free port")
 }
+
+/// The `rpcrun` built beside the example binary `bin`, or `None` after saying on stderr that the
+/// test is skipped (a `cargo test` of the examples alone does not build it).
+pub fn rpcrun_beside(bin: &str) -> Option<PathBuf> {
+    let rpcrun = Path::new(bin).parent()?.join("rpcrun");
+    if rpcrun.exists() {
+        return Some(rpcrun);
+    }
+    let name = Path::new(bin).file_name()?.to_string_lossy().into_owned();
+    eprintln!("skipped: no rpcrun beside {name} (cargo build -p rpcrun)");
+    None
+}
