@@ -21,7 +21,7 @@ fn a_killed_server_loses_no_update_and_a_replacement_trainer_finishes() {
     let (code, out, err) = run_to_end_with(
         env!("CARGO_BIN_EXE_param-server"),
         &args,
-        &[("RUST_LOG", "warn,param_server=info")],
+        &[("RUST_LOG", "warn,param_server=info,rpc_core::shutdown=info")],
         Duration::from_secs(240),
     );
     assert_eq!(code, Some(0), "{out}\n{err}");

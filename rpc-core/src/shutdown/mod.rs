@@ -179,6 +179,9 @@ impl Agent {
     }
 }
 
+/// After this long, a shutdown phase that still waits says so.
+const NOTICE: Duration = Duration::from_secs(10);
+
 /// How long calls in flight may go on draining once the job failed (SHUT-2): long enough for
 /// a reply already on its way, short of a wait that could outlast anyone's patience.
 const FAILED_JOB_DRAIN: Duration = Duration::from_secs(1);
@@ -276,7 +279,22 @@ async fn run(agent: Agent, t: Duration, group_barrier: Option<Duration>) -> Shut
         Some(_) => t.min(FAILED_JOB_DRAIN),
         None => t,
     };
-    let drained = tokio::time::timeout(drain, life.calls.wait()).await.is_ok();
+    let drained = match tokio::time::timeout(drain.min(NOTICE), life.calls.wait()).await {
+        Ok(()) => true,
+        Err(_) if drain > NOTICE => {
+            // Said, so that a long drain is never a silent one.
+            tracing::warn!(
+                worker = %agent.name(),
+                calls = life.calls.len(),
+                more = ?(drain - NOTICE),
+                "calls in flight are still running at shutdown; waiting for them"
+            );
+            tokio::time::timeout(drain - NOTICE, life.calls.wait())
+                .await
+                .is_ok()
+        }
+        Err(_) => false,
+    };
     let aborted = if drained { 0 } else { life.calls.len() };
     // Phase 3: tell the peers' failure detectors this worker is leaving (it is not failing),
     // close our outgoing connections and the listener, then let the peers close theirs (they
@@ -420,9 +438,19 @@ async fn rank0_replaced(agent: &Agent, holder: u64, deadline: tokio::time::Insta
 async fn watch_missing_ranks(agent: &Agent) -> Vec<u32> {
     let world = agent.world_size() as u32;
     let mut dead = BTreeSet::new();
+    let notice = Instant::now() + NOTICE;
+    let mut said = false;
     loop {
         tokio::time::sleep(Duration::from_millis(200)).await;
         let missing = agent.inner.shutdown.missing(world);
+        if !said && !missing.is_empty() && Instant::now() >= notice {
+            said = true;
+            tracing::info!(
+                worker = %agent.name(),
+                ?missing,
+                "still waiting at the shutdown barrier for these ranks"
+            );
+        }
         for &r in &missing {
             if !dead.contains(&r) && peer_gone(agent, r).await {
                 dead.insert(r);
