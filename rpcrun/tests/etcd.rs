@@ -167,9 +167,18 @@ fn a_failure_restarts_every_node_and_out_of_restarts_ends_every_launcher_with_it
     let Some(etcd) = Etcd::start("fails") else {
         return;
     };
-    let script = "echo rank $RANK restart $RPC_RESTART_COUNT; [ $RANK = 1 ] && exit 3; sleep 60";
+    // Rank 1 fails once the test says so (at most 30 s later): failing at once, it could end
+    // round 0 before the third launcher came, which then joined the restart as a node
+    // instead of waiting as a spare (seen once in CI under load).
+    let go = etcd.dir.join("go");
+    let script = format!(
+        "echo rank $RANK restart $RPC_RESTART_COUNT; if [ $RANK = 1 ]; then \
+         for i in $(seq 300); do [ -e {go} ] && break; sleep 0.1; done; exit 3; fi; sleep 60",
+        go = go.display()
+    );
     let (mut a, mut b, mut spare) =
-        two_and_a_spare(&etcd, "fails", &["--max-restarts", "1"], script);
+        two_and_a_spare(&etcd, "fails", &["--max-restarts", "1"], &script);
+    std::fs::write(&go, "").unwrap();
     for run in [&mut a, &mut b, &mut spare] {
         // ETC-4: one status for every launcher, the spare's included.
         assert_eq!(
