@@ -42,8 +42,9 @@ FLAGS = {
                  "--stages", "3", "--micro-batches", "4", "--checkpoint-every", "20"],
 }
 # Under `--hosts` only, each rank replaced alone: elastic data parallelism (every rank a
-# replica), and the parameter server (rank 0 coordinates, 1-2 serve, 3-5 train; its BSP sums
-# arrive in any order, so it passes on `updates_lost: 0` and every step trained, not on bits).
+# replica), and the parameter server (rank 0 coordinates, 1-2 serve, 3-5 train; the steps a
+# lost trainer's index missed while vacant are not made up, so it passes on `updates_lost: 0`
+# and every trainer index at its last step, not on bits).
 FLAGS["elastic-ddp"] = ["--steps", "150", "--commit-every", "20"]
 FLAGS["param-server"] = ["--steps", "150", "--slow-factor", "1"]
 WORLD = {"hybrid-rnn": 3, "pipeline": 4, "elastic-ddp": 4, "param-server": 6}

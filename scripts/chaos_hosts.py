@@ -18,8 +18,8 @@ last commit; a lost server's shards go on at their backups, a lost trainer's rep
 at the others' step, a lost coordinator's replacement watches the same clocks. Their launchers
 always meet at node 0 (etcd restarts whole groups only), so node 0's host killed must end them
 with a clear error; they have no checkpoint to damage. A parameter server's run passes on its
-own line (`updates_lost: 0`, every trainer index at its last step), not on bits: its BSP sums
-arrive in any order.
+own line (`updates_lost: 0`, every trainer index at its last step), not on bits: the steps a
+lost trainer's index missed while vacant are not made up.
 """
 
 import json

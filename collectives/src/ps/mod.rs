@@ -44,6 +44,9 @@
 //!   shard. A replacement trainer's join is admitted while the shard still counts the old
 //!   incarnation of its rank as live (the group admitted a newer one, so the old one is gone,
 //!   whatever order the verdict and the join arrive in).
+//! - PS-9: under BSP a step's gradients are summed in trainer order, whatever order they
+//!   arrived in (each is held until the step is complete), so the parameters after a step
+//!   depend on the gradients alone, not on timing.
 
 mod client;
 mod log;

@@ -46,9 +46,9 @@ pub(crate) enum Admitted {
 
 pub(crate) struct Shard {
     pub params: Vec<Tensor>,
-    /// BSP: per step, which trainers pushed it and their gradients' sum, until every live
-    /// trainer has.
-    pending: HashMap<u64, (Vec<bool>, Vec<Tensor>)>,
+    /// BSP: per step, per trainer, the gradients it pushed for the step, until every live
+    /// trainer has (summed then, in trainer order: PS-9).
+    pending: HashMap<u64, Vec<Option<Vec<Tensor>>>>,
     lr: f64,
     pub consistency: Consistency,
     pub clocks: Vec<u64>,
@@ -220,19 +220,32 @@ impl Shard {
         let mut steps: Vec<u64> = self.pending.keys().copied().collect();
         steps.sort_unstable();
         for c in steps {
-            let pushed = &self.pending[&c].0;
-            let complete = (0..pushed.len())
-                .all(|t| pushed[t] || self.departed[t].is_some() || c < self.joined_at[t]);
+            let pushed = &self.pending[&c];
+            let complete = (0..pushed.len()).all(|t| {
+                pushed[t].is_some() || self.departed[t].is_some() || c < self.joined_at[t]
+            });
             if !complete {
                 break;
             }
-            if let Some((pushed, g)) = self.pending.remove(&c) {
-                for (t, p) in pushed.iter().enumerate() {
-                    self.applied[t] += u64::from(*p);
-                }
-                if !g.is_empty() {
-                    self.apply_grads(g)?;
-                }
+            let Some(pushed) = self.pending.remove(&c) else {
+                continue;
+            };
+            // PS-9: summed in trainer order, so the result does not depend on arrival order.
+            let mut sum: Option<Vec<Tensor>> = None;
+            for (t, g) in pushed.into_iter().enumerate() {
+                let Some(g) = g else { continue };
+                self.applied[t] += 1;
+                sum = Some(match sum {
+                    None => g,
+                    Some(s) => s
+                        .iter()
+                        .zip(&g)
+                        .map(|(a, b)| a + b)
+                        .collect::<candle_core::Result<_>>()?,
+                });
+            }
+            if let Some(g) = sum {
+                self.apply_grads(g)?;
             }
         }
         Ok(())
@@ -257,21 +270,9 @@ impl Shard {
                     // Every trainer pulled step `clock` from the same state: apply the step's
                     // gradients together, once every live trainer's have arrived.
                     let trainers = self.clocks.len();
-                    let entry = self
-                        .pending
+                    self.pending
                         .entry(clock)
-                        .or_insert_with(|| (vec![false; trainers], Vec::new()));
-                    entry.0[trainer] = true;
-                    entry.1 = if entry.1.is_empty() {
-                        tensors
-                    } else {
-                        entry
-                            .1
-                            .iter()
-                            .zip(&tensors)
-                            .map(|(a, b)| a + b)
-                            .collect::<candle_core::Result<_>>()?
-                    };
+                        .or_insert_with(|| vec![None; trainers])[trainer] = Some(tensors);
                     self.settle()?;
                 } else {
                     self.apply_grads(tensors)?;
@@ -385,6 +386,33 @@ mod tests {
         submit(&mut s, push(1, 0, [0.0, 4.0])).unwrap();
         assert_eq!(params(&s), [-0.5, -2.0]);
         assert_eq!(s.applied, [1, 1]);
+    }
+
+    /// PS-9: under BSP a step's gradients are summed in trainer order, whatever order they
+    /// arrived in, so a run's parameters do not depend on timing. With three trainers, f32
+    /// addition tells the orders apart: (1e8 + 1) - 1e8 is 0, (1e8 - 1e8) + 1 is 1. Before,
+    /// the sum ran in arrival order and the two orders below ended 0.5 apart.
+    #[test]
+    fn bsp_sums_a_step_in_trainer_order_whatever_the_arrival_order() {
+        let params = |order: [usize; 3]| {
+            let p = Tensor::zeros(1, DType::F32, &Device::Cpu).unwrap();
+            let mut s = Shard::new(vec![p], 0.5, Consistency::Bsp, 3, Replica::Sole);
+            let g = [1e8f32, 1.0, -1e8];
+            for t in order {
+                let push = Change::Push {
+                    trainer: t,
+                    rank: t as u32 + 10,
+                    clock: 0,
+                    grads: vec![RTensor(Tensor::new(&[g[t]], &Device::Cpu).unwrap())],
+                };
+                submit(&mut s, push).unwrap();
+            }
+            s.params[0].to_vec1::<f32>().unwrap()
+        };
+        let in_order = params([0, 1, 2]);
+        for order in [[0, 2, 1], [2, 1, 0], [1, 0, 2]] {
+            assert_eq!(params(order), in_order, "arrival order {order:?}");
+        }
     }
 
     /// PS-6: a join is admitted at the slowest live trainer's step (what the backup repeats);
