@@ -10,15 +10,31 @@ use rpc_core::{Agent, RpcError, Secret, Transport};
 
 /// A group of three whose shutdown timeout is 1 s.
 async fn group(t: Transport) -> Vec<Agent> {
+    group_with(t, Duration::from_secs(1)).await
+}
+
+/// A group of three whose shutdown timeout is `timeout`.
+async fn group_with(t: Transport, timeout: Duration) -> Vec<Agent> {
     start_group(
         3,
         t,
         Secret::generate(),
         |_| registry(),
-        |_, c| c.with_shutdown_timeout(Duration::from_secs(1)),
+        move |_, c| c.with_shutdown_timeout(timeout),
     )
     .await
     .expect("group starts")
+}
+
+/// Each of `workers` waiting for the group (`Agent::wait_for_group`) in a task of its own.
+fn wait_for_group(workers: &[Agent]) -> Vec<tokio::task::JoinHandle<rpc_core::ShutdownReport>> {
+    workers
+        .iter()
+        .map(|w| {
+            let w = w.clone();
+            tokio::spawn(async move { w.wait_for_group().await })
+        })
+        .collect()
 }
 
 /// The workers call `wait_for_group` as soon as they have joined; the master works for 3 s
@@ -28,13 +44,7 @@ async fn group(t: Transport) -> Vec<Agent> {
 fn workers_that_wait_for_the_group_serve_a_master_that_works_long() {
     each_transport(60, |t| async move {
         let a = group(t).await;
-        let waiting: Vec<_> = a[1..]
-            .iter()
-            .map(|w| {
-                let w = w.clone();
-                tokio::spawn(async move { w.wait_for_group().await })
-            })
-            .collect();
+        let waiting = wait_for_group(&a[1..]);
         for i in 0..6 {
             tokio::time::sleep(Duration::from_millis(500)).await;
             for r in 1..3u32 {
@@ -101,13 +111,7 @@ fn the_shutdown_report_names_the_workers_that_failed() {
 fn a_failed_job_is_no_success_on_any_member() {
     each_transport(60, |t| async move {
         let a = group(t).await;
-        let waiting: Vec<_> = a[1..]
-            .iter()
-            .map(|w| {
-                let w = w.clone();
-                tokio::spawn(async move { w.wait_for_group().await })
-            })
-            .collect();
+        let waiting = wait_for_group(&a[1..]);
         let master = a[0].shutdown_failed("step 7: the loss is NaN", false).await;
         assert!(!master.is_clean(), "{master:?}");
         for w in waiting {
@@ -130,27 +134,13 @@ fn a_failed_job_is_no_success_on_any_member() {
 /// the whole shutdown timeout (their work is for a job that failed): here the master's call to
 /// worker 1 sleeps for a minute (a trainer waiting for a step that will never come), and every
 /// member shuts down within seconds, the call aborted. Before, every member waited out the
-/// shutdown timeout (60 s here; 300 s in the parameter server's local mode, which outlived
-/// its test).
+/// shutdown timeout (60 s here; 300 s in the parameter server's local mode, longer than its
+/// test's bound).
 #[test]
 fn a_failed_job_does_not_wait_for_calls_in_flight() {
     each_transport(60, |t| async move {
-        let a = start_group(
-            3,
-            t,
-            Secret::generate(),
-            |_| registry(),
-            |_, c| c.with_shutdown_timeout(Duration::from_secs(60)),
-        )
-        .await
-        .expect("group starts");
-        let waiting: Vec<_> = a[1..]
-            .iter()
-            .map(|w| {
-                let w = w.clone();
-                tokio::spawn(async move { w.wait_for_group().await })
-            })
-            .collect();
+        let a = group_with(t, Duration::from_secs(60)).await;
+        let waiting = wait_for_group(&a[1..]);
         let master = a[0].clone();
         let stuck = tokio::spawn(async move { master.rpc_async(1u32, sleep_ms, (60_000,)).await });
         tokio::time::sleep(Duration::from_millis(100)).await;
