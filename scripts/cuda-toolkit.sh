@@ -5,10 +5,13 @@
 #     eval "$(scripts/cuda-toolkit.sh)"        # then: cargo build --features examples/cuda
 #
 # What it installs under PREFIX (first argument, else $RPC_CUDA_TOOLKIT, else
-# ~/.cache/rpc-cuda-13.4.3), once; a second run only prints the environment:
-#   - the CUDA 13.4 compiler and libraries at the versions the `cuda-toolkit==13.4.3`
+# ~/.cache/rpc-cuda-13.0.2), once; a second run only prints the environment:
+#   - the CUDA 13.0 compiler and libraries at the versions the `cuda-toolkit==13.0.2`
 #     metapackage pins (nvcc, its headers, cudart, cuBLAS, cuRAND, NVRTC), and NCCL 2.30
-#     (cudarc 0.19 binds NCCL 2.30's API and refuses a CUDA newer than 13.4);
+#     (cudarc 0.19 binds NCCL 2.30's API). Why 13.0, the oldest CUDA 13: candle's kernels are
+#     PTX, which the driver compiles when a program loads them, and a driver refuses PTX from
+#     a toolkit newer than itself (CUDA_ERROR_UNSUPPORTED_PTX_VERSION). PTX from 13.0 loads on
+#     every CUDA 13 driver (R580 and later); PTX from 13.4 would need a 13.4 driver;
 #   - the unversioned `.so` names the linker looks for (wheels ship only `libX.so.N`);
 #   - lib/stubs/libcuda.so: a stand-in for the driver's library, generated from the driver
 #     functions cudarc binds, each of which returns CUDA_ERROR_STUB_LIBRARY (34). The driver
@@ -20,19 +23,19 @@
 # CUDA_COMPUTE_CAP (the GPU architecture the kernels are compiled for) is taken from
 # nvidia-smi where there is one, else 90 (H100); set it to build for another card.
 set -euo pipefail
-PREFIX=${1:-${RPC_CUDA_TOOLKIT:-$HOME/.cache/rpc-cuda-13.4.3}}
+PREFIX=${1:-${RPC_CUDA_TOOLKIT:-$HOME/.cache/rpc-cuda-13.0.2}}
 ROOT="$PREFIX/nvidia/cu13"
 log() { echo "cuda-toolkit: $*" >&2; }
 
 if [ ! -f "$PREFIX/.complete" ]; then
-    log "installing CUDA 13.4 wheels into $PREFIX"
+    log "installing CUDA 13.0 wheels into $PREFIX"
     rm -rf "$PREFIX" # what an interrupted run left
     python3 -m pip install --quiet --disable-pip-version-check --no-warn-script-location \
         --root-user-action=ignore \
         --target "$PREFIX" \
-        "nvidia-cuda-nvcc==13.4.92" "nvidia-cuda-crt==13.4.92" "nvidia-nvvm==13.4.92" \
-        "nvidia-cuda-runtime==13.4.92" "nvidia-cuda-cccl==13.3.4.3.1" \
-        "nvidia-cuda-nvrtc==13.4.92" "nvidia-cublas==13.8.0.4" "nvidia-curand==10.4.4.72" \
+        "nvidia-cuda-nvcc==13.0.88" "nvidia-cuda-crt==13.0.88" "nvidia-nvvm==13.0.88" \
+        "nvidia-cuda-runtime==13.0.96" "nvidia-cuda-cccl==13.0.85" \
+        "nvidia-cuda-nvrtc==13.0.88" "nvidia-cublas==13.1.0.3" "nvidia-curand==10.4.0.35" \
         "nvidia-nccl-cu13==2.30.7" >&2
     # Unversioned names for the linker, NCCL beside the others.
     for lib in "$ROOT"/lib/lib*.so.* "$PREFIX"/nvidia/nccl/lib/lib*.so.*; do
