@@ -79,6 +79,14 @@ impl DeviceSpec {
     /// Opens the device. A CUDA device is probed first (the driver initialised, the ordinal
     /// below the device count), so a machine without a driver or GPU gets
     /// [`DeviceError::CudaUnavailable`] naming the driver's answer, never a panic.
+    ///
+    /// DEV-1: `cuda:N` is one device per process, on a stream of its own: every call returns
+    /// the same candle device (so tensors received for `cuda:N` and a module's parameters on it
+    /// combine without a copy), and its work is ordered on one stream whatever thread runs it.
+    /// Use this rather than candle's `Device::new_cuda`, which makes a new device each call,
+    /// on the calling thread's default stream: under tokio a kernel launched on one thread and
+    /// a copy on another are then not ordered (seen on an H200 as diverging replicas and
+    /// `CUDA_ERROR_INVALID_CONTEXT`).
     pub fn device(&self) -> Result<Device, DeviceError> {
         match *self {
             Self::Cpu => Ok(Device::Cpu),
@@ -152,8 +160,25 @@ mod cuda {
             .map_err(|cause| DeviceError::CudaUnavailable { device: 0, cause })
     }
 
+    /// DEV-1: one device per ordinal for the process's life, made on first use with a stream
+    /// of its own (never the per-thread default stream).
     pub(super) fn open(n: usize) -> Result<Device, DeviceError> {
-        Device::new_cuda(n).map_err(|e| DeviceError::Backend(DeviceSpec::Cuda(n), e))
+        static OPEN: OnceLock<std::sync::Mutex<Vec<Option<Device>>>> = OnceLock::new();
+        let mut open = OPEN
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if let Some(Some(d)) = open.get(n) {
+            return Ok(d.clone());
+        }
+        let d = candle_core::CudaDevice::new_with_stream(n)
+            .map(Device::Cuda)
+            .map_err(|e| DeviceError::Backend(DeviceSpec::Cuda(n), e))?;
+        if open.len() <= n {
+            open.resize(n + 1, None);
+        }
+        open[n] = Some(d.clone());
+        Ok(d)
     }
 }
 

@@ -6,7 +6,9 @@
 
 use std::time::Duration;
 
-use autograd_dist::{DeviceMaps, DistributedOptimizer, OptimizerKind, RTensor, RemoteModule};
+use autograd_dist::{
+    DeviceMaps, DeviceSpec, DistributedOptimizer, OptimizerKind, RTensor, RemoteModule,
+};
 use candle_core::{DType, Device, Tensor};
 use integration_tests::autograd_fns::*;
 use integration_tests::{gpus, gpus_expected, max_abs_diff, run, shutdown_all};
@@ -42,6 +44,46 @@ fn gpu_tests_are_skipped_with_a_message_and_fail_when_a_gpu_is_expected() {
         text.contains("GPU test probe: a GPU was expected (RPC_EXPECT_GPU=1) but cuda:0"),
         "{text}"
     );
+}
+
+/// DEV-1: `cuda:0` is one device in a process, and its work is ordered on one stream whatever
+/// thread runs it: a chain of products launched on one thread and read on another reads the
+/// finished result. (With candle's `Device::new_cuda`, each thread has its own default stream,
+/// so the read may overtake the products.)
+#[test]
+fn cuda_0_is_one_device_ordered_on_one_stream_across_threads() {
+    if gpus(
+        "cuda_0_is_one_device_ordered_on_one_stream_across_threads",
+        1,
+    )
+    .is_none()
+    {
+        return;
+    }
+    let dev = DeviceSpec::Cuda(0).device().unwrap();
+    assert!(dev.same_device(&DeviceSpec::Cuda(0).device().unwrap()));
+    for round in 0..5 {
+        let d = dev.clone();
+        let launched = std::thread::spawn(move || {
+            let eye = Tensor::eye(4096, DType::F32, &d).unwrap();
+            let mut x = Tensor::ones((4096, 4096), DType::F32, &d).unwrap();
+            for _ in 0..10 {
+                x = (x.matmul(&eye).unwrap() + 1.0).unwrap();
+            }
+            x
+        })
+        .join()
+        .unwrap();
+        let read = std::thread::spawn(move || launched.to_device(&Device::Cpu).unwrap())
+            .join()
+            .unwrap();
+        let v: Vec<f32> = read.flatten_all().unwrap().to_vec1().unwrap();
+        let wrong = v.iter().filter(|&&x| x != 11.0).count();
+        assert_eq!(
+            wrong, 0,
+            "round {round}: {wrong} elements read before they were written"
+        );
+    }
 }
 
 /// A CPU tensor sent to a worker whose device map sends it to `cuda:0` lands there, and the
@@ -155,12 +197,31 @@ fn nccl_collectives_equal_the_ring() {
     if gpus("nccl_collectives_equal_the_ring", 2).is_none() {
         return;
     }
+    cuda_collectives_equal_the_ring([0, 1]);
+}
+
+/// NC-5: NCCL refuses two members on one GPU ("ncclCommInitRank failed: invalid usage", as
+/// `hybrid-rnn` with both shards on `cuda:0` met on an H200), so members that share a GPU
+/// agree, from the devices their first exchange names, to run the operation through host
+/// memory and the ring: every collective of [`nccl_collectives_equal_the_ring`] then gives
+/// the ring's results, on the GPU.
+#[test]
+fn members_sharing_a_gpu_get_the_ring_s_results_on_it() {
+    if gpus("members_sharing_a_gpu_get_the_ring_s_results_on_it", 1).is_none() {
+        return;
+    }
+    cuda_collectives_equal_the_ring([0, 0]);
+}
+
+/// Two members, member `i` on `cuda:devices[i]`: every collective of a CUDA tensor equals the
+/// ring's on the CPU, and a shape mismatch fails both with one message.
+fn cuda_collectives_equal_the_ring(devices: [usize; 2]) {
     use collectives::ReduceOp;
     run(240, async {
         let a = group(2).await;
         let work = a.iter().enumerate().map(|(i, agent)| async move {
             let g = collectives::world(agent);
-            let dev = Device::new_cuda(i).unwrap();
+            let dev = DeviceSpec::Cuda(devices[i]).device().unwrap();
             let x = (input(37, 11).to_dtype(DType::F32).unwrap() * (i as f64 + 1.0)).unwrap();
             let xg = x.to_device(&dev).unwrap();
             let cpu = |t: Tensor| t.to_device(&Device::Cpu).unwrap();

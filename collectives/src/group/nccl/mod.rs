@@ -21,6 +21,11 @@
 //!   failed (COL-2), or the RPC timeout passes; then the communicator is aborted (NCCL's way
 //!   of ending a collective that cannot complete) and the operation fails on this member
 //!   naming the cause. Joining a communicator is bounded by the same timeout.
+//! - NC-5: NCCL needs one GPU per member (two members on one GPU fail its join with "invalid
+//!   usage"). The exchange of NC-2 also names each member's GPU (its UUID); where two members
+//!   share one, every member sees it and the operation runs through host memory and the ring
+//!   instead, under a sequence number of its own ([`shared_seq`]), its result put back on the
+//!   tensor's GPU. So a job may place several workers on one GPU (two shards on `cuda:0`).
 //!
 //! Layout: this file the communicators, the turns and one operation's life (`run`); `ops.rs`
 //! the operations. Scatter and all-to-all of CUDA tensors go through host memory and the
@@ -206,15 +211,50 @@ fn address(t: &Tensor, stream: &CudaStream) -> candle_core::Result<u64> {
     })
 }
 
-/// One NCCL operation: agree (NC-2), join or reuse the communicator (NC-1), wait for the
-/// turn (NC-3), enqueue, wait for completion within bounds (NC-4).
+/// How an operation that was to go through NCCL ran.
+#[must_use]
+enum Ran {
+    /// Through NCCL.
+    Nccl,
+    /// Not at all: two members share a GPU (NC-5); the caller runs the ring through host
+    /// memory under [`shared_seq`].
+    SharedGpu,
+}
+
+/// NC-5: the sequence number of the ring that replaces NCCL operation `seq`; the high bit
+/// keeps it apart from every number a group gives its operations.
+fn shared_seq(seq: u64) -> u64 {
+    seq | 1 << 63
+}
+
+/// NC-5: `t` on the CPU, for the ring.
+fn to_host(t: &Tensor) -> Result<Tensor, CollectiveError> {
+    Ok(t.to_device(&Device::Cpu)?)
+}
+
+/// The UUID of the GPU behind `cuda`, as two integers (what NC-2's exchange carries).
+fn gpu_id(o: &Op<'_>, cuda: &candle_core::CudaDevice) -> Result<[i64; 2], CollectiveError> {
+    let uuid = cuda
+        .cuda_stream()
+        .context()
+        .uuid()
+        .map_err(|e| o.failed(format!("reading the GPU's UUID failed: {e}")))?;
+    let b: Vec<u8> = uuid.bytes.iter().map(|&c| c as u8).collect();
+    let half = |r: std::ops::Range<usize>| {
+        i64::from_le_bytes(b[r].try_into().expect("8 bytes of a 16-byte UUID"))
+    };
+    Ok([half(0..8), half(8..16)])
+}
+
+/// One NCCL operation: agree (NC-2, NC-5), join or reuse the communicator (NC-1), wait for
+/// the turn (NC-3), enqueue, wait for completion within bounds (NC-4).
 async fn run(
     g: &ProcessGroup,
     o: &Op<'_>,
     turn: Turn,
     device: &Device,
     enqueue: impl FnOnce(ncs::ncclComm_t, &CudaStream) -> Result<(), CollectiveError>,
-) -> Result<(), CollectiveError> {
+) -> Result<Ran, CollectiveError> {
     let cuda = device.as_cuda_device()?;
     let state = Arc::clone(&turn.state);
     let held = {
@@ -222,8 +262,10 @@ async fn run(
         slots.get(&g.id).and_then(|s| s.comm.clone())
     };
     let mine = held.as_ref().map_or(0, |c| c.generation);
-    // NC-2: headers (checked by every receive) and generations, to and from every member.
-    let token = Tensor::new(&[mine as i64], &Device::Cpu)?;
+    // NC-2: headers (checked by every receive), generations and GPUs, to and from every
+    // member.
+    let gpu = gpu_id(o, cuda)?;
+    let token = Tensor::new(&[mine as i64, gpu[0], gpu[1]], &Device::Cpu)?;
     let others: Vec<u32> = g
         .ranks
         .iter()
@@ -233,9 +275,18 @@ async fn run(
     let sends = others.iter().map(|&r| o.send(r, 0, token.clone()));
     futures::future::try_join_all(sends).await?;
     let mut theirs = Vec::with_capacity(others.len());
+    let mut gpus = vec![gpu];
     for &r in &others {
         let got: Vec<i64> = o.recv(r, 0).await?.to_vec1()?;
         theirs.push(got.first().map_or(0, |&g| g.max(0) as u64));
+        if let [_, a, b] = got[..] {
+            gpus.push([a, b]);
+        }
+    }
+    // NC-5: every member has every member's GPU, so all of them decide alike.
+    gpus.sort_unstable();
+    if gpus.windows(2).any(|w| w[0] == w[1]) {
+        return Ok(Ran::SharedGpu);
     }
     let comm = match (held, super::generation::agree(mine, &theirs)) {
         (Some(c), None) => c,
@@ -264,7 +315,7 @@ async fn run(
     loop {
         // SAFETY: the event is alive for the call.
         match unsafe { cu::cuEventQuery(done.cu_event()) } {
-            cu::cudaError_enum::CUDA_SUCCESS => return Ok(()),
+            cu::cudaError_enum::CUDA_SUCCESS => return Ok(Ran::Nccl),
             cu::cudaError_enum::CUDA_ERROR_NOT_READY => {}
             other => {
                 return Err(abort(

@@ -1,10 +1,11 @@
 //! The collectives of CUDA tensors through NCCL, each one [`run`]: the buffers made, the
-//! NCCL call enqueued on the communicator's stream.
+//! NCCL call enqueued on the communicator's stream; where members share a GPU (NC-5), the
+//! ring's operation on the tensor's host copy instead, its result put back on the GPU.
 
 use candle_core::Tensor;
 use cudarc::nccl::{result as nc, sys as ncs};
 
-use super::{address, nccl_err, nccl_op, nccl_type, run, Turn};
+use super::{address, nccl_err, nccl_op, nccl_type, run, shared_seq, to_host, Ran, Turn};
 use crate::group::{CollectiveError, ProcessGroup, ReduceOp};
 
 /// What an NCCL call of one source and one destination buffer is given ([`ProcessGroup::one_call`]
@@ -35,7 +36,8 @@ impl ProcessGroup {
     }
 
     /// One operation of one NCCL call (`what`, for errors) from `t` into a new tensor of
-    /// `out_dims` on `t`'s device: `count` is the count the call is given.
+    /// `out_dims` on `t`'s device: `count` is the count the call is given. `None`: members
+    /// share a GPU, and the caller runs the ring (NC-5).
     async fn one_call(
         &self,
         (name, seq, turn): (&'static str, u64, Turn),
@@ -43,13 +45,13 @@ impl ProcessGroup {
         (out_dims, count): (Vec<usize>, usize),
         what: &'static str,
         call: impl FnOnce(Call) -> Status,
-    ) -> Result<Tensor, CollectiveError> {
+    ) -> Result<Option<Tensor>, CollectiveError> {
         let o = self.begin_at(name, t, seq)?;
         let out = async {
             let t = t.contiguous()?;
             let ty = nccl_type(&o, t.dtype())?;
             let out = Tensor::zeros(out_dims, t.dtype(), t.device())?;
-            run(self, &o, turn, t.device(), |comm, stream| {
+            let ran = run(self, &o, turn, t.device(), |comm, stream| {
                 let (src, dst) = (address(&t, stream)?, address(&out, stream)?);
                 let stream = stream.cu_stream() as _;
                 call(Call {
@@ -64,7 +66,7 @@ impl ProcessGroup {
                 .map_err(|e| nccl_err(&o, what, e))
             })
             .await?;
-            Ok(out)
+            Ok(matches!(ran, Ran::Nccl).then_some(out))
         }
         .await;
         self.end(&o);
@@ -80,14 +82,21 @@ impl ProcessGroup {
         op: ReduceOp,
     ) -> Result<Tensor, CollectiveError> {
         let (dims, red) = ((t.dims().to_vec(), t.elem_count()), nccl_op(op));
-        self.one_call(("all_reduce", seq, turn), t, dims, "ncclAllReduce", |c| {
+        let out = self.one_call(("all_reduce", seq, turn), t, dims, "ncclAllReduce", |c| {
             // SAFETY: both buffers hold `count` elements of `ty` on the communicator's device.
             unsafe {
                 let (src, dst) = (c.src as _, c.dst as _);
                 nc::all_reduce(src, dst, c.count, c.ty, red, c.comm, c.stream)
             }
-        })
-        .await
+        });
+        if let Some(out) = out.await? {
+            return Ok(out);
+        }
+        let host = to_host(t)?;
+        let o = self.begin_at("all_reduce", &host, shared_seq(seq))?;
+        let out = self.ring_all_reduce(&o, &host, op).await;
+        self.end(&o);
+        Ok(out?.to_device(t.device())?)
     }
 
     /// Broadcast of a CUDA tensor through NCCL.
@@ -100,14 +109,20 @@ impl ProcessGroup {
     ) -> Result<Tensor, CollectiveError> {
         let at = self.position_of("broadcast", root)? as i32;
         let dims = (t.dims().to_vec(), t.elem_count());
-        self.one_call(("broadcast", seq, turn), t, dims, "ncclBroadcast", |c| {
+        let out = self.one_call(("broadcast", seq, turn), t, dims, "ncclBroadcast", |c| {
             // SAFETY: both buffers hold `count` elements of `ty` on the communicator's device.
             unsafe {
                 let (src, dst) = (c.src as _, c.dst as _);
                 nc::broadcast(src, dst, c.count, c.ty, at, c.comm, c.stream)
             }
-        })
-        .await
+        });
+        if let Some(out) = out.await? {
+            return Ok(out);
+        }
+        let out = self
+            .broadcast_at(&to_host(t)?, root, shared_seq(seq))
+            .await?;
+        Ok(out.to_device(t.device())?)
     }
 
     /// Reduce of a CUDA tensor onto `root` through NCCL.
@@ -128,7 +143,12 @@ impl ProcessGroup {
                 nc::reduce(src, dst, c.count, c.ty, red, at, c.comm, c.stream)
             }
         });
-        let out = out.await?;
+        let Some(out) = out.await? else {
+            let out = self
+                .reduce_at(&to_host(t)?, op, root, shared_seq(seq))
+                .await?;
+            return Ok(out.map(|r| r.to_device(t.device())).transpose()?);
+        };
         Ok((self.agent.rank() == root).then_some(out))
     }
 
@@ -141,7 +161,7 @@ impl ProcessGroup {
     ) -> Result<Vec<Tensor>, CollectiveError> {
         let mut dims = vec![self.size()];
         dims.extend_from_slice(t.dims());
-        let all = self
+        let Some(all) = self
             .one_call(
                 ("all_gather", seq, turn),
                 t,
@@ -155,7 +175,14 @@ impl ProcessGroup {
                     }
                 },
             )
-            .await?;
+            .await?
+        else {
+            let all = self.all_gather_at(&to_host(t)?, shared_seq(seq)).await?;
+            return all
+                .into_iter()
+                .map(|p| Ok(p.to_device(t.device())?))
+                .collect();
+        };
         (0..self.size()).map(|i| Ok(all.get(i)?)).collect()
     }
 
@@ -186,14 +213,20 @@ impl ProcessGroup {
         }
         let (per, red) = (len / n, nccl_op(op));
         let name = ("reduce_scatter", seq, turn);
-        self.one_call(name, t, (vec![per], per), "ncclReduceScatter", |c| {
+        let out = self.one_call(name, t, (vec![per], per), "ncclReduceScatter", |c| {
             // SAFETY: the source holds `size * count` elements of `ty`, the destination `count`.
             unsafe {
                 let (src, dst) = (c.src as _, c.dst as _);
                 nc::reduce_scatter(src, dst, c.count, c.ty, red, c.comm, c.stream)
             }
-        })
-        .await
+        });
+        if let Some(out) = out.await? {
+            return Ok(out);
+        }
+        let out = self
+            .reduce_scatter_at(&to_host(t)?, op, shared_seq(seq))
+            .await?;
+        Ok(out.to_device(t.device())?)
     }
 
     /// Gather of CUDA tensors onto `root` through NCCL (point-to-point sends and receives in
@@ -219,7 +252,7 @@ impl ProcessGroup {
                 false => None,
             };
             let size = t.dtype().size_in_bytes() * n;
-            run(self, &o, turn, t.device(), |comm, stream| {
+            let ran = run(self, &o, turn, t.device(), |comm, stream| {
                 let src = address(&t, stream)?;
                 let s = stream.cu_stream() as _;
                 let fail = |e| nccl_err(&o, "a gather's send or receive", e);
@@ -243,16 +276,26 @@ impl ProcessGroup {
                 ended.map(drop).map_err(fail)
             })
             .await?;
-            let Some(all) = all else {
+            if let Ran::SharedGpu = ran {
                 return Ok(None);
+            }
+            let Some(all) = all else {
+                return Ok(Some(None));
             };
             (0..self.size())
                 .map(|i| Ok(all.get(i)?))
                 .collect::<Result<Vec<_>, CollectiveError>>()
-                .map(Some)
+                .map(|all| Some(Some(all)))
         }
         .await;
         self.end(&o);
-        out
+        // `None`: members share a GPU (NC-5), so the ring's gather of the host copies.
+        if let Some(out) = out? {
+            return Ok(out);
+        }
+        let all = self.gather_at(&to_host(t)?, root, shared_seq(seq)).await?;
+        Ok(all
+            .map(|all| all.into_iter().map(|p| p.to_device(t.device())).collect())
+            .transpose()?)
     }
 }
