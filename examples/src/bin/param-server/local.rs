@@ -22,6 +22,15 @@ struct Faults {
     replace_trainer: bool,
 }
 
+impl Faults {
+    /// Whether any fault is asked for (`replace_trainer` only says how a killed one is met).
+    fn any(&self) -> bool {
+        self.kill_server_at.is_some()
+            || self.kill_trainer_at.is_some()
+            || self.fail_trainer_at.is_some()
+    }
+}
+
 /// What a run measured.
 struct Outcome {
     seconds: f64,
@@ -47,9 +56,7 @@ pub async fn run_modes(
         fail_trainer_at: args.fail_trainer_at,
         replace_trainer: args.replace_trainer,
     };
-    let with_faults = faults.kill_server_at.is_some()
-        || faults.kill_trainer_at.is_some()
-        || faults.fail_trainer_at.is_some();
+    let with_faults = faults.any();
     for &mode in &args.modes {
         let base = run(agent, args, mode, test, workers, Faults::default()).await?;
         let (name, bound) = match mode {
@@ -125,9 +132,7 @@ async fn run(
             .rpc_async(s, reset_shards, (mode, args.backup))
             .await?;
     }
-    let with_faults = faults.kill_server_at.is_some()
-        || faults.kill_trainer_at.is_some()
-        || faults.fail_trainer_at.is_some();
+    let with_faults = faults.any();
     tracing::info!(?mode, with_faults, "a run starts");
     let start = Instant::now();
     let trainer_rank = |t: usize| FIRST_TRAINER + t as u32;
