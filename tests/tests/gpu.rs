@@ -64,25 +64,35 @@ fn cuda_0_is_one_device_ordered_on_one_stream_across_threads() {
     assert!(dev.same_device(&DeviceSpec::Cuda(0).device().unwrap()));
     for round in 0..5 {
         let d = dev.clone();
-        let launched = std::thread::spawn(move || {
+        let launched = on_a_thread(60, move || {
             let eye = Tensor::eye(4096, DType::F32, &d).unwrap();
             let mut x = Tensor::ones((4096, 4096), DType::F32, &d).unwrap();
             for _ in 0..10 {
                 x = (x.matmul(&eye).unwrap() + 1.0).unwrap();
             }
             x
-        })
-        .join()
-        .unwrap();
-        let read = std::thread::spawn(move || launched.to_device(&Device::Cpu).unwrap())
-            .join()
-            .unwrap();
+        });
+        let read = on_a_thread(60, move || launched.to_device(&Device::Cpu).unwrap());
         let v: Vec<f32> = read.flatten_all().unwrap().to_vec1().unwrap();
         let wrong = v.iter().filter(|&&x| x != 11.0).count();
         assert_eq!(
             wrong, 0,
             "round {round}: {wrong} elements read before they were written"
         );
+    }
+}
+
+/// `f`'s result, computed on a new thread; fails the test if that takes over `secs` seconds or
+/// the thread panics.
+fn on_a_thread<T: Send + 'static>(secs: u64, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    match rx.recv_timeout(Duration::from_secs(secs)) {
+        Ok(v) => v,
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => panic!("no result within {secs} s"),
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => panic!("the thread panicked"),
     }
 }
 
