@@ -4,12 +4,17 @@
 //!
 //! Variants, one JSON line each (`{"metric":"ddp_step_ms","impl":"ours","variant":V,
 //! "world_size":N,"median":..,"p90":..}`): `local` (one process, no communication: the
-//! compute floor), `after` (backward, then the gradients' buckets combined:
+//! compute floor), `no_comm` (all N processes stepping at once, each on its own: barrier and
+//! timing as below, no gradient exchange; the floor when N processes share the machine's
+//! cores and memory), `after` (backward, then the gradients' buckets combined:
 //! `DistributedDataParallel::reduce_gradients`), `overlap` (a `Pass` with a cut after each
 //! hidden layer: buckets combined while backward runs), `bf16` (the same with
 //! `CompressHook::bf16`). Then the all-reduce alone of the whole gradient (the communication
-//! floor, `ddp_allreduce_ms`). A step's time is the largest over the ranks (a barrier before
-//! each; 5 warm-up steps, then `--steps`, default 30).
+//! floor, `ddp_allreduce_ms`, variant `all_reduce`). A step's time is the largest over the
+//! ranks (a barrier before each; 5 warm-up steps, then `--steps`, default 30). `--variants`
+//! picks and orders them (repeats allowed, to alternate two). Each group line also carries
+//! the group's `ring_threads` and how rank 0's blobs travelled meanwhile, in MB:
+//! `shared_mb` through shared memory, `streamed_mb` on the stream (no room in the arena).
 
 use std::time::Instant;
 
@@ -64,20 +69,56 @@ fn loss(p: &[Var], mut cut: impl FnMut(&Tensor) -> Result<Tensor>) -> Result<Ten
 #[derive(Clone, Copy, PartialEq)]
 enum Variant {
     Local,
+    NoComm,
     After,
     Overlap,
     Bf16,
+    /// The all-reduce of the whole gradient alone.
+    AllReduce,
 }
+
+const VARIANTS: [Variant; 6] = [
+    Variant::Local,
+    Variant::NoComm,
+    Variant::After,
+    Variant::Overlap,
+    Variant::Bf16,
+    Variant::AllReduce,
+];
+
+/// Every variant, in the default order.
+pub const ALL_VARIANTS: &str = "local,no_comm,after,overlap,bf16,all_reduce";
 
 impl Variant {
     fn name(self) -> &'static str {
         match self {
             Self::Local => "local",
+            Self::NoComm => "no_comm",
             Self::After => "after",
             Self::Overlap => "overlap",
             Self::Bf16 => "bf16",
+            Self::AllReduce => "all_reduce",
         }
     }
+}
+
+/// Parses `--variants after,overlap,...` (names of [`ALL_VARIANTS`], repeats allowed: each
+/// runs in the order given).
+fn parse_variants(list: &str) -> Result<Vec<Variant>> {
+    list.split(',')
+        .filter(|x| !x.trim().is_empty())
+        .map(|x| {
+            VARIANTS
+                .into_iter()
+                .find(|v| v.name() == x.trim())
+                .with_context(|| format!("--variants: no variant `{x}` (of {ALL_VARIANTS})"))
+        })
+        .collect()
+}
+
+/// Whether `list` (checked) asks for the one-process `local` step.
+pub fn wants_local(list: &str) -> Result<bool> {
+    Ok(parse_variants(list)?.contains(&Variant::Local))
 }
 
 /// One step of `v` on this rank.
@@ -88,7 +129,7 @@ async fn step(
     vars: &[Var],
 ) -> Result<()> {
     match (v, ddp) {
-        (Variant::Local, _) | (_, None) => {
+        (Variant::Local | Variant::NoComm | Variant::AllReduce, _) | (_, None) => {
             let l = loss(vars, |h| Ok(h.clone()))?;
             let g = l.backward()?;
             opt.step(&g)?;
@@ -114,7 +155,7 @@ async fn step(
 async fn timed(v: Variant, group: Option<&ProcessGroup>, steps: usize) -> Result<Vec<f64>> {
     let vars = model()?;
     let ddp = match group {
-        Some(g) if v != Variant::Local => {
+        Some(g) if !matches!(v, Variant::Local | Variant::NoComm) => {
             let d = DistributedDataParallel::new(g.clone(), vars.clone()).await?;
             Some(match v {
                 Variant::Bf16 => d.with_hook(CompressHook::bf16()),
@@ -177,16 +218,41 @@ fn line(metric: &str, variant: &str, n: usize, mut times: Vec<f64>) -> serde_jso
 }
 
 /// What every rank of a group runs; rank 0's lines are returned to print.
-pub async fn rank_main(agent: &Agent, steps: usize) -> Result<Vec<serde_json::Value>> {
-    let g = collectives::world(agent);
+pub async fn rank_main(
+    agent: &Agent,
+    steps: usize,
+    ring_threads: Option<usize>,
+    variants: &str,
+) -> Result<Vec<serde_json::Value>> {
+    let mut g = collectives::world(agent);
+    if let Some(k) = ring_threads {
+        g = g.with_ring_threads(k);
+    }
     let n = g.size();
     let mut out = Vec::new();
-    for v in [Variant::After, Variant::Overlap, Variant::Bf16] {
-        let times = timed(v, Some(&g), steps).await?;
-        out.push(line("ddp_step_ms", v.name(), n, times));
+    for v in parse_variants(variants)? {
+        let before = agent.bulk_stats();
+        let mut l = match v {
+            Variant::Local => continue,
+            Variant::AllReduce => {
+                let times = allreduce_alone(&g, steps).await?;
+                line("ddp_allreduce_ms", v.name(), n, times)
+            }
+            _ => {
+                let times = timed(v, Some(&g), steps).await?;
+                line("ddp_step_ms", v.name(), n, times)
+            }
+        };
+        // How this rank's blobs travelled meanwhile: through shared memory, or on the stream
+        // (a blob that finds no room in the arena takes the stream, SHM-2).
+        let after = agent.bulk_stats();
+        l["shared_mb"] = ((after.shared_bytes - before.shared_bytes) / 1_000_000).into();
+        l["streamed_mb"] = ((after.streamed_bytes - before.streamed_bytes) / 1_000_000).into();
+        out.push(l);
     }
-    let times = allreduce_alone(&g, steps).await?;
-    out.push(line("ddp_allreduce_ms", "all_reduce", n, times));
+    for o in &mut out {
+        o["ring_threads"] = g.ring_threads().into();
+    }
     Ok(out)
 }
 

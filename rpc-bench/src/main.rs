@@ -57,7 +57,7 @@ processes it starts itself; one JSON object per line.
 
 usage: rpc-bench [all|latency|throughput|tensor|rref|allreduce|overhead|trace-overhead|soak|ddp] \
 [--threads N] [--busy-poll-us N] [--no-shm] [--wire-protection P] [--heartbeat-ms N] [--calls N] \
-[--world-sizes N,N] [--steps N]
+[--world-sizes N,N] [--steps N] [--ring-threads N] [--variants V,V]
   --threads N        runtime worker threads of every process (default 1: two processes
                      on a 2-core machine; 0: current-thread runtime)
   --busy-poll-us N   Config::busy_poll of every process, in microseconds (default: the
@@ -71,8 +71,10 @@ usage: rpc-bench [all|latency|throughput|tensor|rref|allreduce|overhead|trace-ov
   overhead           the cost of the wire protection, the failure detector and the trace
   trace-overhead     the cost of the job's trace alone (off and on alternated, 6 rounds)
   soak               mixed calls among three processes: memory slope and references
-  ddp                the data-parallel step (local, after, overlap, bf16) on the anchors'
-                     reference model, with --world-sizes (default 2,4) and --steps (30)
+  ddp                the data-parallel step (local, no_comm, after, overlap, bf16) on the anchors'
+                     reference model, with --world-sizes (default 2,4), --steps (30) and
+                     --ring-threads (the ring's threads per operation; default: the group's)
+                     and --variants (default local,no_comm,after,overlap,bf16,all_reduce)
 Prints one JSON object per line.";
 
 /// Does nothing.
@@ -427,8 +429,12 @@ fn main() -> Result<()> {
                 .map(|v| v.parse())
                 .transpose()?
                 .unwrap_or(30);
+            let ring: Option<usize> = value("--ring-threads")?.map(|v| v.parse()).transpose()?;
+            let variants = value("--variants")?.map_or(ddp::ALL_VARIANTS, |v| v.as_str());
             let rt = runtime(threads)?;
-            emit(rt.block_on(ddp::local(steps))?);
+            if ddp::wants_local(variants)? {
+                emit(rt.block_on(ddp::local(steps))?);
+            }
             for n in ddp::world_sizes(value("--world-sizes")?)? {
                 let (agent, _peers) = group(&rt, threads, n, "rank0", |rank, addr| {
                     vec![
@@ -437,11 +443,14 @@ fn main() -> Result<()> {
                         rank.to_string(),
                         addr.into(),
                         steps.to_string(),
+                        ring.map_or("auto".into(), |k| k.to_string()),
+                        variants.into(),
                     ]
                 })?;
-                let a = agent.clone();
-                let lines =
-                    rt.block_on(rt.spawn(async move { ddp::rank_main(&a, steps).await }))??;
+                let (a, list) = (agent.clone(), variants.to_string());
+                let lines = rt.block_on(
+                    rt.spawn(async move { ddp::rank_main(&a, steps, ring, &list).await }),
+                )??;
                 lines.into_iter().for_each(emit);
                 rt.block_on(agent.shutdown());
             }
@@ -455,13 +464,15 @@ fn main() -> Result<()> {
             let rank: u32 = args.get(2).context("rank")?.parse()?;
             let rendezvous = args.get(3).context("rendezvous address")?;
             let steps: usize = args.get(4).context("steps")?.parse()?;
+            let ring = args.get(5).and_then(|k| k.parse().ok());
+            let variants = args.get(6).context("variants")?;
             let rt = runtime(threads)?;
             rt.block_on(async {
                 let cfg = config(rank, rendezvous, Secret::from_env()?.context("no secret")?)
                     .with_world_size(n)
                     .with_name(format!("rank{rank}"));
                 let agent = rpc_core::init(cfg, registry()).await?;
-                ddp::rank_main(&agent, steps).await?;
+                ddp::rank_main(&agent, steps, ring, variants).await?;
                 agent.wait_for_group().await;
                 Ok(())
             })

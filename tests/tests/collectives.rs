@@ -608,3 +608,46 @@ fn in_place_and_async_variants() {
         shutdown_all(&a).await;
     });
 }
+
+/// LANE-1: the ring's passes split over threads give the single thread's result, bit for
+/// bit, on every member (chunks of two pieces, each split into up to four lanes, uneven).
+#[test]
+fn ring_threads_do_not_change_a_single_bit() {
+    let n = 3u32;
+    let len = 3 * (3 << 20) + 12_345;
+    let value = |r: u32, i: usize| ((r as usize * 7919 + i * 31) % 1009) as f32 * 0.013 - 6.1;
+    let outs = run(180, async {
+        let a = group(n, Transport::Tcp).await;
+        let mut outs = Vec::new();
+        for (threads, op) in [
+            (1, ReduceOp::Sum),
+            (4, ReduceOp::Sum),
+            (3, ReduceOp::Sum),
+            (1, ReduceOp::Mean),
+            (4, ReduceOp::Mean),
+        ] {
+            let got = futures::future::join_all(a.iter().map(|w| {
+                let g = collectives::world(w).with_ring_threads(threads);
+                let r = w.rank();
+                async move {
+                    let mut buf: Vec<f32> = (0..len).map(|i| value(r, i)).collect();
+                    g.all_reduce_in_place(&mut buf, op).await.unwrap();
+                    buf
+                }
+            }))
+            .await;
+            assert!(got.iter().all(|o| o == &got[0]), "identical everywhere");
+            outs.push(got.into_iter().next().unwrap());
+        }
+        shutdown_all(&a).await;
+        outs
+    });
+    let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+    assert!(same(&outs[0], &outs[1]), "4 lanes differ from 1 (sum)");
+    assert!(same(&outs[0], &outs[2]), "3 lanes differ from 1 (sum)");
+    assert!(same(&outs[3], &outs[4]), "4 lanes differ from 1 (mean)");
+    for (i, x) in outs[0].iter().enumerate().step_by(997) {
+        let want: f32 = (0..n).map(|r| value(r, i)).sum();
+        assert!((x - want).abs() < 1e-4, "element {i}: {x} against {want}");
+    }
+}

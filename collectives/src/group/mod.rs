@@ -9,6 +9,7 @@
 
 mod element;
 mod generation;
+mod lanes;
 #[cfg(feature = "nccl")]
 mod nccl;
 mod op;
@@ -87,6 +88,8 @@ pub struct ProcessGroup {
     /// The incarnation of each member when the group was created.
     incarnations: Arc<Vec<u64>>,
     id: u64,
+    /// Threads the ring's passes over a piece run on (`lanes.rs`).
+    lanes: usize,
 }
 
 impl std::fmt::Debug for ProcessGroup {
@@ -162,11 +165,13 @@ pub fn new_group_tagged(
     let ranks = Arc::new(r);
     let incarnations = Arc::new(incs);
     mailbox(agent).register_group(id, Arc::clone(&ranks), Arc::clone(&incarnations));
+    let lanes = lanes::default_lanes(lanes::cores(), ranks.len());
     Ok(ProcessGroup {
         agent: agent.clone(),
         ranks,
         incarnations,
         id,
+        lanes,
     })
 }
 
@@ -224,6 +229,20 @@ impl ProcessGroup {
     /// The worker this handle belongs to.
     pub(crate) fn agent(&self) -> &Agent {
         &self.agent
+    }
+
+    /// Runs the ring's passes over memory (on the CPU) on up to `threads` threads per
+    /// operation (at least 1). The default leaves half of the machine's cores to compute:
+    /// `cores / (2 × size)`, from 1 to 4. Results are the same, bit for bit, whatever the
+    /// number (LANE-1).
+    pub fn with_ring_threads(mut self, threads: usize) -> Self {
+        self.lanes = threads.clamp(1, lanes::MAX_LANES * 4);
+        self
+    }
+
+    /// The threads the ring's passes run on (see [`ProcessGroup::with_ring_threads`]).
+    pub fn ring_threads(&self) -> usize {
+        self.lanes
     }
 
     /// The number of members.

@@ -5,6 +5,7 @@
 use candle_core::{DType, Tensor};
 
 use super::element::Element;
+use super::lanes::Lanes;
 use super::op::{check_len, Op};
 use super::{CollectiveError, ProcessGroup, ReduceOp};
 use crate::mailbox::P2pError;
@@ -96,7 +97,8 @@ impl ProcessGroup {
     /// blob (in shared memory with a peer on this host) and never into `buf`: those chunks are
     /// overwritten by the all-gather anyway; that saves two of the five passes over the data
     /// that a fold followed by a copy would make. The other steps fill `buf` and the outgoing
-    /// piece in one pass ([`Element::fold_tee`]).
+    /// piece in one pass ([`Element::fold_tee`]). Each pass runs on the group's lanes
+    /// (`lanes.rs`).
     pub(super) async fn ring_slice<T: Element>(
         &self,
         o: &Op<'_>,
@@ -122,6 +124,7 @@ impl ProcessGroup {
         };
         let per = (PIECE_BYTES / std::mem::size_of::<T>()).max(1);
         let elem = std::mem::size_of::<T>();
+        let lanes = Lanes(self.lanes);
         let tag = |s: usize, j: usize| s as u32 * MAX_PIECES + j as u32;
         let stage = |len: usize, fill: &mut dyn FnMut(&mut [u8])| {
             o.g.agent.blob_for(next, len, fill).map_err(|e| {
@@ -139,7 +142,7 @@ impl ProcessGroup {
         // Step 0 sends this member's own copy of the chunk before the one it receives first.
         let first = ranges[(o.me + n - 1) % n].clone();
         for (j, p) in buf[first].chunks(per).enumerate() {
-            let blob = stage(std::mem::size_of_val(p), &mut |d| T::write_le(p, d))?;
+            let blob = stage(std::mem::size_of_val(p), &mut |d| lanes.write(p, d))?;
             sending.push(send(0, j, blob));
         }
         let tracer = o.g.agent.tracer();
@@ -165,11 +168,12 @@ impl ProcessGroup {
                     }
                 };
                 check_len::<T>(o, hi - lo, got.len())?;
+                let got: &[u8] = &got;
                 let bytes = (hi - lo) * elem;
                 if s + 2 < n {
                     // Reduce-scatter before its last step: the sum goes out, not into `buf`.
                     let mine = &buf[lo..hi];
-                    let blob = stage(bytes, &mut |d| T::fold_le(op, mine, &got, d))?;
+                    let blob = stage(bytes, &mut |d| lanes.fold(op, mine, got, d))?;
                     sending.push(send(s + 1, j, blob));
                     continue;
                 }
@@ -177,10 +181,10 @@ impl ProcessGroup {
                 if s + 1 < steps {
                     // Into `buf` and into the outgoing piece in one pass.
                     let mine = &mut buf[lo..hi];
-                    let blob = stage(bytes, &mut |d| T::fold_tee(fold, mine, &got, d))?;
+                    let blob = stage(bytes, &mut |d| lanes.fold_tee(fold, mine, got, d))?;
                     sending.push(send(s + 1, j, blob));
                 } else {
-                    T::copy_into(&mut buf[lo..hi], &got);
+                    lanes.copy(&mut buf[lo..hi], got);
                 }
             }
         }
@@ -188,9 +192,7 @@ impl ProcessGroup {
             sent?;
         }
         if op == ReduceOp::Mean {
-            for x in buf.iter_mut() {
-                *x = x.div_by(n);
-            }
+            lanes.divide(buf, n);
         }
         Ok(())
     }
