@@ -10,7 +10,8 @@
 # what `overlap` hid of what `after` pays over `local` and over `no_comm`, and our
 # `overlap` over PyTorch's `ddp`.
 #
-# Environment: RPC_BENCH (default target/release/rpc-bench, built first if absent), PYTHON
+# Environment: RPC_BENCH (default target/release/rpc-bench, built first if absent),
+# RPC_BENCH_ARGS (more flags for `rpc-bench ddp`, as `--ring-threads 1`), PYTHON
 # (default: the anchors' venv beside ANCHOR, else python3), ANCHOR (default
 # ../shared/anchors/ddp/ddp_torch.py). Without PyTorch the PyTorch half is skipped, and says so.
 # Bounded: each half runs under `timeout` (15 minutes).
@@ -36,7 +37,9 @@ fi
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 for r in $(seq 1 "$rounds"); do
-    timeout 900 "$bench" ddp --world-sizes "$sizes" --steps "$steps" >"$out/ours.$r" ||
+    # shellcheck disable=SC2086 # RPC_BENCH_ARGS is a list of flags
+    timeout 900 "$bench" ddp --world-sizes "$sizes" --steps "$steps" ${RPC_BENCH_ARGS:-} \
+        >"$out/ours.$r" ||
         echo "{\"round\":$r,\"failed\":\"rpc-bench ddp\",\"rc\":$?}"
     if [ "$torch" = 1 ]; then
         timeout 900 "$python" "$anchor" --world-sizes "$sizes" --steps "$steps" \
