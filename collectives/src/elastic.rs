@@ -165,7 +165,8 @@ impl ElasticDdp {
         for (v, t) in self.ddp.vars().iter().zip(&self.committed) {
             v.set(t)?;
         }
-        let group = new_group(&agent, &ranks)?;
+        // The re-formed group keeps the old one's settings.
+        let group = new_group(&agent, &ranks)?.with_ring_threads(self.group().ring_threads());
         tracing::warn!(
             members = ?ranks,
             step = self.committed_step,

@@ -99,7 +99,8 @@ fn survivors_reform_the_ring_and_track_one_process() {
             let (x, y) = (x.clone(), y.clone());
             async move {
                 let r = w.rank();
-                let mut el = ElasticDdp::new(collectives::world(w), init(f64::from(r) * 0.3))
+                let world = collectives::world(w).with_ring_threads(3);
+                let mut el = ElasticDdp::new(world, init(f64::from(r) * 0.3))
                     .await
                     .unwrap();
                 let mut sgd = candle_nn::SGD::new(el.ddp().vars().to_vec(), 0.2).unwrap();
@@ -132,6 +133,8 @@ fn survivors_reform_the_ring_and_track_one_process() {
                     }
                 }
                 assert_eq!(el.reforms(), 1, "rank {r}");
+                // The re-formed group keeps the caller's settings.
+                assert_eq!(el.group().ring_threads(), 3, "rank {r}");
                 assert_eq!(el.group().ranks(), [0, 1, 2]);
                 Some(
                     el.ddp()
