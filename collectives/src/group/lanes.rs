@@ -13,6 +13,8 @@
 //! most [`MAX_LANES`], at least 1 (so one lane, the single-threaded path, on 2 cores).
 //! [`ProcessGroup::with_ring_threads`](super::ProcessGroup::with_ring_threads) sets it.
 
+use std::sync::OnceLock;
+
 use super::element::Element;
 use super::ReduceOp;
 
@@ -44,15 +46,36 @@ pub(crate) fn per_lane(len: usize, elem: usize, lanes: usize) -> usize {
     len.div_ceil(lanes).next_multiple_of(16)
 }
 
-/// Runs `f` on every part, the first on this thread and the others on threads of their own,
-/// and returns when all are done.
+/// The process's lane threads, started on first use (one per core, at most 16): starting a
+/// thread per part cost 200 µs for three on the development VM, as long as a lane's pass.
+/// `None` if the threads could not be started (the passes then run on the caller's thread).
+fn pool() -> Option<&'static rayon::ThreadPool> {
+    static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
+    POOL.get_or_init(|| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(cores().clamp(1, 16))
+            .thread_name(|i| format!("ring-lane-{i}"))
+            .build()
+            .map_err(|e| tracing::warn!("ring lanes on one thread: {e}"))
+            .ok()
+    })
+    .as_ref()
+}
+
+/// Runs `f` on every part, the first on this thread and the others on the lane threads, and
+/// returns when all are done (a part's panic comes back here).
 pub(crate) fn run<P: Send>(parts: impl Iterator<Item = P>, f: impl Fn(P) + Sync) {
-    let mut parts = parts;
+    let mut parts = parts.peekable();
     let Some(first) = parts.next() else { return };
-    std::thread::scope(|s| {
+    let Some(pool) = pool().filter(|_| parts.peek().is_some()) else {
+        f(first);
+        parts.for_each(&f);
+        return;
+    };
+    pool.in_place_scope(|s| {
+        let f = &f;
         for p in parts {
-            let f = &f;
-            s.spawn(move || f(p));
+            s.spawn(move |_| f(p));
         }
         f(first);
     });
