@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 mod common;
-use common::{last_json, rpcrun_beside, run_to_end};
+use common::{await_step, last_json, ranks_of, rpcrun_beside, run_to_end, signal, Spawned};
 
 fn run(args: &[&str]) -> serde_json::Value {
     let (code, out, err) = run_to_end(
@@ -100,5 +100,51 @@ fn a_replaced_rank_0_rejoins_under_rpcrun_and_the_run_ends_as_without_a_failure(
     assert_eq!(
         replaced["params_sha256"], base["params_sha256"],
         "{replaced} vs {base}"
+    );
+}
+
+/// A user on a loaded machine loosens failure detection from the environment, as every
+/// program built on rpc-core allows: with `RPC_FAILURE_TIMEOUT_MS=20000` a replica frozen for
+/// 3 s is waited for, not dropped. Before, the example's own detector (100 ms heartbeats,
+/// declared failed after 1 s) applied over the environment: rank 3 was declared failed and
+/// the group went on with three.
+#[test]
+fn the_environment_loosens_the_failure_detector() {
+    let bin = env!("CARGO_BIN_EXE_elastic-ddp");
+    let dir = std::env::temp_dir().join(format!("elastic-ddp-env-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join("out");
+    let args = [
+        "--steps",
+        "100",
+        "--commit-every",
+        "20",
+        "--out-dir",
+        out.to_str().unwrap(),
+    ];
+    let env = [
+        ("RPC_HEARTBEAT_INTERVAL_MS", "500"),
+        ("RPC_FAILURE_TIMEOUT_MS", "20000"),
+    ];
+    let mut run = Spawned::start(bin, &args, &env, &dir);
+    await_step(&mut run, &out, 20, Duration::from_secs(120));
+    let ranks = ranks_of(run.child.id());
+    let &(_, victim) = ranks
+        .iter()
+        .find(|(r, _)| *r == 3)
+        .unwrap_or_else(|| panic!("no rank 3 among {ranks:?}"));
+    signal(victim, libc::SIGSTOP);
+    std::thread::sleep(Duration::from_secs(3));
+    signal(victim, libc::SIGCONT);
+    let code = run.wait(Duration::from_secs(240));
+    let (o, e) = (run.stdout(), run.stderr());
+    drop(run);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(code, Some(0), "{o}\n{e}");
+    let j = last_json(&o, &e);
+    assert_eq!(
+        (j["members"].as_u64(), j["reforms"].as_u64()),
+        (Some(4), Some(0)),
+        "{j}"
     );
 }

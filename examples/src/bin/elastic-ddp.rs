@@ -112,8 +112,14 @@ fn registry() -> Result<Registry> {
 }
 
 /// Heartbeats every 100 ms, declared failed after 1 s: a killed replica is found at once (its
-/// connections close), a frozen one within the second.
+/// connections close), a frozen one within the second. Where the environment sets either
+/// (`RPC_HEARTBEAT_INTERVAL_MS`, `RPC_FAILURE_TIMEOUT_MS`, on a loaded machine say), the
+/// library reads both from it instead.
 fn liveness(c: Config) -> Config {
+    let set = |key: &str| std::env::var_os(key).is_some();
+    if set(rpc_core::HEARTBEAT_INTERVAL_ENV) || set(rpc_core::FAILURE_TIMEOUT_ENV) {
+        return c;
+    }
     c.with_heartbeat_interval(Duration::from_millis(100))
         .with_failure_timeout(Duration::from_secs(1))
 }
