@@ -21,8 +21,8 @@ use super::ReduceOp;
 /// At most this many lanes by default: past a few threads a pass is limited by memory.
 pub(crate) const MAX_LANES: usize = 4;
 
-/// A lane gets at least this many bytes; smaller pieces stay on one thread (starting a
-/// thread costs tens of microseconds, a pass over 1 MiB about a hundred).
+/// A lane gets at least this many bytes; smaller pieces stay on one thread (handing a part
+/// to a lane thread costs a wake-up, microseconds; a pass over 1 MiB about a hundred).
 const MIN_LANE_BYTES: usize = 1 << 20;
 
 /// Lanes for a group of `n` members on a machine of `cores` cores.

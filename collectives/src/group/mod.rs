@@ -232,7 +232,7 @@ impl ProcessGroup {
     }
 
     /// Runs the ring's passes over memory (on the CPU) on up to `threads` threads per
-    /// operation (at least 1). The default leaves half of the machine's cores to compute:
+    /// operation (1 to 16). The default leaves half of the machine's cores to compute:
     /// `cores / (2 × size)`, from 1 to 4. Results are the same, bit for bit, whatever the
     /// number (LANE-1).
     pub fn with_ring_threads(mut self, threads: usize) -> Self {
