@@ -27,7 +27,7 @@ use candle_core::{Device, Tensor, Var};
 
 use crate::ddp::DEFAULT_BUCKET_BYTES;
 use crate::group::{new_group, CollectiveError, ProcessGroup};
-use crate::{DistributedDataParallel, ReduceOp};
+use crate::{CommHook, DistributedDataParallel, ReduceOp};
 
 /// [`DistributedDataParallel`] with commits and recovery from failed members.
 #[derive(Debug)]
@@ -49,6 +49,24 @@ impl ElasticDdp {
             committed_step: 0,
             reforms: 0,
         })
+    }
+
+    /// Sends every bucket through `hook` (as [`DistributedDataParallel::with_hook`]), in this
+    /// group and in every group a recovery re-forms.
+    pub fn with_hook(self, hook: impl CommHook) -> Self {
+        Self {
+            ddp: self.ddp.with_hook(hook),
+            ..self
+        }
+    }
+
+    /// Combines gradients with `op` instead of the mean (as
+    /// [`DistributedDataParallel::with_reduce_op`]), here and after every recovery.
+    pub fn with_reduce_op(self, op: ReduceOp) -> Self {
+        Self {
+            ddp: self.ddp.with_reduce_op(op),
+            ..self
+        }
     }
 
     /// The data-parallel wrapper: reduce gradients with it between commits.
@@ -172,9 +190,8 @@ impl ElasticDdp {
             step = self.committed_step,
             "data-parallel group re-formed after a failure"
         );
-        let vars = self.ddp.vars().to_vec();
-        self.ddp = DistributedDataParallel::assume_equal(group, vars, self.ddp.bucket_bytes())
-            .with_reduce_op(self.ddp.reduce_op());
+        // The same hook, bucket size and reduce operation over the new ring.
+        self.ddp = self.ddp.regroup(group);
         // EL-3, EL-4: the replacements learn the state and the step from the survivors.
         share_committed(self.ddp.group(), self.ddp.vars(), Some(self.committed_step)).await?;
         self.reforms += 1;

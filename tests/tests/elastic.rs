@@ -4,11 +4,13 @@
 //! the ring without it, re-partition the data over three, and finish: their parameters are
 //! identical and equal to one process training on the whole global batch throughout.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use candle_core::{Device, Tensor, Var};
 use candle_nn::Optimizer;
-use collectives::{DistributedSampler, ElasticDdp};
+use collectives::{CommHook, DistributedSampler, ElasticDdp, ProcessGroup, ReduceOp, Work};
 use integration_tests::{max_abs_diff, run};
 use rpc_core::testing::{self, start_group};
 use rpc_core::{Secret, Transport};
@@ -68,6 +70,20 @@ fn batch(step: u64, i: usize, r: usize) -> Vec<usize> {
     DistributedSampler::new(N, r, i, SEED).indices(epoch)[k * b..(k + 1) * b].to_vec()
 }
 
+/// A hook that counts the buckets it combines (with the plain all-reduce).
+struct Counting(Arc<AtomicUsize>);
+
+impl CommHook for Counting {
+    fn reduce(&self, group: &ProcessGroup, bucket: Tensor, op: ReduceOp) -> Work<Tensor> {
+        self.0.fetch_add(1, Ordering::Relaxed);
+        group.all_reduce_async(&bucket, op)
+    }
+
+    fn name(&self) -> &'static str {
+        "counting"
+    }
+}
+
 #[test]
 fn survivors_reform_the_ring_and_track_one_process() {
     let (x, y) = dataset();
@@ -100,9 +116,11 @@ fn survivors_reform_the_ring_and_track_one_process() {
             async move {
                 let r = w.rank();
                 let world = collectives::world(w).with_ring_threads(3);
+                let calls = Arc::new(AtomicUsize::new(0));
                 let mut el = ElasticDdp::new(world, init(f64::from(r) * 0.3))
                     .await
-                    .unwrap();
+                    .unwrap()
+                    .with_hook(Counting(Arc::clone(&calls)));
                 let mut sgd = candle_nn::SGD::new(el.ddp().vars().to_vec(), 0.2).unwrap();
                 let (mut step, mut failures) = (0, 0);
                 while step < STEPS {
@@ -133,8 +151,11 @@ fn survivors_reform_the_ring_and_track_one_process() {
                     }
                 }
                 assert_eq!(el.reforms(), 1, "rank {r}");
-                // The re-formed group keeps the caller's settings.
+                // The re-formed group keeps the caller's settings: its ring threads, and the
+                // hook, which combined every bucket of every step that completed (one bucket a
+                // step here), before the re-form and after it.
                 assert_eq!(el.group().ring_threads(), 3, "rank {r}");
+                assert!(calls.load(Ordering::Relaxed) as u64 >= STEPS, "rank {r}");
                 assert_eq!(el.group().ranks(), [0, 1, 2]);
                 Some(
                     el.ddp()

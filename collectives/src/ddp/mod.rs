@@ -100,17 +100,23 @@ impl DistributedDataParallel {
         }
     }
 
+    /// The same parameters and settings (bucket size, reduce operation, hook) over another
+    /// group whose members hold equal parameters (`ElasticDdp`'s re-formed group); the buckets
+    /// of an overlapped pass are learnt again.
+    pub(crate) fn regroup(&self, group: ProcessGroup) -> Self {
+        Self {
+            group,
+            vars: self.vars.clone(),
+            bucket_bytes: self.bucket_bytes,
+            op: self.op,
+            hook: Arc::clone(&self.hook),
+            plan: Mutex::new(None),
+        }
+    }
+
     /// The group the replicas live on.
     pub fn group(&self) -> &ProcessGroup {
         &self.group
-    }
-
-    pub(crate) fn bucket_bytes(&self) -> usize {
-        self.bucket_bytes
-    }
-
-    pub(crate) fn reduce_op(&self) -> ReduceOp {
-        self.op
     }
 
     /// Combines gradients with `op` instead of the mean: `ReduceOp::Sum` where every replica's
