@@ -8,8 +8,9 @@
 //! to the same run on loopback. Before the launchers watched their children,
 //! a frozen process hung its launcher for good. Host 0, where the rendezvous and the master
 //! live, killed or frozen: the group cannot go on, and the launchers of hosts 1 and 2 must end
-//! with an error naming the rendezvous within 120 s (RDV-7: before, a frozen rendezvous left
-//! them waiting on it). With the launchers' rendezvous in etcd (`RDZV=etcd`, a fourth host
+//! with an error naming the rendezvous within 60 s, giving it 15 s to answer (`--rdzv-timeout`;
+//! RDV-7: before, a frozen rendezvous left them waiting on it). One loopback reference run
+//! serves every scenario (the script's `REF_CACHE`). With the launchers' rendezvous in etcd (`RDZV=etcd`, a fourth host
 //! waiting as a spare), the loss of that host (killed or frozen) costs one restart and the run
 //! ends bit-identical; etcd's own death ends every launcher with an error naming it. Those
 //! need `rpcrun` built with its `etcd` feature and Debian's `etcd-server` (`.ci/run` has
@@ -152,6 +153,17 @@ fn in_rendezvous(rdzv: &str, fault: &str, restart: &str, said: &str) {
             .env("RDZV", rdzv)
             .env("RESTART", restart)
             .env("SKIP_STATUS", "77")
+            // The launchers of hosts 1 and 2 give up on a silent rendezvous after 15 s, not
+            // rpcrun's default 60 (the fault is the same, the wait shorter), and must have
+            // ended within 60 s of the fault (etcd's scenarios keep the script's bound: the
+            // whole rest of the run must fit in it).
+            .env("RDZV_TIMEOUT", "15")
+            .env("RDV_BOUND", if rdzv == "embedded" { "60" } else { "120" })
+            // One loopback reference run for every scenario with the same binary and flags.
+            .env(
+                "REF_CACHE",
+                Path::new(env!("CARGO_TARGET_TMPDIR")).join("three-hosts-ref"),
+            )
             .env_remove("RANK")
             .stdin(Stdio::null())
             .stdout(std::fs::File::create(&log).unwrap())

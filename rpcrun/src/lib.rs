@@ -197,6 +197,7 @@ pub struct Launch {
     trace: Option<PathBuf>,
     local_addr: Option<String>,
     join_timeout: Duration,
+    rdzv_timeout: Duration,
 }
 
 impl Launch {
@@ -219,6 +220,7 @@ impl Launch {
             env: Vec::new(),
             local_addr: None,
             join_timeout: Duration::from_secs(120),
+            rdzv_timeout: Duration::from_secs(60),
         }
     }
 
@@ -269,6 +271,16 @@ impl Launch {
     /// this one gives up (default 120 s).
     pub fn join_timeout(mut self, timeout: Duration) -> Self {
         self.join_timeout = timeout;
+        self
+    }
+
+    /// With a rendezvous on node 0 (`HOST:PORT`): how long the launcher of another node waits,
+    /// after a failure and before it restarts anything, for that rendezvous to answer again
+    /// (RDZ-1); past it the launcher ends with an error naming the rendezvous (default 60 s:
+    /// node 0's host may be rebooting). A node 0 that does not come back costs the job this
+    /// long.
+    pub fn rendezvous_timeout(mut self, timeout: Duration) -> Self {
+        self.rdzv_timeout = timeout;
         self
     }
 

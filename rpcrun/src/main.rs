@@ -37,6 +37,10 @@ struct Args {
     /// With an etcd rendezvous: seconds a round may take to gather NNODES launchers.
     #[arg(long, default_value_t = 120)]
     join_timeout: u64,
+    /// With a rendezvous on node 0 (HOST:PORT): seconds the launchers of the other nodes wait,
+    /// after a failure, for it to answer again before they give up with an error.
+    #[arg(long, default_value_t = 60)]
+    rdzv_timeout: u64,
     /// Restarts after failures before giving up (of the group, or of single processes).
     #[arg(long, default_value_t = 0)]
     max_restarts: u32,
@@ -93,6 +97,7 @@ fn main() {
         launch = launch.local_addr(a);
     }
     launch = launch.join_timeout(Duration::from_secs(args.join_timeout));
+    launch = launch.rendezvous_timeout(Duration::from_secs(args.rdzv_timeout));
     if let Some(f) = args.secret_file {
         launch = launch.secret_file(f);
     }

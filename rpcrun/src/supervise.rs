@@ -164,15 +164,12 @@ pub(crate) fn run(launch: &Launch) -> Result<Exit, LaunchError> {
     }
 }
 
-/// How long a launcher of another node than 0 waits, before restarting a process, for the
-/// group's rendezvous to answer (with `--restart group` rank 0's process hosts it, and node
-/// 0's launcher restarts that too: it is back within seconds; with `--restart worker` node 0's
-/// launcher hosts it and it never left), unless node 0 is gone or frozen.
-const RENDEZVOUS_BACK: Duration = Duration::from_secs(60);
-
 /// RDZ-1: before a group restart on a node other than 0, the rendezvous must answer (a
-/// connection and the authenticated handshake, `rpc_core::probe_rendezvous`) within
-/// [`RENDEZVOUS_BACK`]. Without it, each restart's processes waited their whole init timeout
+/// connection and the authenticated handshake, `rpc_core::probe_rendezvous`) within the
+/// launch's rendezvous timeout (`Launch::rendezvous_timeout`, 60 s unless set: with `--restart
+/// group` rank 0's process hosts it, and node 0's launcher restarts that too: it is back
+/// within seconds; with `--restart worker` node 0's launcher hosts it and it never left; only a
+/// node 0 gone or frozen keeps it silent that long). Without it, each restart's processes waited their whole init timeout
 /// (120 s in the examples) for a rendezvous whose host was dead or frozen, restart after
 /// restart. `Err` names the address and the last cause.
 fn rendezvous_back(
@@ -189,7 +186,7 @@ fn rendezvous_back(
         .enable_all()
         .build()
         .map_err(|e| format!("starting a runtime to reach the rendezvous: {e}"))?;
-    let deadline = Instant::now() + RENDEZVOUS_BACK;
+    let deadline = Instant::now() + launch.rdzv_timeout;
     let mut last = String::new();
     while Instant::now() < deadline {
         let tried = rt.block_on(rpc_core::probe_rendezvous(
@@ -206,9 +203,9 @@ fn rendezvous_back(
         std::thread::sleep(Duration::from_millis(200));
     }
     Err(format!(
-        "the rendezvous at {addr} did not answer within {} s of the failure (its host is down, \
+        "the rendezvous at {addr} did not answer within {:.0} s of the failure (its host is down, \
          frozen or cut off): {last}",
-        RENDEZVOUS_BACK.as_secs()
+        launch.rdzv_timeout.as_secs_f64()
     ))
 }
 
