@@ -135,7 +135,7 @@ fn a_worker_computing_for_30_s_is_not_declared_failed() {
     assert_eq!(v["failed_on_1"], serde_json::json!([]), "{v}");
     for rank in 0..3 {
         let done = p.expect(rank, "DONE", Duration::from_secs(30));
-        assert_eq!(done, "clean=true", "rank {rank}");
+        assert_eq!(done, "clean=true", "rank {rank}: its shutdown report");
     }
     assert_eq!(p.wait_all(Duration::from_secs(30)), vec![Some(0); 3]);
 }

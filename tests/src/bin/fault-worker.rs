@@ -134,11 +134,11 @@ fn main() -> anyhow::Result<()> {
                     })
                 ));
                 let report = agent.shutdown().await;
-                say(format!("DONE clean={}", report.is_clean()));
+                say(done_line(&report));
             }
             "serve" => {
                 let report = agent.shutdown().await;
-                say(format!("DONE clean={}", report.is_clean()));
+                say(done_line(&report));
             }
             other => anyhow::bail!("unknown role {other}"),
         }
@@ -226,4 +226,13 @@ async fn survive(agent: &Agent, rank: u32) -> anyhow::Result<()> {
         })
     ));
     Ok(())
+}
+
+/// `DONE clean=true`, or `DONE clean=false` and the report, which says why.
+fn done_line(report: &rpc_core::ShutdownReport) -> String {
+    if report.is_clean() {
+        "DONE clean=true".into()
+    } else {
+        format!("DONE clean=false {report:?}")
+    }
 }
