@@ -69,6 +69,16 @@ impl ElasticDdp {
         }
     }
 
+    /// Buckets of up to `bytes` instead of 25 MiB (as
+    /// [`DistributedDataParallel::with_bucket_bytes`]), here and after every recovery; every
+    /// member, a replacement included, must use the same size.
+    pub fn with_bucket_bytes(self, bytes: usize) -> Self {
+        Self {
+            ddp: self.ddp.rebucketed(bytes),
+            ..self
+        }
+    }
+
     /// The data-parallel wrapper: reduce gradients with it between commits.
     pub fn ddp(&self) -> &DistributedDataParallel {
         &self.ddp
@@ -202,8 +212,9 @@ impl ElasticDdp {
     /// [`ElasticDdp::recover_with`] with [`Rejoin::WaitForReplacement`]): `group` has the same
     /// ranks as theirs, `vars` the shapes of their parameters. It receives the committed
     /// parameters from the survivors (any rank may be replaced, the first included: EL-4),
-    /// commits them, and returns the step to go on from (EL-3). The survivors' gradient
-    /// buckets and reduction must be the defaults.
+    /// commits them, and returns the step to go on from (EL-3). Give the result the survivors'
+    /// settings ([`ElasticDdp::with_bucket_bytes`], [`ElasticDdp::with_hook`],
+    /// [`ElasticDdp::with_reduce_op`]) before its first step.
     pub async fn join(group: ProcessGroup, vars: Vec<Var>) -> Result<(Self, u64), CollectiveError> {
         let ddp = DistributedDataParallel::assume_equal(group, vars, DEFAULT_BUCKET_BYTES);
         let step = share_committed(ddp.group(), ddp.vars(), None).await?;

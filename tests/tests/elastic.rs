@@ -120,7 +120,8 @@ fn survivors_reform_the_ring_and_track_one_process() {
                 let mut el = ElasticDdp::new(world, init(f64::from(r) * 0.3))
                     .await
                     .unwrap()
-                    .with_hook(Counting(Arc::clone(&calls)));
+                    .with_hook(Counting(Arc::clone(&calls)))
+                    .with_bucket_bytes(1); // a bucket per parameter: two a step
                 let mut sgd = candle_nn::SGD::new(el.ddp().vars().to_vec(), 0.2).unwrap();
                 let (mut step, mut failures) = (0, 0);
                 while step < STEPS {
@@ -152,10 +153,13 @@ fn survivors_reform_the_ring_and_track_one_process() {
                 }
                 assert_eq!(el.reforms(), 1, "rank {r}");
                 // The re-formed group keeps the caller's settings: its ring threads, and the
-                // hook, which combined every bucket of every step that completed (one bucket a
-                // step here), before the re-form and after it.
+                // hook and bucket size: the hook combined both buckets of every step that
+                // completed (17: 7 before the freeze, 10 redone from the commit at 6), before
+                // the re-form and after it (with 25 MiB buckets after it: 24 and the few
+                // failed attempts).
                 assert_eq!(el.group().ring_threads(), 3, "rank {r}");
-                assert!(calls.load(Ordering::Relaxed) as u64 >= STEPS, "rank {r}");
+                let calls = calls.load(Ordering::Relaxed) as u64;
+                assert!(calls >= 2 * STEPS, "rank {r}: {calls} buckets");
                 assert_eq!(el.group().ranks(), [0, 1, 2]);
                 Some(
                     el.ddp()

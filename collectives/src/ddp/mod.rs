@@ -100,6 +100,15 @@ impl DistributedDataParallel {
         }
     }
 
+    /// The same wrapper with buckets of up to `bytes` (an overlapped pass learns them again).
+    pub(crate) fn rebucketed(self, bytes: usize) -> Self {
+        Self {
+            bucket_bytes: bytes.max(1),
+            plan: Mutex::new(None),
+            ..self
+        }
+    }
+
     /// The same parameters and settings (bucket size, reduce operation, hook) over another
     /// group whose members hold equal parameters (`ElasticDdp`'s re-formed group); the buckets
     /// of an overlapped pass are learnt again.

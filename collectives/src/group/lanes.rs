@@ -9,8 +9,11 @@
 //! computed exactly as one thread would (LANE-1: the result does not depend on the number of
 //! lanes, bit for bit; `ring_threads_do_not_change_a_single_bit`).
 //!
-//! The default leaves half of the machine to compute: `cores / (2 × group size)` lanes, at
-//! most [`MAX_LANES`], at least 1 (so one lane, the single-threaded path, on 2 cores).
+//! The default leaves half of the machine to compute: `cores / (2 × members on this host)`
+//! lanes, at most [`MAX_LANES`], at least 1 (so one lane, the single-threaded path, on 2
+//! cores). The members on this host are the group's size, or fewer where the launcher says so
+//! (`LOCAL_WORLD_SIZE`, which `rpcrun` sets: one rank per host of an 8-host group gets the
+//! lanes of one, not of eight).
 //! [`ProcessGroup::with_ring_threads`](super::ProcessGroup::with_ring_threads) sets it.
 
 use std::sync::OnceLock;
@@ -28,6 +31,15 @@ const MIN_LANE_BYTES: usize = 1 << 20;
 /// Lanes for a group of `n` members on a machine of `cores` cores.
 pub(crate) fn default_lanes(cores: usize, n: usize) -> usize {
     (cores / (2 * n.max(1))).clamp(1, MAX_LANES)
+}
+
+/// How many of a group of `n` members share this host: `n`, or the launcher's
+/// `LOCAL_WORLD_SIZE` (`local`) where it is a smaller positive number.
+pub(crate) fn members_on_host(n: usize, local: Option<&str>) -> usize {
+    local
+        .and_then(|l| l.trim().parse::<usize>().ok())
+        .filter(|&l| l >= 1)
+        .map_or(n, |l| l.min(n))
 }
 
 /// The machine's cores, as the standard library sees them (1 if unknown).
@@ -155,6 +167,12 @@ mod tests {
         assert_eq!(default_lanes(16, 4), 2);
         assert_eq!(default_lanes(1, 8), 1);
         assert_eq!(default_lanes(256, 1), MAX_LANES);
+        assert_eq!(members_on_host(8, None), 8);
+        assert_eq!(members_on_host(8, Some("1")), 1);
+        assert_eq!(members_on_host(2, Some("4")), 2);
+        assert_eq!(members_on_host(8, Some("0")), 8);
+        assert_eq!(members_on_host(8, Some("x")), 8);
+        assert_eq!(default_lanes(16, members_on_host(8, Some("1"))), 4);
     }
 
     #[test]

@@ -165,7 +165,9 @@ pub fn new_group_tagged(
     let ranks = Arc::new(r);
     let incarnations = Arc::new(incs);
     mailbox(agent).register_group(id, Arc::clone(&ranks), Arc::clone(&incarnations));
-    let lanes = lanes::default_lanes(lanes::cores(), ranks.len());
+    let local = std::env::var("LOCAL_WORLD_SIZE").ok();
+    let on_host = lanes::members_on_host(ranks.len(), local.as_deref());
+    let lanes = lanes::default_lanes(lanes::cores(), on_host);
     Ok(ProcessGroup {
         agent: agent.clone(),
         ranks,
@@ -233,8 +235,9 @@ impl ProcessGroup {
 
     /// Runs the ring's passes over memory (on the CPU) on up to `threads` threads per
     /// operation (1 to 16). The default leaves half of the machine's cores to compute:
-    /// `cores / (2 × size)`, from 1 to 4. Results are the same, bit for bit, whatever the
-    /// number (LANE-1).
+    /// `cores / (2 × members on this host)`, from 1 to 4 (the members on this host: the
+    /// group's size, or the launcher's `LOCAL_WORLD_SIZE` where smaller). Results are the same,
+    /// bit for bit, whatever the number (LANE-1).
     pub fn with_ring_threads(mut self, threads: usize) -> Self {
         self.lanes = threads.clamp(1, lanes::MAX_LANES * 4);
         self
