@@ -187,27 +187,32 @@ fn rendezvous_back(
         .build()
         .map_err(|e| format!("starting a runtime to reach the rendezvous: {e}"))?;
     let deadline = Instant::now() + launch.rdzv_timeout;
-    let mut last = String::new();
-    while Instant::now() < deadline {
+    // At least one try, however short the timeout; no try outlasts the deadline by more than
+    // half a second (a frozen rendezvous holds a handshake until its bound).
+    let last = loop {
+        let left = deadline.saturating_duration_since(Instant::now());
         let tried = rt.block_on(rpc_core::probe_rendezvous(
             &rpc_core::Transport::Tcp,
             &addr,
             &secret,
-            Duration::from_secs(5),
+            left.clamp(Duration::from_millis(500), Duration::from_secs(5)),
         ));
         match tried {
             Ok(()) => return Ok(Back::Answered),
             Err(rpc_core::InitError::JobEnded { .. }) => return Ok(Back::Ended),
-            Err(e) => last = rpc_core::error_chain(&e),
+            Err(e) if Instant::now() + PROBE_PAUSE >= deadline => break rpc_core::error_chain(&e),
+            Err(_) => std::thread::sleep(PROBE_PAUSE),
         }
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    };
     Err(format!(
         "the rendezvous at {addr} did not answer within {:.0} s of the failure (its host is down, \
          frozen or cut off): {last}",
         launch.rdzv_timeout.as_secs_f64()
     ))
 }
+
+/// The pause between two tries to reach the rendezvous.
+const PROBE_PAUSE: Duration = Duration::from_millis(200);
 
 /// How a launcher says that the job ended before it restarted a process (RDZ-2).
 const JOB_ENDED: &str = "the job ended meanwhile (the rendezvous says so)";
