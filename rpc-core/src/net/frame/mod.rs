@@ -12,6 +12,13 @@
 //!   announces before they do.
 //! - FRAME-2: an outbox holds at most `max_queued_bytes` not yet written (plus the frame that
 //!   crossed the limit): a peer that stops reading fails new calls instead of growing it.
+//! - FRAME-5: a frame's length prefix is the length of the bytes encoded after it. A message
+//!   is encoded once into its frame: two encodings of one message may differ in size, since
+//!   tarpc encodes a request's deadline relative to the moment of encoding (a `Duration`
+//!   whose varint fields change length as it shrinks). Sized, then encoded again, a request
+//!   of more than 512 bytes now and then came out shorter than its prefix said, and its
+//!   receiver ended the connection ("Slice had bytes remaining after deserialization"; seen
+//!   in a parameter server test, a push failing over to a backup).
 
 use std::io::{self, Write};
 use std::sync::{Mutex, OnceLock};
@@ -62,7 +69,8 @@ pub(crate) fn decode<T: DeserializeOwned>(body: &[u8]) -> io::Result<T> {
 /// Appends `msg` as one frame to `buf`, into a plain slice (byte by byte through `BufMut`
 /// costs more than the rest of a small call). A frame that fits in [`SMALL_FRAME`] bytes is
 /// encoded straight into room made for it; a larger one has its size computed first, so a
-/// frame above `max` is refused before it is encoded (FRAME-1). On error `buf` is as it was.
+/// frame above `max` is refused before it is encoded (FRAME-1), and is then encoded once more,
+/// its prefix set from what was written (FRAME-5). On error `buf` is as it was.
 pub(crate) fn encode<T: Serialize>(buf: &mut BytesMut, msg: &T, max: usize) -> io::Result<()> {
     let start = buf.len();
     let room = SMALL_FRAME.min(max);
@@ -89,17 +97,24 @@ pub(crate) fn encode<T: Serialize>(buf: &mut BytesMut, msg: &T, max: usize) -> i
         }
         Ok(n) => usize::try_from(n).expect("below the frame limit"),
     };
-    buf.reserve(4 + len);
-    buf.put_u32(u32::try_from(len).expect("below the frame limit"));
-    buf.resize(start + 4 + len, 0);
-    let mut into = SliceWriter {
-        buf: &mut buf[start + 4..],
-        at: 0,
-    };
-    if let Err(e) = codec().serialize_into(&mut into, msg) {
+    // FRAME-5: room for what the sizing said, a little more if this encoding is longer, and
+    // the prefix from what was written.
+    buf.reserve(4 + len + 16);
+    buf.put_u32(0);
+    if let Err(e) = codec().serialize_into((&mut *buf).writer(), msg) {
         buf.truncate(start);
         return Err(io::Error::other(e));
     }
+    let written = buf.len() - start - 4;
+    if written > max {
+        buf.truncate(start);
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("frame of {written} bytes is above the limit of {max}"),
+        ));
+    }
+    let prefix = u32::try_from(written).expect("below the frame limit");
+    buf[start..start + 4].copy_from_slice(&prefix.to_be_bytes());
     Ok(())
 }
 
@@ -341,6 +356,36 @@ impl Outbox {
 mod tests {
     use super::*;
     use tokio::io::AsyncReadExt;
+
+    /// A message whose encoding is shorter each time it is encoded, as a request's deadline
+    /// is (tarpc encodes it relative to the moment): 400 ms, then 300 (3 bytes as a varint),
+    /// then 200 (1 byte), beside 600 bytes of payload.
+    struct Shrinking(std::sync::atomic::AtomicU32, Vec<u8>);
+
+    impl serde::Serialize for Shrinking {
+        fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            use serde::ser::SerializeTuple;
+            let ms = self.0.fetch_sub(100, std::sync::atomic::Ordering::Relaxed);
+            let mut t = s.serialize_tuple(2)?;
+            t.serialize_element(&ms)?;
+            t.serialize_element(&self.1)?;
+            t.end()
+        }
+    }
+
+    /// FRAME-5: the prefix is the length of what follows, however often the message was
+    /// encoded. Before, the frame said 606 bytes and held 604 and two zeros, which decoding
+    /// refused ("Slice had bytes remaining after deserialization").
+    #[test]
+    fn a_frame_s_prefix_is_what_was_encoded_after_it() {
+        let msg = Shrinking(std::sync::atomic::AtomicU32::new(400), vec![7; 600]);
+        let mut buf = BytesMut::new();
+        encode(&mut buf, &msg, 1 << 20).expect("encodes");
+        let len = u32::from_be_bytes(buf[..4].try_into().unwrap()) as usize;
+        assert_eq!(len, buf.len() - 4);
+        let (ms, body): (u32, Vec<u8>) = decode(&buf[4..]).expect("decodes");
+        assert_eq!((ms, body), (200, vec![7; 600]));
+    }
 
     #[tokio::test]
     async fn queued_frames_leave_length_prefixed_and_in_order() {
