@@ -54,6 +54,9 @@ fn codec() -> bincode::DefaultOptions {
     bincode::DefaultOptions::new()
 }
 
+/// Room beyond a frame's computed size when it is encoded (FRAME-5).
+const SLACK: usize = 16;
+
 /// Whether a message of `size` bytes of payload and inline blobs fits in a frame of `limit`.
 pub(crate) fn fits(size: usize, limit: usize) -> bool {
     size.saturating_add(ENVELOPE_ROOM) <= limit
@@ -97,15 +100,22 @@ pub(crate) fn encode<T: Serialize>(buf: &mut BytesMut, msg: &T, max: usize) -> i
         }
         Ok(n) => usize::try_from(n).expect("below the frame limit"),
     };
-    // FRAME-5: room for what the sizing said, a little more if this encoding is longer, and
-    // the prefix from what was written.
-    buf.reserve(4 + len + 16);
+    // FRAME-5: encoded again into room for what the sizing said and a little more (a
+    // request's deadline, a `Duration` in varints, is at most 12 bytes longer), the prefix
+    // from what was written.
+    buf.reserve(4 + len + SLACK);
     buf.put_u32(0);
-    if let Err(e) = codec().serialize_into((&mut *buf).writer(), msg) {
+    buf.resize(start + 4 + len + SLACK, 0);
+    let mut into = SliceWriter {
+        buf: &mut buf[start + 4..],
+        at: 0,
+    };
+    let encoded = codec().serialize_into(&mut into, msg);
+    let written = into.at;
+    if let Err(e) = encoded {
         buf.truncate(start);
         return Err(io::Error::other(e));
     }
-    let written = buf.len() - start - 4;
     if written > max {
         buf.truncate(start);
         return Err(io::Error::new(
@@ -113,6 +123,7 @@ pub(crate) fn encode<T: Serialize>(buf: &mut BytesMut, msg: &T, max: usize) -> i
             format!("frame of {written} bytes is above the limit of {max}"),
         ));
     }
+    buf.truncate(start + 4 + written);
     let prefix = u32::try_from(written).expect("below the frame limit");
     buf[start..start + 4].copy_from_slice(&prefix.to_be_bytes());
     Ok(())
