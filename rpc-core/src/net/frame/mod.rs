@@ -12,13 +12,13 @@
 //!   announces before they do.
 //! - FRAME-2: an outbox holds at most `max_queued_bytes` not yet written (plus the frame that
 //!   crossed the limit): a peer that stops reading fails new calls instead of growing it.
-//! - FRAME-5: a frame's length prefix is the length of the bytes encoded after it. A message
-//!   is encoded once into its frame: two encodings of one message may differ in size, since
-//!   tarpc encodes a request's deadline relative to the moment of encoding (a `Duration`
-//!   whose varint fields change length as it shrinks). Sized, then encoded again, a request
-//!   of more than 512 bytes now and then came out shorter than its prefix said, and its
-//!   receiver ended the connection ("Slice had bytes remaining after deserialization"; seen
-//!   in a parameter server test, a push failing over to a backup).
+//! - FRAME-5: a frame's length prefix is the length of the bytes encoded after it, taken
+//!   from the encoding written, never from a sizing: two encodings of one message may differ
+//!   in size, since tarpc encodes a request's deadline relative to the moment of encoding (a
+//!   `Duration` whose varint fields change length as it shrinks). With the prefix from the
+//!   sizing, a request of more than 512 bytes now and then came out shorter than its prefix
+//!   said, and its receiver ended the connection ("Slice had bytes remaining after
+//!   deserialization"; seen in a parameter server test, a push failing over to a backup).
 
 use std::io::{self, Write};
 use std::sync::{Mutex, OnceLock};
