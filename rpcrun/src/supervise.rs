@@ -164,14 +164,14 @@ pub(crate) fn run(launch: &Launch) -> Result<Exit, LaunchError> {
     }
 }
 
-/// RDZ-1: before a group restart on a node other than 0, the rendezvous must answer (a
-/// connection and the authenticated handshake, `rpc_core::probe_rendezvous`) within the
-/// launch's rendezvous timeout (`Launch::rendezvous_timeout`, 60 s unless set: with `--restart
-/// group` rank 0's process hosts it, and node 0's launcher restarts that too: it is back
-/// within seconds; with `--restart worker` node 0's launcher hosts it and it never left; only a
-/// node 0 gone or frozen keeps it silent that long). Without it, each restart's processes waited their whole init timeout
-/// (120 s in the examples) for a rendezvous whose host was dead or frozen, restart after
-/// restart. `Err` names the address and the last cause.
+/// RDZ-1: before a group restart on a node other than 0, the rendezvous must answer (a connection
+/// and the authenticated handshake, `rpc_core::probe_rendezvous`) within the launch's rendezvous
+/// timeout (`Launch::rendezvous_timeout`, 60 s unless set: with `--restart group` rank 0's process
+/// hosts it, and node 0's launcher restarts that too: it is back within seconds; with `--restart
+/// worker` node 0's launcher hosts it and it never left; only a node 0 gone or frozen keeps it
+/// silent that long). Without it, each restart's processes waited their whole init timeout (120 s
+/// in the examples) for a rendezvous whose host was dead or frozen, restart after restart. `Err`
+/// names the address and the last cause.
 fn rendezvous_back(
     launch: &Launch,
     rdzv: &Rendezvous,
