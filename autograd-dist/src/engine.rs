@@ -233,7 +233,8 @@ fn surrogate_of(pairs: Vec<(Tensor, Tensor)>) -> candle_core::Result<Option<Tens
 async fn local_pass(agent: &Agent, ctx: u64, loss: Tensor) -> Result<(), AutogradError> {
     let mut span = agent.tracer().span(Cat::Compute, "backward");
     span.detail(|| format!("context {ctx:#x}"));
-    let grads = loss.backward()?;
+    // Weights used through `grad_once::matmul` get their gradients written once.
+    let grads = crate::grad_once::backward(&loss)?;
     let c = container(agent);
     let mut outgoing: HashMap<u32, Vec<(u64, RTensor)>> = HashMap::new();
     {

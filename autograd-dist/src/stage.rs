@@ -383,7 +383,8 @@ fn backward(
             (&saved.output * g)?.sum_all()?
         }
     };
-    let grads = root.backward()?;
+    // Weights used through `grad_once::matmul` get their gradients written once.
+    let grads = crate::grad_once::backward(&root)?;
     let params = module.parameters();
     container(agent).with(ctx, |st| -> candle_core::Result<()> {
         for v in &params {

@@ -1,6 +1,8 @@
 //! `ddp`: the data-parallel step on the reference model of `../shared/anchors/ddp/ddp_torch.py`
 //! (MLP 1024 → 4096 → ReLU → 4096 → ReLU → 1024, f32, biases; 25.2 M parameters; 16 rows of
-//! N(0, 1) inputs and targets per rank; MSE; SGD 0.01; one compute thread per process).
+//! N(0, 1) inputs and targets per rank; MSE; SGD 0.01; one compute thread per process). Its
+//! layers' products go through `autograd_dist::grad_once` in every variant: the weights'
+//! gradients are written once, as PyTorch's `AccumulateGrad` takes them.
 //!
 //! Variants, one JSON line each (`{"metric":"ddp_step_ms","impl":"ours","variant":V,
 //! "world_size":N,"median":..,"p90":..}`): `local` (one process, no communication: the
@@ -19,7 +21,7 @@
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use autograd_dist::{Optimizer, OptimizerKind};
+use autograd_dist::{grad_once, Optimizer, OptimizerKind};
 use candle_core::{DType, Device, Tensor, Var};
 use collectives::{CompressHook, DistributedDataParallel, ProcessGroup, ReduceOp};
 use rpc_core::Agent;
@@ -56,9 +58,7 @@ fn loss(p: &[Var], mut cut: impl FnMut(&Tensor) -> Result<Tensor>) -> Result<Ten
     let y = Tensor::randn(0f32, 1.0, (BATCH, DIMS[3]), &Device::Cpu)?;
     let mut h = x;
     for l in 0..3 {
-        h = h
-            .matmul(p[2 * l].as_tensor())?
-            .broadcast_add(p[2 * l + 1].as_tensor())?;
+        h = grad_once::matmul(&h, p[2 * l].as_tensor())?.broadcast_add(p[2 * l + 1].as_tensor())?;
         if l < 2 {
             h = cut(&h.relu()?)?;
         }
@@ -131,12 +131,12 @@ async fn step(
     match (v, ddp) {
         (Variant::Local | Variant::NoComm | Variant::AllReduce, _) | (_, None) => {
             let l = loss(vars, |h| Ok(h.clone()))?;
-            let g = l.backward()?;
+            let g = grad_once::backward(&l)?;
             opt.step(&g)?;
         }
         (Variant::After, Some(ddp)) => {
             let l = loss(vars, |h| Ok(h.clone()))?;
-            let mut g = l.backward()?;
+            let mut g = grad_once::backward(&l)?;
             ddp.reduce_gradients(&mut g).await?;
             opt.step(&g)?;
         }

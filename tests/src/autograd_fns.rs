@@ -56,7 +56,9 @@ pub async fn init_param(
     Ok(())
 }
 
-/// `x @ W` (then ReLU if asked) with this worker's parameter `w`.
+/// `x @ W` (then ReLU if asked) with this worker's parameter `w`, through
+/// `grad_once::matmul`: the distributed backward writes `W`'s gradient once (the tests that
+/// compare it with one process's plain backward check that it is the same).
 #[remote]
 pub async fn linear(
     ctx: CallContext,
@@ -64,7 +66,7 @@ pub async fn linear(
     x: RTensor,
     relu: bool,
 ) -> Result<RTensor, BoxError> {
-    let y = x.matmul(param(&ctx, &w)?.as_tensor())?;
+    let y = autograd_dist::grad_once::matmul(&x, param(&ctx, &w)?.as_tensor())?;
     Ok(RTensor(if relu { y.relu()? } else { y }))
 }
 

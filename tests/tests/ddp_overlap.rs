@@ -72,8 +72,9 @@ fn loss(p: &[Var], x: &Tensor, y: &Tensor, mut cut: impl FnMut(&Tensor) -> Tenso
         .unwrap();
     let h = h.tanh().unwrap().broadcast_mul(scale).unwrap();
     let h = cut(&h);
-    let h = h
-        .matmul(p[2].as_tensor())
+    // One layer's weight gradient written once (`grad_once`, which the overlapped pass and
+    // the replicas' backward collect; one process's plain backward takes candle's path).
+    let h = autograd_dist::grad_once::matmul(&h, p[2].as_tensor())
         .unwrap()
         .broadcast_add(p[3].as_tensor())
         .unwrap();
@@ -145,7 +146,7 @@ async fn replicas(n: u32, overlap: bool, hook: Option<CompressHook>) -> Vec<Vec<
                     opt.backward_step(pass, &l).await.unwrap();
                 } else {
                     let l = loss(ddp.vars(), &xs, &ys, |h| h.clone());
-                    let mut g = l.backward().unwrap();
+                    let mut g = autograd_dist::grad_once::backward(&l).unwrap();
                     ddp.reduce_gradients(&mut g).await.unwrap();
                     opt.optimizer().step(&g).unwrap();
                 }

@@ -127,9 +127,10 @@ impl Pass<'_> {
                 .tracer()
                 .span(rpc_core::trace::Cat::Compute, "backward segment");
             span.detail(|| format!("segment {k}"));
+            // Parameters used through `grad_once::matmul` get their gradients written once.
             let store = rpc_core::spawn_blocking(move || match g {
-                None => from.backward(),
-                Some(g) => (from * g)?.sum_all()?.backward(),
+                None => autograd_dist::grad_once::backward(&from),
+                Some(g) => autograd_dist::grad_once::backward(&(from * g)?.sum_all()?),
             })
             .await
             .map_err(|e| CollectiveError::Candle(candle_core::Error::Msg(e.to_string())))??;

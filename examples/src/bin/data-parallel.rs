@@ -12,7 +12,7 @@ use rpc_core::trace::Cat;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use autograd_dist::{Optimizer, OptimizerKind};
+use autograd_dist::{grad_once, Optimizer, OptimizerKind};
 use candle_core::{DType, Device, Tensor, Var, D};
 use clap::Parser;
 use collectives::{CompressHook, DistributedDataParallel, DistributedSampler};
@@ -205,9 +205,8 @@ fn forward(
     let mut h = x.clone();
     let layers = p.len() / 2;
     for l in 0..layers {
-        h = h
-            .matmul(p[2 * l].as_tensor())?
-            .broadcast_add(p[2 * l + 1].as_tensor())?;
+        // The weight's gradient written once (`grad_once`: the pass's backward collects it).
+        h = grad_once::matmul(&h, p[2 * l].as_tensor())?.broadcast_add(p[2 * l + 1].as_tensor())?;
         if l + 1 < layers {
             h = cut(&h.relu()?)?;
         }

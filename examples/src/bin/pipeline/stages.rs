@@ -133,9 +133,8 @@ impl Module for MlpStage {
         let home = x.device().clone();
         let mut h = x.clone();
         for (i, (w, b, dev)) in self.layers.iter().enumerate() {
-            h = h
-                .to_device(dev)?
-                .matmul(w.as_tensor())?
+            // The weight's gradient written once by the stage's backward (`grad_once`).
+            h = autograd_dist::grad_once::matmul(&h.to_device(dev)?, w.as_tensor())?
                 .broadcast_add(b.as_tensor())?;
             if i + 1 < self.layers.len() || self.relu_last {
                 h = h.relu()?;
