@@ -62,7 +62,11 @@ impl Agent {
     /// worker whose connection is up (and whose arguments have no bulk blobs) is queued before
     /// this returns, so work done before awaiting the future overlaps it. Otherwise (the
     /// first call to a peer, bulk arguments, a call to this worker) it starts when the future
-    /// is first polled.
+    /// is first polled. The queued request leaves when the connection's task next runs: work
+    /// done off the runtime's threads ([`spawn_blocking`](crate::spawn_blocking), a plain
+    /// thread) overlaps it, but compute on the calling task itself holds its runtime thread,
+    /// which tokio gives the connection's task next, so the request waits until the task
+    /// yields.
     ///
     /// # Cancel safety
     /// Cancelling (dropping the future, polled or not) abandons the call; the callee's

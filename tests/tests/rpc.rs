@@ -89,6 +89,56 @@ fn rpc_async_starts_when_called() {
     });
 }
 
+/// When the callee ran [`stamped`] last.
+static STAMPED: std::sync::Mutex<Option<Instant>> = std::sync::Mutex::new(None);
+
+/// Notes when it ran.
+#[rpc_core::remote]
+async fn stamped(_ctx: rpc_core::CallContext) -> Result<(), rpc_core::BoxError> {
+    *STAMPED.lock().unwrap() = Some(Instant::now());
+    Ok(())
+}
+
+/// `rpc_async` from a task on a runtime thread (as an async `main`'s code is), then compute
+/// off the runtime's threads (`rpc_core::spawn_blocking`): the callee runs the call while the
+/// compute goes on. (Compute on the calling task itself would hold the runtime thread on
+/// which tokio runs the connection's task next, and the request would leave only when the
+/// task yields: `Agent::rpc_async`'s docs say so.)
+#[test]
+fn rpc_async_overlaps_compute_in_spawn_blocking() {
+    each_transport(30, |t| async move {
+        let a = start_group(
+            2,
+            t,
+            Secret::generate(),
+            |_| registry_builder().register(stamped).unwrap().build(),
+            |_, c| c,
+        )
+        .await
+        .unwrap();
+        assert_eq!(a[0].rpc_async(1u32, add, (0, 0)).await.unwrap(), 0);
+        let a0 = a[0].clone();
+        let seen = tokio::spawn(async move {
+            *STAMPED.lock().unwrap() = None;
+            let t0 = Instant::now();
+            let call = a0.rpc_async(1u32, stamped, ());
+            rpc_core::spawn_blocking(|| std::thread::sleep(Duration::from_millis(400)))
+                .await
+                .unwrap();
+            let seen = STAMPED.lock().unwrap().map(|s| s - t0);
+            call.await.unwrap();
+            seen
+        })
+        .await
+        .unwrap();
+        assert!(
+            seen.is_some_and(|s| s < Duration::from_millis(200)),
+            "the call ran {seen:?} after it was made, not during the compute"
+        );
+        shutdown_all(&a).await;
+    });
+}
+
 /// A keep call to a connected peer is queued when it is made: the callee runs the function
 /// and hands the result to its sink even if the caller drops the future without polling it
 /// (`add` ends in its first poll on the callee, before the cancel that the drop sends behind

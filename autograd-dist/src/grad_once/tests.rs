@@ -156,14 +156,27 @@ fn a_panic_in_backward_does_not_leave_gradients_taken() {
 fn odd_operands_behave_as_candle_s_matmul() {
     let w = var((4, 3), 7);
     let x64 = input(&[2, 4]).to_dtype(DType::F64).unwrap();
-    let ours = matmul(&x64, w.as_tensor()).map(|_| ()).unwrap_err().to_string();
-    let theirs = x64.matmul(w.as_tensor()).map(|_| ()).unwrap_err().to_string();
-    assert!(ours.contains("dtype") && theirs.contains("dtype"), "{ours} / {theirs}");
+    let ours = matmul(&x64, w.as_tensor())
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    let theirs = x64
+        .matmul(w.as_tensor())
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        ours.contains("dtype") && theirs.contains("dtype"),
+        "{ours} / {theirs}"
+    );
     let xt = input(&[4, 2]).t().unwrap();
     assert_eq!(
         values(&matmul(&xt, w.as_tensor()).unwrap()),
         values(&xt.matmul(w.as_tensor()).unwrap())
     );
-    let err = matmul(&input(&[2, 5]), w.as_tensor()).map(|_| ()).unwrap_err().to_string();
+    let err = matmul(&input(&[2, 5]), w.as_tensor())
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("(4, 3)"), "{err}");
 }
