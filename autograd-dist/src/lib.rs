@@ -62,7 +62,7 @@
 //!   the same arithmetic as the local [`Optimizer`], a [`GradientHook`] for data-parallel
 //!   replicas, and state export for checkpoints.
 //! - [`grad_once`]: a weight's product whose gradient candle's backward writes once instead
-//!   of into zeros and a sum (a sixth of a CPU training step of a large MLP).
+//!   of into zeros and a sum (a tenth of a CPU training step of a large MLP).
 //!
 //! Install the engine's functions in every worker's registry with [`install`].
 //!
