@@ -609,6 +609,57 @@ fn in_place_and_async_variants() {
     });
 }
 
+/// An all-reduce whose buffer is still being filled keeps its place in the group's order:
+/// the operation called after it (filled at once) completes while the first one's fill still
+/// waits, and both pair up across the members as they were called (their lengths differ, so
+/// a wrong pairing fails the header check). A fill that panics fails its member's work,
+/// naming the cause.
+#[test]
+fn an_all_reduce_keeps_its_place_while_its_buffer_is_filled() {
+    each_transport(60, |t| async move {
+        let a = group(3, t).await;
+        let outs = futures::future::join_all(a.iter().map(|w| {
+            let g = collectives::world(w);
+            let r = w.rank() as f32;
+            async move {
+                let (release, held) = std::sync::mpsc::channel::<()>();
+                let first = g.all_reduce_fill_async(
+                    move |_| {
+                        held.recv_timeout(Duration::from_secs(20))
+                            .expect("released once the second is done");
+                        Ok(vec![r; 10])
+                    },
+                    ReduceOp::Sum,
+                );
+                let second = g.all_reduce_fill_async(move |_| Ok(vec![r * 10.0; 3]), ReduceOp::Max);
+                let second = second.wait().await.unwrap();
+                release.send(()).unwrap();
+                (first.wait().await.unwrap(), second)
+            }
+        }))
+        .await;
+        for (first, second) in &outs {
+            assert_eq!(first, &vec![3.0; 10]);
+            assert_eq!(second, &vec![20.0; 3]);
+        }
+        let errs = futures::future::join_all(a.iter().map(|w| {
+            let g = collectives::world(w);
+            async move {
+                g.all_reduce_fill_async::<f32, _>(|_| panic!("no buffer"), ReduceOp::Sum)
+                    .wait()
+                    .await
+                    .unwrap_err()
+                    .to_string()
+            }
+        }))
+        .await;
+        for e in errs {
+            assert!(e.contains("filling the buffer failed"), "{e}");
+        }
+        shutdown_all(&a).await;
+    });
+}
+
 /// LANE-1: the ring's passes split over threads give the single thread's result, bit for
 /// bit, on every member (chunks of two pieces, each split into up to four lanes, uneven).
 #[test]

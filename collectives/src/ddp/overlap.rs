@@ -10,7 +10,9 @@
 //!
 //! - DDP-1: a bucket's combination starts once the segment after which none of its
 //!   parameters gets any more gradient has been backpropagated, and before any earlier
-//!   segment's backward; buckets start in the same order on every member.
+//!   segment's backward; buckets start in the same order on every member. A bucket's copy
+//!   into its flat buffer runs beside the next segment's backward (on a blocking thread, its
+//!   place in the group's order taken when it starts: `ProcessGroup::all_reduce_fill_async`).
 //! - DDP-2: the buckets are learnt from the first pass (which combines everything at its end,
 //!   after recording the last segment in which each parameter gets a gradient): parameters
 //!   grouped per segment, in reverse order of the parameters (as backward produces them), up

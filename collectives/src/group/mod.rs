@@ -23,6 +23,7 @@ use std::sync::Arc;
 use crate::mailbox::{mailbox, P2pError};
 
 pub use element::Element;
+pub(crate) use lanes::{per_lane, run as run_lanes};
 pub(crate) use op::Verdict;
 
 /// How values combine.
@@ -485,6 +486,40 @@ impl ProcessGroup {
         self.background(
             |g, seq| async move { g.reduce_slice(seq, &mut data, op).await.map(|()| data) },
         )
+    }
+
+    /// [`ProcessGroup::all_reduce_vec_async`] of a buffer still to be made: the operation
+    /// takes its place in the group's order now (so operations pair up across members as
+    /// they were called, whichever buffer is ready first), and `fill` makes the buffer on a
+    /// blocking thread, so the caller goes on meanwhile. `fill` gets the threads the ring's
+    /// passes may use ([`ProcessGroup::ring_threads`]). A failed or panicking `fill` fails
+    /// this member's work; the other members' operation then ends at the RPC timeout.
+    ///
+    /// For a buffer gathered from many tensors while the caller has other work:
+    /// `DistributedDataParallel` copies each bucket's gradients this way while backward goes
+    /// on with the next segment.
+    pub fn all_reduce_fill_async<T, F>(&self, fill: F, op: ReduceOp) -> Work<Vec<T>>
+    where
+        T: Element + Send + 'static,
+        F: FnOnce(usize) -> Result<Vec<T>, CollectiveError> + Send + 'static,
+    {
+        let lanes = self.lanes;
+        self.background(|g, seq| async move {
+            let mut span = g
+                .agent
+                .tracer()
+                .span(rpc_core::trace::Cat::Collective, "fill");
+            span.detail(|| format!("seq {seq}"));
+            let mut data = rpc_core::spawn_blocking(move || fill(lanes))
+                .await
+                .map_err(|e| CollectiveError::Failed {
+                    op: "all_reduce_in_place",
+                    members: g.ranks().to_vec(),
+                    message: format!("filling the buffer failed: {e}"),
+                })??;
+            drop(span);
+            g.reduce_slice(seq, &mut data, op).await.map(|()| data)
+        })
     }
 
     /// [`ProcessGroup::broadcast`] in the background.
