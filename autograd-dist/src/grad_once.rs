@@ -35,10 +35,19 @@ use candle_core::backend::BackendStorage;
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
+/// Told of each weight gradient as it is computed ([`backward_observed`]).
+type Ready = Box<dyn FnMut(&Tensor, &Tensor)>;
+
+/// The gradients taken in one [`backward`], and who is told of each.
+struct Taken {
+    grads: Vec<(Tensor, Tensor)>,
+    ready: Option<Ready>,
+}
+
 thread_local! {
     /// The gradients [`MatmulParam`] produced in the backward pass running on this thread
     /// through [`backward`] (`None`: none is; gradients then take candle's path).
-    static TAKEN: RefCell<Option<Vec<(Tensor, Tensor)>>> = const { RefCell::new(None) };
+    static TAKEN: RefCell<Option<Taken>> = const { RefCell::new(None) };
 }
 
 /// `x @ w` whose backward hands `w`'s gradient to [`TAKEN`] when a [`backward`] collects it.
@@ -72,16 +81,20 @@ impl CustomOp2 for MatmulParam {
         _res: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        // As candle's backward of `Op::Matmul` computes them (ONCE-1).
-        let dx = g.matmul(&w.t()?)?;
+        // As candle's backward of `Op::Matmul` computes them (ONCE-1); the weight's first, so
+        // that whoever waits for it gets it before the rest of backward runs.
         let dw = x.t()?.matmul(g)?;
         let dw = TAKEN.with(|t| match t.borrow_mut().as_mut() {
             Some(taken) => {
-                taken.push((w.clone(), dw));
+                if let Some(ready) = taken.ready.as_mut() {
+                    ready(w, &dw);
+                }
+                taken.grads.push((w.clone(), dw));
                 None
             }
             None => Some(dw),
         });
+        let dx = g.matmul(&w.t()?)?;
         Ok((Some(dx), dw))
     }
 }
@@ -117,7 +130,24 @@ pub fn matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 /// once: each is the matrix product itself (summed with any other part candle accumulated
 /// for the same parameter).
 pub fn backward(loss: &Tensor) -> Result<GradStore> {
-    let collecting = Collecting::start();
+    collect(loss, None)
+}
+
+/// [`backward`], calling `ready(w, dw)` on this thread with each weight gradient taken, as
+/// soon as it is computed and before the rest of backward runs: a data-parallel pass starts
+/// sending a weight's gradient while backward goes on below it. `dw` is that one product: a
+/// weight used several times, or also by other operations, ends with the sum of its parts in
+/// the returned store (ONCE-1), which `ready` sees one part at a time. `ready` must not run a
+/// backward pass itself.
+pub fn backward_observed(
+    loss: &Tensor,
+    ready: impl FnMut(&Tensor, &Tensor) + 'static,
+) -> Result<GradStore> {
+    collect(loss, Some(Box::new(ready)))
+}
+
+fn collect(loss: &Tensor, ready: Option<Ready>) -> Result<GradStore> {
+    let collecting = Collecting::start(ready);
     let result = loss.backward();
     let taken = collecting.end();
     let mut grads = result?;
@@ -136,19 +166,25 @@ pub fn backward(loss: &Tensor) -> Result<GradStore> {
 /// (else gradients would go on being taken for a collection nobody reads).
 struct Collecting {
     /// What to put back; `None` once put back.
-    outer: Option<Option<Vec<(Tensor, Tensor)>>>,
+    outer: Option<Option<Taken>>,
 }
 
 impl Collecting {
-    fn start() -> Self {
-        let outer = TAKEN.with(|t| t.replace(Some(Vec::new())));
+    fn start(ready: Option<Ready>) -> Self {
+        let fresh = Taken {
+            grads: Vec::new(),
+            ready,
+        };
+        let outer = TAKEN.with(|t| t.replace(Some(fresh)));
         Self { outer: Some(outer) }
     }
 
     /// The gradients taken.
     fn end(mut self) -> Vec<(Tensor, Tensor)> {
         let outer = self.outer.take().expect("not ended yet");
-        TAKEN.with(|t| t.replace(outer)).unwrap_or_default()
+        TAKEN
+            .with(|t| t.replace(outer))
+            .map_or_else(Vec::new, |t| t.grads)
     }
 }
 

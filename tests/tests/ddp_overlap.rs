@@ -338,3 +338,103 @@ fn a_pass_that_moves_a_parameter_fails_naming_it() {
         shutdown_all(&a).await;
     });
 }
+
+/// DDP-4: from the second pass on, a bucket of weights whose gradients `grad_once` hands over
+/// leaves as soon as the last of them is computed, while its own segment's backward goes on
+/// below the layer (here one segment, no cut: a slow op feeds the layer). The first pass, which
+/// learns the buckets, combines at its end.
+#[test]
+fn a_weight_s_bucket_leaves_while_its_own_segment_backpropagates() {
+    run(60, async {
+        let a = group(2).await;
+        let (x, _) = dataset();
+        futures::future::join_all(a.iter().map(|w| {
+            let x = x.clone();
+            async move {
+                let started = Arc::new(Mutex::new(Vec::new()));
+                let ddp = DistributedDataParallel::new(
+                    collectives::world(w),
+                    vec![init_params(0.0)[0].clone()],
+                )
+                .await
+                .unwrap()
+                .with_hook(Noting(Arc::clone(&started)));
+                for pass_no in 0..2 {
+                    started.lock().unwrap().clear();
+                    let slow_began = Arc::new(Mutex::new(None));
+                    let pass = ddp.pass();
+                    let input = Var::from_tensor(&x).unwrap();
+                    let slow = input
+                        .as_tensor()
+                        .apply_op1(SlowBackward(Arc::clone(&slow_began)))
+                        .unwrap();
+                    let l = autograd_dist::grad_once::matmul(&slow, ddp.vars()[0].as_tensor())
+                        .unwrap()
+                        .tanh()
+                        .unwrap();
+                    let l = l.sqr().unwrap().mean_all().unwrap();
+                    let _ = pass.backward(&l).await.unwrap();
+                    let began = slow_began.lock().unwrap().expect("the slow backward ran");
+                    let first = started.lock().unwrap()[0];
+                    let ended = began + Duration::from_millis(400);
+                    if pass_no == 1 {
+                        assert!(first < ended, "the bucket waited for the segment's end");
+                    } else {
+                        assert!(first > ended, "the first pass combines at its end");
+                    }
+                }
+            }
+        }))
+        .await;
+        shutdown_all(&a).await;
+    });
+}
+
+/// DDP-4: a weight whose whole gradient was one product in the first pass, used twice in a
+/// later one, gets its second part after its bucket left: the pass fails, naming it, on
+/// every member, rather than send an incomplete sum.
+#[test]
+fn a_weight_used_again_after_its_bucket_left_fails_naming_it() {
+    run(60, async {
+        let a = group(2).await;
+        let (x, y) = dataset();
+        let outs = futures::future::join_all(a.iter().map(|w| {
+            let (x, y) = (x.clone(), y.clone());
+            async move {
+                let ddp = DistributedDataParallel::with_bucket_bytes(
+                    collectives::world(w),
+                    init_params(0.0),
+                    200,
+                )
+                .await
+                .unwrap();
+                let mut pass = ddp.pass();
+                let l = loss(ddp.vars(), &x, &y, |h| pass.cut(h).unwrap());
+                pass.backward(&l).await.unwrap();
+                // Parameter 2 (the middle layer's `grad_once` weight) twice in its segment.
+                let mut pass = ddp.pass();
+                let p = ddp.vars();
+                let twice = |h: &Tensor| {
+                    let h = autograd_dist::grad_once::matmul(h, p[2].as_tensor()).unwrap();
+                    autograd_dist::grad_once::matmul(&h.tanh().unwrap(), p[2].as_tensor()).unwrap()
+                };
+                let mut cuts = 0;
+                let l = loss(p, &x, &y, |h| {
+                    cuts += 1;
+                    let h = if cuts == 2 { twice(h) } else { h.clone() };
+                    pass.cut(&h).unwrap()
+                });
+                pass.backward(&l).await.map(|_| ())
+            }
+        }))
+        .await;
+        for o in outs {
+            let e = o.unwrap_err().to_string();
+            assert!(
+                e.contains("parameter 2 got more gradient after its bucket was sent"),
+                "{e}"
+            );
+        }
+        shutdown_all(&a).await;
+    });
+}

@@ -180,3 +180,72 @@ fn odd_operands_behave_as_candle_s_matmul() {
         .to_string();
     assert!(err.contains("(4, 3)"), "{err}");
 }
+
+/// An identity op that notes in `log` when its backward runs.
+struct Noted(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+
+impl candle_core::CustomOp1 for Noted {
+    fn name(&self) -> &'static str {
+        "noted"
+    }
+    fn cpu_fwd(
+        &self,
+        s: &candle_core::CpuStorage,
+        l: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        let (Some((a, b)), candle_core::CpuStorage::F32(v)) = (l.contiguous_offsets(), s) else {
+            candle_core::bail!("noted: contiguous f32 only")
+        };
+        Ok((
+            candle_core::CpuStorage::F32(v[a..b].to_vec()),
+            l.shape().clone(),
+        ))
+    }
+    fn bwd(&self, _: &Tensor, _: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        self.0.lock().unwrap().push("upstream".into());
+        Ok(Some(g.clone()))
+    }
+}
+
+/// `backward_observed` hands each weight's product over before backward goes on below the
+/// layer: the op that feeds the product is backpropagated after `ready` ran. A weight used
+/// once ends in the store as the very tensor handed over; one used twice is handed over
+/// twice, and the store holds the sum.
+#[test]
+fn ready_sees_each_weight_product_before_backward_goes_below_it() {
+    use std::sync::{Arc, Mutex};
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let (w, u) = (var((4, 4), 8), var((4, 3), 9));
+    let x = Var::from_tensor(&input(&[2, 4])).unwrap();
+    let below = x.as_tensor().apply_op1(Noted(Arc::clone(&log))).unwrap();
+    let h = matmul(&below, w.as_tensor()).unwrap().tanh().unwrap();
+    let h = matmul(&h, w.as_tensor()).unwrap(); // w twice
+    let loss = matmul(&h, u.as_tensor())
+        .unwrap()
+        .sqr()
+        .unwrap()
+        .sum_all()
+        .unwrap();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let (l, s) = (Arc::clone(&log), Arc::clone(&seen));
+    let ids = (w.as_tensor().id(), u.as_tensor().id());
+    let grads = super::backward_observed(&loss, move |p, dw| {
+        let name = if p.id() == ids.0 { "w" } else { "u" };
+        l.lock().unwrap().push(name.to_string());
+        s.lock().unwrap().push((p.id(), dw.clone()));
+    })
+    .unwrap();
+    assert_eq!(*log.lock().unwrap(), ["u", "w", "w", "upstream"]);
+    let seen = seen.lock().unwrap();
+    let g_u = grads.get(u.as_tensor()).unwrap();
+    assert_eq!(
+        seen[0].1.id(),
+        g_u.id(),
+        "u's gradient is the product handed over"
+    );
+    let sum = (&seen[1].1 + &seen[2].1).unwrap();
+    assert_eq!(values(grads.get(w.as_tensor()).unwrap()), values(&sum));
+    // The same gradients as the plain collection.
+    let again = backward(&loss).unwrap();
+    assert_eq!(values(again.get(w.as_tensor()).unwrap()), values(&sum));
+}

@@ -20,7 +20,9 @@
 
 mod flat;
 mod hooks;
+mod optimizer;
 mod overlap;
+mod plan;
 mod sampler;
 
 use std::collections::HashMap;
@@ -34,7 +36,8 @@ use rpc_core::BoxError;
 use crate::group::{CollectiveError, ProcessGroup, ReduceOp, Work};
 
 pub use hooks::{AllReduceHook, CommHook, CompressHook};
-pub use overlap::{DdpOptimizer, Pass};
+pub use optimizer::DdpOptimizer;
+pub use overlap::Pass;
 pub use sampler::DistributedSampler;
 
 /// Keeps a model's replicas identical across a group.
@@ -45,7 +48,7 @@ pub struct DistributedDataParallel {
     op: ReduceOp,
     hook: Arc<dyn CommHook>,
     /// The buckets of an overlapped pass, learnt from the first one (`overlap.rs`).
-    plan: Mutex<Option<overlap::Plan>>,
+    plan: Mutex<Option<plan::Plan>>,
 }
 
 impl std::fmt::Debug for DistributedDataParallel {

@@ -21,31 +21,24 @@
 //!   differently from the first pass), rather than send an incomplete sum.
 //! - DDP-3: the gradients combined are the same as [`DistributedDataParallel::reduce_gradients`]
 //!   computes after a whole backward (the segments' gradients add up to the whole graph's).
+//! - DDP-4: from the second pass on, a bucket whose weights' whole gradients were, in the
+//!   first pass, one `grad_once` product each (a weight used once, by
+//!   `autograd_dist::grad_once::matmul`) leaves as soon as the last of those products is
+//!   computed, while its segment's backward goes on below the layer; such buckets go first
+//!   among their segment's, in the plan's order, and the others leave at the segment's end.
+//!   A weight that gets more gradient after its bucket left (the model now uses it twice)
+//!   fails the pass, naming it.
 //!
 //! Cost where there is nothing to overlap (one segment): one copy of each cut's activation
 //! and one surrogate graph per cut; no cut, none.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
-use autograd_dist::Optimizer;
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, TensorId, Var};
 
 use super::DistributedDataParallel;
 use crate::group::CollectiveError;
-
-/// The buckets of an overlapped pass (DDP-2).
-#[derive(Debug)]
-pub(super) struct Plan {
-    cuts: usize,
-    /// For each segment (by its index in the forward order), the buckets that complete once
-    /// it has been backpropagated.
-    after: Vec<Vec<Vec<usize>>>,
-    /// Parameters that got no gradient in the first pass: zeros, sent at the end.
-    unused: Vec<Vec<usize>>,
-    /// The segment whose backward completes each parameter's gradient.
-    segment_of: HashMap<TensorId, usize>,
-}
 
 /// One forward and backward pass of a data-parallel replica whose gradients are combined
 /// while backward runs (see the module docs).
@@ -83,12 +76,6 @@ impl DistributedDataParallel {
             cuts: Vec::new(),
         }
     }
-
-    /// Wraps a local optimizer, Horovod's `DistributedOptimizer` style: its step takes a pass
-    /// and its loss, backpropagates with the combination overlapped, and updates.
-    pub fn wrap(&self, opt: Optimizer) -> DdpOptimizer<'_> {
-        DdpOptimizer { ddp: self, opt }
-    }
 }
 
 impl Pass<'_> {
@@ -102,7 +89,7 @@ impl Pass<'_> {
     }
 
     /// Backpropagates `loss` segment by segment and returns the wrapped parameters'
-    /// gradients combined over the group (DDP-1..3).
+    /// gradients combined over the group (DDP-1..4).
     pub async fn backward(self, loss: &Tensor) -> Result<GradStore, CollectiveError> {
         let ddp = self.ddp;
         let planned = {
@@ -115,28 +102,23 @@ impl Pass<'_> {
             .enumerate()
             .map(|(i, v)| (v.as_tensor().id(), i))
             .collect();
-        let mut total: Option<GradStore> = None;
-        let mut last_segment: HashMap<TensorId, usize> = HashMap::new();
-        let mut started: Vec<(Vec<usize>, super::Bucket)> = Vec::new();
+        let mut st = State {
+            planned,
+            by_id,
+            total: None,
+            last_segment: HashMap::new(),
+            started: Vec::new(),
+            handed: HashMap::new(),
+            whole: HashSet::new(),
+            segment: Segment::default(),
+        };
         // The segments from the last to the first: what each is backpropagated from (the loss,
         // then the output before each cut, with the gradient at its leaf).
         let mut seed: Option<(Tensor, Option<Tensor>)> = Some((loss.clone(), None));
         for k in (0..=self.cuts.len()).rev() {
             let (from, g) = seed.take().expect("seeded");
-            let mut span = ddp
-                .group
-                .agent()
-                .tracer()
-                .span(rpc_core::trace::Cat::Compute, "backward segment");
-            span.detail(|| format!("segment {k}"));
-            // Parameters used through `grad_once::matmul` get their gradients written once.
-            let store = rpc_core::spawn_blocking(move || match g {
-                None => autograd_dist::grad_once::backward(&from),
-                Some(g) => autograd_dist::grad_once::backward(&(from * g)?.sum_all()?),
-            })
-            .await
-            .map_err(|e| CollectiveError::Candle(candle_core::Error::Msg(e.to_string())))??;
-            drop(span);
+            st.segment = Segment::default();
+            let store = self.backpropagate(k, from, g, &mut st).await?;
             if k > 0 {
                 let (before, leaf) = &self.cuts[k - 1];
                 // Detached: a variable's gradient keeps the graph that computed it (candle
@@ -148,45 +130,36 @@ impl Pass<'_> {
                     .ok_or_else(|| no_gradient_at_cut(k))?;
                 seed = Some((before.clone(), Some(g)));
             }
-            for id in store.get_ids() {
-                if by_id.contains_key(id) {
-                    last_segment.insert(*id, k);
-                }
-            }
-            match &mut total {
-                None => total = Some(store),
-                Some(t) => t.extend(store)?,
-            }
-            if planned {
-                self.check_plan(&by_id, &last_segment, k)?;
-                let grads = total.as_ref().expect("a store");
-                let plan = ddp.plan.lock().unwrap_or_else(|p| p.into_inner());
-                let buckets = plan.as_ref().expect("planned").after[k].clone();
-                drop(plan);
-                for idx in buckets {
-                    let bucket = ddp.start(&idx, |v| grads.get(v).cloned())?;
-                    started.push((idx, bucket));
-                }
-            }
+            self.segment_done(k, store, &mut st)?;
         }
-        let mut grads = total.expect("at least one segment");
-        if !planned {
-            let plan = ddp.learn_plan(self.cuts.len(), &last_segment);
-            for idx in plan.after.iter().rev().flatten().chain(&plan.unused) {
-                let bucket = ddp.start(idx, |v| grads.get(v).cloned())?;
-                started.push((idx.clone(), bucket));
-            }
-            *ddp.plan.lock().unwrap_or_else(|p| p.into_inner()) = Some(plan);
-        } else {
+        let mut grads = st.total.take().expect("at least one segment");
+        let rest: Vec<Vec<usize>> = if planned {
             let plan = ddp.plan.lock().unwrap_or_else(|p| p.into_inner());
-            let unused = plan.as_ref().expect("planned").unused.clone();
-            drop(plan);
-            for idx in unused {
-                let bucket = ddp.start(&idx, |v| grads.get(v).cloned())?;
-                started.push((idx, bucket));
-            }
+            plan.as_ref().expect("planned").unused.clone()
+        } else {
+            let handed = st
+                .whole
+                .iter()
+                .filter(|id| st.handed.get(id).is_some_and(|h| h.parts == 1))
+                .copied()
+                .collect();
+            let plan = ddp.learn_plan(self.cuts.len(), &st.last_segment, handed);
+            let all = plan
+                .after
+                .iter()
+                .rev()
+                .flatten()
+                .chain(&plan.unused)
+                .cloned();
+            let all = all.collect();
+            *ddp.plan.lock().unwrap_or_else(|p| p.into_inner()) = Some(plan);
+            all
+        };
+        for idx in rest {
+            let bucket = ddp.start(&idx, |v| grads.get(v).cloned())?;
+            st.started.push((idx, bucket));
         }
-        for (idx, work) in started {
+        for (idx, work) in st.started {
             ddp.unflatten(&idx, work, &mut grads).await?;
         }
         // Only the wrapped parameters' gradients are the caller's business.
@@ -194,6 +167,170 @@ impl Pass<'_> {
             grads.remove(leaf.as_tensor());
         }
         Ok(grads)
+    }
+
+    /// Backpropagates segment `k` from `from` (times `g` at it) on a blocking thread, so the
+    /// runtime's threads carry the ring meanwhile; starts the segment's buckets whose weights
+    /// `grad_once` hands over as backward computes them (DDP-4).
+    async fn backpropagate(
+        &self,
+        k: usize,
+        from: Tensor,
+        g: Option<Tensor>,
+        st: &mut State,
+    ) -> Result<GradStore, CollectiveError> {
+        let mut span = self
+            .ddp
+            .group
+            .agent()
+            .tracer()
+            .span(rpc_core::trace::Cat::Compute, "backward segment");
+        span.detail(|| format!("segment {k}"));
+        let (tx, mut rx) =
+            tokio::sync::mpsc::channel::<(TensorId, Tensor)>(self.ddp.vars.len().max(1));
+        // A parameter's product, as `grad_once` computes it (a closed channel: the pass has
+        // failed and nobody waits for it any more).
+        let ready = move |w: &Tensor, dw: &Tensor| {
+            let _ = tx.blocking_send((w.id(), dw.clone()));
+        };
+        let mut done = rpc_core::spawn_blocking(move || match g {
+            None => autograd_dist::grad_once::backward_observed(&from, ready),
+            Some(g) => autograd_dist::grad_once::backward_observed(&(from * g)?.sum_all()?, ready),
+        });
+        let store = loop {
+            tokio::select! {
+                biased;
+                Some((id, dw)) = rx.recv() => self.handed_over(k, id, dw, st)?,
+                store = &mut done => break store,
+            }
+        };
+        // What was handed over just before the end.
+        while let Ok((id, dw)) = rx.try_recv() {
+            self.handed_over(k, id, dw, st)?;
+        }
+        drop(span);
+        store
+            .map_err(|e| CollectiveError::Candle(candle_core::Error::Msg(e.to_string())))?
+            .map_err(CollectiveError::Candle)
+    }
+
+    /// DDP-4: a part of parameter `id`'s gradient, handed over in segment `k`; starts, in the
+    /// plan's order, the segment's leading buckets whose parameters have all come.
+    fn handed_over(
+        &self,
+        k: usize,
+        id: TensorId,
+        dw: Tensor,
+        st: &mut State,
+    ) -> Result<(), CollectiveError> {
+        let Some(&index) = st.by_id.get(&id) else {
+            return Ok(());
+        };
+        let h = st.handed.entry(id).or_insert(Handed {
+            parts: 0,
+            last: dw.id(),
+        });
+        h.parts += 1;
+        h.last = dw.id();
+        if !st.planned {
+            return Ok(());
+        }
+        let plan = self.ddp.plan.lock().unwrap_or_else(|p| p.into_inner());
+        let plan = plan.as_ref().expect("planned");
+        if !plan.handed.contains(&id) || plan.segment_of.get(&id) != Some(&k) {
+            return Ok(()); // its bucket waits for the end of its segment
+        }
+        let seg = &mut st.segment;
+        if seg.sent.contains_key(&id) {
+            return Err(self.second_part(index));
+        }
+        if seg.ready.remove(&id).is_some() || seg.spoiled.contains(&id) {
+            // A second part before its bucket left: the bucket waits for the segment's end,
+            // which has the sum.
+            seg.spoiled.insert(id);
+            return Ok(());
+        }
+        seg.ready.insert(id, dw);
+        while seg.next < plan.early[k] {
+            let idx = &plan.after[k][seg.next];
+            let vars = &self.ddp.vars;
+            if !idx
+                .iter()
+                .all(|&i| seg.ready.contains_key(&vars[i].as_tensor().id()))
+            {
+                break;
+            }
+            let bucket = self.ddp.start(idx, |v| seg.ready.get(&v.id()).cloned())?;
+            for &i in idx {
+                let v = vars[i].as_tensor().id();
+                let dw = seg.ready.remove(&v).expect("ready");
+                seg.sent.insert(v, dw.id());
+            }
+            st.started.push((idx.clone(), bucket));
+            seg.next += 1;
+        }
+        Ok(())
+    }
+
+    /// Segment `k`'s gradients are in `store`: checks what left early (DDP-4) and the plan
+    /// (DDP-2), adds them to the pass's, and starts the segment's other buckets (DDP-1).
+    fn segment_done(
+        &self,
+        k: usize,
+        store: GradStore,
+        st: &mut State,
+    ) -> Result<(), CollectiveError> {
+        let ddp = self.ddp;
+        for (id, sent) in &st.segment.sent {
+            let same = store.get_id(*id).map(Tensor::id) == Some(*sent);
+            let before = st.total.as_ref().is_some_and(|t| t.get_id(*id).is_some());
+            if !same || before {
+                return Err(self.second_part(st.by_id[id]));
+            }
+        }
+        for id in store.get_ids() {
+            if st.by_id.contains_key(id) {
+                st.last_segment.insert(*id, k);
+                // Learning DDP-4: the whole gradient is the one product handed over.
+                let whole = st.handed.get(id).map(|h| h.last) == store.get_id(*id).map(Tensor::id);
+                let elsewhere = st.total.as_ref().is_some_and(|t| t.get_id(*id).is_some());
+                if whole && !elsewhere {
+                    st.whole.insert(*id);
+                } else {
+                    st.whole.remove(id);
+                }
+            }
+        }
+        match &mut st.total {
+            None => st.total = Some(store),
+            Some(t) => t.extend(store)?,
+        }
+        if !st.planned {
+            return Ok(());
+        }
+        self.check_plan(&st.by_id, &st.last_segment, k)?;
+        let grads = st.total.as_ref().expect("a store");
+        let plan = ddp.plan.lock().unwrap_or_else(|p| p.into_inner());
+        let buckets = plan.as_ref().expect("planned").after[k][st.segment.next..].to_vec();
+        drop(plan);
+        for idx in buckets {
+            let bucket = ddp.start(&idx, |v| grads.get(v).cloned())?;
+            st.started.push((idx, bucket));
+        }
+        Ok(())
+    }
+
+    /// DDP-4's refusal: a parameter sent early got more gradient afterwards.
+    fn second_part(&self, index: usize) -> CollectiveError {
+        CollectiveError::Failed {
+            op: "ddp backward",
+            members: self.ddp.group.ranks().to_vec(),
+            message: format!(
+                "parameter {index} got more gradient after its bucket was sent (its whole \
+                 gradient was one product in the first pass); the model used its parameters \
+                 differently from the first pass"
+            ),
+        }
     }
 
     /// DDP-2: fails if a parameter got a gradient in segment `k` after its bucket left
@@ -234,79 +371,47 @@ impl Pass<'_> {
     }
 }
 
+/// One pass's bookkeeping.
+struct State {
+    planned: bool,
+    /// Each wrapped parameter's index, by its tensor.
+    by_id: HashMap<TensorId, usize>,
+    /// The gradients of the segments done.
+    total: Option<GradStore>,
+    /// The last segment (lowest index) in which each parameter got a gradient.
+    last_segment: HashMap<TensorId, usize>,
+    /// The buckets on their way, in the order they started.
+    started: Vec<(Vec<usize>, super::Bucket)>,
+    /// The parts of each parameter's gradient `grad_once` handed over.
+    handed: HashMap<TensorId, Handed>,
+    /// Parameters whose gradient, so far, is one handed-over product (learning DDP-4).
+    whole: HashSet<TensorId>,
+    /// The segment being backpropagated.
+    segment: Segment,
+}
+
+/// What `grad_once` handed over of one parameter's gradient.
+struct Handed {
+    parts: usize,
+    /// The last part (a tensor's id).
+    last: TensorId,
+}
+
+/// A segment's buckets that may leave before it ends (DDP-4).
+#[derive(Default)]
+struct Segment {
+    /// The handed-over gradients waiting for the rest of their bucket.
+    ready: HashMap<TensorId, Tensor>,
+    /// Parameters that got a second part before their bucket left: it waits for the end.
+    spoiled: HashSet<TensorId>,
+    /// The parameters sent, with the tensor sent.
+    sent: HashMap<TensorId, TensorId>,
+    /// The segment's next bucket to start.
+    next: usize,
+}
+
 fn no_gradient_at_cut(k: usize) -> CollectiveError {
     CollectiveError::Candle(candle_core::Error::Msg(format!(
         "the loss does not depend on cut {k} (the segments after it ignore its output)"
     )))
-}
-
-impl DistributedDataParallel {
-    /// DDP-2: buckets per segment from the last segment in which each parameter got a
-    /// gradient, in reverse parameter order, up to `bucket_bytes`.
-    fn learn_plan(&self, cuts: usize, last_segment: &HashMap<TensorId, usize>) -> Plan {
-        let mut after: Vec<Vec<Vec<usize>>> = vec![Vec::new(); cuts + 1];
-        let mut unused = Vec::new();
-        let mut open: Vec<(Vec<usize>, usize)> = vec![(Vec::new(), 0); cuts + 2];
-        for i in (0..self.vars.len()).rev() {
-            let t = self.vars[i].as_tensor();
-            let slot = last_segment.get(&t.id()).copied().unwrap_or(cuts + 1);
-            let (bucket, size) = &mut open[slot];
-            bucket.push(i);
-            *size += t.elem_count() * t.dtype().size_in_bytes();
-            if *size >= self.bucket_bytes {
-                let full = std::mem::take(bucket);
-                *size = 0;
-                match after.get_mut(slot) {
-                    Some(a) => a.push(full),
-                    None => unused.push(full),
-                }
-            }
-        }
-        for (slot, (bucket, _)) in open.into_iter().enumerate() {
-            if bucket.is_empty() {
-                continue;
-            }
-            match after.get_mut(slot) {
-                Some(a) => a.push(bucket),
-                None => unused.push(bucket),
-            }
-        }
-        Plan {
-            cuts,
-            after,
-            unused,
-            segment_of: last_segment.clone(),
-        }
-    }
-}
-
-/// A local optimizer whose step overlaps the gradients' combination with backward (Horovod's
-/// `DistributedOptimizer`, over [`Pass`]).
-pub struct DdpOptimizer<'a> {
-    ddp: &'a DistributedDataParallel,
-    opt: Optimizer,
-}
-
-impl<'a> DdpOptimizer<'a> {
-    /// Starts a pass (mark its cuts in the forward pass with [`Pass::cut`]).
-    pub fn pass(&self) -> Pass<'a> {
-        self.ddp.pass()
-    }
-
-    /// Backpropagates `loss` through `pass`, combining gradients over the group as they
-    /// come, then updates the parameters.
-    pub async fn backward_step(
-        &mut self,
-        pass: Pass<'_>,
-        loss: &Tensor,
-    ) -> Result<(), CollectiveError> {
-        let grads = pass.backward(loss).await?;
-        self.opt.step(&grads)?;
-        Ok(())
-    }
-
-    /// The wrapped optimizer (learning rate, state for checkpoints).
-    pub fn optimizer(&mut self) -> &mut Optimizer {
-        &mut self.opt
-    }
 }
