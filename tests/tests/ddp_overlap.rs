@@ -1,8 +1,8 @@
-//! Data parallelism with the gradients' combination overlapped with backward (DDP-1..3):
+//! Data parallelism with the gradients' combination overlapped with backward (DDP-1..4):
 //! N replicas on B/N rows each track one process on B rows; the combination of a segment's
-//! buckets starts while an earlier segment's backward still runs; compressed buckets stay
-//! within their error bound; a pass that uses its parameters differently from the first fails
-//! naming the parameter.
+//! buckets starts while an earlier segment's backward still runs, a `grad_once` weight's while
+//! its own segment's does; compressed buckets stay within their error bound; a pass that uses
+//! its parameters differently from the first fails naming the parameter.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

@@ -13,7 +13,8 @@
 //! - overlapped with backward ([`Pass`], `overlap.rs`): the model's forward marks a few cuts
 //!   (`let h = pass.cut(&h)?;`, one line each), and [`Pass::backward`] backpropagates segment
 //!   by segment from the loss, starting each bucket's all-reduce as soon as the segment that
-//!   completes its gradients is done, while the earlier segments' backward runs (DDP-1..3).
+//!   completes its gradients is done, while the earlier segments' backward runs, and a
+//!   `grad_once` weight's bucket as soon as its product is computed (DDP-1..4).
 //!
 //! Each bucket travels through a [`CommHook`] (`hooks.rs`): the all-reduce by default,
 //! [`CompressHook`] for bf16 / f16 on the wire, or the user's own.
