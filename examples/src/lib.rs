@@ -186,14 +186,46 @@ pub fn check_shutdown(agent: &rpc_core::Agent, report: &rpc_core::ShutdownReport
 /// Shuts `agent` down after `result`, the work it did: a failure is told to every member
 /// (`Agent::shutdown_failed`), so that no process of a failed job exits 0; a [`Fatal`] one
 /// says that a restart cannot help.
+///
+/// Under [`main_with`], a failure's error line is written first: the other members exit as
+/// soon as they are told, a launcher then stops this process with SIGTERM, and the shutdown
+/// can outlast the signal's grace (seen on a loaded machine: the master's line naming the
+/// cause was lost, only the workers' echoes of it remained).
 pub async fn shutdown_after<T>(
     agent: &rpc_core::Agent,
     result: &Result<T>,
 ) -> rpc_core::ShutdownReport {
     match result {
         Ok(_) => agent.shutdown().await,
-        Err(e) => agent.shutdown_failed(format!("{e:#}"), !is_fatal(e)).await,
+        Err(e) => {
+            if PROGRAM.get().is_some() {
+                report_error(e);
+            }
+            agent.shutdown_failed(format!("{e:#}"), !is_fatal(e)).await
+        }
     }
+}
+
+/// The program's name under [`main_with`], for its error line.
+static PROGRAM: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// The error line this process wrote, if any (each is written once).
+static REPORTED: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
+
+/// Writes `e` as this process's error line (`<program>: error: ...`), unless that very line
+/// was written already.
+fn report_error(e: &anyhow::Error) {
+    use std::io::Write;
+    let name = PROGRAM.get().map_or("error", String::as_str);
+    let line = format!("{name}: error: {e:#}\n");
+    let mut reported = REPORTED.lock().unwrap_or_else(|p| p.into_inner());
+    if reported.as_deref() == Some(line.as_str()) {
+        return;
+    }
+    // One write for the whole line: the processes of a run share their stderr, and
+    // `eprintln!` writes a line piece by piece (they interleaved).
+    let _ = std::io::stderr().lock().write_all(line.as_bytes());
+    *reported = Some(line);
 }
 
 /// The job's failure another member told this one at shutdown, as this process's error
@@ -484,14 +516,11 @@ pub fn main_with(name: &str, run: impl FnOnce() -> Result<i32>) -> ! {
     if std::env::var_os("RAYON_NUM_THREADS").is_none() {
         std::env::set_var("RAYON_NUM_THREADS", "1");
     }
+    let _ = PROGRAM.set(name.to_owned());
     let code = match run() {
         Ok(code) => code,
         Err(e) => {
-            // One write for the whole line: the processes of a run share their stderr, and
-            // `eprintln!` writes a line piece by piece (they interleaved).
-            use std::io::Write;
-            let line = format!("{name}: error: {e:#}\n");
-            let _ = std::io::stderr().lock().write_all(line.as_bytes());
+            report_error(&e);
             if is_fatal(&e) {
                 rpcrun::FATAL_EXIT_CODE
             } else {
