@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 
 use autograd_dist::{Optimizer, OptimizerKind};
 use candle_core::{CpuStorage, CustomOp1, Device, Layout, Shape, Tensor, Var};
-use collectives::{CommHook, CompressHook, DistributedDataParallel, ProcessGroup, ReduceOp, Work};
+use collectives::{
+    CommHook, CompressHook, DistributedDataParallel, Pass, ProcessGroup, ReduceOp, Work,
+};
 use integration_tests::{max_abs_diff, run, shutdown_all};
 use rpc_core::testing::start_group;
 use rpc_core::{Agent, MemoryNetwork, Registry, Secret, Transport};
@@ -247,54 +249,72 @@ impl CommHook for Noting {
     }
 }
 
-/// DDP-1: in the second pass (the first learns the buckets), the last segment's buckets are
-/// handed to the hook before the first segment's (slow) backward starts.
-#[test]
-fn buckets_leave_while_earlier_segments_backpropagate() {
+/// Two passes on each of two members, with a slow op (its backward sleeps 400 ms) between the
+/// input and `model` (given the pass, the parameters, the slow op's output and the targets):
+/// for each member and pass, when the first bucket reached the hook and when the slow op's
+/// backward began.
+fn first_bucket_and_slow_op(
+    params: Vec<Var>,
+    bucket_bytes: usize,
+    model: fn(&mut Pass<'_>, &[Var], &Tensor, &Tensor) -> Tensor,
+) -> Vec<[(Instant, Instant); 2]> {
     run(60, async {
         let a = group(2).await;
         let (x, y) = dataset();
-        futures::future::join_all(a.iter().map(|w| {
-            let (x, y) = (x.clone(), y.clone());
+        let out = futures::future::join_all(a.iter().map(|w| {
+            let (x, y, params) = (x.clone(), y.clone(), params.clone());
             async move {
                 let started = Arc::new(Mutex::new(Vec::new()));
                 let ddp = DistributedDataParallel::with_bucket_bytes(
                     collectives::world(w),
-                    init_params(0.0),
-                    200,
+                    params,
+                    bucket_bytes,
                 )
                 .await
                 .unwrap()
                 .with_hook(Noting(Arc::clone(&started)));
-                for pass_no in 0..2 {
+                let mut times = Vec::new();
+                for _ in 0..2 {
                     started.lock().unwrap().clear();
                     let slow_began = Arc::new(Mutex::new(None));
                     let mut pass = ddp.pass();
-                    // The slow op's backward runs in the first segment: it needs a gradient
-                    // at its input, so the input is a variable here.
+                    // The slow op's backward needs a gradient at its input: a variable.
                     let input = Var::from_tensor(&x).unwrap();
                     let slow = input
                         .as_tensor()
                         .apply_op1(SlowBackward(Arc::clone(&slow_began)))
                         .unwrap();
-                    let l = loss(ddp.vars(), &slow, &y, |h| pass.cut(h).unwrap());
+                    let l = model(&mut pass, ddp.vars(), &slow, &y);
                     let _ = pass.backward(&l).await.unwrap();
                     let began = slow_began.lock().unwrap().expect("the slow backward ran");
-                    let first = started.lock().unwrap()[0];
-                    if pass_no == 1 {
-                        assert!(
-                            first < began,
-                            "the first bucket left after the first segment's backward began"
-                        );
-                    } else {
-                        assert!(first > began, "the first pass combines at its end");
-                    }
+                    times.push((started.lock().unwrap()[0], began));
                 }
+                [times[0], times[1]]
             }
         }))
         .await;
         shutdown_all(&a).await;
-    });
+        out
+    })
+}
+
+/// DDP-1: in the second pass (the first learns the buckets), the last segment's buckets are
+/// handed to the hook before the first segment's (slow) backward starts.
+#[test]
+fn buckets_leave_while_earlier_segments_backpropagate() {
+    // The slow op's backward runs in the first segment.
+    let model = |pass: &mut Pass<'_>, p: &[Var], slow: &Tensor, y: &Tensor| {
+        loss(p, slow, y, |h| pass.cut(h).unwrap())
+    };
+    for [(first0, began0), (first1, began1)] in
+        first_bucket_and_slow_op(init_params(0.0), 200, model)
+    {
+        assert!(first0 > began0, "the first pass combines at its end");
+        assert!(
+            first1 < began1,
+            "the first bucket left after the first segment's backward began"
+        );
+    }
 }
 
 /// DDP-2: a pass in which a parameter gets its gradient in an earlier segment than in the
@@ -345,49 +365,20 @@ fn a_pass_that_moves_a_parameter_fails_naming_it() {
 /// learns the buckets, combines at its end.
 #[test]
 fn a_weight_s_bucket_leaves_while_its_own_segment_backpropagates() {
-    run(60, async {
-        let a = group(2).await;
-        let (x, _) = dataset();
-        futures::future::join_all(a.iter().map(|w| {
-            let x = x.clone();
-            async move {
-                let started = Arc::new(Mutex::new(Vec::new()));
-                let ddp = DistributedDataParallel::new(
-                    collectives::world(w),
-                    vec![init_params(0.0)[0].clone()],
-                )
-                .await
-                .unwrap()
-                .with_hook(Noting(Arc::clone(&started)));
-                for pass_no in 0..2 {
-                    started.lock().unwrap().clear();
-                    let slow_began = Arc::new(Mutex::new(None));
-                    let pass = ddp.pass();
-                    let input = Var::from_tensor(&x).unwrap();
-                    let slow = input
-                        .as_tensor()
-                        .apply_op1(SlowBackward(Arc::clone(&slow_began)))
-                        .unwrap();
-                    let l = autograd_dist::grad_once::matmul(&slow, ddp.vars()[0].as_tensor())
-                        .unwrap()
-                        .tanh()
-                        .unwrap();
-                    let l = l.sqr().unwrap().mean_all().unwrap();
-                    let _ = pass.backward(&l).await.unwrap();
-                    let began = slow_began.lock().unwrap().expect("the slow backward ran");
-                    let first = started.lock().unwrap()[0];
-                    let ended = began + Duration::from_millis(400);
-                    if pass_no == 1 {
-                        assert!(first < ended, "the bucket waited for the segment's end");
-                    } else {
-                        assert!(first > ended, "the first pass combines at its end");
-                    }
-                }
-            }
-        }))
-        .await;
-        shutdown_all(&a).await;
-    });
+    let model = |_: &mut Pass<'_>, p: &[Var], slow: &Tensor, _: &Tensor| {
+        let h = autograd_dist::grad_once::matmul(slow, p[0].as_tensor()).unwrap();
+        h.tanh().unwrap().sqr().unwrap().mean_all().unwrap()
+    };
+    let weight = vec![init_params(0.0)[0].clone()];
+    for [(first0, began0), (first1, began1)] in first_bucket_and_slow_op(weight, 1 << 20, model) {
+        // The slow op's backward sleeps 400 ms: its segment ends after that.
+        let wait = Duration::from_millis(400);
+        assert!(first0 > began0 + wait, "the first pass combines at its end");
+        assert!(
+            first1 < began1 + wait,
+            "the bucket waited for the segment's end"
+        );
+    }
 }
 
 /// DDP-4: a weight whose whole gradient was one product in the first pass, used twice in a
