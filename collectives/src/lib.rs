@@ -49,6 +49,9 @@
 //!   member, which aborts the operation on every member with the first report it got: every
 //!   member fails with the same message instead of waiting for messages that will not come.
 //!   Every wait is bounded by the group's call timeout.
+//! - COL-4: a member that cannot make its part of an operation (a failed or panicking fill
+//!   of [`ProcessGroup::all_reduce_fill_async`]) fails the operation on every member the
+//!   same way, with one message naming it and the cause, and the group stays in step.
 //!
 //! Install the functions in every worker's registry with [`install`].
 //!

@@ -660,6 +660,59 @@ fn an_all_reduce_keeps_its_place_while_its_buffer_is_filled() {
     });
 }
 
+/// COL-4: a member whose buffer cannot be made fails the operation on every member at once,
+/// with one message naming it and the cause, and the group goes on in step (the next
+/// operation pairs up as called). Before, only the failing member's work failed; the others
+/// waited for it until the RPC timeout (20 s here).
+#[test]
+fn a_fill_that_fails_on_one_member_fails_the_operation_everywhere_naming_it() {
+    each_transport(60, |t| async move {
+        let a = group(3, t).await;
+        let started = Instant::now();
+        let errs = futures::future::join_all(a.iter().map(|w| {
+            let g = collectives::world(w);
+            let r = w.rank();
+            async move {
+                g.all_reduce_fill_async(
+                    move |_| match r {
+                        1 => Err(candle_core::Error::Msg("out of memory".into()).into()),
+                        _ => Ok(vec![r as f32; 1 << 20]),
+                    },
+                    ReduceOp::Sum,
+                )
+                .wait()
+                .await
+                .unwrap_err()
+                .to_string()
+            }
+        }))
+        .await;
+        let took = started.elapsed();
+        assert!(
+            took < Duration::from_secs(10),
+            "failed after {took:?}: {errs:?}"
+        );
+        assert!(errs.iter().all(|e| e == &errs[0]), "{errs:?}");
+        assert!(
+            errs[0].contains("rank 1") && errs[0].contains("out of memory"),
+            "{errs:?}"
+        );
+        let next = futures::future::join_all(a.iter().map(|w| {
+            let g = collectives::world(w);
+            let r = w.rank() as f32;
+            async move {
+                g.all_reduce_fill_async(move |_| Ok(vec![r; 5]), ReduceOp::Sum)
+                    .wait()
+                    .await
+                    .unwrap()
+            }
+        }))
+        .await;
+        assert!(next.iter().all(|v| v == &vec![3.0; 5]), "{next:?}");
+        shutdown_all(&a).await;
+    });
+}
+
 /// LANE-1: the ring's passes split over threads give the single thread's result, bit for
 /// bit, on every member (chunks of two pieces, each split into up to four lanes, uneven).
 #[test]

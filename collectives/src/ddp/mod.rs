@@ -17,8 +17,10 @@
 //!   `grad_once` weight's bucket as soon as its product is computed (DDP-1..4).
 //!
 //! Each bucket travels through a [`CommHook`] (`hooks.rs`): the all-reduce by default,
-//! [`CompressHook`] for bf16 / f16 on the wire, or the user's own.
+//! [`CompressHook`] for bf16 / f16 on the wire, or the user's own. A pass that fails on one
+//! member fails on every member, naming it (`failure.rs`, DDP-5).
 
+mod failure;
 mod flat;
 mod hooks;
 mod optimizer;
@@ -50,6 +52,8 @@ pub struct DistributedDataParallel {
     hook: Arc<dyn CommHook>,
     /// The buckets of an overlapped pass, learnt from the first one (`overlap.rs`).
     plan: Mutex<Option<plan::Plan>>,
+    /// Why an earlier failed pass left this member out of step with the group (DDP-5).
+    out_of_step: Mutex<Option<String>>,
 }
 
 impl std::fmt::Debug for DistributedDataParallel {
@@ -101,6 +105,7 @@ impl DistributedDataParallel {
             op: ReduceOp::Mean,
             hook: Arc::new(AllReduceHook),
             plan: Mutex::new(None),
+            out_of_step: Mutex::new(None),
         }
     }
 
@@ -124,6 +129,7 @@ impl DistributedDataParallel {
             op: self.op,
             hook: Arc::clone(&self.hook),
             plan: Mutex::new(None),
+            out_of_step: Mutex::new(None),
         }
     }
 
@@ -159,6 +165,7 @@ impl DistributedDataParallel {
         &self,
         grads: &mut impl Gradients,
     ) -> Result<(), CollectiveError> {
+        self.check_in_step()?;
         let mut buckets = Vec::new();
         let mut bucket: Vec<usize> = Vec::new();
         let mut size = 0usize;
@@ -171,13 +178,21 @@ impl DistributedDataParallel {
                 size = 0;
             }
         }
-        let mut started = Vec::with_capacity(buckets.len());
+        let (total, one_op) = (buckets.len(), self.one_op_per_bucket());
+        let mut started = Vec::with_capacity(total);
         for idx in buckets {
-            let bucket = self.start(&idx, |v| grads.grad(v))?;
-            started.push((idx, bucket));
+            match self.start(&idx, |v| grads.grad(v)) {
+                Ok(bucket) => started.push((idx, bucket)),
+                Err(e) => {
+                    let rest = one_op.then_some(total - started.len());
+                    return Err(self.fail_rest(e, rest, true).await);
+                }
+            }
         }
         for (idx, bucket) in started {
-            self.unflatten(&idx, bucket, grads).await?;
+            if let Err(e) = self.unflatten(&idx, bucket, grads).await {
+                return Err(self.fail_rest(e, one_op.then_some(0), false).await);
+            }
         }
         Ok(())
     }

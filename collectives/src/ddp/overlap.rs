@@ -92,6 +92,7 @@ impl Pass<'_> {
     /// gradients combined over the group (DDP-1..4).
     pub async fn backward(self, loss: &Tensor) -> Result<GradStore, CollectiveError> {
         let ddp = self.ddp;
+        ddp.check_in_step()?;
         let planned = {
             let plan = ddp.plan.lock().unwrap_or_else(|p| p.into_inner());
             plan.as_ref().is_some_and(|p| p.cuts == self.cuts.len())
@@ -111,14 +112,26 @@ impl Pass<'_> {
             handed: HashMap::new(),
             whole: HashSet::new(),
             segment: Segment::default(),
+            all_started: false,
         };
+        match self.run(loss, &mut st).await {
+            Ok(grads) => Ok(grads),
+            Err(e) => Err(ddp
+                .pass_failed(e, st.planned, st.started.len(), st.all_started)
+                .await),
+        }
+    }
+
+    /// The pass, from the last segment to the first, then the buckets' results.
+    async fn run(&self, loss: &Tensor, st: &mut State) -> Result<GradStore, CollectiveError> {
+        let (ddp, planned) = (self.ddp, st.planned);
         // The segments from the last to the first: what each is backpropagated from (the loss,
         // then the output before each cut, with the gradient at its leaf).
         let mut seed: Option<(Tensor, Option<Tensor>)> = Some((loss.clone(), None));
         for k in (0..=self.cuts.len()).rev() {
             let (from, g) = seed.take().expect("seeded");
             st.segment = Segment::default();
-            let store = self.backpropagate(k, from, g, &mut st).await?;
+            let store = self.backpropagate(k, from, g, st).await?;
             if k > 0 {
                 let (before, leaf) = &self.cuts[k - 1];
                 // Detached: a variable's gradient keeps the graph that computed it (candle
@@ -130,7 +143,7 @@ impl Pass<'_> {
                     .ok_or_else(|| no_gradient_at_cut(k))?;
                 seed = Some((before.clone(), Some(g)));
             }
-            self.segment_done(k, store, &mut st)?;
+            self.segment_done(k, store, st)?;
         }
         let mut grads = st.total.take().expect("at least one segment");
         let rest: Vec<Vec<usize>> = if planned {
@@ -159,7 +172,8 @@ impl Pass<'_> {
             let bucket = ddp.start(&idx, |v| grads.get(v).cloned())?;
             st.started.push((idx, bucket));
         }
-        for (idx, work) in st.started {
+        st.all_started = true;
+        for (idx, work) in std::mem::take(&mut st.started) {
             ddp.unflatten(&idx, work, &mut grads).await?;
         }
         // Only the wrapped parameters' gradients are the caller's business.
@@ -388,6 +402,8 @@ struct State {
     whole: HashSet<TensorId>,
     /// The segment being backpropagated.
     segment: Segment,
+    /// Whether every bucket of the pass has started (DDP-5).
+    all_started: bool,
 }
 
 /// What `grad_once` handed over of one parameter's gradient.

@@ -493,7 +493,7 @@ impl ProcessGroup {
     /// they were called, whichever buffer is ready first), and `fill` makes the buffer on a
     /// blocking thread, so the caller goes on meanwhile. `fill` gets the threads the ring's
     /// passes may use ([`ProcessGroup::ring_threads`]). A failed or panicking `fill` fails
-    /// this member's work; the other members' operation then ends at the RPC timeout.
+    /// the operation on every member at once, naming this member and the cause (COL-4).
     ///
     /// For a buffer gathered from many tensors while the caller has other work:
     /// `DistributedDataParallel` copies each bucket's gradients this way while backward goes
@@ -510,15 +510,21 @@ impl ProcessGroup {
                 .tracer()
                 .span(rpc_core::trace::Cat::Collective, "fill");
             span.detail(|| format!("seq {seq}"));
-            let mut data = rpc_core::spawn_blocking(move || fill(lanes))
-                .await
-                .map_err(|e| CollectiveError::Failed {
-                    op: "all_reduce_in_place",
-                    members: g.ranks().to_vec(),
-                    message: format!("filling the buffer failed: {e}"),
-                })??;
+            let why = match rpc_core::spawn_blocking(move || fill(lanes)).await {
+                Ok(Ok(mut data)) => {
+                    drop(span);
+                    return g.reduce_slice(seq, &mut data, op).await.map(|()| data);
+                }
+                Ok(Err(e)) => rpc_core::error_chain(&e),
+                Err(e) => e.to_string(),
+            };
             drop(span);
-            g.reduce_slice(seq, &mut data, op).await.map(|()| data)
+            // COL-4: the others would wait for this member's part until their timeout.
+            let why = format!(
+                "filling the buffer failed on rank {}: {why}",
+                g.agent.rank()
+            );
+            Err(g.fail_at("all_reduce_in_place", seq, why).await)
         })
     }
 

@@ -158,20 +158,65 @@ impl Op<'_> {
     /// every member fails with the same message whichever members found one. When the first
     /// member cannot be reached, the finder aborts the others with its own finding.
     pub(super) async fn mismatch(&self, why: String) -> CollectiveError {
-        let agent = &self.g.agent;
-        let (group, seq) = (self.g.id, self.seq);
-        let leader = self.g.ranks[0];
+        self.failed(self.g.fail_everywhere(self.seq, why).await)
+    }
+}
+
+impl ProcessGroup {
+    /// Fails operation `seq` on every member with one verdict (COL-1, COL-4): reports `why`
+    /// to the group's first member, which aborts the operation everywhere with the first
+    /// report it got; returns that verdict. When the first member cannot be reached, this
+    /// member's report is the verdict, sent to the others itself.
+    pub(super) async fn fail_everywhere(&self, seq: u64, why: String) -> String {
+        let agent = &self.agent;
+        let leader = self.ranks[0];
         let verdict = if leader == agent.rank() {
-            decide(agent, &self.g.ranks, group, seq, why).await
+            decide(agent, &self.ranks, self.id, seq, why).await
         } else {
-            let call = agent.rpc_async(leader, Verdict, (group, seq, why.clone()));
+            let call = agent.rpc_async(leader, Verdict, (self.id, seq, why.clone()));
             match no_context(call).await {
                 Ok(verdict) => verdict,
                 // The first member is gone: this member's finding is the verdict here.
-                Err(_) => decide(agent, &self.g.ranks, group, seq, why).await,
+                Err(_) => decide(agent, &self.ranks, self.id, seq, why).await,
             }
         };
-        self.failed(verdict)
+        mailbox(agent).finish(self.id, seq);
+        verdict
+    }
+
+    /// COL-4: this member cannot take part in operation `seq` (`op`) for the reason `why`:
+    /// fails it on every member with one verdict, returned as this member's error.
+    pub(crate) async fn fail_at(&self, op: &'static str, seq: u64, why: String) -> CollectiveError {
+        let rank = self.agent.rank();
+        if !self.ranks.contains(&rank) {
+            return CollectiveError::NotMember {
+                rank,
+                members: self.ranks.to_vec(),
+            };
+        }
+        CollectiveError::Failed {
+            op,
+            members: self.ranks.to_vec(),
+            message: self.fail_everywhere(seq, why).await,
+        }
+    }
+
+    /// COL-4 for the next `count` operations (at least one), which this member will not
+    /// call: takes their sequence numbers and fails them on every member
+    /// ([`ProcessGroup::fail_at`]); returns the first's error.
+    pub(crate) async fn fail_next(
+        &self,
+        op: &'static str,
+        why: String,
+        count: usize,
+    ) -> CollectiveError {
+        let mb = mailbox(&self.agent);
+        let seqs: Vec<u64> = (0..count.max(1)).map(|_| mb.next_seq(self.id)).collect();
+        let fails = seqs
+            .into_iter()
+            .map(|seq| self.fail_at(op, seq, why.clone()));
+        let mut errs = futures::future::join_all(fails).await;
+        errs.swap_remove(0)
     }
 }
 
