@@ -1,6 +1,7 @@
 //! An overlapped data-parallel pass that fails on one member (DDP-5): the others' passes fail
 //! at once with its cause, naming it, rather than wait for its buckets until their timeout;
-//! and the members stay in step for the next pass, or refuse it where they cannot.
+//! and the members stay in step for the next pass, or, with a hook of the user's own (how
+//! many operations a bucket takes is unknown), refuse it.
 
 use std::time::{Duration, Instant};
 
@@ -71,6 +72,16 @@ fn failed_on_rank_1(o: &Outcome, cause: &str) {
     }
 }
 
+/// Both members' passes worked and combined to the same gradients.
+fn equal_on_both(o: &Outcome) {
+    let got: Vec<_> = o.0.iter().map(|o| o.clone().unwrap()).collect();
+    assert_eq!(got[0].len(), 7, "every parameter's gradient");
+    for (g0, g1) in got[0].iter().zip(&got[1]) {
+        let d = (g0 - g1).unwrap().abs().unwrap().max_all().unwrap();
+        assert_eq!(d.to_scalar::<f64>().unwrap(), 0.0);
+    }
+}
+
 /// DDP-5, once the buckets are known: rank 1's second pass moves a parameter to an earlier
 /// segment (DDP-2 refuses it) while rank 0's does not; rank 0's pass fails at once with rank
 /// 1's cause, and the third pass, the model's own on both, combines as before (the members
@@ -88,32 +99,25 @@ fn a_pass_that_fails_on_one_member_fails_everywhere_and_the_next_one_works() {
     let out = passes(3, 1, moved);
     assert!(out[0].0.iter().all(Result::is_ok), "{:?}", out[0]);
     failed_on_rank_1(&out[1], "parameter 4 got a gradient in segment 0");
-    let third: Vec<_> = out[2].0.iter().map(|o| o.clone().unwrap()).collect();
-    for (g0, g1) in third[0].iter().zip(&third[1]) {
-        let d = (g0 - g1).unwrap().abs().unwrap().max_all().unwrap();
-        assert_eq!(d.to_scalar::<f64>().unwrap(), 0.0);
-    }
+    equal_on_both(&out[2]);
 }
 
-/// DDP-5, in the first pass: rank 1's loss ignores a cut, so its pass fails before it knows
-/// the buckets; rank 0's pass fails at once with rank 1's cause, and, since the members can
-/// no longer tell which of their operations pair up, the next pass fails at once on both,
-/// saying so, rather than combine one pass's gradients with another's.
+/// DDP-5, in the first pass: rank 1's loss ignores a cut, so its pass fails before it has
+/// learnt the buckets; rank 0's fails at once with rank 1's cause (the learning pass combines
+/// in the parameters' order, so rank 1 knows which operations to fail), neither keeps a plan,
+/// and the next two passes (learning, then learnt) combine on both.
 #[test]
-fn a_first_pass_that_fails_on_one_member_leaves_both_refusing_the_next() {
+fn a_first_pass_that_fails_on_one_member_fails_everywhere_and_the_next_ones_work() {
     let ignores_a_cut: Model = |pass, p, x, _| {
         let h = x.matmul(p[0].as_tensor()).unwrap();
         let _ = pass.cut(&h).unwrap();
         let _ = pass.cut(&h).unwrap();
         h.sqr().unwrap().mean_all().unwrap()
     };
-    let out = passes(2, 0, ignores_a_cut);
+    let out = passes(3, 0, ignores_a_cut);
     failed_on_rank_1(&out[0], "the loss does not depend on cut");
-    let (outs, took) = &out[1];
-    assert!(*took < Duration::from_secs(5), "took {took:?}: {outs:?}");
-    for o in outs {
-        let e = o.as_ref().unwrap_err();
-        assert!(e.contains("out of step"), "{e}");
+    for o in &out[1..] {
+        equal_on_both(o);
     }
 }
 

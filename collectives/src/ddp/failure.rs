@@ -3,13 +3,13 @@
 //! - DDP-5: when a member's overlapped pass fails (its backward, a DDP-2 or DDP-4 refusal, a
 //!   bucket that could not start), the buckets it has not started are failed on every member
 //!   with one verdict naming it and the cause (COL-4), so the others' passes fail at once
-//!   instead of waiting for them until the RPC timeout. Where the member knows how many
-//!   operations the pass would have taken (the buckets are learnt and each is one all-reduce,
-//!   as with the built-in hooks), it fails exactly those, and the members stay in step for
-//!   the next pass. Where it cannot know (the first pass, which learns the buckets, or a hook
-//!   of the user's own), it fails the next one, and every member whose pass failed that way
-//!   refuses later passes, saying why: their operations would no longer pair up, and a later
-//!   pass would combine one pass's gradients with another's.
+//!   instead of waiting for them until the RPC timeout. With the built-in hooks (each bucket
+//!   one all-reduce) the member knows how many operations the others take (the learnt
+//!   buckets, or, in the pass that learns them, the parameters' order), fails exactly those,
+//!   and the members stay in step for the next pass. With a hook of the user's own it cannot
+//!   know: it fails the next one, and every member whose pass failed refuses later passes,
+//!   saying why: their operations would no longer pair up, and a later pass would combine
+//!   one pass's gradients with another's.
 
 use super::DistributedDataParallel;
 use crate::group::CollectiveError;
@@ -41,13 +41,17 @@ impl DistributedDataParallel {
         started: usize,
         all: bool,
     ) -> CollectiveError {
-        let rest = match (all, planned && self.one_op_per_bucket()) {
+        let rest = match (all, self.one_op_per_bucket()) {
             (true, true) => Some(0),
-            (false, true) => Some(self.planned_buckets().saturating_sub(started)),
+            (false, true) => {
+                let total = match planned {
+                    true => self.planned_buckets(),
+                    false => self.param_buckets().len(),
+                };
+                Some(total.saturating_sub(started))
+            }
             (_, false) => None,
         };
-        // A first pass that failed while its buckets were on their way: the one that failed
-        // it may have taken fewer operations.
         self.fail_rest(e, rest, !all).await
     }
 

@@ -166,18 +166,7 @@ impl DistributedDataParallel {
         grads: &mut impl Gradients,
     ) -> Result<(), CollectiveError> {
         self.check_in_step()?;
-        let mut buckets = Vec::new();
-        let mut bucket: Vec<usize> = Vec::new();
-        let mut size = 0usize;
-        for i in 0..self.vars.len() {
-            let t = self.vars[i].as_tensor();
-            bucket.push(i);
-            size += t.elem_count() * t.dtype().size_in_bytes();
-            if size >= self.bucket_bytes || i + 1 == self.vars.len() {
-                buckets.push(std::mem::take(&mut bucket));
-                size = 0;
-            }
-        }
+        let buckets = self.param_buckets();
         let (total, one_op) = (buckets.len(), self.one_op_per_bucket());
         let mut started = Vec::with_capacity(total);
         for idx in buckets {
@@ -195,6 +184,24 @@ impl DistributedDataParallel {
             }
         }
         Ok(())
+    }
+
+    /// The buckets in the parameters' order, each up to `bucket_bytes` (after backward, and
+    /// an overlapped pass's first).
+    fn param_buckets(&self) -> Vec<Vec<usize>> {
+        let mut buckets = Vec::new();
+        let mut bucket: Vec<usize> = Vec::new();
+        let mut size = 0usize;
+        for i in 0..self.vars.len() {
+            let t = self.vars[i].as_tensor();
+            bucket.push(i);
+            size += t.elem_count() * t.dtype().size_in_bytes();
+            if size >= self.bucket_bytes || i + 1 == self.vars.len() {
+                buckets.push(std::mem::take(&mut bucket));
+                size = 0;
+            }
+        }
+        buckets
     }
 
     /// Starts combining the gradients of parameters `idx` (zeros where `grad` has none):

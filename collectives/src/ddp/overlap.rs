@@ -14,7 +14,8 @@
 //!   into its flat buffer runs beside the next segment's backward (on a blocking thread, its
 //!   place in the group's order taken when it starts: `ProcessGroup::all_reduce_fill_async`).
 //! - DDP-2: the buckets are learnt from the first pass (which combines everything at its end,
-//!   after recording the last segment in which each parameter gets a gradient): parameters
+//!   in the parameters' order, as `reduce_gradients` does, after recording the last segment
+//!   in which each parameter gets a gradient; kept once that pass has worked): parameters
 //!   grouped per segment, in reverse order of the parameters (as backward produces them), up
 //!   to `bucket_bytes`; those that got none go last. A later pass in which a parameter gets a
 //!   gradient after its bucket left fails, naming it (the model used its parameters
@@ -146,9 +147,9 @@ impl Pass<'_> {
             self.segment_done(k, store, st)?;
         }
         let mut grads = st.total.take().expect("at least one segment");
-        let rest: Vec<Vec<usize>> = if planned {
+        let (rest, learnt) = if planned {
             let plan = ddp.plan.lock().unwrap_or_else(|p| p.into_inner());
-            plan.as_ref().expect("planned").unused.clone()
+            (plan.as_ref().expect("planned").unused.clone(), None)
         } else {
             let handed = st
                 .whole
@@ -157,16 +158,9 @@ impl Pass<'_> {
                 .copied()
                 .collect();
             let plan = ddp.learn_plan(self.cuts.len(), &st.last_segment, handed);
-            let all = plan
-                .after
-                .iter()
-                .rev()
-                .flatten()
-                .chain(&plan.unused)
-                .cloned();
-            let all = all.collect();
-            *ddp.plan.lock().unwrap_or_else(|p| p.into_inner()) = Some(plan);
-            all
+            // The learning pass combines in the parameters' order (DDP-5: a member whose
+            // pass fails knows how many buckets the others start).
+            (ddp.param_buckets(), Some(plan))
         };
         for idx in rest {
             let bucket = ddp.start(&idx, |v| grads.get(v).cloned())?;
@@ -175,6 +169,10 @@ impl Pass<'_> {
         st.all_started = true;
         for (idx, work) in std::mem::take(&mut st.started) {
             ddp.unflatten(&idx, work, &mut grads).await?;
+        }
+        // Kept only once the pass has worked here, and so, by DDP-5, on every member.
+        if let Some(plan) = learnt {
+            *ddp.plan.lock().unwrap_or_else(|p| p.into_inner()) = Some(plan);
         }
         // Only the wrapped parameters' gradients are the caller's business.
         for (_, leaf) in &self.cuts {
