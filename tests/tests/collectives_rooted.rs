@@ -303,3 +303,61 @@ fn a_member_failing_mid_operation_fails_it_naming_the_member() {
         let _ = a[1].shutdown_within(Duration::from_millis(500)).await;
     });
 }
+
+/// COL-1 for a call that is wrong on one member only: a root that is not a member fails
+/// a reduce and a gather on every member at once with that member's message, not only on
+/// the one that got it wrong while the others wait for it until their timeout (20 s here).
+/// A non-root passing parts to scatter fails alone (nobody waits for it: the others get
+/// their parts). The group goes on in step.
+#[test]
+fn a_call_wrong_on_one_member_fails_every_member_at_once() {
+    run(120, async {
+        let a = group(4).await;
+        let started = std::time::Instant::now();
+        let reduce = on_all(&a, |g, r| async move {
+            let root = if r == 2 { 9 } else { 0 };
+            g.reduce(&input(r, 8), ReduceOp::Sum, root)
+                .await
+                .map(|_| ())
+        })
+        .await;
+        let gather = on_all(&a, |g, r| async move {
+            let root = if r == 1 { 9 } else { 0 };
+            g.gather(&input(r, 8), root).await.map(|_| ())
+        })
+        .await;
+        let scatter = on_all(&a, |g, r| async move {
+            let parts = (r == 0 || r == 3).then(|| (0..4).map(|t| part(0, t)).collect());
+            g.scatter(parts, 0).await.map(|_| ())
+        })
+        .await;
+        let took = started.elapsed();
+        let scattered: Vec<bool> = scatter.iter().map(Result::is_ok).collect();
+        assert_eq!(scattered, [true, true, true, false], "{scatter:?}");
+        let alone = scatter[3].as_ref().unwrap_err().to_string();
+        assert!(
+            alone.contains("only the root (rank 0) passes the parts"),
+            "{alone}"
+        );
+        for (outs, says) in [
+            (reduce, "root 9 is not a member"),
+            (gather, "root 9 is not a member"),
+        ] {
+            let msgs: Vec<String> = outs
+                .into_iter()
+                .map(|o| o.unwrap_err().to_string())
+                .collect();
+            assert!(
+                msgs.iter().all(|m| *m == msgs[0] && m.contains(says)),
+                "{msgs:#?}"
+            );
+        }
+        assert!(took < Duration::from_secs(10), "took {took:?}");
+        let ok = on_all(&a, |g, r| async move {
+            g.all_reduce(&input(r, 4), ReduceOp::Sum).await
+        })
+        .await;
+        assert!(ok.iter().all(|o| o.is_ok()), "{ok:?}");
+        shutdown_all(&a).await;
+    });
+}

@@ -14,19 +14,18 @@ use super::op::Op;
 use super::{CollectiveError, ProcessGroup, ReduceOp};
 use crate::mailbox::Header;
 
-impl ProcessGroup {
-    pub(super) fn check_root(&self, op: &'static str, root: u32) -> Result<(), CollectiveError> {
-        if self.ranks.contains(&root) {
-            Ok(())
-        } else {
-            Err(CollectiveError::Failed {
-                op,
-                members: self.ranks.to_vec(),
-                message: format!("root {root} is not a member"),
-            })
-        }
+/// A root that is not a member fails the operation on every member (COL-1), not only on
+/// the members that passed it: the others would wait for their messages. (A broadcast checks
+/// its root itself: nobody waits for a non-root member there.)
+pub(super) async fn check_root(o: &Op<'_>, root: u32) -> Result<(), CollectiveError> {
+    if o.g.ranks.contains(&root) {
+        Ok(())
+    } else {
+        Err(o.mismatch(format!("root {root} is not a member")).await)
     }
+}
 
+impl ProcessGroup {
     pub(super) async fn reduce_at(
         &self,
         t: &Tensor,
@@ -36,7 +35,7 @@ impl ProcessGroup {
     ) -> Result<Option<Tensor>, CollectiveError> {
         let o = self.begin_at("reduce", t, seq)?;
         let out = async {
-            self.check_root("reduce", root)?;
+            check_root(&o, root).await?;
             let n = o.n();
             let mut chunks = self.split(t, n)?;
             if n > 1 {
@@ -72,7 +71,7 @@ impl ProcessGroup {
     ) -> Result<Option<Vec<Tensor>>, CollectiveError> {
         let o = self.begin_at("gather", t, seq)?;
         let out = async {
-            self.check_root("gather", root)?;
+            check_root(&o, root).await?;
             if self.agent.rank() != root {
                 o.send(root, 0, t.clone()).await?;
                 // The root's word that every part matched (COL-1: a mismatch fails every
@@ -116,8 +115,10 @@ impl ProcessGroup {
         };
         let o = self.begin_header("scatter", header.dims, &header.dtype, seq)?;
         let out = async {
-            self.check_root("scatter", root)?;
+            check_root(&o, root).await?;
             if !me_root {
+                // Nobody waits for this member: it alone fails (a verdict would race with
+                // the others' parts and fail some of them, not all).
                 if parts.is_some() {
                     return Err(o.failed(format!(
                         "only the root (rank {root}) passes the parts to scatter"
