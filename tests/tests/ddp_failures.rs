@@ -5,61 +5,12 @@
 
 use std::time::{Duration, Instant};
 
-use candle_core::{DType, Tensor, Var};
-use collectives::{CommHook, DistributedDataParallel, Pass, ProcessGroup, ReduceOp, Work};
+use candle_core::{DType, Tensor};
+use collectives::{CommHook, DistributedDataParallel, ProcessGroup, ReduceOp, Work};
 use integration_tests::{run, shutdown_all};
 
 mod ddp_model;
-use ddp_model::{dataset, group, init_params, loss};
-
-/// What each member's pass returned (its gradients, or its error as text), and how long the
-/// slower one took.
-type Outcome = (Vec<Result<Vec<Tensor>, String>>, Duration);
-
-/// A forward pass: the pass (for its cuts), the parameters, the inputs and the targets.
-type Model = fn(&mut Pass<'_>, &[Var], &Tensor, &Tensor) -> Tensor;
-
-/// The shared model, cut where its segments end.
-fn model(pass: &mut Pass<'_>, p: &[Var], x: &Tensor, y: &Tensor) -> Tensor {
-    loss(p, x, y, |h| pass.cut(h).unwrap())
-}
-
-/// Two members run `passes` passes; in pass `odd`, rank 1 runs `other` instead of the model.
-fn passes(n: usize, odd: usize, other: Model) -> Vec<Outcome> {
-    run(90, async move {
-        let a = group(2).await;
-        let (x, y) = dataset();
-        let ddps = futures::future::join_all(a.iter().map(|w| async move {
-            let g = collectives::world(w);
-            DistributedDataParallel::with_bucket_bytes(g, init_params(0.0), 200)
-                .await
-                .unwrap()
-        }))
-        .await;
-        let pass = |r: usize, f: Model| {
-            let (ddp, x, y) = (&ddps[r], x.clone(), y.clone());
-            async move {
-                let mut pass = ddp.pass();
-                let l = f(&mut pass, ddp.vars(), &x, &y);
-                let got = pass.backward(&l).await.map_err(|e| e.to_string())?;
-                Ok(ddp
-                    .vars()
-                    .iter()
-                    .filter_map(|v| got.get(v).cloned())
-                    .collect())
-            }
-        };
-        let mut out = Vec::new();
-        for i in 0..n {
-            let started = Instant::now();
-            let theirs = if i == odd { other } else { model };
-            let (r0, r1) = futures::join!(pass(0, model), pass(1, theirs));
-            out.push((vec![r0, r1], started.elapsed()));
-        }
-        shutdown_all(&a).await;
-        out
-    })
-}
+use ddp_model::{dataset, group, init_params, loss, model, moved, passes, Model, Outcome};
 
 /// Rank 1's error, and rank 0's: both name rank 1 and the cause, well before the RPC
 /// timeout (20 s).
@@ -88,15 +39,7 @@ fn equal_on_both(o: &Outcome) {
 /// stayed in step: equal gradients).
 #[test]
 fn a_pass_that_fails_on_one_member_fails_everywhere_and_the_next_one_works() {
-    let moved: Model = |pass, p, x, y| {
-        let bent = (x.matmul(p[0].as_tensor()).unwrap().sum_all().unwrap()
-            * p[4].as_tensor().sum_all().unwrap())
-        .unwrap();
-        let h = pass.cut(&bent.broadcast_as((1, 1)).unwrap()).unwrap();
-        let h = pass.cut(&h).unwrap();
-        (h.sum_all().unwrap() + loss(p, x, y, |h| h.clone())).unwrap()
-    };
-    let out = passes(3, 1, moved);
+    let out = passes(3, |i, r| if i == 1 && r == 1 { moved } else { model });
     assert!(out[0].0.iter().all(Result::is_ok), "{:?}", out[0]);
     failed_on_rank_1(&out[1], "parameter 4 got a gradient in segment 0");
     equal_on_both(&out[2]);
@@ -114,7 +57,13 @@ fn a_first_pass_that_fails_on_one_member_fails_everywhere_and_the_next_ones_work
         let _ = pass.cut(&h).unwrap();
         h.sqr().unwrap().mean_all().unwrap()
     };
-    let out = passes(3, 0, ignores_a_cut);
+    let out = passes(3, |i, r| {
+        if i == 0 && r == 1 {
+            ignores_a_cut
+        } else {
+            model
+        }
+    });
     failed_on_rank_1(&out[0], "the loss does not depend on cut");
     for o in &out[1..] {
         equal_on_both(o);

@@ -15,7 +15,7 @@ use collectives::{
 use integration_tests::{max_abs_diff, run, shutdown_all};
 
 mod ddp_model;
-use ddp_model::{dataset, group, init_params, loss, rows, ROWS};
+use ddp_model::{dataset, group, init_params, loss, model, moved, passes, rows, Model, ROWS};
 
 const B: usize = 8;
 const LR: f64 = 0.5;
@@ -243,42 +243,12 @@ fn buckets_leave_while_earlier_segments_backpropagate() {
 /// first pass (after its bucket left) fails, naming the parameter, on every member.
 #[test]
 fn a_pass_that_moves_a_parameter_fails_naming_it() {
-    run(60, async {
-        let a = group(2).await;
-        let (x, y) = dataset();
-        let outs = futures::future::join_all(a.iter().map(|w| {
-            let (x, y) = (x.clone(), y.clone());
-            async move {
-                let ddp = DistributedDataParallel::with_bucket_bytes(
-                    collectives::world(w),
-                    init_params(0.0),
-                    200,
-                )
-                .await
-                .unwrap();
-                // First pass: parameter 6 unused, then used in the first segment... (allowed:
-                // unused ones go last). Parameter 4 moves from the last segment to the first.
-                let mut pass = ddp.pass();
-                let l = loss(ddp.vars(), &x, &y, |h| pass.cut(h).unwrap());
-                pass.backward(&l).await.unwrap();
-                let mut pass = ddp.pass();
-                let p = ddp.vars();
-                let bent = (x.matmul(p[0].as_tensor()).unwrap().sum_all().unwrap()
-                    * p[4].as_tensor().sum_all().unwrap())
-                .unwrap();
-                let h = pass.cut(&bent.broadcast_as((1, 1)).unwrap()).unwrap();
-                let h = pass.cut(&h).unwrap();
-                let l = (h.sum_all().unwrap() + loss(p, &x, &y, |h| h.clone())).unwrap();
-                pass.backward(&l).await.map(|_| ())
-            }
-        }))
-        .await;
-        for o in outs {
-            let e = o.unwrap_err().to_string();
-            assert!(e.contains("parameter 4 got a gradient in segment 0"), "{e}");
-        }
-        shutdown_all(&a).await;
-    });
+    let out = passes(2, |i, _| if i == 1 { moved } else { model });
+    assert!(out[0].0.iter().all(Result::is_ok), "{:?}", out[0]);
+    for o in &out[1].0 {
+        let e = o.as_ref().unwrap_err();
+        assert!(e.contains("parameter 4 got a gradient in segment 0"), "{e}");
+    }
 }
 
 /// DDP-4: from the second pass on, a bucket of weights whose gradients `grad_once` hands over
@@ -308,46 +278,29 @@ fn a_weight_s_bucket_leaves_while_its_own_segment_backpropagates() {
 /// every member, rather than send an incomplete sum.
 #[test]
 fn a_weight_used_again_after_its_bucket_left_fails_naming_it() {
-    run(60, async {
-        let a = group(2).await;
-        let (x, y) = dataset();
-        let outs = futures::future::join_all(a.iter().map(|w| {
-            let (x, y) = (x.clone(), y.clone());
-            async move {
-                let ddp = DistributedDataParallel::with_bucket_bytes(
-                    collectives::world(w),
-                    init_params(0.0),
-                    200,
-                )
-                .await
-                .unwrap();
-                let mut pass = ddp.pass();
-                let l = loss(ddp.vars(), &x, &y, |h| pass.cut(h).unwrap());
-                pass.backward(&l).await.unwrap();
-                // Parameter 2 (the middle layer's `grad_once` weight) twice in its segment.
-                let mut pass = ddp.pass();
-                let p = ddp.vars();
-                let twice = |h: &Tensor| {
-                    let h = autograd_dist::grad_once::matmul(h, p[2].as_tensor()).unwrap();
-                    autograd_dist::grad_once::matmul(&h.tanh().unwrap(), p[2].as_tensor()).unwrap()
-                };
-                let mut cuts = 0;
-                let l = loss(p, &x, &y, |h| {
-                    cuts += 1;
-                    let h = if cuts == 2 { twice(h) } else { h.clone() };
-                    pass.cut(&h).unwrap()
-                });
-                pass.backward(&l).await.map(|_| ())
-            }
-        }))
-        .await;
-        for o in outs {
-            let e = o.unwrap_err().to_string();
-            assert!(
-                e.contains("parameter 2 got more gradient after its bucket was sent"),
-                "{e}"
-            );
-        }
-        shutdown_all(&a).await;
-    });
+    // Parameter 2 (the middle layer's `grad_once` weight) twice in its segment.
+    let twice: Model = |pass, p, x, y| {
+        let mut cuts = 0;
+        loss(p, x, y, |h| {
+            cuts += 1;
+            let h = match cuts {
+                2 => {
+                    let w = p[2].as_tensor();
+                    let h = autograd_dist::grad_once::matmul(h, w).unwrap();
+                    autograd_dist::grad_once::matmul(&h.tanh().unwrap(), w).unwrap()
+                }
+                _ => h.clone(),
+            };
+            pass.cut(&h).unwrap()
+        })
+    };
+    let out = passes(2, |i, _| if i == 1 { twice } else { model });
+    assert!(out[0].0.iter().all(Result::is_ok), "{:?}", out[0]);
+    for o in &out[1].0 {
+        let e = o.as_ref().unwrap_err();
+        assert!(
+            e.contains("parameter 2 got more gradient after its bucket was sent"),
+            "{e}"
+        );
+    }
 }

@@ -3,9 +3,11 @@
 
 #![allow(dead_code)] // each test file uses its part
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor, Var};
+use collectives::{DistributedDataParallel, Pass};
+use integration_tests::{run, shutdown_all};
 use rpc_core::testing::start_group;
 use rpc_core::{Agent, MemoryNetwork, Registry, Secret, Transport};
 
@@ -86,4 +88,63 @@ pub fn rows(t: &Tensor, idx: &[usize]) -> Tensor {
     let ids: Vec<u32> = idx.iter().map(|&i| i as u32).collect();
     t.index_select(&Tensor::new(ids.as_slice(), &Device::Cpu).unwrap(), 0)
         .unwrap()
+}
+
+/// What each member's pass returned (its gradients, or its error as text), and how long the
+/// slower one took.
+pub type Outcome = (Vec<Result<Vec<Tensor>, String>>, Duration);
+
+/// A forward pass: the pass (for its cuts), the parameters, the inputs and the targets.
+pub type Model = fn(&mut Pass<'_>, &[Var], &Tensor, &Tensor) -> Tensor;
+
+/// The shared model, cut where its segments end.
+pub fn model(pass: &mut Pass<'_>, p: &[Var], x: &Tensor, y: &Tensor) -> Tensor {
+    loss(p, x, y, |h| pass.cut(h).unwrap())
+}
+
+/// Two members run `n` passes; in pass `i`, rank `r` runs `forward(i, r)`.
+pub fn passes(n: usize, forward: impl Fn(usize, usize) -> Model) -> Vec<Outcome> {
+    run(90, async {
+        let a = group(2).await;
+        let (x, y) = dataset();
+        let ddps = futures::future::join_all(a.iter().map(|w| async move {
+            let g = collectives::world(w);
+            DistributedDataParallel::with_bucket_bytes(g, init_params(0.0), 200)
+                .await
+                .unwrap()
+        }))
+        .await;
+        let pass = |r: usize, f: Model| {
+            let (ddp, x, y) = (&ddps[r], x.clone(), y.clone());
+            async move {
+                let mut pass = ddp.pass();
+                let l = f(&mut pass, ddp.vars(), &x, &y);
+                let got = pass.backward(&l).await.map_err(|e| e.to_string())?;
+                Ok(ddp
+                    .vars()
+                    .iter()
+                    .filter_map(|v| got.get(v).cloned())
+                    .collect())
+            }
+        };
+        let mut out = Vec::new();
+        for i in 0..n {
+            let started = Instant::now();
+            let (r0, r1) = futures::join!(pass(0, forward(i, 0)), pass(1, forward(i, 1)));
+            out.push((vec![r0, r1], started.elapsed()));
+        }
+        shutdown_all(&a).await;
+        out
+    })
+}
+
+/// The model with parameter 4 moved from the last segment to the first (after its bucket
+/// left, from the second pass on: DDP-2 refuses it).
+pub fn moved(pass: &mut Pass<'_>, p: &[Var], x: &Tensor, y: &Tensor) -> Tensor {
+    let bent = (x.matmul(p[0].as_tensor()).unwrap().sum_all().unwrap()
+        * p[4].as_tensor().sum_all().unwrap())
+    .unwrap();
+    let h = pass.cut(&bent.broadcast_as((1, 1)).unwrap()).unwrap();
+    let h = pass.cut(&h).unwrap();
+    (h.sum_all().unwrap() + loss(p, x, y, |h| h.clone())).unwrap()
 }
