@@ -77,6 +77,34 @@ usage: rpc-bench [all|latency|throughput|tensor|rref|allreduce|overhead|trace-ov
                      and --variants (default local,no_comm,after,overlap,bf16,all_reduce)
 Prints one JSON object per line.";
 
+/// The flags that take a value, and those that stand alone.
+const VALUE_FLAGS: [&str; 9] = [
+    "--threads",
+    "--busy-poll-us",
+    "--wire-protection",
+    "--heartbeat-ms",
+    "--calls",
+    "--world-sizes",
+    "--steps",
+    "--ring-threads",
+    "--variants",
+];
+const BARE_FLAGS: [&str; 2] = ["--no-shm", "--trace"];
+
+/// Refuses what the usage does not name (a mistyped flag would otherwise run the default
+/// benchmark for minutes and report it as asked for).
+fn check_flags(flags: &[String]) -> Result<()> {
+    let mut it = flags.iter();
+    while let Some(f) = it.next() {
+        if VALUE_FLAGS.contains(&f.as_str()) {
+            it.next().with_context(|| format!("{f} needs a value"))?;
+        } else if !BARE_FLAGS.contains(&f.as_str()) {
+            bail!("unknown argument {f:?}\n{USAGE}");
+        }
+    }
+    Ok(())
+}
+
 /// Does nothing.
 #[remote]
 async fn noop(_ctx: CallContext) -> Result<(), BoxError> {
@@ -328,9 +356,12 @@ fn main() -> Result<()> {
         .try_init();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mode = args.first().map(String::as_str).unwrap_or("all");
-    if matches!(mode, "-h" | "--help" | "help") {
+    if matches!(mode, "-h" | "--help" | "help") || args.iter().any(|a| a == "--help") {
         println!("{USAGE}");
         return Ok(());
+    }
+    if !mode.ends_with("-rank") && mode != "peer" {
+        check_flags(&args[1.min(args.len())..])?;
     }
     let threads = match args.iter().position(|a| a == "--threads") {
         Some(i) => args
