@@ -55,20 +55,18 @@ impl DistributedDataParallel {
         self.fail_rest(e, rest, !all).await
     }
 
-    /// DDP-5: this member failed with `e` before starting `rest` more operations of the
-    /// group (`None`: an unknown number); `start_next`: whether it started none of them.
-    /// Fails them on every member and returns the error to report; where `rest` is
-    /// unknown, this member is out of step from now on.
+    /// DDP-5: this member failed with `e`, leaving `rest` operations of the group unstarted
+    /// that the others will call (`None`: an unknown number, and then `left_some` says
+    /// whether it left any). Fails them on every member (where the number is unknown, the
+    /// next one only) and returns the error to report; where the number is unknown, this
+    /// member is out of step from now on.
     pub(super) async fn fail_rest(
         &self,
         e: CollectiveError,
         rest: Option<usize>,
-        start_next: bool,
+        left_some: bool,
     ) -> CollectiveError {
-        let count = match rest {
-            Some(n) => n,
-            None => usize::from(start_next),
-        };
+        let count = rest.unwrap_or(usize::from(left_some));
         let e = if count == 0 {
             e
         } else {
@@ -83,7 +81,7 @@ impl DistributedDataParallel {
             let cause = cause(&e);
             let mut why = self.out_of_step.lock().unwrap_or_else(|p| p.into_inner());
             why.get_or_insert(format!(
-                "a pass failed before the members knew its buckets ({cause})"
+                "a pass failed with a hook whose operations per bucket are unknown ({cause})"
             ));
         }
         e
