@@ -128,3 +128,50 @@ fn a_bucket_that_cannot_start_on_one_member_fails_everywhere() {
         assert!(next.contains("out of step"), "{next}");
     }
 }
+
+/// Replicas whose models differ (a parameter's shape, how many there are) fail where they
+/// are wrapped, on every member with one message naming the parameter and the ranks,
+/// instead of a shape mismatch in some broadcast or at the first step (or, with one
+/// parameter too many on a member, a wait there until the timeout while the others go on).
+#[test]
+fn replicas_whose_models_differ_fail_when_wrapped_naming_the_parameter() {
+    let outs = run(60, async {
+        let a = group(2).await;
+        let mut outs = Vec::new();
+        for case in 0..2 {
+            let started = Instant::now();
+            let errs = futures::future::join_all(a.iter().map(|w| async move {
+                let mut p = init_params(0.0);
+                if w.rank() == 1 {
+                    if case == 0 {
+                        let t = p[2].as_tensor().narrow(1, 0, 7).unwrap().contiguous();
+                        p[2] = candle_core::Var::from_tensor(&t.unwrap()).unwrap();
+                    } else {
+                        p.pop();
+                    }
+                }
+                let g = collectives::world(w);
+                DistributedDataParallel::new(g, p)
+                    .await
+                    .unwrap_err()
+                    .to_string()
+            }))
+            .await;
+            outs.push((errs, started.elapsed()));
+        }
+        shutdown_all(&a).await;
+        outs
+    });
+    let says = [
+        "parameter 2 is a F64 tensor of shape [8, 8] on rank 0 and a F64 tensor of shape [8, 7] \
+         on rank 1",
+        "rank 0 has 7 parameters and rank 1 has 6",
+    ];
+    for ((errs, took), says) in outs.iter().zip(says) {
+        assert!(*took < Duration::from_secs(10), "took {took:?}: {errs:?}");
+        assert!(
+            errs.iter().all(|e| e == &errs[0] && e.contains(says)),
+            "{errs:#?}"
+        );
+    }
+}

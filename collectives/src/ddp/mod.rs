@@ -27,6 +27,7 @@ mod optimizer;
 mod overlap;
 mod plan;
 mod sampler;
+mod verify;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -74,6 +75,8 @@ pub(crate) const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
 impl DistributedDataParallel {
     /// Wraps `vars` (the same parameters, in the same order, on every member) and makes them
     /// equal to the first rank's values. Buckets default to 25 MiB, like PyTorch's DDP.
+    /// Members whose parameters differ in number, type or shape all fail here, with one
+    /// message naming the parameter and the ranks (DDP-6).
     pub async fn new(group: ProcessGroup, vars: Vec<Var>) -> Result<Self, CollectiveError> {
         Self::with_bucket_bytes(group, vars, DEFAULT_BUCKET_BYTES).await
     }
@@ -84,6 +87,7 @@ impl DistributedDataParallel {
         vars: Vec<Var>,
         bucket_bytes: usize,
     ) -> Result<Self, CollectiveError> {
+        verify::same_models(&group, &vars).await?;
         let root = group.ranks()[0];
         for v in &vars {
             let t = group.broadcast(v.as_tensor(), root).await?;
