@@ -116,6 +116,24 @@ where
     }
 }
 
+/// `n` in-process workers on `t` with the collectives' functions installed and a 20 s call
+/// timeout (so a test that waits for a timeout shows it).
+pub async fn collective_group(n: u32, t: rpc_core::Transport) -> Vec<rpc_core::Agent> {
+    rpc_core::testing::start_group(
+        n,
+        t,
+        rpc_core::Secret::generate(),
+        |_| {
+            collectives::install(rpc_core::Registry::builder())
+                .expect("installs")
+                .build()
+        },
+        |_, c| c.with_rpc_timeout(Duration::from_secs(20)),
+    )
+    .await
+    .expect("group starts")
+}
+
 /// Shuts every agent down together and asserts each shutdown was clean.
 pub async fn shutdown_all(agents: &[rpc_core::Agent]) {
     for r in futures::future::join_all(agents.iter().map(|a| a.shutdown())).await {

@@ -5,19 +5,10 @@ use std::time::{Duration, Instant};
 use candle_core::{Device, Tensor};
 use collectives::ReduceOp;
 use integration_tests::{each_transport, ps_grad, run, shutdown_all};
-use rpc_core::testing::start_group;
-use rpc_core::{Agent, Registry, Secret, Transport};
+use rpc_core::{Agent, Transport};
 
 async fn group(n: u32, t: Transport) -> Vec<Agent> {
-    start_group(
-        n,
-        t,
-        Secret::generate(),
-        |_| collectives::install(Registry::builder()).unwrap().build(),
-        |_, c| c.with_rpc_timeout(Duration::from_secs(20)),
-    )
-    .await
-    .expect("group starts")
+    integration_tests::collective_group(n, t).await
 }
 
 /// Rank `r`'s input: distinct per rank, awkward length.

@@ -12,15 +12,7 @@ use rpc_core::testing::start_group;
 use rpc_core::{Agent, MemoryNetwork, Registry, Secret, Transport};
 
 async fn group(n: u32) -> Vec<Agent> {
-    start_group(
-        n,
-        Transport::Memory(MemoryNetwork::new()),
-        Secret::generate(),
-        |_| collectives::install(Registry::builder()).unwrap().build(),
-        |_, c| c.with_rpc_timeout(Duration::from_secs(20)),
-    )
-    .await
-    .expect("group starts")
+    integration_tests::collective_group(n, Transport::Memory(MemoryNetwork::new())).await
 }
 
 /// Rank `r`'s input: distinct per rank, nonzero (products stay finite and exact enough).

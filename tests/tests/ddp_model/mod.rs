@@ -8,19 +8,10 @@ use std::time::{Duration, Instant};
 use candle_core::{Device, Tensor, Var};
 use collectives::{DistributedDataParallel, Pass};
 use integration_tests::{run, shutdown_all};
-use rpc_core::testing::start_group;
-use rpc_core::{Agent, MemoryNetwork, Registry, Secret, Transport};
+use rpc_core::{Agent, MemoryNetwork, Transport};
 
 pub async fn group(n: u32) -> Vec<Agent> {
-    start_group(
-        n,
-        Transport::Memory(MemoryNetwork::new()),
-        Secret::generate(),
-        |_| collectives::install(Registry::builder()).unwrap().build(),
-        |_, c| c.with_rpc_timeout(Duration::from_secs(20)),
-    )
-    .await
-    .expect("group starts")
+    integration_tests::collective_group(n, Transport::Memory(MemoryNetwork::new())).await
 }
 
 pub const ROWS: usize = 32;
