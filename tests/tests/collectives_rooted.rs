@@ -297,10 +297,11 @@ fn a_member_failing_mid_operation_fails_it_naming_the_member() {
 }
 
 /// COL-1 for a call that is wrong on one member only: a root that is not a member fails
-/// a reduce and a gather on every member at once with that member's message, not only on
-/// the one that got it wrong while the others wait for it until their timeout (20 s here).
-/// A non-root passing parts to scatter fails alone (nobody waits for it: the others get
-/// their parts). The group goes on in step.
+/// a reduce, a gather, and a scatter whose real root passed it, on every member at once with
+/// that member's message, not only on the one that got it wrong while the others wait for it
+/// until their timeout (20 s here). In a scatter nobody waits for a non-root member: one
+/// that passes a bad root fails, the root completes, and the others either got their part or
+/// fail with the same message; one that passes parts fails alone. The group goes on in step.
 #[test]
 fn a_call_wrong_on_one_member_fails_every_member_at_once() {
     run(120, async {
@@ -323,7 +324,26 @@ fn a_call_wrong_on_one_member_fails_every_member_at_once() {
             g.scatter(parts, 0).await.map(|_| ())
         })
         .await;
+        let scatter_from_bad_root = on_all(&a, |g, r| async move {
+            let parts = (r == 0).then(|| (0..4).map(|t| part(0, t)).collect());
+            let root = if r == 0 { 9 } else { 0 };
+            g.scatter(parts, root).await.map(|_| ())
+        })
+        .await;
+        let scatter_to_bad_root = on_all(&a, |g, r| async move {
+            let parts = (r == 0).then(|| (0..4).map(|t| part(0, t)).collect());
+            let root = if r == 2 { 9 } else { 0 };
+            g.scatter(parts, root).await.map(|_| ())
+        })
+        .await;
         let took = started.elapsed();
+        let bad = scatter_to_bad_root[2].as_ref().unwrap_err().to_string();
+        assert!(bad.contains("root 9 is not a member"), "{bad}");
+        assert!(scatter_to_bad_root[0].is_ok(), "{scatter_to_bad_root:?}");
+        for o in [&scatter_to_bad_root[1], &scatter_to_bad_root[3]] {
+            let same = o.as_ref().map_or_else(|e| e.to_string() == bad, |()| true);
+            assert!(same, "{o:?}");
+        }
         let scattered: Vec<bool> = scatter.iter().map(Result::is_ok).collect();
         assert_eq!(scattered, [true, true, true, false], "{scatter:?}");
         let alone = scatter[3].as_ref().unwrap_err().to_string();
@@ -334,6 +354,7 @@ fn a_call_wrong_on_one_member_fails_every_member_at_once() {
         for (outs, says) in [
             (reduce, "root 9 is not a member"),
             (gather, "root 9 is not a member"),
+            (scatter_from_bad_root, "root 9 is not a member"),
         ] {
             let msgs: Vec<String> = outs
                 .into_iter()

@@ -14,9 +14,10 @@ use super::op::Op;
 use super::{CollectiveError, ProcessGroup, ReduceOp};
 use crate::mailbox::Header;
 
-/// A root that is not a member fails the operation on every member (COL-1), not only on
-/// the members that passed it: the others would wait for their messages. (A broadcast checks
-/// its root itself: nobody waits for a non-root member there.)
+/// A root that is not a member fails the operation (COL-1's verdict) on every member that
+/// waits for the members that passed it (all of a reduce's or a gather's; in a scatter,
+/// those still waiting for their part), not only on those members. (A broadcast checks its
+/// root itself: nobody waits for a non-root member there.)
 pub(super) async fn check_root(o: &Op<'_>, root: u32) -> Result<(), CollectiveError> {
     if o.g.ranks.contains(&root) {
         Ok(())
