@@ -199,6 +199,8 @@ pub async fn init(config: Config, mut registry: Registry) -> Result<Agent, InitE
     }
     let agent = Agent { inner };
     crate::trace::keep_in_sync(&agent);
+    // TR-5: with a grace, its own handler ends the process with `exit`, which writes the part.
+    crate::trace::write_at_exit(&agent.tracer(), cfg.signal_grace.is_none());
     tracing::info!(
         worker = %agent.name(),
         rank = agent.rank(),

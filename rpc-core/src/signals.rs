@@ -1,4 +1,4 @@
-//! An orderly end on a launcher's SIGTERM (opt-in: [`Config::signal_grace`]).
+//! An orderly end on a launcher's SIGTERM, SIGINT or SIGHUP (opt-in: [`Config::signal_grace`]).
 //!
 //! When one process of a group fails, its launcher stops the others with SIGTERM. By default
 //! that kills them at once, so a master never prints the error its program was about to
@@ -16,7 +16,7 @@
 use std::sync::Weak;
 use std::time::Duration;
 
-use signal_hook::consts::{SIGINT, SIGTERM};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 
 use crate::state::Inner;
@@ -24,16 +24,21 @@ use crate::state::Inner;
 /// How long the program gets, after its outgoing connections closed, to report and exit.
 const LAST_WORDS: Duration = Duration::from_millis(500);
 
-/// Watches SIGTERM and SIGINT for the worker `w`, on a thread of its own.
+/// Watches SIGTERM, SIGINT and SIGHUP (a launcher forwards all three) for the worker `w`, on a
+/// thread of its own.
 pub(crate) fn watch(w: Weak<Inner>, grace: Duration) -> std::io::Result<()> {
-    let mut signals = Signals::new([SIGTERM, SIGINT])?;
+    let mut signals = Signals::new([SIGTERM, SIGINT, SIGHUP])?;
     std::thread::Builder::new()
         .name("rpc-signals".into())
         .spawn(move || {
             let Some(sig) = signals.forever().next() else {
                 return;
             };
-            let name = if sig == SIGTERM { "SIGTERM" } else { "SIGINT" };
+            let name = match sig {
+                SIGTERM => "SIGTERM",
+                SIGINT => "SIGINT",
+                _ => "SIGHUP",
+            };
             let Some(inner) = w.upgrade() else {
                 std::process::exit(128 + sig)
             };

@@ -25,8 +25,8 @@ fn temp_dir(tag: &str) -> Dir {
     Dir(d)
 }
 
-/// Runs three trace-workers traced to `trace` with `env`; the merged trace.
-fn run(trace: &Path, env: &[(&str, &str)]) -> Value {
+/// Runs three trace-workers traced to `trace` with `env`; the launcher's exit.
+fn launch(trace: &Path, env: &[(&str, &str)]) -> rpcrun::Exit {
     let mut launch = rpcrun::Launch::new(env!("CARGO_BIN_EXE_trace-worker"))
         .nproc(3)
         .stop_grace(Duration::from_secs(2))
@@ -39,10 +39,14 @@ fn run(trace: &Path, env: &[(&str, &str)]) -> Value {
     std::thread::spawn(move || {
         let _ = tx.send(launch.run());
     });
-    let exit = rx
-        .recv_timeout(Duration::from_secs(120))
+    rx.recv_timeout(Duration::from_secs(120))
         .expect("the launch ends within 2 minutes")
-        .expect("the launch runs");
+        .expect("the launch runs")
+}
+
+/// Runs three trace-workers traced to `trace` with `env`, which succeed; the merged trace.
+fn run(trace: &Path, env: &[(&str, &str)]) -> Value {
+    let exit = launch(trace, env);
     assert_eq!(exit.code, 0, "{exit:?}");
     let merged = exit.trace.expect("the launcher merged the trace");
     assert_eq!(merged.parts, 3, "{merged:?}");
@@ -88,6 +92,105 @@ fn the_merged_trace_links_every_call_and_names_the_straggler() {
     for s in &r.workers {
         let sum = s.busy + s.communicating + s.waiting;
         assert!((sum - 1.0).abs() < 1e-6, "{s:?}");
+    }
+}
+
+/// TR-5: a job that fails still leaves every rank's part. Rank 0 exits with an error at the
+/// start of its fourth step without shutting down (its part is written as its process
+/// exits); the launcher then stops ranks 1 and 2, still busy, with SIGTERM (theirs are
+/// written on the signal, which then ends them). The merge has all three, the three steps
+/// done and their six calls linked. Before TR-5 no part was written: the merge found none.
+#[test]
+fn a_job_that_fails_still_leaves_every_ranks_part() {
+    let dir = temp_dir("fail");
+    let trace = dir.0.join("job.json");
+    let exit = launch(&trace, &[("TRACE_FAIL_STEP", "3")]);
+    assert_eq!(exit.code, 3, "rank 0's status: {exit:?}");
+    let merged = exit.trace.expect("the launcher merged the trace");
+    assert_eq!(merged.parts, 3, "{merged:?}");
+    assert!(merged.unaligned.is_empty(), "{merged:?}");
+    let v: Value =
+        serde_json::from_slice(&std::fs::read(&trace).expect("the merged trace")).expect("JSON");
+    assert_eq!(check_calls(&v), 6);
+    let t = rpcrun::report::Trace::from_json(&v).unwrap();
+    assert_eq!(rpcrun::report::report(&t).steps, 3);
+    for rank in [1, 2] {
+        assert!(
+            t.spans
+                .iter()
+                .any(|s| s.rank == rank && s.name == "forward" && s.cat == "compute"),
+            "rank {rank}'s part has its forward spans"
+        );
+    }
+}
+
+/// TR-5 with a signal grace, and the grace on SIGHUP (as the guide says; it watched only
+/// SIGTERM and SIGINT, so SIGHUP killed the worker at once, its part lost): rank 1 of two,
+/// started by hand, gets SIGHUP while rank 0 calls it; it ends when its grace is over with
+/// status 128 + 1, and its part is written as it exits.
+#[test]
+fn a_sighup_under_a_grace_ends_the_worker_by_its_grace_and_keeps_its_part() {
+    let dir = temp_dir("hup");
+    let trace = dir.0.join("job.json");
+    let ready = dir.0.join("ready");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let spawn = |rank: u32| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_trace-worker"))
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", "2")
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .env("RPC_SECRET", "trace test secret, long enough")
+            .env("RPC_TRACE", &trace)
+            .env("RPC_SIGNAL_GRACE_MS", "200")
+            .env("TRACE_STEPS", "100000")
+            .env("TRACE_READY_FILE", &ready)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("starts trace-worker")
+    };
+    let mut group = Group(vec![spawn(0), spawn(1)]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let ready1 = dir.0.join("ready.1");
+    while !ready1.exists() {
+        assert!(std::time::Instant::now() < deadline, "rank 1 never joined");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    // SAFETY: a signal to a child this test started and still holds.
+    unsafe { libc::kill(group.0[1].id() as i32, libc::SIGHUP) };
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = group.0[1].try_wait().expect("waits") {
+            break s;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "rank 1 still runs 30 s after SIGHUP"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status.code(), Some(128 + libc::SIGHUP), "{status:?}");
+    let part = rpc_core::trace::part_path(&trace, 1, 0);
+    let v: Value =
+        serde_json::from_slice(&std::fs::read(&part).expect("rank 1's part")).expect("JSON");
+    assert!(v["traceEvents"].as_array().is_some_and(|e| !e.is_empty()));
+}
+
+/// Kills the processes a test started, however it ends.
+struct Group(Vec<std::process::Child>);
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
     }
 }
 

@@ -185,8 +185,8 @@ pub struct Config {
     /// `encrypt`, `off`) if set, else [`WireProtection::Auto`]: a MAC between hosts, nothing
     /// within one.
     pub wire_protection: Option<WireProtection>,
-    /// Opt-in: an orderly end on SIGTERM or SIGINT (`signals.rs`). A launcher stops every
-    /// process of a group with SIGTERM once one failed; with a grace, this worker refuses new
+    /// Opt-in: an orderly end on SIGTERM, SIGINT or SIGHUP (`signals.rs`). A launcher stops
+    /// every process of a group with SIGTERM once one failed; with a grace, this worker refuses new
     /// calls ([`RpcError::Stopped`](crate::RpcError::Stopped), naming the signal) and lets
     /// those in flight end (a call to the failed worker then fails naming it), so the program
     /// can report its own error; after the grace its outgoing calls fail naming the signal and
@@ -196,7 +196,9 @@ pub struct Config {
     pub signal_grace: Option<Duration>,
     /// The job's trace (see [`trace`](crate::trace)): with a path, this worker records its
     /// calls, transfers, collectives, backward, optimizer steps and failures, and at shutdown
-    /// writes its part to `<path>.parts/`, on rank 0's clock; a launcher (`rpcrun --trace`)
+    /// writes its part to `<path>.parts/`, on rank 0's clock (or, if it does not shut down,
+    /// as its process exits or on the SIGTERM, SIGINT or SIGHUP that stops it: the signal
+    /// then ends the process as it would have, TR-5); a launcher (`rpcrun --trace`)
     /// or [`trace::merge_parts`](crate::trace::merge_parts) makes the one file. Default:
     /// [`TRACE_ENV`](crate::trace::TRACE_ENV) if set, else off (and then free).
     pub trace: Option<std::path::PathBuf>,

@@ -268,7 +268,7 @@ async fn run(agent: Agent, t: Duration, group_barrier: Option<Duration>) -> Shut
     }
     let barrier = barrier.map(|_| ());
     // This worker's part of the job's trace: everything it did for the group is recorded.
-    crate::trace::write_part(&agent);
+    crate::trace::write_part(&agent.tracer());
     // Phase 2: refuse new root calls; let the calls in flight finish.
     let life = &inner.life;
     life.set_stopping();

@@ -166,8 +166,11 @@ pub struct MergeSummary {
     pub parts: usize,
     /// Events in the merged trace.
     pub events: usize,
-    /// The largest clock error bound of any part, in nanoseconds.
+    /// The largest clock error bound of any part aligned on rank 0's clock, in nanoseconds.
     pub clock_error_bound_ns: u64,
+    /// The ranks of the parts whose worker never read rank 0's clock (rank 0 failed before
+    /// the first probe, say): their times are on their own clocks, not aligned.
+    pub unaligned: Vec<u32>,
     /// Events the workers' rings dropped.
     pub dropped: u64,
 }
@@ -182,6 +185,13 @@ impl std::fmt::Display for MergeSummary {
             self.events,
             self.clock_error_bound_ns.div_ceil(1000)
         )?;
+        if !self.unaligned.is_empty() {
+            write!(
+                f,
+                " (ranks {:?} on their own clocks: rank 0's was never read)",
+                self.unaligned
+            )?;
+        }
         match self.dropped {
             0 => Ok(()),
             d => write!(f, ", {d} oldest events dropped (ring full)"),
@@ -191,7 +201,8 @@ impl std::fmt::Display for MergeSummary {
 
 /// Merges the parts in `<trace>.parts/` (or the files in `parts` if given) into one trace at
 /// `trace`, written whole or not at all. The merged file's `otherData.rpc_trace.parts` lists
-/// each part's metadata, and `clock_error_bound_ns` is the largest bound of any.
+/// each part's metadata, `clock_error_bound_ns` is the largest bound of any part on rank 0's
+/// clock, and `unaligned_ranks` the ranks whose parts are not (their clocks never read it).
 pub fn merge_parts(trace: &Path, parts: Option<&[PathBuf]>) -> Result<MergeSummary, MergeError> {
     let files: Vec<PathBuf> = match parts {
         Some(p) => p.to_vec(),
@@ -217,7 +228,7 @@ pub fn merge_parts(trace: &Path, parts: Option<&[PathBuf]>) -> Result<MergeSumma
     }
     let mut events = Vec::new();
     let mut metas = Vec::new();
-    let (mut bound, mut dropped) = (0u64, 0u64);
+    let (mut bound, mut dropped, mut unaligned) = (0u64, 0u64, Vec::new());
     for f in &files {
         let bad = |why: String| MergeError::NotAPart {
             path: f.clone(),
@@ -235,19 +246,25 @@ pub fn merge_parts(trace: &Path, parts: Option<&[PathBuf]>) -> Result<MergeSumma
         let Some(Value::Array(evs)) = v.get_mut("traceEvents").map(Value::take) else {
             return Err(bad("no traceEvents array".into()));
         };
-        bound = bound.max(
-            meta.pointer("/clock/error_bound_ns")
-                .and_then(Value::as_u64)
-                .unwrap_or(0),
-        );
+        match meta
+            .pointer("/clock/error_bound_ns")
+            .and_then(Value::as_u64)
+        {
+            Some(u64::MAX) => unaligned.push(meta.get("rank").and_then(Value::as_u64).unwrap_or(0)),
+            b => bound = bound.max(b.unwrap_or(0)),
+        }
         dropped += meta.get("dropped").and_then(Value::as_u64).unwrap_or(0);
         events.extend(evs);
         metas.push(meta);
     }
+    unaligned.sort_unstable();
+    unaligned.dedup();
+    let unaligned: Vec<u32> = unaligned.into_iter().map(|r| r as u32).collect();
     let summary = MergeSummary {
         parts: files.len(),
         events: events.len(),
         clock_error_bound_ns: bound,
+        unaligned: unaligned.clone(),
         dropped,
     };
     let merged = json!({
@@ -256,6 +273,7 @@ pub fn merge_parts(trace: &Path, parts: Option<&[PathBuf]>) -> Result<MergeSumma
         "otherData": {"rpc_trace": {
             "parts": metas,
             "clock_error_bound_ns": bound,
+            "unaligned_ranks": unaligned,
             "dropped": dropped,
         }},
     });

@@ -120,7 +120,7 @@ pub(crate) struct ClockState {
     first: Option<Sample>,
     last: Option<Sample>,
     samples: u32,
-    reference: bool,
+    pub(super) reference: bool,
 }
 
 impl ClockState {

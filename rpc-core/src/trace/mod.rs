@@ -5,6 +5,7 @@
 //! ```text
 //! mod.rs    the recorder: a Tracer handle, its spans, the bounded ring (TR-1, TR-2)
 //! clock.rs  each rank's offset from rank 0's clock, estimated over the group's connections
+//! exit.rs   the part written however a worker ends: shutdown, exit, a signal (TR-5)
 //! chrome.rs the Trace Event Format: a rank's part, the merge of the parts (TR-3, TR-4)
 //! layer.rs  spans of the `tracing` ecosystem recorded into the same ring
 //! record.rs what the ring keeps of one event (64 bytes)
@@ -24,9 +25,12 @@
 //!   id, so the merged trace links each caller span to its callee span.
 //! - **TR-4** Timestamps in a written part are on rank 0's clock (monotonic clocks, offset
 //!   estimated the NTP way); the part states the offset and its error bound.
+//! - **TR-5** A traced worker's part is written once, however the worker ends: at shutdown,
+//!   at its process's exit, or on the SIGTERM, SIGINT or SIGHUP that stops it.
 
 mod chrome;
 mod clock;
+mod exit;
 mod layer;
 mod record;
 
@@ -127,6 +131,10 @@ pub(crate) struct Ring {
     pub who: Mutex<Who>,
     /// The probes of rank 0's clock so far (TR-4).
     pub clock: Mutex<clock::ClockState>,
+    /// Whether this worker's part was written (held while it is written: TR-5).
+    written: Mutex<bool>,
+    /// Whether the part must be written however the worker ends: set as it joins (TR-5).
+    armed: std::sync::atomic::AtomicBool,
 }
 
 /// The recording worker, for the part's metadata.
@@ -198,6 +206,8 @@ impl Tracer {
             path,
             who: Mutex::new(Who::default()),
             clock: Mutex::new(clock::ClockState::default()),
+            written: Mutex::new(false),
+            armed: std::sync::atomic::AtomicBool::new(false),
         })))
     }
 
@@ -369,32 +379,19 @@ impl Drop for Span {
     }
 }
 
-/// Writes this worker's part of the job's trace, if its tracer is on, with the clock estimate
-/// kept since it joined (TR-4); needs no network. A failure is logged, never fatal: a trace
-/// must not fail the job.
-pub(crate) fn write_part(agent: &crate::Agent) {
-    let tracer = agent.tracer();
-    let Some(ring) = tracer.ring() else {
-        return;
-    };
-    let clock = ring
-        .clock
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .estimate();
-    if clock.samples == 0 && clock.error_bound_ns == u64::MAX {
-        tracing::warn!(worker = %agent.name(),
-            "trace: rank 0's clock was never read; this part keeps its own clock");
+/// Writes this worker's part of the job's trace, if its tracer is on and the part is not
+/// written yet (see `exit.rs`).
+pub(crate) fn write_part(tracer: &Tracer) {
+    if let Some(ring) = tracer.ring() {
+        exit::write_once(ring, true);
     }
-    let who = ring.who.lock().unwrap_or_else(|p| p.into_inner()).clone();
-    let (events, dropped) = ring.snapshot();
-    let path = part_path(&ring.path, who.rank, who.incarnation);
-    let part = chrome::part(&who, &clock, &events, dropped);
-    match chrome::write_atomic(&path, &part) {
-        Ok(()) => tracing::info!(worker = %agent.name(), path = %path.display(),
-            events = events.len(), dropped, "trace part written"),
-        Err(e) => tracing::warn!(worker = %agent.name(), path = %path.display(), cause = %e,
-            "trace part not written"),
+}
+
+/// Makes sure this worker's part is written however its process ends (TR-5, `exit.rs`);
+/// `signals`: also on SIGTERM, SIGINT and SIGHUP.
+pub(crate) fn write_at_exit(tracer: &Tracer, signals: bool) {
+    if let Some(ring) = tracer.ring() {
+        exit::write_at_exit(ring, signals);
     }
 }
 

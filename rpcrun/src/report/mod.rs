@@ -84,8 +84,10 @@ pub struct Report {
     pub steps: usize,
     /// The median step, milliseconds.
     pub step_ms_median: f64,
-    /// The largest clock error bound of the trace's parts, microseconds.
+    /// The largest clock error bound of the trace's parts on rank 0's clock, microseconds.
     pub clock_error_us: f64,
+    /// The ranks whose parts are on their own clocks (they never read rank 0's).
+    pub unaligned: Vec<u32>,
     /// The worker most often the straggler, and in how many steps.
     pub straggler: Option<(String, usize)>,
     /// Critical-path time summed over the steps by (worker, span, category), largest first,
@@ -292,6 +294,7 @@ fn summarize(t: &Trace, per_step: Vec<StepReport>) -> Report {
         steps: per_step.len(),
         step_ms_median: ms.get(ms.len() / 2).copied().unwrap_or(0.0),
         clock_error_us: t.clock_error_us,
+        unaligned: t.unaligned.clone(),
         straggler: stragglers.into_iter().max_by_key(|(_, n)| *n),
         critical,
         workers: sums.into_values().map(|(s, n)| scale(s, n)).collect(),
@@ -343,6 +346,14 @@ impl Report {
             "{} steps, median {:.2} ms; clocks aligned within {:.0} us",
             self.steps, self.step_ms_median, self.clock_error_us
         );
+        if !self.unaligned.is_empty() {
+            let _ = writeln!(
+                o,
+                "ranks {:?} on their own clocks (rank 0's was never read): their times are \
+                 not comparable with the others'",
+                self.unaligned
+            );
+        }
         if let Some((w, n)) = &self.straggler {
             let _ = writeln!(
                 o,

@@ -42,8 +42,10 @@ pub struct Trace {
     pub names: BTreeMap<u32, String>,
     /// Each flow id's served span (an index into `spans`).
     pub served: HashMap<u64, usize>,
-    /// The largest clock error bound of any part, microseconds.
+    /// The largest clock error bound of any part aligned on rank 0's clock, microseconds.
     pub clock_error_us: f64,
+    /// The ranks whose parts are on their own clocks (they never read rank 0's).
+    pub unaligned: Vec<u32>,
 }
 
 impl Trace {
@@ -99,9 +101,11 @@ impl Trace {
         t.clock_error_us = v
             .pointer("/otherData/rpc_trace/clock_error_bound_ns")
             .or_else(|| v.pointer("/otherData/rpc_trace/clock/error_bound_ns"))
-            .and_then(Value::as_f64)
-            .unwrap_or(0.0)
+            .and_then(Value::as_u64)
+            .filter(|&b| b != u64::MAX)
+            .unwrap_or(0) as f64
             / 1000.0;
+        t.unaligned = unaligned_ranks(v);
         Ok(t)
     }
 
@@ -145,6 +149,27 @@ pub fn covered(mut intervals: Vec<(f64, f64)>, lo: f64, hi: f64) -> f64 {
 pub fn overlap(a: &[(f64, f64)], b: &[(f64, f64)], lo: f64, hi: f64) -> f64 {
     let both: Vec<_> = a.iter().chain(b).copied().collect();
     covered(a.to_vec(), lo, hi) + covered(b.to_vec(), lo, hi) - covered(both, lo, hi)
+}
+
+/// The ranks a merged trace says are on their own clocks (`otherData.rpc_trace.unaligned_ranks`;
+/// a single part's own, if its clock never read rank 0's).
+pub(crate) fn unaligned_ranks(v: &Value) -> Vec<u32> {
+    if let Some(Value::Array(a)) = v.pointer("/otherData/rpc_trace/unaligned_ranks") {
+        return a
+            .iter()
+            .filter_map(Value::as_u64)
+            .map(|r| r as u32)
+            .collect();
+    }
+    match (
+        v.pointer("/otherData/rpc_trace/clock/error_bound_ns")
+            .and_then(Value::as_u64),
+        v.pointer("/otherData/rpc_trace/rank")
+            .and_then(Value::as_u64),
+    ) {
+        (Some(u64::MAX), Some(r)) => vec![r as u32],
+        _ => Vec::new(),
+    }
 }
 
 #[cfg(test)]

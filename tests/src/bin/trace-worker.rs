@@ -6,7 +6,10 @@
 //! 5 ms in a `forward` span, `TRACE_SLOW_MS` instead on rank `TRACE_SLOW_RANK`. With
 //! `TRACE_SKEW_RANK` and `TRACE_SKEW_SECS`, that rank runs itself again under
 //! `unshare --time --monotonic SECS`: its monotonic clock, the trace's clock, is that far
-//! ahead of the others'.
+//! ahead of the others'. With `TRACE_FAIL_STEP`, rank 0 fails at the start of that step: it
+//! exits with status 3 without shutting down, while the other ranks are still busy (they
+//! wait up to 60 s before shutting down), so the launcher stops them with SIGTERM. With
+//! `TRACE_READY_FILE`, each rank creates `<that path>.<rank>` once it has joined its group.
 
 use std::time::Duration;
 
@@ -82,10 +85,19 @@ fn main() {
                 return 1;
             }
         };
+        if let Some(f) = std::env::var_os("TRACE_READY_FILE") {
+            let mut f = f;
+            f.push(format!(".{}", agent.rank()));
+            std::fs::write(f, "").expect("the ready file");
+        }
         let mut failed = false;
         if agent.rank() == 0 {
             let tracer = agent.tracer();
             for step in 0..env_u64("TRACE_STEPS").unwrap_or(6) {
+                if env_u64("TRACE_FAIL_STEP") == Some(step) {
+                    eprintln!("step {step}: failing on purpose");
+                    return 3;
+                }
                 let mut span = tracer.span(Cat::Step, "step");
                 span.detail(|| format!("step {step}"));
                 let calls =
@@ -98,9 +110,14 @@ fn main() {
                 let _loss = tracer.span(Cat::Compute, "loss");
                 tokio::time::sleep(Duration::from_millis(2)).await;
             }
+        } else if env_u64("TRACE_FAIL_STEP").is_some() {
+            // Busy until rank 0's launcher stops this process.
+            tokio::time::sleep(Duration::from_secs(60)).await;
         }
         let report = agent.shutdown().await;
         i32::from(failed || !report.is_clean())
     });
+    // As a program's `main` ends: its runtime, and with it the worker, are gone before exit.
+    drop(rt);
     std::process::exit(code);
 }

@@ -1,0 +1,215 @@
+//! A part for every way a traced worker ends (TR-5). A worker writes its part as it shuts
+//! down; a job that fails mostly ends otherwise: the failing program returns its error (or
+//! calls `std::process::exit`, or panics) without shutting down, and its launcher stops the
+//! others with SIGTERM; a user stops a slow job with Ctrl-C. Those are the runs whose trace is
+//! wanted most, so a traced worker's part is also written
+//! - as its process exits, if shutdown has not written it (an `atexit` handler: `main`
+//!   returning, `std::process::exit`, a panic that ends `main`), or before, when the worker
+//!   is dropped (its runtime with it, as `main` returns an error);
+//! - on SIGTERM, SIGINT or SIGHUP, after which the signal's default action ends the process as
+//!   it would have (the exit status is the signal's); a program that handled the signal
+//!   before the worker started keeps its handling, which then decides. With
+//!   [`Config::signal_grace`](crate::Config::signal_grace) the grace's own handler ends the
+//!   process with `exit`, so the handler above writes the part. A signal the process ignores
+//!   (a background job's SIGINT) stays ignored.
+//!
+//! A part is written once: whichever path comes first writes it, the others wait for it to
+//! be whole and skip it, so a process never ends in the middle of writing its part.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, Once, Weak};
+
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+
+use super::{chrome, part_path, Ring};
+
+/// The rings of this process's traced workers whose part may still need writing.
+static LIVE: Mutex<Vec<Weak<Ring>>> = Mutex::new(Vec::new());
+
+/// Makes sure `ring`'s part is written however the process ends (see the module docs);
+/// `signals`: also on SIGTERM, SIGINT and SIGHUP (not with a signal grace, whose own handler
+/// ends the process with `exit`).
+pub(crate) fn write_at_exit(ring: &Arc<Ring>, signals: bool) {
+    ring.armed.store(true, Ordering::Relaxed);
+    {
+        let mut live = LIVE.lock().unwrap_or_else(|p| p.into_inner());
+        live.retain(|r| r.strong_count() > 0);
+        live.push(Arc::downgrade(ring));
+    }
+    static AT_EXIT: Once = Once::new();
+    AT_EXIT.call_once(|| {
+        // SAFETY: registers a plain `extern "C" fn` that never unwinds (it catches panics).
+        if unsafe { libc::atexit(at_exit) } != 0 {
+            tracing::warn!("trace: no exit handler; the part is written only at shutdown");
+        }
+    });
+    if signals {
+        static SIGNALS: Once = Once::new();
+        SIGNALS.call_once(watch_signals);
+    }
+}
+
+/// A worker gone without shutting down (its program's runtime dropped as `main` returned an
+/// error, say) leaves its part as its ring goes, before the process exits.
+impl Drop for Ring {
+    fn drop(&mut self) {
+        if self.armed.load(Ordering::Relaxed) {
+            write_once(self, true);
+        }
+    }
+}
+
+extern "C" fn at_exit() {
+    // Thread-locals may be gone by now: no `tracing` here, only stderr.
+    let _ = std::panic::catch_unwind(|| write_live(false));
+}
+
+/// Writes the part of every live ring that has none yet; `log`: through `tracing`.
+fn write_live(log: bool) {
+    let live: Vec<Arc<Ring>> = LIVE
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .filter_map(Weak::upgrade)
+        .collect();
+    for ring in live {
+        write_once(&ring, log);
+    }
+}
+
+/// Watches SIGTERM, SIGINT and SIGHUP (those the process does not ignore) on a thread of its
+/// own: the first writes the parts, then the signal's default action ends the process, unless
+/// the program had a handler of its own for it (which then decides, as before).
+fn watch_signals() {
+    let mut wanted = Vec::new();
+    let mut ends = Vec::new();
+    for sig in [SIGTERM, SIGINT, SIGHUP] {
+        match disposition(sig) {
+            Some(libc::SIG_IGN) => {}
+            d => {
+                wanted.push(sig);
+                if d == Some(libc::SIG_DFL) {
+                    ends.push(sig);
+                }
+            }
+        }
+    }
+    let mut signals = match signal_hook::iterator::Signals::new(&wanted) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(cause = %e, "trace: cannot watch signals; a signal loses the part");
+            return;
+        }
+    };
+    let spawned = std::thread::Builder::new()
+        .name("rpc-trace-signals".into())
+        .spawn(move || {
+            if let Some(sig) = signals.forever().next() {
+                write_live(true);
+                if ends.contains(&sig) {
+                    // Ends the process as the signal would have.
+                    let _ = signal_hook::low_level::emulate_default_handler(sig);
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(cause = %e, "trace: cannot watch signals; a signal loses the part");
+    }
+}
+
+/// `sig`'s disposition now: `SIG_DFL`, `SIG_IGN` (inherited from a shell, say) or a handler.
+fn disposition(sig: i32) -> Option<libc::sighandler_t> {
+    // SAFETY: reads the disposition only (a null new action); `old` is plain data.
+    unsafe {
+        let mut old: libc::sigaction = std::mem::zeroed();
+        (libc::sigaction(sig, std::ptr::null(), &mut old) == 0).then_some(old.sa_sigaction)
+    }
+}
+
+/// Writes `ring`'s part unless it was written: its clock estimate kept since the worker joined
+/// (TR-4), every event kept. Needs no network. A failure is reported, never fatal: a trace
+/// must not fail the job. `log`: through `tracing` (else stderr, for the exit handler).
+pub(crate) fn write_once(ring: &Ring, log: bool) {
+    let mut written = ring.written.lock().unwrap_or_else(|p| p.into_inner());
+    if *written {
+        return;
+    }
+    *written = true;
+    let clock = ring
+        .clock
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .estimate();
+    let who = ring.who.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    if clock.samples == 0 && clock.error_bound_ns == u64::MAX && log {
+        tracing::warn!(worker = %who.name,
+            "trace: rank 0's clock was never read; this part keeps its own clock");
+    }
+    let (events, dropped) = ring.snapshot();
+    let path = part_path(&ring.path, who.rank, who.incarnation);
+    let part = chrome::part(&who, &clock, &events, dropped);
+    match (chrome::write_atomic(&path, &part), log) {
+        (Ok(()), true) => tracing::info!(worker = %who.name, path = %path.display(),
+            events = events.len(), dropped, "trace part written"),
+        (Err(e), true) => tracing::warn!(worker = %who.name, path = %path.display(),
+            cause = %e, "trace part not written"),
+        (Ok(()), false) => {}
+        (Err(e), false) => eprintln!(
+            "{}: trace part not written to {}: {e}",
+            who.name,
+            path.display()
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{merge_parts, Cat, Tracer, Who};
+    use super::*;
+
+    fn traced(dir: &std::path::Path, rank: u32, reference: bool) -> Tracer {
+        let t = Tracer::on(dir.join("job.json"), 16);
+        t.set_who(Who {
+            rank,
+            name: format!("w{rank}"),
+            incarnation: 0,
+        });
+        let ring = t.ring().unwrap();
+        ring.clock.lock().unwrap().reference = reference;
+        drop(t.span(Cat::Compute, "work"));
+        t
+    }
+
+    /// TR-5: whichever path comes first writes the part; the others skip it.
+    #[test]
+    fn a_part_is_written_once() {
+        let dir = std::env::temp_dir().join(format!("trace-once-{}", std::process::id()));
+        let t = traced(&dir, 1, false);
+        let ring = t.ring().unwrap();
+        write_once(ring, false);
+        let part = part_path(&ring.path, 1, 0);
+        assert!(part.exists());
+        std::fs::remove_file(&part).unwrap();
+        write_once(ring, true);
+        assert!(!part.exists(), "written a second time");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A part whose worker never read rank 0's clock is named, not folded into the bound
+    /// (the summary said "clocks aligned within 18446744073709552 us").
+    #[test]
+    fn a_part_on_its_own_clock_is_named_in_the_merge() {
+        let dir = std::env::temp_dir().join(format!("trace-unaligned-{}", std::process::id()));
+        let (t0, t1) = (traced(&dir, 0, true), traced(&dir, 1, false));
+        for t in [&t0, &t1] {
+            write_once(t.ring().unwrap(), false);
+        }
+        let s = merge_parts(&dir.join("job.json"), None).unwrap();
+        assert_eq!((s.parts, s.clock_error_bound_ns), (2, 0), "{s:?}");
+        assert_eq!(s.unaligned, vec![1]);
+        let want = "clocks aligned within 0 us (ranks [1] on their own clocks: rank 0's was \
+                    never read)";
+        assert!(s.to_string().ends_with(want), "{s}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
