@@ -4,7 +4,8 @@
 //! group secret, spawns ranks 1 and 2 as child processes (torchrun-style variables), and runs
 //! rank 0 (the master) itself. With `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` and
 //! `RPC_SECRET` already set, the binary instead joins that external group as one worker, so the
-//! same program runs across machines.
+//! same program runs across machines (`rpcrun --nproc N`, any N from 2: rank 0 calls the
+//! others).
 
 use std::time::{Duration, Instant};
 
@@ -114,6 +115,12 @@ fn main() -> Result<()> {
 }
 
 async fn master(agent: &Agent) -> Result<()> {
+    // Under a launcher the group has any size; rank 0 calls the others.
+    let others = agent.world_size() as u32 - 1;
+    anyhow::ensure!(
+        others > 0,
+        "hello-group needs 2 processes or more (rank 0 calls the others), not 1"
+    );
     println!(
         "group formed: {:?}",
         agent
@@ -133,7 +140,7 @@ async fn master(agent: &Agent) -> Result<()> {
     let calls = texts
         .iter()
         .enumerate()
-        .map(|(i, s)| agent.rpc_async(1 + i % 2, vowels, (s.to_string(),)));
+        .map(|(i, s)| agent.rpc_async(1 + i as u32 % others, vowels, (s.to_string(),)));
     for (text, (worker, n)) in texts.iter().zip(rpc_core::wait_all(calls).await?) {
         println!("  {worker:>8}: {n:2} vowels in {text:?}");
     }
@@ -144,7 +151,7 @@ async fn master(agent: &Agent) -> Result<()> {
     // A blob large enough for the bulk path.
     let data = Blob::from((0..8u32 << 20).map(|i| (i % 7) as u8).collect::<Vec<_>>());
     let t = Instant::now();
-    let sum = agent.rpc_async(2u32, checksum, (data.clone(),)).await?;
+    let sum = agent.rpc_async(others, checksum, (data.clone(),)).await?;
     println!(
         "checksum of 8 MiB on worker2: {sum} (expected {}) in {:.1} ms",
         data.iter().map(|&b| u64::from(b)).sum::<u64>(),
@@ -159,7 +166,7 @@ async fn master(agent: &Agent) -> Result<()> {
         Ok(v) => anyhow::bail!("7 is odd, yet got {v}"),
     }
     match agent
-        .rpc_async_timeout(2u32, nap, (2_000,), Duration::from_millis(100))
+        .rpc_async_timeout(others, nap, (2_000,), Duration::from_millis(100))
         .await
     {
         Err(e @ RpcError::DeadlineExceeded { .. }) => println!("expected timeout: {e}"),
