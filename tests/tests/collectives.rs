@@ -704,6 +704,63 @@ fn a_fill_that_fails_on_one_member_fails_the_operation_everywhere_naming_it() {
     });
 }
 
+/// COL-4 through a communication hook: a member whose bucket `CompressHook` cannot cast fails
+/// the all-reduce on every member (as a hook of a user's that wraps it would meet it), and the
+/// next operation pairs up. Before, that member's work failed alone without taking the
+/// operation's place: the others waited for it until the RPC timeout (20 s here), and its next
+/// operation paired with theirs of the one before.
+#[test]
+fn a_hook_that_cannot_prepare_its_bucket_fails_the_operation_everywhere() {
+    use collectives::{CommHook, CompressHook};
+    run(60, async {
+        let a = group(3, Transport::Tcp).await;
+        let started = Instant::now();
+        let errs = futures::future::join_all(a.iter().map(|w| {
+            let g = collectives::world(w);
+            let bucket = match w.rank() {
+                // A type candle cannot convert: the cast to bf16 fails on this member only.
+                1 => {
+                    Tensor::from_raw_buffer(&[0u8; 8], candle_core::DType::F4, &[16], &Device::Cpu)
+                }
+                _ => Tensor::ones(16, candle_core::DType::F32, &Device::Cpu),
+            }
+            .unwrap();
+            async move {
+                CompressHook::bf16()
+                    .reduce(&g, bucket, ReduceOp::Mean)
+                    .wait()
+                    .await
+                    .unwrap_err()
+                    .to_string()
+            }
+        }))
+        .await;
+        let took = started.elapsed();
+        assert!(
+            took < Duration::from_secs(10),
+            "failed after {took:?}: {errs:?}"
+        );
+        assert!(errs.iter().all(|e| e == &errs[0]), "{errs:?}");
+        assert!(
+            errs[0].contains("bf16 hook could not prepare the bucket on rank 1"),
+            "{errs:?}"
+        );
+        let next = futures::future::join_all(a.iter().map(|w| {
+            let g = collectives::world(w);
+            let r = w.rank() as f32;
+            async move {
+                g.all_reduce_vec_async(vec![r; 5], ReduceOp::Sum)
+                    .wait()
+                    .await
+                    .unwrap()
+            }
+        }))
+        .await;
+        assert!(next.iter().all(|v| v == &vec![3.0; 5]), "{next:?}");
+        shutdown_all(&a).await;
+    });
+}
+
 /// LANE-1: the ring's passes split over threads give the single thread's result, bit for
 /// bit, on every member (chunks of two pieces, each split into up to four lanes, uneven).
 #[test]

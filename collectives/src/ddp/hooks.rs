@@ -5,7 +5,7 @@
 
 use candle_core::{DType, Tensor};
 
-use crate::group::{CollectiveError, ProcessGroup, ReduceOp, Work};
+use crate::group::{ProcessGroup, ReduceOp, Work};
 
 /// Combines a bucket of gradients over the group. `bucket` is this member's flattened
 /// gradients (every member passes the same length and dtype, in the same order of calls);
@@ -90,7 +90,16 @@ impl CommHook for CompressHook {
             Ok(half) => group
                 .all_reduce_async(&half, wire_op)
                 .map(move |t| Ok(t.to_dtype(original)?)),
-            Err(e) => Work::ready(Err(CollectiveError::Candle(e))),
+            // COL-4: the others would wait for this member's bucket, and the next operation
+            // would pair with the wrong one.
+            Err(e) => group.fail_async(
+                "all_reduce",
+                format!(
+                    "the {} hook could not prepare the bucket on rank {}: {e}",
+                    self.name(),
+                    group.agent().rank()
+                ),
+            ),
         }
     }
 

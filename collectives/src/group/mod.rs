@@ -460,6 +460,13 @@ impl ProcessGroup {
         ))
     }
 
+    /// COL-4 for an operation this member cannot even start (its input could not be made):
+    /// takes the operation's place in the group's order, as calling it would have, and fails
+    /// it on every member with `why`.
+    pub(crate) fn fail_async<T: Send + 'static>(&self, op: &'static str, why: String) -> Work<T> {
+        self.background(move |g, seq| async move { Err(g.fail_at(op, seq, why).await) })
+    }
+
     /// [`ProcessGroup::all_reduce`] in the background, so communication overlaps computation.
     pub fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Work<Tensor> {
         let t = t.clone();
