@@ -55,3 +55,33 @@ fn two_replicas_train_launched_by_themselves_and_by_rpcrun() {
         .collect();
     check(code, &unprefixed.join("\n"), &err);
 }
+
+/// Arguments that would train on nothing are refused with the reason, before or as the
+/// replicas start, and no restart is spent on them. Before, each replica panicked (a zero
+/// chunk size, a remainder by zero, the median of no steps) and the launcher reported
+/// "rank 0 exited with status 101".
+#[test]
+fn arguments_that_train_nothing_are_refused_with_the_reason() {
+    let bin = env!("CARGO_BIN_EXE_data-parallel");
+    for (args, code, says) in [
+        (&["--batch", "0"][..], 2, "--batch"),
+        (&["--epochs", "0"], 2, "--epochs"),
+        (&["--log-every", "0"], 2, "--log-every"),
+        (&["--train-limit", "0"], 2, "--train-limit"),
+        (
+            &["--lr", "0"],
+            rpcrun::FATAL_EXIT_CODE,
+            "--lr must be a positive number",
+        ),
+        (
+            &["--nproc", "2", "--train-limit", "10", "--epochs", "1"],
+            rpcrun::FATAL_EXIT_CODE,
+            "gets 5 of the 10 training words, less than one batch of 32",
+        ),
+    ] {
+        let (got, out, err) = run_to_end(bin, args, Duration::from_secs(120));
+        assert_eq!(got, Some(code), "{args:?}: {out}\n{err}");
+        assert!(err.contains(says), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}

@@ -54,6 +54,19 @@ fn check_equivalence_passes_for_both_schedules() {
     );
 }
 
+/// A layer of width 0 is refused with the flag that made it, before anything starts, and no
+/// restart is spent on it. Before, `--hidden 0` started the group and a stage's handler
+/// panicked (`NonFinite` from an initialiser's bound of 1/sqrt(0)).
+#[test]
+fn a_layer_of_width_zero_is_refused_naming_the_flag() {
+    for flag in ["--emb", "--hidden", "--mlp-width"] {
+        let (code, out, err) = run_to_end(BIN, &[flag, "0"], Duration::from_secs(60));
+        assert_eq!(code, Some(rpcrun::FATAL_EXIT_CODE), "{flag}: {out}\n{err}");
+        assert!(err.contains(&format!("{flag} must be at least 1")), "{err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}
+
 #[test]
 fn trains_reports_and_draws_the_timeline() {
     let run = run_small("train", &[]);

@@ -36,10 +36,10 @@ struct Args {
     trace: Option<std::path::PathBuf>,
 
     /// Epochs to train.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..))]
     epochs: u64,
     /// Words per step on each replica.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, value_parser = at_least_one())]
     batch: usize,
     /// SGD's learning rate for one replica (scaled by the number of replicas, as Horovod
     /// recommends).
@@ -49,14 +49,19 @@ struct Args {
     #[arg(long)]
     bf16: bool,
     /// Log every this many steps (rank 0).
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..))]
     log_every: u64,
     /// Use only the first N training words (quick runs).
-    #[arg(long)]
+    #[arg(long, value_parser = at_least_one())]
     train_limit: Option<usize>,
     /// Use only the first N test words (quick runs).
-    #[arg(long)]
+    #[arg(long, value_parser = at_least_one())]
     test_limit: Option<usize>,
+}
+
+/// A count of 1 or more (0 would train or test on nothing).
+fn at_least_one() -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::new().range(1..)
 }
 
 const WIDTHS: [usize; 4] = [DIM, 1024, 512, LANGS.len()];
@@ -70,6 +75,10 @@ fn main() {
 
 fn run() -> Result<i32> {
     let args = Args::parse();
+    anyhow::ensure!(
+        args.lr.is_finite() && args.lr > 0.0,
+        examples::Fatal(format!("--lr must be a positive number, not {}", args.lr))
+    );
     if !examples::is_worker() {
         // Started by hand: this binary, `--nproc` times, under the launcher's code.
         return examples::launch_here(
@@ -105,6 +114,17 @@ async fn replica(args: Args) -> Result<i32> {
         test.truncate(n);
     }
     let sampler = DistributedSampler::new(train.len(), size, rank as usize, SEED);
+    let share = sampler.indices(0).len();
+    if share < args.batch {
+        // Every replica finds the same: no step to take.
+        return Err(examples::Fatal(format!(
+            "each of the {size} replicas gets {share} of the {} training words, less than one \
+             batch of {}: lower --batch or raise --train-limit",
+            train.len(),
+            args.batch
+        ))
+        .into());
+    }
     // The model; DistributedDataParallel broadcasts rank 0's parameters to every replica.
     let vars = init_model(&device, rank)?;
     let ddp = DistributedDataParallel::new(collectives::world(&agent), vars).await?;

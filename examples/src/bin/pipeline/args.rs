@@ -149,6 +149,13 @@ impl Args {
         );
         ensure!(self.batch() >= 8, "--batch {} is below 8", self.batch());
         ensure!(self.epochs >= 1, "--epochs must be at least 1");
+        for (flag, width) in [
+            ("--emb", self.emb),
+            ("--hidden", self.hidden),
+            ("--mlp-width", self.mlp_width),
+        ] {
+            ensure!(width >= 1, "{flag} must be at least 1 (a layer of width 0)");
+        }
         ensure!(
             self.checkpoint_every > 0,
             "--checkpoint-every must be at least 1"
