@@ -21,6 +21,11 @@ pub struct DistributedSampler {
 
 impl DistributedSampler {
     /// A sampler over `len` items for member `rank` of `replicas`.
+    ///
+    /// # Panics
+    ///
+    /// If `replicas` is 0 or `rank` is not below it (as slicing out of bounds does: the
+    /// caller's arithmetic is wrong, and no later step could mend it).
     pub fn new(len: usize, replicas: usize, rank: usize, seed: u64) -> Self {
         assert!(
             replicas > 0 && rank < replicas,
