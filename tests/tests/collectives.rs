@@ -651,6 +651,35 @@ fn an_all_reduce_keeps_its_place_while_its_buffer_is_filled() {
     });
 }
 
+/// COL-4's first half: every member failed within 10 s of `started` (not at the RPC
+/// timeout), all with one message.
+fn one_prompt_verdict(errs: &[String], started: Instant) {
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(10),
+        "failed after {took:?}: {errs:?}"
+    );
+    assert!(errs.iter().all(|e| e == &errs[0]), "{errs:?}");
+}
+
+/// COL-4's second half: after an operation failed everywhere, the group is in step: the
+/// next all-reduce pairs up as called on every member of `a` (ranks 0, 1, ...).
+async fn the_next_all_reduce_pairs_up(a: &[Agent]) {
+    let next = futures::future::join_all(a.iter().map(|w| {
+        let g = collectives::world(w);
+        let r = w.rank() as f32;
+        async move {
+            g.all_reduce_fill_async(move |_| Ok(vec![r; 5]), ReduceOp::Sum)
+                .wait()
+                .await
+                .unwrap()
+        }
+    }))
+    .await;
+    let want = (0..a.len()).sum::<usize>() as f32;
+    assert!(next.iter().all(|v| v == &vec![want; 5]), "{next:?}");
+}
+
 /// COL-4: a member whose buffer cannot be made fails the operation on every member at once,
 /// with one message naming it and the cause, and the group goes on in step (the next
 /// operation pairs up as called). Before, only the failing member's work failed; the others
@@ -678,28 +707,12 @@ fn a_fill_that_fails_on_one_member_fails_the_operation_everywhere_naming_it() {
             }
         }))
         .await;
-        let took = started.elapsed();
-        assert!(
-            took < Duration::from_secs(10),
-            "failed after {took:?}: {errs:?}"
-        );
-        assert!(errs.iter().all(|e| e == &errs[0]), "{errs:?}");
+        one_prompt_verdict(&errs, started);
         assert!(
             errs[0].contains("rank 1") && errs[0].contains("out of memory"),
             "{errs:?}"
         );
-        let next = futures::future::join_all(a.iter().map(|w| {
-            let g = collectives::world(w);
-            let r = w.rank() as f32;
-            async move {
-                g.all_reduce_fill_async(move |_| Ok(vec![r; 5]), ReduceOp::Sum)
-                    .wait()
-                    .await
-                    .unwrap()
-            }
-        }))
-        .await;
-        assert!(next.iter().all(|v| v == &vec![3.0; 5]), "{next:?}");
+        the_next_all_reduce_pairs_up(&a).await;
         shutdown_all(&a).await;
     });
 }
@@ -735,28 +748,12 @@ fn a_hook_that_cannot_prepare_its_bucket_fails_the_operation_everywhere() {
             }
         }))
         .await;
-        let took = started.elapsed();
-        assert!(
-            took < Duration::from_secs(10),
-            "failed after {took:?}: {errs:?}"
-        );
-        assert!(errs.iter().all(|e| e == &errs[0]), "{errs:?}");
+        one_prompt_verdict(&errs, started);
         assert!(
             errs[0].contains("bf16 hook could not prepare the bucket on rank 1"),
             "{errs:?}"
         );
-        let next = futures::future::join_all(a.iter().map(|w| {
-            let g = collectives::world(w);
-            let r = w.rank() as f32;
-            async move {
-                g.all_reduce_vec_async(vec![r; 5], ReduceOp::Sum)
-                    .wait()
-                    .await
-                    .unwrap()
-            }
-        }))
-        .await;
-        assert!(next.iter().all(|v| v == &vec![3.0; 5]), "{next:?}");
+        the_next_all_reduce_pairs_up(&a).await;
         shutdown_all(&a).await;
     });
 }
