@@ -270,9 +270,12 @@ pub fn world_sizes(arg: Option<&String>) -> Result<Vec<u32>> {
             .split(',')
             .filter(|x| !x.trim().is_empty())
             .map(|x| {
-                x.trim()
+                let n = x
+                    .trim()
                     .parse::<u32>()
-                    .context("--world-sizes takes N,N,...")
+                    .context("--world-sizes takes N,N,...")?;
+                anyhow::ensure!(n >= 1, "--world-sizes: a group of {n} processes");
+                Ok(n)
             })
             .collect(),
     }

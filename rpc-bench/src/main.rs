@@ -408,13 +408,16 @@ fn main() -> Result<()> {
                 .map(|v| v.parse())
                 .transpose()?
                 .unwrap_or(30);
+            anyhow::ensure!(steps >= 1, "--steps must be at least 1");
             let ring: Option<usize> = value("--ring-threads")?.map(|v| v.parse()).transpose()?;
             let variants = value("--variants")?.map_or(ddp::ALL_VARIANTS, |v| v.as_str());
+            // Every flag checked before the first figure (a run takes minutes).
+            let world_sizes = ddp::world_sizes(value("--world-sizes")?)?;
             let rt = runtime(threads)?;
             if ddp::wants_local(variants)? {
                 emit(rt.block_on(ddp::local(steps))?);
             }
-            for n in ddp::world_sizes(value("--world-sizes")?)? {
+            for n in world_sizes {
                 let (agent, _peers) = group(&rt, threads, n, "rank0", |rank, addr| {
                     vec![
                         "ddp-rank".into(),

@@ -36,3 +36,21 @@ fn a_mistyped_flag_is_refused_naming_it() {
     let (ok, out, _) = bench(&["ddp", "--steps", "3", "--help"]);
     assert!(ok && out.contains("usage: rpc-bench"), "{out}");
 }
+
+/// A value that measures nothing is refused before the first figure, naming the flag. Before,
+/// `--steps 0` panicked (the median of no steps) after building the model, and
+/// `--world-sizes 0` measured the one-process figure first, then failed creating the group.
+#[test]
+fn a_value_that_measures_nothing_is_refused_before_the_first_figure() {
+    for (args, says) in [
+        (&["ddp", "--steps", "0"][..], "--steps must be at least 1"),
+        (
+            &["ddp", "--world-sizes", "2,0"],
+            "--world-sizes: a group of 0",
+        ),
+    ] {
+        let (ok, out, err) = bench(args);
+        assert!(!ok && err.contains(says), "{args:?}: {err}");
+        assert!(out.is_empty(), "{args:?}: measured first: {out}");
+    }
+}
