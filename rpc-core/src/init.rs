@@ -121,6 +121,7 @@ pub async fn init(config: Config, mut registry: Registry) -> Result<Agent, InitE
         rank: me,
         name: cfg.name.clone(),
         incarnation,
+        restart: cfg.restart_count,
     });
     let inner = Arc::new(Inner {
         group: Group::new(me, Arc::clone(&directory)),

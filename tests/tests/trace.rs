@@ -27,10 +27,20 @@ fn temp_dir(tag: &str) -> Dir {
 
 /// Runs three trace-workers traced to `trace` with `env`; the launcher's exit.
 fn launch(trace: &Path, env: &[(&str, &str)]) -> rpcrun::Exit {
-    let mut launch = rpcrun::Launch::new(env!("CARGO_BIN_EXE_trace-worker"))
+    launch_with(trace, env, |l| l)
+}
+
+/// [`launch`], with `more` set on the launch.
+fn launch_with(
+    trace: &Path,
+    env: &[(&str, &str)],
+    more: impl FnOnce(rpcrun::Launch) -> rpcrun::Launch,
+) -> rpcrun::Exit {
+    let launch = rpcrun::Launch::new(env!("CARGO_BIN_EXE_trace-worker"))
         .nproc(3)
         .stop_grace(Duration::from_secs(2))
         .trace(trace);
+    let mut launch = more(launch);
     for (k, v) in env {
         launch = launch.env(*k, *v);
     }
@@ -124,6 +134,31 @@ fn a_job_that_fails_still_leaves_every_ranks_part() {
     }
 }
 
+/// TR-5 across a group restart: the failed start's parts (rank 0's at its exit, the others'
+/// on SIGTERM) stay beside the restart's, all merged, every call linked once. Before, each
+/// start wrote `rank-R-inc-0.json` over the previous start's (and a part left from one start
+/// shared its flow ids with the next's).
+#[test]
+fn a_group_restart_keeps_the_failed_starts_parts() {
+    let dir = temp_dir("restart");
+    let trace = dir.0.join("job.json");
+    let launch = |l: rpcrun::Launch| l.max_restarts(1);
+    let exit = launch_with(
+        &trace,
+        &[("TRACE_FAIL_STEP", "3"), ("TRACE_FAIL_ONCE", "1")],
+        launch,
+    );
+    assert_eq!((exit.code, exit.restarts), (0, 1), "{exit:?}");
+    let merged = exit.trace.expect("the launcher merged the trace");
+    assert_eq!(merged.parts, 6, "{merged:?}");
+    let v: Value =
+        serde_json::from_slice(&std::fs::read(&trace).expect("the merged trace")).expect("JSON");
+    // 3 steps of the failed start and 6 of the restart, 2 calls each.
+    assert_eq!(check_calls(&v), 18);
+    let t = rpcrun::report::Trace::from_json(&v).unwrap();
+    assert_eq!(rpcrun::report::report(&t).steps, 9);
+}
+
 /// TR-5 with a signal grace, and the grace on SIGHUP (as the guide says; it watched only
 /// SIGTERM and SIGINT, so SIGHUP killed the worker at once, its part lost): rank 1 of two,
 /// started by hand, gets SIGHUP while rank 0 calls it; it ends when its grace is over with
@@ -176,7 +211,7 @@ fn a_sighup_under_a_grace_ends_the_worker_by_its_grace_and_keeps_its_part() {
         std::thread::sleep(Duration::from_millis(20));
     };
     assert_eq!(status.code(), Some(128 + libc::SIGHUP), "{status:?}");
-    let part = rpc_core::trace::part_path(&trace, 1, 0);
+    let part = rpc_core::trace::part_path(&trace, 1, 0, 0);
     let v: Value =
         serde_json::from_slice(&std::fs::read(&part).expect("rank 1's part")).expect("JSON");
     assert!(v["traceEvents"].as_array().is_some_and(|e| !e.is_empty()));

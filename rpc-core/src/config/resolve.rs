@@ -38,6 +38,9 @@ pub(crate) struct Resolved {
     pub replace_token: Option<String>,
     /// A launcher replaces failed processes one by one (see [`Config::replaced_on_failure`]).
     pub replaced_on_failure: bool,
+    /// The launcher's restart count ([`RESTART_COUNT_ENV`]; 0 on the first start), for the
+    /// trace's parts.
+    pub restart_count: u64,
     pub listen_addr: String,
     pub init_timeout: Duration,
     pub rpc_timeout: Duration,
@@ -74,6 +77,7 @@ impl Config {
             false => None,
         };
         let (replace, replaced_on_failure) = self.restarts(env)?;
+        let restart_count = env_number(env, &RESTART_COUNT_ENV, "restart count")?.unwrap_or(0);
         let protection = self.protection(env)?;
         let signal_grace = match self.signal_grace {
             Some(g) => Some(g),
@@ -103,6 +107,7 @@ impl Config {
                 .or_else(|| env(REPLACE_TOKEN_ENV))
                 .filter(|t| replace && !t.is_empty()),
             replaced_on_failure,
+            restart_count: u64::from(restart_count),
             rendezvous,
             listen_addr,
             init_timeout: self.init_timeout,

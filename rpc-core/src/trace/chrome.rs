@@ -22,9 +22,15 @@ pub fn parts_dir(trace: &Path) -> PathBuf {
     PathBuf::from(p)
 }
 
-/// The part of rank `rank`'s incarnation `incarnation` of the job traced to `trace`.
-pub fn part_path(trace: &Path, rank: u32, incarnation: u64) -> PathBuf {
-    parts_dir(trace).join(format!("rank-{rank}-inc-{incarnation}.json"))
+/// The part of rank `rank`'s incarnation `incarnation` of the job traced to `trace`, in the
+/// launcher's start `restart` (0: the first; a group restart starts every rank again at
+/// incarnation 0, and the earlier start's parts stay beside the new ones).
+pub fn part_path(trace: &Path, rank: u32, incarnation: u64, restart: u64) -> PathBuf {
+    let name = match restart {
+        0 => format!("rank-{rank}-inc-{incarnation}.json"),
+        k => format!("rank-{rank}-inc-{incarnation}-restart-{k}.json"),
+    };
+    parts_dir(trace).join(name)
 }
 
 /// Microseconds, the format's unit, from nanoseconds on this rank's clock moved to rank 0's.
@@ -113,6 +119,7 @@ pub(crate) fn part(who: &Who, clock: &ClockEstimate, events: &[Event], dropped: 
             "rank": who.rank,
             "name": who.name,
             "incarnation": who.incarnation,
+            "restart": who.restart,
             "clock": {"reference_rank": 0, "offset_ns": clock.offset_ns, "at_ns": clock.at_ns,
                       "drift_ppm": clock.drift_ppm, "error_bound_ns": clock.error_bound_ns,
                       "samples": clock.samples},
@@ -162,7 +169,7 @@ pub enum MergeError {
 /// What a merge put together.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MergeSummary {
-    /// Parts merged (one per rank and incarnation).
+    /// Parts merged (one per rank, incarnation and launcher's start).
     pub parts: usize,
     /// Events in the merged trace.
     pub events: usize,

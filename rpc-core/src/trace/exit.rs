@@ -146,7 +146,7 @@ pub(crate) fn write_once(ring: &Ring, log: bool) {
             "trace: rank 0's clock was never read; this part keeps its own clock");
     }
     let (events, dropped) = ring.snapshot();
-    let path = part_path(&ring.path, who.rank, who.incarnation);
+    let path = part_path(&ring.path, who.rank, who.incarnation, who.restart);
     let part = chrome::part(&who, &clock, &events, dropped);
     match (chrome::write_atomic(&path, &part), log) {
         (Ok(()), true) => tracing::info!(worker = %who.name, path = %path.display(),
@@ -172,7 +172,7 @@ mod tests {
         t.set_who(Who {
             rank,
             name: format!("w{rank}"),
-            incarnation: 0,
+            ..Who::default()
         });
         let ring = t.ring().unwrap();
         ring.clock.lock().unwrap().reference = reference;
@@ -187,7 +187,7 @@ mod tests {
         let t = traced(&dir, 1, false);
         let ring = t.ring().unwrap();
         write_once(ring, false);
-        let part = part_path(&ring.path, 1, 0);
+        let part = part_path(&ring.path, 1, 0, 0);
         assert!(part.exists());
         std::fs::remove_file(&part).unwrap();
         write_once(ring, true);

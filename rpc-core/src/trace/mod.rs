@@ -143,6 +143,8 @@ pub(crate) struct Who {
     pub rank: u32,
     pub name: String,
     pub incarnation: u64,
+    /// The launcher's start it belongs to (its restart count; 0: the first start).
+    pub restart: u64,
 }
 
 impl Ring {
@@ -222,13 +224,16 @@ impl Tracer {
 
     /// Names the recording worker (at init, and again for a new incarnation). Its flow ids
     /// (TR-3) are unique in the job: the rank in the high bits, and a counter that each
-    /// incarnation of a rank starts far from the others' (a replaced worker's part and its
-    /// replacement's can both be in the trace, TR-5).
+    /// incarnation of a rank, in each of the launcher's starts, starts far from the others'
+    /// (a replaced worker's part and its replacement's, or an earlier start's, can all be in
+    /// the trace, TR-5).
     pub(crate) fn set_who(&self, who: Who) {
         if let Some(r) = &self.0 {
             // Below 2^39: at least 2^39 calls before the counter could reach the rank's bits.
             const START: u64 = (1 << 39) - 1;
-            let start = who.incarnation.wrapping_mul(0x9E37_79B9_7F4A_7C15) & START;
+            let mix = who.incarnation.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                ^ who.restart.wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
+            let start = mix & START;
             r.next_flow.store(
                 (u64::from(who.rank) << 40) | start.max(1),
                 Ordering::Relaxed,
@@ -431,28 +436,39 @@ mod tests {
         assert_eq!(t.counts(), (0, 0));
     }
 
-    /// TR-3: the flow ids of a rank's incarnations do not meet (they started at the same id,
-    /// so a replaced worker's calls and its replacement's were linked to each other's).
+    /// TR-3: the flow ids of a rank's incarnations, and of its starts by a launcher, do not
+    /// meet (they all started at the same id, so a replaced worker's calls and its
+    /// replacement's, or an earlier start's, were linked to each other's).
     #[test]
-    fn incarnations_of_a_rank_make_distinct_flow_ids() {
-        let ids = |incarnation: u64| {
+    fn incarnations_and_restarts_of_a_rank_make_distinct_flow_ids() {
+        let ids = |incarnation: u64, restart: u64| {
             let t = Tracer::on(PathBuf::from("unused"), 16);
             t.set_who(Who {
                 rank: 1,
                 name: "w1".into(),
                 incarnation,
+                restart,
             });
             let first = t.call_made("f", 0).unwrap().1;
             (first, first + 1_000_000)
         };
-        let (a, b, c) = (ids(0), ids(1), ids(2));
-        for (x, y) in [(a, b), (a, c), (b, c)] {
-            assert!(x.1 < y.0 || y.1 < x.0, "{x:?} and {y:?} overlap");
-            assert_eq!(
-                (x.0 >> 40, y.0 >> 40),
-                (1, 1),
-                "the rank stays in the high bits"
-            );
+        let all = [
+            ids(0, 0),
+            ids(1, 0),
+            ids(2, 0),
+            ids(0, 1),
+            ids(1, 1),
+            ids(0, 2),
+        ];
+        for (i, x) in all.iter().enumerate() {
+            for y in &all[i + 1..] {
+                assert!(x.1 < y.0 || y.1 < x.0, "{x:?} and {y:?} overlap");
+                assert_eq!(
+                    (x.0 >> 40, y.0 >> 40),
+                    (1, 1),
+                    "the rank stays in the high bits"
+                );
+            }
         }
     }
 

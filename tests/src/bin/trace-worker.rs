@@ -8,7 +8,8 @@
 //! `unshare --time --monotonic SECS`: its monotonic clock, the trace's clock, is that far
 //! ahead of the others'. With `TRACE_FAIL_STEP`, rank 0 fails at the start of that step: it
 //! exits with status 3 without shutting down, while the other ranks are still busy (they
-//! wait up to 60 s before shutting down), so the launcher stops them with SIGTERM. With
+//! wait up to 60 s before shutting down), so the launcher stops them with SIGTERM; with
+//! `TRACE_FAIL_ONCE` too, only in the launcher's first start (a restart succeeds). With
 //! `TRACE_READY_FILE`, each rank creates `<that path>.<rank>` once it has joined its group.
 
 use std::time::Duration;
@@ -58,6 +59,16 @@ fn rerun_skewed(secs: u64) -> ! {
     }
 }
 
+/// The step rank 0 fails at, in this start: `TRACE_FAIL_STEP`, only in the launcher's first
+/// start with `TRACE_FAIL_ONCE`.
+fn fail_step() -> Option<u64> {
+    let restarted = env_u64("RPC_RESTART_COUNT").unwrap_or(0) > 0;
+    if restarted && std::env::var_os("TRACE_FAIL_ONCE").is_some() {
+        return None;
+    }
+    env_u64("TRACE_FAIL_STEP")
+}
+
 fn main() {
     let rank = rpc_core::launched_rank().expect("RANK").unwrap_or(0);
     if std::env::var_os("TRACE_SKEWED").is_none() {
@@ -94,7 +105,7 @@ fn main() {
         if agent.rank() == 0 {
             let tracer = agent.tracer();
             for step in 0..env_u64("TRACE_STEPS").unwrap_or(6) {
-                if env_u64("TRACE_FAIL_STEP") == Some(step) {
+                if fail_step() == Some(step) {
                     eprintln!("step {step}: failing on purpose");
                     return 3;
                 }
@@ -110,7 +121,7 @@ fn main() {
                 let _loss = tracer.span(Cat::Compute, "loss");
                 tokio::time::sleep(Duration::from_millis(2)).await;
             }
-        } else if env_u64("TRACE_FAIL_STEP").is_some() {
+        } else if fail_step().is_some() {
             // Busy until rank 0's launcher stops this process.
             tokio::time::sleep(Duration::from_secs(60)).await;
         }
