@@ -374,3 +374,125 @@ fn a_call_wrong_on_one_member_fails_every_member_at_once() {
         shutdown_all(&a).await;
     });
 }
+
+/// The one message every member's call failed with (panics unless all failed alike).
+fn one_message<T: std::fmt::Debug>(outs: &[Result<T, collectives::CollectiveError>]) -> String {
+    let msgs: Vec<String> = outs
+        .iter()
+        .map(|o| o.as_ref().expect_err("every member fails").to_string())
+        .collect();
+    assert!(msgs.iter().all(|m| *m == msgs[0]), "{msgs:#?}");
+    msgs[0].clone()
+}
+
+/// COL-4 for `all_to_all_single`: splits that do not fit the tensor on one member failed it
+/// there alone, before it took the operation's place, so the others waited for it until
+/// their timeout (20 s here) and every later operation of the group paired with the wrong
+/// one. Now every member fails at once with one message naming it, and the group goes on.
+#[test]
+fn splits_that_do_not_fit_on_one_member_fail_every_member_at_once() {
+    run(120, async {
+        let a = group(3).await;
+        let started = std::time::Instant::now();
+        for bad in [Some(vec![1, 1]), Some(vec![2, 2, 3]), None] {
+            let outs = on_all(&a, |g, r| {
+                let bad = bad.clone();
+                async move {
+                    let rows = if r == 1 && bad.is_none() { 7 } else { 6 };
+                    let t = Tensor::zeros((rows, 2), DType::F32, &Device::Cpu).unwrap();
+                    let splits = if r == 1 { bad } else { Some(vec![2, 2, 2]) };
+                    g.all_to_all_single(&t, splits.as_deref()).await
+                }
+            })
+            .await;
+            let msg = one_message(&outs);
+            assert!(msg.contains("rank 1") && msg.contains("rows"), "{msg}");
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            started.elapsed()
+        );
+        let ok = on_all(&a, |g, r| async move {
+            g.all_reduce(&input(r, 4), ReduceOp::Sum).await
+        })
+        .await;
+        assert!(ok.iter().all(|o| o.is_ok()), "{ok:?}");
+        shutdown_all(&a).await;
+    });
+}
+
+/// COL-1 for a broadcast: a shape that differs from the root's failed the others while the
+/// root returned Ok (it waited for nobody), and a root that passed a root that is not a
+/// member failed alone while the others waited for its tensor until their timeout. Now every
+/// member fails with one message in both cases. The mismatch is found by the root alone, so
+/// this also checks that a verdict's aborts are sent in full when the finder's own operation
+/// ends first (its other receives fail with the verdict and drop the finding's future).
+#[test]
+fn a_broadcast_fails_every_member_with_one_message() {
+    run(120, async {
+        let a = group(3).await;
+        let started = std::time::Instant::now();
+        // The root alone finds the mismatch, while it still waits for rank 1's header (which
+        // comes late): its verdict must reach the others although that receive fails first.
+        for _ in 0..3 {
+            let outs = on_all(&a, |g, r| async move {
+                if r == 1 {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                let len = if r == 2 { 4 } else { 3 };
+                g.broadcast(&input(r, len), 0).await
+            })
+            .await;
+            assert!(one_message(&outs).contains("shape"));
+        }
+        let outs = on_all(&a, |g, r| async move {
+            let root = if r == 0 { 9 } else { 0 };
+            g.broadcast(&input(r, 3), root).await
+        })
+        .await;
+        assert!(one_message(&outs).contains("root 9 is not a member"));
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            started.elapsed()
+        );
+        let got = on_all(&a, |g, r| async move { g.broadcast(&input(r, 3), 1).await }).await;
+        for t in got {
+            assert_eq!(v(&t.unwrap()), v(&input(1, 3)));
+        }
+        shutdown_all(&a).await;
+    });
+}
+
+/// A mean of integers is the sum divided by the number of members, rounded toward zero (as
+/// NCCL's average of integers); it was 0 everywhere (the sum times `1/n`, truncated first).
+#[test]
+fn a_mean_of_integers_divides_the_sum() {
+    run(60, async {
+        let a = group(3).await;
+        let outs = on_all(&a, |g, r| async move {
+            let mut got = vec![];
+            for dt in [DType::U8, DType::U32, DType::I64] {
+                let t = Tensor::new(&[1f32 + r as f32, 2., 7., 0., 5., 3.], &Device::Cpu);
+                let t = t.unwrap().to_dtype(dt).unwrap();
+                let all = g.all_reduce(&t, ReduceOp::Mean).await.unwrap();
+                let one = g.reduce(&t, ReduceOp::Mean, 1).await.unwrap();
+                let mine = g.reduce_scatter(&t, ReduceOp::Mean).await.unwrap();
+                let mine = Tensor::cat(&g.all_gather(&mine).await.unwrap(), 0).unwrap();
+                for x in [Some(all), one, Some(mine)].into_iter().flatten() {
+                    got.push(x.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap());
+                }
+            }
+            (r, got)
+        })
+        .await;
+        for (r, got) in outs {
+            assert_eq!(got.len(), if r == 1 { 9 } else { 6 }, "rank {r}");
+            for g in got {
+                assert_eq!(g, [2., 2., 7., 0., 5., 3.], "rank {r}");
+            }
+        }
+        shutdown_all(&a).await;
+    });
+}

@@ -32,7 +32,8 @@ pub(crate) use op::Verdict;
 pub enum ReduceOp {
     /// Element-wise sum.
     Sum,
-    /// Element-wise mean over the group's members.
+    /// Element-wise mean over the group's members (of integers: the sum divided by the
+    /// number of members, rounded toward zero, as NCCL's average).
     Mean,
     /// Element-wise maximum.
     Max,
@@ -295,7 +296,9 @@ impl ProcessGroup {
         self.all_gather_at(t, seq).await
     }
 
-    /// `root`'s `t` on every member (`t` gives the shape and dtype on the others).
+    /// `root`'s `t` on every member (`t` gives the shape and dtype on the others). The members
+    /// send the root their shapes first, so a mismatch, or a root that is not a member, fails
+    /// every member with one message (COL-1) and no data moves.
     pub async fn broadcast(&self, t: &Tensor, root: u32) -> Result<Tensor, CollectiveError> {
         let seq = mailbox(&self.agent).next_seq(self.id);
         #[cfg(feature = "nccl")]
@@ -375,41 +378,41 @@ impl ProcessGroup {
 
     /// [`ProcessGroup::all_to_all`] of one tensor split along its first dimension: rows
     /// `splits[0]` go to the first member, the next `splits[1]` to the second, and so on
-    /// (`None`: equal splits); the parts received are concatenated in member order.
+    /// (`None`: equal splits); the parts received are concatenated in member order. Splits
+    /// that do not fit this member's tensor fail the operation on every member, naming it
+    /// (COL-4).
     pub async fn all_to_all_single(
         &self,
         t: &Tensor,
         splits: Option<&[usize]>,
     ) -> Result<Tensor, CollectiveError> {
-        let parts = self.split_rows(t, splits)?;
-        let got = self.all_to_all(parts).await?;
+        let seq = mailbox(&self.agent).next_seq(self.id);
+        // COL-4: splits that do not fit fail the operation on every member, in its place.
+        let parts = match self.split_rows(t, splits) {
+            Ok(parts) => parts,
+            Err(why) => return Err(self.fail_at("all_to_all", seq, why).await),
+        };
+        let got = self.all_to_all_at(parts, seq).await?;
         Ok(Tensor::cat(&got, 0)?)
     }
 
-    fn split_rows(
-        &self,
-        t: &Tensor,
-        splits: Option<&[usize]>,
-    ) -> Result<Vec<Tensor>, CollectiveError> {
-        let n = self.size();
+    /// `t`'s rows in `splits` (or equal parts), one per member; why not, naming this member.
+    fn split_rows(&self, t: &Tensor, splits: Option<&[usize]>) -> Result<Vec<Tensor>, String> {
+        let (n, me) = (self.size(), self.agent.rank());
         let rows = t.dims().first().copied().unwrap_or(0);
         let sizes: Vec<usize> = match splits {
             Some(s) => s.to_vec(),
             None if rows % n == 0 => vec![rows / n; n],
             None => {
-                return Err(CollectiveError::Failed {
-                    op: "all_to_all",
-                    members: self.ranks.to_vec(),
-                    message: format!("{rows} rows do not split equally over {n} members"),
-                })
+                return Err(format!(
+                    "rank {me}'s {rows} rows do not split equally over {n} members"
+                ))
             }
         };
         if sizes.len() != n || sizes.iter().sum::<usize>() != rows {
-            return Err(CollectiveError::Failed {
-                op: "all_to_all",
-                members: self.ranks.to_vec(),
-                message: format!("splits {sizes:?} for {rows} rows over {n} members"),
-            });
+            return Err(format!(
+                "rank {me}'s splits {sizes:?} do not fit its {rows} rows over {n} members"
+            ));
         }
         let mut at = 0;
         sizes
@@ -417,7 +420,7 @@ impl ProcessGroup {
             .map(|&k| {
                 let p = t.narrow(0, at, k);
                 at += k;
-                Ok(p?)
+                p.map_err(|e| format!("rank {me} cannot split its tensor: {e}"))
             })
             .collect()
     }

@@ -167,7 +167,21 @@ impl ProcessGroup {
     /// to the group's first member, which aborts the operation everywhere with the first
     /// report it got; returns that verdict. When the first member cannot be reached, this
     /// member's report is the verdict, sent to the others itself.
+    ///
+    /// It runs to its end in a task of its own, outside the caller's scope: the finder's
+    /// operation can end first (its other receives fail with this very verdict, and a
+    /// `try_join_all` drops this future), which must not cancel the report or the aborts
+    /// still on their way to the others.
     pub(super) async fn fail_everywhere(&self, seq: u64, why: String) -> String {
+        let g = self.clone();
+        let task = async move { g.decide_everywhere(seq, why).await };
+        match self.agent.runtime().spawn(task).await {
+            Ok(verdict) => verdict,
+            Err(e) => format!("the verdict on operation {seq} was lost: {e}"),
+        }
+    }
+
+    async fn decide_everywhere(&self, seq: u64, why: String) -> String {
         let agent = &self.agent;
         let leader = self.ranks[0];
         let verdict = if leader == agent.rank() {

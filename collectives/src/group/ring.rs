@@ -68,7 +68,7 @@ impl ProcessGroup {
         self.all_gather_steps(o, &mut chunks, n as u32 - 1).await?;
         let mut out = Tensor::cat(&chunks, 0)?.reshape(t.dims())?;
         if op == ReduceOp::Mean {
-            out = (out / n as f64)?;
+            out = mean_of(out, n)?;
         }
         Ok(out)
     }
@@ -273,7 +273,7 @@ impl ProcessGroup {
             }
             let mine = chunks.swap_remove(o.me);
             Ok(if op == ReduceOp::Mean {
-                (mine / n as f64)?
+                mean_of(mine, n)?
             } else {
                 mine
             })
@@ -301,36 +301,15 @@ impl ProcessGroup {
         self.end(&o);
         out
     }
+}
 
-    pub(super) async fn broadcast_at(
-        &self,
-        t: &Tensor,
-        root: u32,
-        seq: u64,
-    ) -> Result<Tensor, CollectiveError> {
-        let o = self.begin_at("broadcast", t, seq)?;
-        let out = async {
-            if !self.ranks.contains(&root) {
-                return Err(CollectiveError::Failed {
-                    op: "broadcast",
-                    members: self.ranks.to_vec(),
-                    message: format!("root {root} is not a member"),
-                });
-            }
-            if self.agent.rank() == root {
-                let sends = self
-                    .ranks
-                    .iter()
-                    .filter(|&&r| r != root)
-                    .map(|&r| o.send(r, 0, t.clone()));
-                futures::future::try_join_all(sends).await?;
-                Ok(t.clone())
-            } else {
-                o.recv(root, 0).await
-            }
-        }
-        .await;
-        self.end(&o);
-        out
+/// A sum over `n` members divided by `n`: for integer elements the quotient rounded toward
+/// zero (NCCL's average of integers), not the sum times `1/n`, which truncates to 0 first.
+pub(super) fn mean_of(sum: Tensor, n: usize) -> candle_core::Result<Tensor> {
+    if sum.dtype().is_float() {
+        sum / n as f64
+    } else {
+        let n = Tensor::new(n as f64, sum.device())?.to_dtype(sum.dtype())?;
+        sum.broadcast_div(&n)
     }
 }

@@ -1,5 +1,6 @@
-//! The collectives with a root and the exchange of every member with every other: `reduce`
-//! (to one member), `gather` (to one member), `scatter` (from one member) and `all_to_all`.
+//! The collectives with a root and the exchange of every member with every other:
+//! `broadcast` (from one member), `reduce` (to one member), `gather` (to one member),
+//! `scatter` (from one member) and `all_to_all`.
 //!
 //! `reduce` is the ring's reduce-scatter followed by each member's chunk sent to the root, so
 //! each member sends about `(n-1)/n + 1/n` of the data and the root receives no more than
@@ -8,16 +9,16 @@
 //! A gather's members wait for the root's word that every part matched (one small message),
 //! so that a mismatch fails every member (COL-1), not only the root.
 
-use candle_core::Tensor;
+use candle_core::{DType, Device, Tensor};
 
 use super::op::Op;
+use super::ring::mean_of;
 use super::{CollectiveError, ProcessGroup, ReduceOp};
 use crate::mailbox::Header;
 
 /// A root that is not a member fails the operation (COL-1's verdict) on every member that
-/// waits for the members that passed it (all of a reduce's or a gather's; in a scatter,
-/// those still waiting for their part), not only on those members. (A broadcast checks its
-/// root itself: nobody waits for a non-root member there.)
+/// waits for the members that passed it (all of a broadcast's, a reduce's or a gather's; in
+/// a scatter, those still waiting for their part), not only on those members.
 pub(super) async fn check_root(o: &Op<'_>, root: u32) -> Result<(), CollectiveError> {
     if o.g.ranks.contains(&root) {
         Ok(())
@@ -27,6 +28,33 @@ pub(super) async fn check_root(o: &Op<'_>, root: u32) -> Result<(), CollectiveEr
 }
 
 impl ProcessGroup {
+    /// Each member first sends the root its header (shape and dtype, no data); the root
+    /// sends its tensor once every header matched, so a mismatch, or a root that is not a
+    /// member, fails every member with one verdict (COL-1) and none gets the data.
+    pub(super) async fn broadcast_at(
+        &self,
+        t: &Tensor,
+        root: u32,
+        seq: u64,
+    ) -> Result<Tensor, CollectiveError> {
+        let o = self.begin_at("broadcast", t, seq)?;
+        let out = async {
+            check_root(&o, root).await?;
+            let others = || self.ranks.iter().copied().filter(|&r| r != root);
+            if self.agent.rank() != root {
+                let header_only = Tensor::zeros(0, DType::U8, &Device::Cpu)?;
+                o.send(root, 0, header_only).await?;
+                return o.recv(root, 1).await;
+            }
+            futures::future::try_join_all(others().map(|r| o.recv(r, 0))).await?;
+            futures::future::try_join_all(others().map(|r| o.send(r, 1, t.clone()))).await?;
+            Ok(t.clone())
+        }
+        .await;
+        self.end(&o);
+        out
+    }
+
     pub(super) async fn reduce_at(
         &self,
         t: &Tensor,
@@ -55,7 +83,7 @@ impl ProcessGroup {
             }
             let mut out = Tensor::cat(&chunks, 0)?.reshape(t.dims())?;
             if op == ReduceOp::Mean {
-                out = (out / n as f64)?;
+                out = mean_of(out, n)?;
             }
             Ok(Some(out))
         }
@@ -88,7 +116,7 @@ impl ProcessGroup {
                     o.recv(r, 0).await?
                 });
             }
-            let done = Tensor::zeros(0, candle_core::DType::U8, &candle_core::Device::Cpu)?;
+            let done = Tensor::zeros(0, DType::U8, &Device::Cpu)?;
             let acks = self
                 .ranks
                 .iter()
