@@ -461,7 +461,9 @@ fn main() -> Result<()> {
         }
         "soak" => {
             let calls = value("--calls")?.map(|v| v.parse()).transpose()?;
-            soak_group(threads, calls.unwrap_or(1_000_000))
+            let calls = calls.unwrap_or(1_000_000);
+            anyhow::ensure!(calls >= 1, "--calls must be at least 1");
+            soak_group(threads, calls)
         }
         "soak-rank" => {
             // A member of the soak's group (started by `soak`): serves until rank 0 ends it.

@@ -9,7 +9,8 @@
 //! Every [`SAMPLE_EVERY`] calls it samples every process's resident and peak resident set
 //! size (`soak_rss` lines). At the end: the slope of each process's peak RSS over the calls
 //! after the warm-up (the first tenth), least squares, in MB per 100k calls
-//! (`soak_rss_slope`, target < 1), then every process's `rref::debug_info`, which must all
+//! (`soak_rss_slope`, target < 1; none under three samples after the warm-up, about 30,000
+//! calls, and then `soak_summary`'s slope fields are null), then every process's `rref::debug_info`, which must all
 //! reach zero within [`SETTLE`] (`soak_rref_end`), and `soak_summary`. Exits non-zero if an
 //! operation fails or the references do not settle; the slope is reported, not enforced.
 
@@ -248,7 +249,8 @@ pub(crate) async fn drive(agent: Agent, calls: u64) -> Result<()> {
     samples.sort_by_key(|s| s.0);
     let after: Vec<&Sample> = samples.iter().filter(|s| s.0 * 10 >= calls).collect();
     let mut worst: f64 = 0.0;
-    if after.len() >= 3 {
+    let sloped = after.len() >= 3;
+    if sloped {
         let xs: Vec<f64> = after.iter().map(|s| s.0 as f64 / 1e5).collect();
         for (i, name) in ["bench", "soak1", "soak2"].iter().enumerate() {
             let peak: Vec<f64> = after.iter().map(|s| s.1[i].1).collect();
@@ -291,7 +293,9 @@ pub(crate) async fn drive(agent: Agent, calls: u64) -> Result<()> {
     emit(json!({
         "metric": "soak_summary", "calls": total, "operations": ops,
         "seconds": secs, "calls_per_s": total as f64 / secs,
-        "worst_peak_rss_slope_mb_per_100k": worst, "slope_below_target": worst < 1.0,
+        // Null, not a pass, when too few samples followed the warm-up to fit a slope.
+        "worst_peak_rss_slope_mb_per_100k": sloped.then_some(worst),
+        "slope_below_target": sloped.then_some(worst < 1.0), "slope_samples": after.len(),
     }));
     on_peers(&agent, finish).await?;
     if !settled {

@@ -18,7 +18,7 @@ usage: rpc-bench [all|latency|throughput|tensor|rref|allreduce|overhead|trace-ov
                      encrypt, off (on loopback auto is off)
   --heartbeat-ms N   Config::heartbeat_interval of every process (0: no failure detector;
                      default: the library's, 250)
-  --calls N          calls the soak makes (default 1000000)
+  --calls N          calls the soak makes (default 1000000; a memory slope needs 30000)
   overhead           the cost of the wire protection, the failure detector and the trace
   trace-overhead     the cost of the job's trace alone (off and on alternated, 6 rounds)
   soak               mixed calls among three processes: memory slope and references

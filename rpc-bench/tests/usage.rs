@@ -48,6 +48,7 @@ fn a_value_that_measures_nothing_is_refused_before_the_first_figure() {
             &["ddp", "--world-sizes", "2,0"],
             "--world-sizes: a group of 0",
         ),
+        (&["soak", "--calls", "0"], "--calls must be at least 1"),
     ] {
         let (ok, out, err) = bench(args);
         assert!(!ok && err.contains(says), "{args:?}: {err}");
