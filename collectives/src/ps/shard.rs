@@ -115,7 +115,7 @@ impl Shard {
 
     /// Whether `change` is new to the shard, and in what form both copies apply it; an error
     /// (nothing applied anywhere) for a change the shard refuses: gradients of the wrong
-    /// number or shape, a trainer that is not the shard's or has left it (PS-3), a step
+    /// number, shape, dtype or device, a trainer that is not the shard's or has left it (PS-3), a step
     /// ahead of the trainer's clock (PS-7), a replacement for a live trainer (PS-6).
     pub(crate) fn admit(&self, change: Change) -> Result<Admitted, BoxError> {
         match change {
@@ -133,15 +133,19 @@ impl Shard {
                     )
                     .into());
                 }
-                for (p, gr) in self.params.iter().zip(grads) {
-                    if p.dims() != gr.dims() {
-                        return Err(format!(
-                            "gradient of shape {:?} for a parameter of shape {:?}",
-                            gr.dims(),
-                            p.dims()
-                        )
-                        .into());
-                    }
+                for (i, (p, gr)) in self.params.iter().zip(grads).enumerate() {
+                    let why = if p.dims() != gr.dims() {
+                        format!("of shape {:?} for one of shape {:?}", gr.dims(), p.dims())
+                    } else if p.dtype() != gr.dtype() {
+                        let (g, p) = (gr.dtype().as_str(), p.dtype().as_str());
+                        format!("of dtype {g} for one of dtype {p}")
+                    } else if !p.device().same_device(gr.device()) {
+                        let (g, p) = (gr.device().location(), p.device().location());
+                        format!("on {g:?} for one on {p:?}")
+                    } else {
+                        continue;
+                    };
+                    return Err(format!("gradient {why} (parameter {i})").into());
                 }
                 self.check_trainer(trainer)?;
                 let next = self.clocks[trainer];
@@ -208,10 +212,15 @@ impl Shard {
         }
     }
 
+    /// All parameters or none: an error leaves every parameter as it was.
     fn apply_grads(&mut self, grads: Vec<Tensor>) -> candle_core::Result<()> {
-        for (p, g) in self.params.iter_mut().zip(grads) {
-            *p = (&*p - (g * self.lr)?)?;
-        }
+        let stepped = self
+            .params
+            .iter()
+            .zip(grads)
+            .map(|(p, g)| p - (g * self.lr)?)
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        self.params = stepped;
         Ok(())
     }
 
@@ -227,25 +236,25 @@ impl Shard {
             if !complete {
                 break;
             }
-            let Some(pushed) = self.pending.remove(&c) else {
-                continue;
-            };
-            // PS-9: summed in trainer order, so the result does not depend on arrival order.
+            // PS-9: summed in trainer order, so the result does not depend on arrival order;
+            // applied before the step leaves `pending`, so an error loses none of it.
             let mut sum: Option<Vec<Tensor>> = None;
-            for (t, g) in pushed.into_iter().enumerate() {
-                let Some(g) = g else { continue };
-                self.applied[t] += 1;
+            for g in pushed.iter().flatten() {
                 sum = Some(match sum {
-                    None => g,
+                    None => g.clone(),
                     Some(s) => s
                         .iter()
-                        .zip(&g)
+                        .zip(g)
                         .map(|(a, b)| a + b)
                         .collect::<candle_core::Result<_>>()?,
                 });
             }
             if let Some(g) = sum {
                 self.apply_grads(g)?;
+            }
+            let pushed = self.pending.remove(&c).unwrap_or_default();
+            for (t, g) in pushed.iter().enumerate() {
+                self.applied[t] += u64::from(g.is_some());
             }
         }
         Ok(())
