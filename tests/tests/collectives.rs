@@ -70,6 +70,14 @@ fn point_to_point_is_matched_by_source_and_tag() {
             h.wait().await.unwrap().to_vec1::<f32>().unwrap(),
             vec![1., 2.]
         );
+        // A worker sends to itself like to any other.
+        collectives::send(&a[0], 0u32, 11, &x).await.unwrap();
+        let own = collectives::recv(&a[0], 0u32, 11).await.unwrap();
+        assert_eq!(own.to_vec1::<f32>().unwrap(), vec![1., 2.]);
+        // A send to a worker the group does not have is a send error that names it.
+        let e = collectives::send(&a[0], "nosuch", 1, &x).await.unwrap_err();
+        let e = rpc_core::error_chain(&e);
+        assert!(e.starts_with("send to worker `nosuch` failed"), "{e}");
         shutdown_all(&a).await;
     });
 }

@@ -52,7 +52,14 @@ fn rank_of(agent: &Agent, w: impl ToWorker) -> Result<u32, P2pError> {
 
 /// Sends `t` to `to` under `tag`; returns once it is in the receiver's mailbox.
 pub async fn send(agent: &Agent, to: impl ToWorker, tag: u64, t: &Tensor) -> Result<(), P2pError> {
-    let to = rank_of(agent, to)?;
+    let to = agent
+        .get_worker_info(&to)
+        .map_err(|e| P2pError::Send {
+            worker: agent.name_of(&to),
+            source: Box::new(e),
+        })?
+        .id
+        .0;
     send_tagged(
         agent,
         to,
