@@ -304,3 +304,66 @@ fn a_weight_used_again_after_its_bucket_left_fails_naming_it() {
         );
     }
 }
+
+/// A model whose parameters are of two dtypes (an f32 weight, an f64 scale: a mixed-precision
+/// model's layout): each bucket holds one dtype, as PyTorch's DDP's do. The concatenation of a
+/// bucket that mixed them failed every pass, after backward and overlapped ("dtype mismatch in
+/// cat"); now two replicas on two rows each track one process on the four.
+#[test]
+fn parameters_of_two_dtypes_are_bucketed_apart() {
+    use candle_core::{DType, Device};
+    let params = || {
+        let w = Tensor::arange(0f32, 12., &Device::Cpu).unwrap();
+        let w = (w.reshape((4, 3)).unwrap() * 0.1).unwrap();
+        let s = Tensor::new(&[1f64, -2., 0.5], &Device::Cpu).unwrap();
+        vec![Var::from_tensor(&w).unwrap(), Var::from_tensor(&s).unwrap()]
+    };
+    let xs = |rows: &[f32]| {
+        let v: Vec<f32> = rows.iter().flat_map(|&r| [r, -r, 0.5 * r, 1.0]).collect();
+        Tensor::from_vec(v, (rows.len(), 4), &Device::Cpu).unwrap()
+    };
+    let loss = |p: &[Var], x: &Tensor, cut: &mut dyn FnMut(&Tensor) -> Tensor| {
+        let h = cut(&x.matmul(p[0].as_tensor()).unwrap());
+        let h = h.to_dtype(DType::F64).unwrap();
+        let y = h.broadcast_mul(p[1].as_tensor()).unwrap();
+        y.sqr().unwrap().mean_all().unwrap()
+    };
+    let one = params();
+    let mut opt = Optimizer::new(OptimizerKind::sgd(LR), one.clone());
+    let l = loss(&one, &xs(&[1., 2., 3., 4.]), &mut |h| h.clone());
+    opt.step(&l.backward().unwrap()).unwrap();
+    for overlap in [false, true] {
+        let got = run(60, async {
+            let a = group(2).await;
+            let outs = futures::future::join_all(a.iter().map(|w| async move {
+                let ddp = DistributedDataParallel::new(collectives::world(w), params())
+                    .await
+                    .unwrap();
+                let mut opt = ddp.wrap(Optimizer::new(OptimizerKind::sgd(LR), ddp.vars().to_vec()));
+                let r = w.rank() as f32;
+                let x = xs(&[1. + 2. * r, 2. + 2. * r]);
+                if overlap {
+                    let mut pass = opt.pass();
+                    let l = loss(ddp.vars(), &x, &mut |h| pass.cut(h).unwrap());
+                    opt.backward_step(pass, &l).await.unwrap();
+                } else {
+                    let l = loss(ddp.vars(), &x, &mut |h| h.clone());
+                    let mut g = autograd_dist::grad_once::backward(&l).unwrap();
+                    ddp.reduce_gradients(&mut g).await.unwrap();
+                    opt.optimizer().step(&g).unwrap();
+                }
+                ddp.vars().to_vec()
+            }))
+            .await;
+            shutdown_all(&a).await;
+            outs
+        });
+        for (rank, p) in got.iter().enumerate() {
+            for (q, o) in p.iter().zip(&one) {
+                let f64 = |v: &Var| v.as_tensor().to_dtype(DType::F64).unwrap();
+                let d = max_abs_diff(&f64(q), &f64(o));
+                assert!(d <= 1e-5, "overlap {overlap}, rank {rank}: differs by {d}");
+            }
+        }
+    }
+}

@@ -3,7 +3,8 @@
 //! In the spirit of Horovod's `DistributedOptimizer` and PyTorch's DDP: parameters are
 //! broadcast from the group's first rank at construction, and the replicas' gradients are
 //! averaged across the group with the ring all-reduce, in buckets (flattened and concatenated
-//! up to `bucket_bytes`) so that many small tensors cost few messages. With equal per-rank
+//! up to `bucket_bytes`, one element type and device each) so that many small tensors cost
+//! few messages. With equal per-rank
 //! batches, the averaged gradient is the gradient of the global batch's mean loss.
 //!
 //! Two ways to run it:
@@ -33,7 +34,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use autograd_dist::{GradientHook, Gradients};
-use candle_core::{Tensor, TensorId, Var};
+use candle_core::{DType, DeviceLocation, Tensor, TensorId, Var};
 use futures::future::BoxFuture;
 use rpc_core::BoxError;
 
@@ -190,22 +191,37 @@ impl DistributedDataParallel {
         Ok(())
     }
 
-    /// The buckets in the parameters' order, each up to `bucket_bytes` (after backward, and
-    /// an overlapped pass's first).
+    /// The buckets in the parameters' order (after backward, and an overlapped pass's first).
     fn param_buckets(&self) -> Vec<Vec<usize>> {
-        let mut buckets = Vec::new();
-        let mut bucket: Vec<usize> = Vec::new();
-        let mut size = 0usize;
-        for i in 0..self.vars.len() {
+        self.fill_buckets(0..self.vars.len())
+    }
+
+    /// Parameters `order` in buckets of one element type and device each (a bucket is one
+    /// flat buffer; PyTorch's DDP buckets by both too), each up to `bucket_bytes`: a bucket
+    /// leaves the list once full, the ones still open follow in the order they opened. The
+    /// same on every member, whose parameters DDP-6 found alike.
+    fn fill_buckets(&self, order: impl IntoIterator<Item = usize>) -> Vec<Vec<usize>> {
+        let mut open: Vec<((DType, DeviceLocation), Vec<usize>, usize)> = Vec::new();
+        let mut full = Vec::new();
+        for i in order {
             let t = self.vars[i].as_tensor();
+            let kind = (t.dtype(), t.device().location());
+            let k = match open.iter().position(|(k, ..)| *k == kind) {
+                Some(k) => k,
+                None => {
+                    open.push((kind, Vec::new(), 0));
+                    open.len() - 1
+                }
+            };
+            let (_, bucket, size) = &mut open[k];
             bucket.push(i);
-            size += t.elem_count() * t.dtype().size_in_bytes();
-            if size >= self.bucket_bytes || i + 1 == self.vars.len() {
-                buckets.push(std::mem::take(&mut bucket));
-                size = 0;
+            *size += t.elem_count() * t.dtype().size_in_bytes();
+            if *size >= self.bucket_bytes {
+                full.push(open.remove(k).1);
             }
         }
-        buckets
+        full.extend(open.into_iter().map(|(_, bucket, _)| bucket));
+        full
     }
 
     /// Starts combining the gradients of parameters `idx` (zeros where `grad` has none):

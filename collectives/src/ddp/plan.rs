@@ -29,7 +29,8 @@ pub(super) struct Plan {
 
 impl DistributedDataParallel {
     /// DDP-2: buckets per segment from the last segment in which each parameter got a
-    /// gradient, in reverse parameter order, up to `bucket_bytes`; within a segment, the
+    /// gradient, in reverse parameter order, up to `bucket_bytes`, one element type and
+    /// device each; within a segment, the
     /// handed-over parameters' buckets first (DDP-4).
     pub(super) fn learn_plan(
         &self,
@@ -37,29 +38,19 @@ impl DistributedDataParallel {
         last_segment: &HashMap<TensorId, usize>,
         handed: HashSet<TensorId>,
     ) -> Plan {
-        // Open buckets per slot (the segments, then the unused) and kind (handed, other).
+        // The parameters per slot (the segments, then the unused) and kind (handed, other),
+        // in reverse order, then each list in buckets.
         let slots = cuts + 2;
-        let mut open: Vec<[(Vec<usize>, usize); 2]> = vec![Default::default(); slots];
-        let mut full: Vec<[Vec<Vec<usize>>; 2]> = vec![Default::default(); slots];
+        let mut lists: Vec<[Vec<usize>; 2]> = vec![Default::default(); slots];
         for i in (0..self.vars.len()).rev() {
-            let t = self.vars[i].as_tensor();
-            let slot = last_segment.get(&t.id()).copied().unwrap_or(cuts + 1);
-            let kind = usize::from(!(slot <= cuts && handed.contains(&t.id())));
-            let (bucket, size) = &mut open[slot][kind];
-            bucket.push(i);
-            *size += t.elem_count() * t.dtype().size_in_bytes();
-            if *size >= self.bucket_bytes {
-                full[slot][kind].push(std::mem::take(bucket));
-                *size = 0;
-            }
+            let id = self.vars[i].as_tensor().id();
+            let slot = last_segment.get(&id).copied().unwrap_or(cuts + 1);
+            let kind = usize::from(!(slot <= cuts && handed.contains(&id)));
+            lists[slot][kind].push(i);
         }
-        for (slot, kinds) in open.into_iter().enumerate() {
-            for (kind, (bucket, _)) in kinds.into_iter().enumerate() {
-                if !bucket.is_empty() {
-                    full[slot][kind].push(bucket);
-                }
-            }
-        }
+        let full = lists
+            .into_iter()
+            .map(|kinds| kinds.map(|list| self.fill_buckets(list)));
         let mut after = Vec::with_capacity(cuts + 1);
         let mut early = Vec::with_capacity(cuts + 1);
         let mut unused = Vec::new();
