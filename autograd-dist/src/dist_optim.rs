@@ -248,12 +248,14 @@ impl std::fmt::Debug for DistributedOptimizer {
 
 impl DistributedOptimizer {
     /// Groups `params` by owner and creates a local optimizer on each owner (returns at once;
-    /// creation errors surface at the first step).
+    /// creation errors surface at the first step). Hyper-parameters out of PyTorch's range
+    /// fail here, before any owner's optimizer is made.
     pub fn new(
         agent: &Agent,
         kind: OptimizerKind,
         params: Vec<RRef<Parameter>>,
     ) -> Result<Self, AutogradError> {
+        kind.check().map_err(AutogradError::State)?;
         let mut by_owner: BTreeMap<u32, Vec<RRef<Parameter>>> = BTreeMap::new();
         for p in params {
             by_owner.entry(p.owner().0).or_default().push(p);
@@ -322,11 +324,7 @@ impl DistributedOptimizer {
 
     /// Sets the learning rate on every owner (for a schedule, e.g. once per epoch).
     pub async fn set_lr(&self, lr: f64) -> Result<(), AutogradError> {
-        if !(lr.is_finite() && lr >= 0.0) {
-            return Err(AutogradError::State(format!(
-                "learning rate {lr} is not a finite non-negative number"
-            )));
-        }
+        crate::optim::at_least_zero("learning rate", lr).map_err(AutogradError::State)?;
         self.on_owners(true, |_, opt| opt.rpc_async(SetLocalLr, (lr,)))
             .await?;
         Ok(())

@@ -78,6 +78,50 @@ impl OptimizerKind {
     }
 }
 
+impl OptimizerKind {
+    /// Why these hyper-parameters cannot train, if they cannot: PyTorch's ranges (a finite
+    /// learning rate, momentum, weight decay and epsilon of at least 0; betas in `[0, 1)`).
+    pub(crate) fn check(&self) -> Result<(), String> {
+        match *self {
+            Self::Sgd {
+                lr,
+                momentum,
+                weight_decay,
+            } => {
+                at_least_zero("learning rate", lr)?;
+                at_least_zero("momentum", momentum)?;
+                at_least_zero("weight decay", weight_decay)
+            }
+            Self::Adam {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                ..
+            } => {
+                at_least_zero("learning rate", lr)?;
+                for (name, b) in [("beta1", beta1), ("beta2", beta2)] {
+                    if !(0.0..1.0).contains(&b) {
+                        return Err(format!("{name} {b} is not in [0, 1)"));
+                    }
+                }
+                at_least_zero("eps", eps)?;
+                at_least_zero("weight decay", weight_decay)
+            }
+        }
+    }
+}
+
+/// `Ok` for a finite `v` of at least 0, else why not, naming the hyper-parameter.
+pub(crate) fn at_least_zero(name: &str, v: f64) -> Result<(), String> {
+    if v.is_finite() && v >= 0.0 {
+        Ok(())
+    } else {
+        Err(format!("{name} {v} is not a finite number of at least 0"))
+    }
+}
+
 /// Gradients looked up by variable: candle's `GradStore` and a context's gradient map.
 pub trait Gradients {
     /// The gradient of `var`, if it has one.
@@ -174,7 +218,8 @@ impl Optimizer {
         }
     }
 
-    /// Changes the learning rate (for a schedule); the state is kept.
+    /// Changes the learning rate (for a schedule); the state is kept. A rate out of range
+    /// (negative, not finite) makes the next step fail.
     pub fn set_lr(&mut self, new: f64) {
         match &mut self.kind {
             OptimizerKind::Sgd { lr, .. } | OptimizerKind::Adam { lr, .. } => *lr = new,
@@ -186,8 +231,13 @@ impl Optimizer {
         self.steps
     }
 
-    /// Updates every parameter that has a gradient in `grads`; returns how many did.
+    /// Updates every parameter that has a gradient in `grads`; returns how many did. Fails,
+    /// updating nothing, when a hyper-parameter is out of PyTorch's range (a negative or
+    /// non-finite learning rate, momentum, weight decay or epsilon; a beta outside `[0, 1)`).
     pub fn step(&mut self, grads: &impl Gradients) -> candle_core::Result<usize> {
+        self.kind
+            .check()
+            .map_err(|why| candle_core::Error::Msg(format!("optimizer: {why}")))?;
         self.steps += 1;
         let t = i32::try_from(self.steps).unwrap_or(i32::MAX);
         let mut updated = 0;
@@ -440,6 +490,62 @@ mod tests {
                 assert!(!w.as_tensor().detach().track_op());
             }
         }
+    }
+
+    /// PyTorch refuses these at construction (`ValueError: Invalid learning rate`); taken,
+    /// they trained silently wrong (a negative rate climbs the loss, `beta1 = 1` makes Adam's
+    /// bias correction divide by zero and every parameter NaN). A step refuses them, naming
+    /// the value, before it changes any parameter.
+    #[test]
+    fn a_hyper_parameter_out_of_range_is_refused_before_any_update() {
+        let sgd = |lr, momentum, weight_decay| OptimizerKind::Sgd {
+            lr,
+            momentum,
+            weight_decay,
+        };
+        let adam = |beta1, beta2, eps| OptimizerKind::Adam {
+            lr: 0.1,
+            beta1,
+            beta2,
+            eps,
+            weight_decay: 0.0,
+            decoupled: false,
+        };
+        for (kind, says) in [
+            (OptimizerKind::sgd(-0.1), "learning rate -0.1"),
+            (OptimizerKind::adam(f64::NAN), "learning rate NaN"),
+            (sgd(0.1, -0.9, 0.0), "momentum -0.9"),
+            (sgd(0.1, 0.0, f64::INFINITY), "weight decay inf"),
+            (adam(1.0, 0.999, 1e-8), "beta1 1"),
+            (adam(0.9, -0.5, 1e-8), "beta2 -0.5"),
+            (adam(0.9, 0.999, -1e-8), "eps -0.00000001"),
+        ] {
+            let w = Var::from_tensor(&scalar(1.0)).unwrap();
+            let mut opt = Optimizer::new(kind, vec![w.clone()]);
+            let g = w
+                .as_tensor()
+                .sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            let e = opt.step(&g).expect_err("refused").to_string();
+            assert!(e.contains(says), "{kind:?}: {e}");
+            assert_eq!(get(w.as_tensor()), 1.0, "{kind:?}");
+        }
+        let w = Var::from_tensor(&scalar(1.0)).unwrap();
+        let mut opt = Optimizer::new(OptimizerKind::sgd(0.1), vec![w.clone()]);
+        opt.set_lr(-1.0);
+        let g = w
+            .as_tensor()
+            .sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        assert!(opt.step(&g).is_err(), "a schedule's negative rate");
     }
 
     fn scalar(x: f64) -> Tensor {

@@ -881,6 +881,10 @@ fn distributed_optimizer_state_round_trips_and_learning_rate_changes() {
                 .await
                 .unwrap(),
         );
+        // A rate out of range is refused where the optimizer is made, before any owner's.
+        let bad = DistributedOptimizer::new(&a[0], OptimizerKind::adam(-0.05), params.clone());
+        let e = bad.expect_err("a negative learning rate").to_string();
+        assert!(e.contains("learning rate -0.05"), "{e}");
         let opt = DistributedOptimizer::new(&a[0], OptimizerKind::adam(0.05), params).unwrap();
         let x = input(5, 3);
         let values = || async {
