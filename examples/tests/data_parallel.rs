@@ -64,10 +64,26 @@ fn two_replicas_train_launched_by_themselves_and_by_rpcrun() {
 fn arguments_that_train_nothing_are_refused_with_the_reason() {
     let bin = env!("CARGO_BIN_EXE_data-parallel");
     for (args, code, says) in [
-        (&["--batch", "0"][..], 2, "--batch"),
-        (&["--epochs", "0"], 2, "--epochs"),
-        (&["--log-every", "0"], 2, "--log-every"),
-        (&["--train-limit", "0"], 2, "--train-limit"),
+        (
+            &["--batch", "0"][..],
+            2,
+            "--batch <BATCH>': must be at least 1",
+        ),
+        (
+            &["--epochs", "0"],
+            2,
+            "--epochs <EPOCHS>': must be at least 1",
+        ),
+        (
+            &["--log-every", "0"],
+            2,
+            "--log-every <LOG_EVERY>': must be at least 1",
+        ),
+        (
+            &["--train-limit", "0"],
+            2,
+            "--train-limit <TRAIN_LIMIT>': must be at least 1",
+        ),
         (
             &["--lr", "0"],
             rpcrun::FATAL_EXIT_CODE,

@@ -36,10 +36,10 @@ struct Args {
     trace: Option<std::path::PathBuf>,
 
     /// Epochs to train.
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, default_value_t = 2, value_parser = at_least_one::<u64>)]
     epochs: u64,
     /// Words per step on each replica.
-    #[arg(long, default_value_t = 32, value_parser = at_least_one())]
+    #[arg(long, default_value_t = 32, value_parser = at_least_one::<usize>)]
     batch: usize,
     /// SGD's learning rate for one replica (scaled by the number of replicas, as Horovod
     /// recommends).
@@ -49,19 +49,26 @@ struct Args {
     #[arg(long)]
     bf16: bool,
     /// Log every this many steps (rank 0).
-    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, default_value_t = 100, value_parser = at_least_one::<u64>)]
     log_every: u64,
     /// Use only the first N training words (quick runs).
-    #[arg(long, value_parser = at_least_one())]
+    #[arg(long, value_parser = at_least_one::<usize>)]
     train_limit: Option<usize>,
     /// Use only the first N test words (quick runs).
-    #[arg(long, value_parser = at_least_one())]
+    #[arg(long, value_parser = at_least_one::<usize>)]
     test_limit: Option<usize>,
 }
 
-/// A count of 1 or more (0 would train or test on nothing).
-fn at_least_one() -> clap::builder::RangedU64ValueParser<usize> {
-    clap::builder::RangedU64ValueParser::new().range(1..)
+/// A count of 1 or more (0 would train or test on nothing), refused in those words (clap's
+/// ranged parser says "0 is not in 1..18446744073709551615").
+fn at_least_one<T: std::str::FromStr<Err = std::num::ParseIntError> + From<u8> + PartialOrd>(
+    s: &str,
+) -> Result<T, String> {
+    let v: T = s.parse().map_err(|e| format!("{e}"))?;
+    if v < T::from(1) {
+        return Err("must be at least 1".into());
+    }
+    Ok(v)
 }
 
 const WIDTHS: [usize; 4] = [DIM, 1024, 512, LANGS.len()];
