@@ -522,14 +522,7 @@ mod tests {
         ] {
             let w = Var::from_tensor(&scalar(1.0)).unwrap();
             let mut opt = Optimizer::new(kind, vec![w.clone()]);
-            let g = w
-                .as_tensor()
-                .sqr()
-                .unwrap()
-                .sum_all()
-                .unwrap()
-                .backward()
-                .unwrap();
+            let g = square_grad(&w);
             let e = opt.step(&g).expect_err("refused").to_string();
             assert!(e.contains(says), "{kind:?}: {e}");
             assert_eq!(get(w.as_tensor()), 1.0, "{kind:?}");
@@ -537,15 +530,16 @@ mod tests {
         let w = Var::from_tensor(&scalar(1.0)).unwrap();
         let mut opt = Optimizer::new(OptimizerKind::sgd(0.1), vec![w.clone()]);
         opt.set_lr(-1.0);
-        let g = w
-            .as_tensor()
-            .sqr()
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
-        assert!(opt.step(&g).is_err(), "a schedule's negative rate");
+        assert!(
+            opt.step(&square_grad(&w)).is_err(),
+            "a schedule's negative rate"
+        );
+    }
+
+    /// The gradients of `sum(w²)`.
+    fn square_grad(w: &Var) -> GradStore {
+        let loss = w.as_tensor().sqr().unwrap().sum_all().unwrap();
+        loss.backward().unwrap()
     }
 
     fn scalar(x: f64) -> Tensor {
