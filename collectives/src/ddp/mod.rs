@@ -4,8 +4,8 @@
 //! broadcast from the group's first rank at construction, and the replicas' gradients are
 //! averaged across the group with the ring all-reduce, in buckets (flattened and concatenated
 //! up to `bucket_bytes`, one element type and device each) so that many small tensors cost
-//! few messages. With equal per-rank
-//! batches, the averaged gradient is the gradient of the global batch's mean loss.
+//! few messages. With equal per-rank batches, the averaged gradient is the gradient of the
+//! global batch's mean loss.
 //!
 //! Two ways to run it:
 //! - after backward: [`DistributedDataParallel::reduce_gradients`] on a finished backward's

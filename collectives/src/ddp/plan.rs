@@ -30,8 +30,7 @@ pub(super) struct Plan {
 impl DistributedDataParallel {
     /// DDP-2: buckets per segment from the last segment in which each parameter got a
     /// gradient, in reverse parameter order, up to `bucket_bytes`, one element type and
-    /// device each; within a segment, the
-    /// handed-over parameters' buckets first (DDP-4).
+    /// device each; within a segment, the handed-over parameters' buckets first (DDP-4).
     pub(super) fn learn_plan(
         &self,
         cuts: usize,
