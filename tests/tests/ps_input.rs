@@ -1,6 +1,6 @@
 //! The parameter server refuses, before anything changes, a push it cannot apply: nothing of
 //! it is applied, no other trainer's gradient of the step is lost, and the trainer can push
-//! the step again correctly.
+//! the step again correctly. A client refuses a push that does not hold one list per shard.
 
 use candle_core::{DType, Device, Tensor};
 use collectives::{Consistency, PsClient};
@@ -63,4 +63,35 @@ fn a_push_of_the_wrong_dtype_is_refused_and_loses_nothing() {
             shutdown_all(&a).await;
         });
     }
+}
+
+/// A push holds one list of gradients per shard of the client. With fewer, the shards left out
+/// never heard of the step (under BSP the other trainers' next pulls waited for it until their
+/// deadline); with more, the client panicked (an index out of bounds). Both are refused before
+/// anything is sent, naming the trainer and both numbers.
+#[test]
+fn a_push_for_another_number_of_shards_is_refused_before_anything_is_sent() {
+    run(60, async {
+        let a =
+            integration_tests::collective_group(3, Transport::Memory(MemoryNetwork::new())).await;
+        let zeros = || Tensor::zeros(2, DType::F64, &Device::Cpu).unwrap();
+        for (server, shard) in [(0usize, 1u64), (1, 2)] {
+            collectives::serve_shard(&a[server], shard, vec![zeros()], LR, Consistency::Bsp, 1);
+        }
+        let t = PsClient::new(&a[2], vec![(0, 1), (1, 2)], 0);
+        t.pull(0).await.unwrap();
+        for lists in [1usize, 3] {
+            let grads: Vec<Vec<Tensor>> = (0..lists).map(|_| vec![zeros()]).collect();
+            let e = t.push(0, grads).await.expect_err("refused");
+            let e = rpc_core::error_chain(&e);
+            let says = format!("trainer 0 pushed {lists} gradient lists for 2 shards");
+            assert!(e.contains(&says), "{e}");
+        }
+        for (server, shard) in [(0usize, 1u64), (1, 2)] {
+            let stats = collectives::shard_stats(&a[server], shard).unwrap();
+            assert_eq!(stats.clocks, vec![0], "shard {shard}: nothing was pushed");
+        }
+        t.push(0, vec![vec![zeros()], vec![zeros()]]).await.unwrap();
+        shutdown_all(&a).await;
+    });
 }

@@ -158,8 +158,21 @@ impl PsClient {
             .collect())
     }
 
-    /// Pushes step `clock`'s gradients, one list per shard.
+    /// Pushes step `clock`'s gradients, one list per shard (in the client's order; another
+    /// number of lists is refused before anything is sent).
     pub async fn push(&self, clock: u64, grads: Vec<Vec<Tensor>>) -> Result<(), RpcError> {
+        if grads.len() != self.routes.len() {
+            return Err(RpcError::TypeMismatch {
+                worker: self.agent.name().to_owned(),
+                fn_name: Push::NAME.to_owned(),
+                detail: format!(
+                    "trainer {} pushed {} gradient lists for {} shards",
+                    self.trainer,
+                    grads.len(),
+                    self.routes.len()
+                ),
+            });
+        }
         let calls = grads.into_iter().enumerate().map(|(i, g)| {
             let shard = self.routes[i].shard;
             let g: Vec<RTensor> = g.into_iter().map(RTensor).collect();
