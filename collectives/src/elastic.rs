@@ -6,7 +6,9 @@
 //!
 //! - EL-1: after [`ElasticDdp::recover`] every survivor holds the committed parameters (rolled
 //!   back, then shared as EL-4 says), so a step that completed on some members and failed on
-//!   others is redone by all, and the replicas stay identical.
+//!   others is redone by all, and the replicas stay identical. Where the survivors' commits
+//!   differ (one completed a step another failed, and reached its next commit), all take the
+//!   newest commit's parameters and step: a state the group computed.
 //! - EL-2: the new group is the old one without the ranks this worker's failure detector
 //!   declared failed; `recover` waits (bounded) until it has declared at least one, so a member
 //!   that learned of the failure through another's abort does not re-form the same group.
@@ -16,8 +18,9 @@
 //!   a new incarnation of each failed member, and the replacement ([`ElasticDdp::join`])
 //!   receives the committed parameters and step, so all members go on from the same state.
 //! - EL-4: the committed state comes from the survivors, not from a chosen rank: each
-//!   survivor offers its committed values (identical, EL-1), each replacement the lowest value
-//!   there is, and an all-reduce takes the maximum, a survivor's value bit for bit. So any
+//!   survivor with the newest commit offers its committed values (identical, EL-1), every
+//!   other member the lowest value there is, and an all-reduce takes the maximum, a
+//!   survivor's value bit for bit. So any
 //!   rank may be replaced, the group's first included, while one survivor is left (before, the
 //!   first rank sent the state, and a replacement of it could not join).
 
@@ -202,10 +205,15 @@ impl ElasticDdp {
         );
         // The same hook, bucket size and reduce operation over the new ring.
         self.ddp = self.ddp.regroup(group);
-        // EL-3, EL-4: the replacements learn the state and the step from the survivors.
-        share_committed(self.ddp.group(), self.ddp.vars(), Some(self.committed_step)).await?;
+        // EL-1, EL-3, EL-4: every member takes the newest commit's state and step.
+        let step =
+            share_committed(self.ddp.group(), self.ddp.vars(), Some(self.committed_step)).await?;
+        if step != self.committed_step {
+            self.committed = snapshot(self.ddp.vars())?;
+            self.committed_step = step;
+        }
         self.reforms += 1;
-        Ok(self.committed_step)
+        Ok(step)
     }
 
     /// A replacement of a failed member joins the survivors' re-formed group (they call
@@ -241,21 +249,23 @@ pub enum Rejoin {
     WaitForReplacement,
 }
 
-/// EL-4: makes `vars` and the step the survivors' on every member of `group`. A survivor
-/// passes its committed step (its `vars` hold the committed values), a replacement `None`.
-/// Fails on every member when none is a survivor.
+/// EL-1, EL-4: makes `vars` and the step those of the survivors with the newest commit on
+/// every member of `group`. A survivor passes its committed step (its `vars` hold the
+/// committed values), a replacement `None`. Fails on every member when none is a survivor.
 async fn share_committed(
     group: &ProcessGroup,
     vars: &[Var],
     step: Option<u64>,
 ) -> Result<u64, CollectiveError> {
-    let survivor = step.is_some();
     let offered = Tensor::new(&[step.map_or(-1.0, |s| s as f64)], &Device::Cpu)?;
-    let step = group
+    let newest = group
         .all_reduce(&offered, ReduceOp::Max)
         .await?
         .to_vec1::<f64>()?[0];
-    if step < 0.0 {
+    // Survivors that committed the same step hold the same values; one whose commit is older
+    // (it failed a step another completed) offers the lowest value, as a replacement does.
+    let source = step.is_some_and(|s| s as f64 == newest);
+    if newest < 0.0 {
         return Err(CollectiveError::Failed {
             op: "join",
             members: group.ranks().to_vec(),
@@ -266,14 +276,14 @@ async fn share_committed(
     }
     for v in vars {
         let t = v.as_tensor();
-        let mine = if survivor {
+        let mine = if source {
             t.clone()
         } else {
             t.zeros_like()?.affine(1.0, f64::NEG_INFINITY)?
         };
         v.set(&group.all_reduce(&mine, ReduceOp::Max).await?)?;
     }
-    Ok(step as u64)
+    Ok(newest as u64)
 }
 
 fn snapshot(vars: &[Var]) -> Result<Vec<Tensor>, CollectiveError> {

@@ -194,3 +194,72 @@ fn survivors_reform_the_ring_and_track_one_process() {
         let _ = a[3].shutdown_within(Duration::from_millis(500)).await;
     });
 }
+
+/// EL-1 when the survivors' commits differ: a member killed in the middle of an all-reduce can
+/// let one survivor complete the step (all its chunks had arrived) while another fails it, and
+/// the first may reach its next commit before it fails too. Recovery must give every survivor
+/// one state that the group computed, the newest commit's, with its step; it took the
+/// element-wise maximum of both commits' parameters (a state nobody computed) and each
+/// survivor went on from its own step.
+#[test]
+fn survivors_whose_commits_differ_go_on_from_the_newest() {
+    run(60, async {
+        let a = start_group(
+            3,
+            Transport::Tcp,
+            Secret::generate(),
+            |_| {
+                collectives::install(rpc_core::Registry::builder())
+                    .unwrap()
+                    .build()
+            },
+            |_, c| {
+                c.with_heartbeat_interval(Duration::from_millis(100))
+                    .with_failure_timeout(Duration::from_millis(600))
+                    .with_shutdown_timeout(Duration::from_secs(5))
+            },
+        )
+        .await
+        .expect("group starts");
+        // Rank 0 committed step 6 (it completed step 5); rank 1 last committed step 3, with
+        // other values (larger in one parameter, smaller in the other).
+        let newest = init(0.25);
+        let older = [init(0.5)[0].clone(), init(-0.5)[1].clone()];
+        let outs = futures::future::join_all(a.iter().map(|w| {
+            let (newest, older) = (newest.clone(), older.clone());
+            async move {
+                let r = w.rank();
+                let mut el = ElasticDdp::new(collectives::world(w), init(0.0))
+                    .await
+                    .unwrap();
+                if r == 2 {
+                    testing::silence(w, true);
+                    return None;
+                }
+                let (values, step): (&[Var], u64) = if r == 0 { (&newest, 6) } else { (&older, 3) };
+                for (v, t) in el.ddp().vars().iter().zip(values) {
+                    v.set(t.as_tensor()).unwrap();
+                }
+                el.commit(step).unwrap();
+                let step = el.recover(Duration::from_secs(10)).await.unwrap();
+                let params: Vec<Tensor> = el
+                    .ddp()
+                    .vars()
+                    .iter()
+                    .map(|v| v.as_tensor().clone())
+                    .collect();
+                Some((step, el.committed_step(), params))
+            }
+        }))
+        .await;
+        for (rank, out) in outs.iter().take(2).enumerate() {
+            let (step, committed, params) = out.as_ref().unwrap();
+            assert_eq!((*step, *committed), (6, 6), "rank {rank}");
+            for (p, q) in params.iter().zip(&newest) {
+                assert_eq!(max_abs_diff(p, q.as_tensor()), 0.0, "rank {rank}");
+            }
+        }
+        let _ = tokio::join!(a[0].shutdown(), a[1].shutdown());
+        let _ = a[2].shutdown_within(Duration::from_millis(500)).await;
+    });
+}
