@@ -67,6 +67,20 @@ fn a_layer_of_width_zero_is_refused_naming_the_flag() {
     }
 }
 
+/// `--keep-checkpoints 0` kept none: each checkpoint was removed as soon as it was written,
+/// so a failure replayed the run from its start and a rerun found nothing to go on from.
+/// It is refused before anything starts, as hybrid-rnn refuses it.
+#[test]
+fn keeping_no_checkpoint_is_refused() {
+    let args = ["--keep-checkpoints", "0"];
+    let (code, out, err) = run_to_end(BIN, &args, Duration::from_secs(60));
+    assert_eq!(code, Some(rpcrun::FATAL_EXIT_CODE), "{out}\n{err}");
+    assert!(
+        err.contains("--keep-checkpoints must be at least 1"),
+        "{err}"
+    );
+}
+
 #[test]
 fn trains_reports_and_draws_the_timeline() {
     let run = run_small("train", &[]);

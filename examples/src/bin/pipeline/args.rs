@@ -161,6 +161,10 @@ impl Args {
             "--checkpoint-every must be at least 1"
         );
         ensure!(
+            self.keep_checkpoints > 0,
+            "--keep-checkpoints must be at least 1 (0 removes each checkpoint as it is written)"
+        );
+        ensure!(
             self.lr.is_finite() && self.lr > 0.0,
             "--lr {} must be positive",
             self.lr
