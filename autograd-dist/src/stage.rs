@@ -264,7 +264,7 @@ pub(crate) async fn stage_run(
     req: RunReq,
 ) -> Result<RunReply, BoxError> {
     let state = stage_state(agent);
-    let timeout = agent.rpc_timeout();
+    let timeout = agent.wait_bound();
     let key = |kind, mb: usize| (req.pipe, req.stage, req.step, kind, mb as u32);
     let send = |to: u32, stage: u32, kind, mb: usize, t: Tensor| {
         let args = (req.pipe, stage, req.step, kind, mb as u32, RTensor(t));

@@ -55,6 +55,16 @@ impl Agent {
         self.inner.caller.rpc_timeout
     }
 
+    /// How long a wait made on the group's behalf may last (a message from a peer, a
+    /// neighbour's tensor, a verdict): the group's call timeout, or, when it has none
+    /// (`Duration::ZERO`), as long as a call without a deadline waits (a year).
+    pub fn wait_bound(&self) -> Duration {
+        match self.rpc_timeout() {
+            t if t.is_zero() => crate::net::NO_DEADLINE,
+            t => t,
+        }
+    }
+
     /// Calls `f` on `to` with the group's default timeout. Dropping the future cancels the
     /// call, on the callee too.
     ///

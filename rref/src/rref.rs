@@ -225,13 +225,7 @@ pub fn remote<F: RemoteFn>(
 }
 
 fn default_deadline(agent: &Agent) -> Instant {
-    let t = agent.rpc_timeout();
-    Instant::now()
-        + if t.is_zero() {
-            Duration::from_secs(365 * 24 * 3600)
-        } else {
-            t
-        }
+    Instant::now() + agent.wait_bound()
 }
 
 /// Builds `(head, a, b, ...)` from `(a, b, ...)`: lets method proxies put the RRef first.

@@ -1056,6 +1056,40 @@ fn pipelines_train_like_one_process_for_both_schedules_and_any_micro_batch_count
     });
 }
 
+/// `Config::with_rpc_timeout(Duration::ZERO)` means no timeout: a stage waited for its
+/// neighbour's activation "within 0ns" and failed the step whenever it had not arrived yet.
+#[test]
+fn a_pipeline_runs_without_a_call_timeout() {
+    use autograd_dist::{Loss, Pipeline, Schedule};
+    run(60, async {
+        let a = start_group(
+            3,
+            Transport::Tcp,
+            Secret::generate(),
+            |_| registry(),
+            |_, c| c.with_rpc_timeout(Duration::ZERO),
+        )
+        .await
+        .expect("group starts");
+        let (rows, widths) = (8, [4, 6, 5, 3]);
+        let x = input(rows, widths[0]);
+        let labels: Vec<u32> = (0..rows as u32).map(|i| i % 3).collect();
+        let y = Tensor::new(labels.as_slice(), &Device::Cpu).unwrap();
+        let modules = linear_stages(&a[0], "z", widths).await;
+        let stages = modules.iter().cloned().map(Into::into).collect();
+        let pipe = Pipeline::new(&a[0], stages, 4, Schedule::GPipe, Loss::CrossEntropy).unwrap();
+        for step in 0..3 {
+            let ctx = autograd_dist::context(&a[0]);
+            let report = pipe.step(&ctx, &x, &y).await;
+            let report = report.unwrap_or_else(|e| panic!("step {step}: {e}"));
+            assert!(report.loss.is_finite());
+            ctx.release().await.unwrap();
+        }
+        drop((pipe, modules));
+        shutdown_all(&a).await;
+    });
+}
+
 #[test]
 fn a_failing_pipeline_stage_fails_the_step_naming_it_and_the_others_stop() {
     use autograd_dist::{AutogradError, Loss, Pipeline, Schedule};

@@ -92,13 +92,9 @@ pub async fn recv(agent: &Agent, from: impl ToWorker, tag: u64) -> Result<Tensor
     }
 }
 
+/// How long a receive waits: [`Agent::wait_bound`].
 pub(crate) fn effective_timeout(agent: &Agent) -> Duration {
-    let t = agent.rpc_timeout();
-    if t.is_zero() {
-        Duration::from_secs(365 * 24 * 3600)
-    } else {
-        t
-    }
+    agent.wait_bound()
 }
 
 /// A running operation; `wait` for its result.

@@ -131,7 +131,7 @@ impl PsClient {
         if !log::transient(e) {
             return false;
         }
-        let deadline = Instant::now() + self.agent.rpc_timeout();
+        let deadline = Instant::now() + self.agent.wait_bound();
         while Instant::now() < deadline {
             if !self.agent.is_live(server).unwrap_or(true) {
                 return true;

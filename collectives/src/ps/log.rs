@@ -240,7 +240,7 @@ async fn replicate(
     seq: u64,
     change: &Change,
 ) -> Result<(), BoxError> {
-    let deadline = Instant::now() + agent.rpc_timeout();
+    let deadline = Instant::now() + agent.wait_bound();
     loop {
         let Replica::Primary { backup } = s.with(agent, shard, |sh| sh.replica)? else {
             // The backup was declared failed meanwhile.
