@@ -194,8 +194,14 @@ pub struct OptimizerState {
 }
 
 impl Optimizer {
-    /// An optimizer over `vars`, with fresh state.
+    /// An optimizer over `vars`, with fresh state. Each variable is stepped once, however
+    /// often it is listed (a weight tied between two modules is in both their lists).
     pub fn new(kind: OptimizerKind, vars: Vec<Var>) -> Self {
+        let mut seen = std::collections::HashSet::new();
+        let vars: Vec<Var> = vars
+            .into_iter()
+            .filter(|v| seen.insert(v.as_tensor().id()))
+            .collect();
         let n = vars.len();
         Self {
             kind,
@@ -534,6 +540,25 @@ mod tests {
             opt.step(&square_grad(&w)).is_err(),
             "a schedule's negative rate"
         );
+    }
+
+    /// A weight tied between two modules is in both modules' parameter lists: it was
+    /// stepped once per listing (here twice: 1 -> 0 -> -1); it is stepped once.
+    #[test]
+    fn a_parameter_listed_twice_is_stepped_once() {
+        let w = Var::from_tensor(&scalar(1.0)).unwrap();
+        let other = Var::from_tensor(&scalar(2.0)).unwrap();
+        let listed = vec![w.clone(), other.clone(), w.clone()];
+        let mut opt = Optimizer::new(OptimizerKind::sgd(0.5), listed);
+        assert_eq!(opt.vars().len(), 2);
+        let loss = (w.as_tensor().sqr().unwrap() + other.as_tensor().sqr().unwrap()).unwrap();
+        assert_eq!(
+            opt.step(&loss.sum_all().unwrap().backward().unwrap())
+                .unwrap(),
+            2
+        );
+        assert_eq!(get(w.as_tensor()), 0.0);
+        assert_eq!(get(other.as_tensor()), 0.0);
     }
 
     /// The gradients of `sum(w²)`.
