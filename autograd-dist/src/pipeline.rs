@@ -318,6 +318,9 @@ impl Pipeline {
                 targets.dim(0)?
             )));
         }
+        self.loss
+            .check_targets(targets)
+            .map_err(AutogradError::State)?;
         let splits = self.splits(rows, true)?;
         // The context's release reaches every stage (it exchanged no tensor with them).
         container(&self.agent).with(ctx.id(), |st| {

@@ -42,7 +42,8 @@ pub enum Action {
 /// The loss the last stage computes from its output and the targets.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Loss {
-    /// Cross-entropy of logits `[rows, classes]` against class indices `[rows]` (u32).
+    /// Cross-entropy of logits `[rows, classes]` against class indices `[rows]` (an integer
+    /// tensor: u32, or u8 / i64; floats are refused).
     CrossEntropy,
     /// Squared error against targets of the output's shape, summed over each row.
     SquaredError,
@@ -58,6 +59,8 @@ impl Loss {
         batch: usize,
     ) -> candle_core::Result<Tensor> {
         let scale = 1.0 / batch as f64;
+        self.check_targets(targets)
+            .map_err(candle_core::Error::Msg)?;
         match self {
             Loss::CrossEntropy => {
                 let max = output.max_keepdim(D::Minus1)?.detach();
@@ -71,6 +74,20 @@ impl Loss {
                 let d = output.sub(&targets.to_dtype(output.dtype())?)?;
                 d.sqr()?.sum_all()?.affine(scale, 0.0)
             }
+        }
+    }
+}
+
+impl Loss {
+    /// Why `targets` cannot be this loss's targets, if they cannot: cross-entropy's are class
+    /// indices, an integer tensor (a float one would be cast, -1 to class 0, 2.7 to 2).
+    pub(crate) fn check_targets(self, targets: &Tensor) -> Result<(), String> {
+        match self {
+            Loss::CrossEntropy if targets.dtype().is_float() => Err(format!(
+                "cross-entropy targets are class indices, an integer tensor, not {}",
+                targets.dtype().as_str()
+            )),
+            _ => Ok(()),
         }
     }
 }

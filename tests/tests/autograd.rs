@@ -1090,6 +1090,31 @@ fn a_pipeline_runs_without_a_call_timeout() {
     });
 }
 
+/// Cross-entropy's targets are class indices: floats were cast to u32 on the last stage, so
+/// a label of -1 (an "ignore" marker) became class 0 and 2.7 became 2, and the step trained
+/// on them without a word. They are refused before the step starts, as PyTorch refuses them.
+#[test]
+fn class_targets_of_a_float_type_are_refused() {
+    use autograd_dist::{Loss, Pipeline, Schedule};
+    run(60, async {
+        let a = group(3, Transport::Memory(rpc_core::MemoryNetwork::new())).await;
+        let modules = linear_stages(&a[0], "c", [4, 6, 5, 3]).await;
+        let stages = modules.iter().cloned().map(Into::into).collect();
+        let pipe = Pipeline::new(&a[0], stages, 2, Schedule::GPipe, Loss::CrossEntropy).unwrap();
+        let x = input(4, 4);
+        let y = Tensor::new(&[-1f32, 0., 1., 2.7], &Device::Cpu).unwrap();
+        let ctx = autograd_dist::context(&a[0]);
+        let e = pipe.step(&ctx, &x, &y).await.expect_err("float targets");
+        assert!(e.to_string().contains("class indices"), "{e}");
+        let local = Loss::CrossEntropy.compute(&input(4, 3), &y, 4);
+        let e = local.expect_err("float targets, in one process");
+        assert!(e.to_string().contains("class indices"), "{e}");
+        ctx.release().await.unwrap();
+        drop((pipe, modules));
+        shutdown_all(&a).await;
+    });
+}
+
 #[test]
 fn a_failing_pipeline_stage_fails_the_step_naming_it_and_the_others_stop() {
     use autograd_dist::{AutogradError, Loss, Pipeline, Schedule};
