@@ -62,6 +62,27 @@ fn loss(p: &[Var], x: &Tensor, y: &Tensor, idx: &[usize]) -> Tensor {
         .unwrap()
 }
 
+/// `n` workers over TCP whose failure detector declares a silent one failed within 600 ms.
+async fn group(n: u32) -> Vec<rpc_core::Agent> {
+    start_group(
+        n,
+        Transport::Tcp,
+        Secret::generate(),
+        |_| {
+            collectives::install(rpc_core::Registry::builder())
+                .unwrap()
+                .build()
+        },
+        |_, c| {
+            c.with_heartbeat_interval(Duration::from_millis(100))
+                .with_failure_timeout(Duration::from_millis(600))
+                .with_shutdown_timeout(Duration::from_secs(5))
+        },
+    )
+    .await
+    .expect("group starts")
+}
+
 /// Step `step`'s part of the global batch for replica `i` of `r`.
 fn batch(step: u64, i: usize, r: usize) -> Vec<usize> {
     let per_epoch = (N / B) as u64;
@@ -94,23 +115,7 @@ fn survivors_reform_the_ring_and_track_one_process() {
         sgd.step(&l.backward().unwrap()).unwrap();
     }
     run(120, async move {
-        let a = start_group(
-            4,
-            Transport::Tcp,
-            Secret::generate(),
-            |_| {
-                collectives::install(rpc_core::Registry::builder())
-                    .unwrap()
-                    .build()
-            },
-            |_, c| {
-                c.with_heartbeat_interval(Duration::from_millis(100))
-                    .with_failure_timeout(Duration::from_millis(600))
-                    .with_shutdown_timeout(Duration::from_secs(5))
-            },
-        )
-        .await
-        .expect("group starts");
+        let a = group(4).await;
         let finals = futures::future::join_all(a.iter().map(|w| {
             let (x, y) = (x.clone(), y.clone());
             async move {
@@ -204,23 +209,7 @@ fn survivors_reform_the_ring_and_track_one_process() {
 #[test]
 fn survivors_whose_commits_differ_go_on_from_the_newest() {
     run(60, async {
-        let a = start_group(
-            3,
-            Transport::Tcp,
-            Secret::generate(),
-            |_| {
-                collectives::install(rpc_core::Registry::builder())
-                    .unwrap()
-                    .build()
-            },
-            |_, c| {
-                c.with_heartbeat_interval(Duration::from_millis(100))
-                    .with_failure_timeout(Duration::from_millis(600))
-                    .with_shutdown_timeout(Duration::from_secs(5))
-            },
-        )
-        .await
-        .expect("group starts");
+        let a = group(3).await;
         // Rank 0 committed step 6 (it completed step 5); rank 1 last committed step 3, with
         // other values (larger in one parameter, smaller in the other).
         let newest = init(0.25);
