@@ -328,7 +328,8 @@ impl Launch {
     /// (`RPC_TRACE`), writes its part under `<path>.parts/` as it shuts down, and node 0's
     /// launcher merges the parts into `path` when the group ends. Earlier parts there are
     /// removed first. On several nodes, give a path on a shared filesystem (or copy the parts
-    /// to node 0 and run `rpctrace merge`).
+    /// to node 0 and run `rpctrace merge`). A path whose parts directory cannot be created,
+    /// or that is a directory, fails the launch before any process starts.
     pub fn trace(mut self, path: impl Into<PathBuf>) -> Self {
         self.trace = Some(path.into());
         self
@@ -421,6 +422,20 @@ impl Launch {
                 _ => {}
             }
         }
+        // A trace that cannot be written fails the launch now, not after the whole job.
+        if trace.is_dir() {
+            return Err(LaunchError::Invalid(format!(
+                "--trace {} is a directory: give the path of the file to write",
+                trace.display()
+            )));
+        }
+        std::fs::create_dir_all(&parts).map_err(|e| {
+            LaunchError::Invalid(format!(
+                "--trace {}: cannot create {}: {e}",
+                trace.display(),
+                parts.display()
+            ))
+        })?;
         let mut launch = self.clone();
         launch.env.push((
             rpc_core::trace::TRACE_ENV.to_owned(),

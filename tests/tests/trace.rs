@@ -110,6 +110,29 @@ fn the_merged_trace_links_every_call_and_names_the_straggler() {
 /// exits); the launcher then stops ranks 1 and 2, still busy, with SIGTERM (theirs are
 /// written on the signal, which then ends them). The merge has all three, the three steps
 /// done and their six calls linked. Before TR-5 no part was written: the merge found none.
+/// A trace that cannot be written is refused before any process starts: the job ran to its
+/// end, every part failed to be written, and the launcher said so only then, exiting 0 (a
+/// path under a regular file, or a directory as the path).
+#[test]
+fn a_trace_path_that_cannot_be_written_is_refused_before_the_job_starts() {
+    let dir = temp_dir("unwritable");
+    let ready = dir.0.join("started");
+    std::fs::write(dir.0.join("a-file"), "").expect("a file");
+    for bad in [dir.0.join("a-file/job.json"), dir.0.clone()] {
+        let launch = rpcrun::Launch::new(env!("CARGO_BIN_EXE_trace-worker"))
+            .nproc(2)
+            .env("TRACE_READY_FILE", ready.display().to_string())
+            .trace(&bad);
+        let e = launch.run().expect_err("refused").to_string();
+        assert!(e.contains("trace"), "{}: {e}", bad.display());
+        let started = std::fs::read_dir(&dir.0)
+            .expect("the temp dir")
+            .filter_map(Result::ok)
+            .any(|e| e.file_name().to_string_lossy().starts_with("started"));
+        assert!(!started, "{}: the job started", bad.display());
+    }
+}
+
 #[test]
 fn a_job_that_fails_still_leaves_every_ranks_part() {
     let dir = temp_dir("fail");
