@@ -70,6 +70,36 @@ fn a_first_pass_that_fails_on_one_member_fails_everywhere_and_the_next_ones_work
     }
 }
 
+/// DDP-2's one plan: members whose first passes cut the model a different number of times
+/// all fail that pass with one message (before, each learnt buckets of its own, which could
+/// pair up with another's of the same length), and so does a later pass that cuts it another
+/// number of times than the plan (rank 0's, failing rank 1's with its cause); the passes
+/// between and after combine on both.
+#[test]
+fn passes_that_cut_the_model_differently_fail_on_every_member() {
+    let doubled: Model = |pass, p, x, y| {
+        loss(p, x, y, |h| {
+            let h = pass.cut(h).unwrap();
+            pass.cut(&h).unwrap()
+        })
+    };
+    let out = passes(4, |i, r| match (i, r) {
+        (0, 1) | (2, 0) => doubled,
+        _ => model,
+    });
+    let first: Vec<String> = out[0].0.iter().map(|o| o.clone().unwrap_err()).collect();
+    assert!(first[0].contains("cut the model differently"), "{first:?}");
+    assert_eq!(first[0], first[1]);
+    equal_on_both(&out[1]);
+    let (outs, took) = &out[2];
+    assert!(*took < Duration::from_secs(10), "took {took:?}: {outs:?}");
+    for o in outs {
+        let e = o.as_ref().unwrap_err();
+        assert!(e.contains("rank 0") && e.contains("cuts the model"), "{e}");
+    }
+    equal_on_both(&out[3]);
+}
+
 /// A hook of the user's own: the all-reduce, through `reduce` (no fast path).
 struct Plain;
 

@@ -367,3 +367,79 @@ fn parameters_of_two_dtypes_are_bucketed_apart() {
         }
     }
 }
+
+/// DDP-2 across members: the plan must be the group's, not each member's. Here a weight is
+/// used on rank 0's first batch and not on rank 1's (an expert that batch did not pick), so
+/// rank 0 put it in its segment's buckets and rank 1 among the unused ones, sent last: from
+/// the second pass on, with a bucket per parameter, rank 0's second all-reduce (that weight)
+/// paired with rank 1's (another weight of the same length), and each member stepped with
+/// the mean of two different parameters' gradients, without a word.
+#[test]
+fn members_whose_first_passes_differ_share_one_plan() {
+    use candle_core::{DType, Device};
+    let v = |x: f64| Var::from_tensor(&Tensor::full(x, 4, &Device::Cpu).unwrap()).unwrap();
+    let input = |rank: u32| Tensor::full(1.0 + rank as f64, 4, &Device::Cpu).unwrap();
+    // w0 and the expert w1 before the cut, w2 after it.
+    let forward = |p: &[Var], x: &Tensor, expert: bool, cut: &mut dyn FnMut(&Tensor) -> Tensor| {
+        let mut h = (x * p[0].as_tensor()).unwrap();
+        if expert {
+            h = (h + (x * p[1].as_tensor()).unwrap().sqr().unwrap()).unwrap();
+        }
+        let h = cut(&h);
+        (h * p[2].as_tensor())
+            .unwrap()
+            .sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+    };
+    let params = || vec![v(0.5), v(-0.25), v(2.0)];
+    // Each member's own gradients in the second pass (both use the expert), and their mean.
+    let local = |rank: u32| {
+        let p = params();
+        let g = forward(&p, &input(rank), true, &mut |h| h.clone())
+            .backward()
+            .unwrap();
+        p.iter()
+            .map(|w| g.get(w.as_tensor()).unwrap().to_vec1::<f64>().unwrap())
+            .collect::<Vec<_>>()
+    };
+    let (g0, g1) = (local(0), local(1));
+    let mean: Vec<Vec<f64>> = g0
+        .iter()
+        .zip(&g1)
+        .map(|(a, b)| a.iter().zip(b).map(|(x, y)| (x + y) / 2.0).collect())
+        .collect();
+    let got = run(60, async {
+        let a = group(2).await;
+        let outs = futures::future::join_all(a.iter().map(|w| async move {
+            let g = collectives::world(w);
+            let ddp = DistributedDataParallel::with_bucket_bytes(g, params(), 1)
+                .await
+                .unwrap();
+            let r = w.rank();
+            let mut combined = Vec::new();
+            for expert in [r == 0, true] {
+                let mut pass = ddp.pass();
+                let l = forward(ddp.vars(), &input(r), expert, &mut |h| pass.cut(h).unwrap());
+                let g = pass.backward(&l).await.unwrap();
+                combined = ddp
+                    .vars()
+                    .iter()
+                    .map(|v| g.get(v.as_tensor()).unwrap().to_dtype(DType::F64).unwrap())
+                    .map(|t| t.to_vec1::<f64>().unwrap())
+                    .collect::<Vec<_>>();
+            }
+            combined
+        }))
+        .await;
+        shutdown_all(&a).await;
+        outs
+    });
+    for (rank, g) in got.iter().enumerate() {
+        assert_eq!(
+            g, &mean,
+            "rank {rank}: the second pass's combined gradients"
+        );
+    }
+}

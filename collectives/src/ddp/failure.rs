@@ -32,8 +32,9 @@ impl DistributedDataParallel {
         }
     }
 
-    /// DDP-5: a pass failed here with `e` after `started` of its buckets started (`all`:
-    /// every one of them). Fails the rest on every member and returns the pass's error.
+    /// DDP-5: a pass failed here with `e` after `started` of its operations started (`all`:
+    /// every one of them; the pass that learns the buckets starts with the plan's agreement).
+    /// Fails the rest on every member and returns the pass's error.
     pub(super) async fn pass_failed(
         &self,
         e: CollectiveError,
@@ -46,7 +47,7 @@ impl DistributedDataParallel {
             (false, true) => {
                 let total = match planned {
                     true => self.planned_buckets(),
-                    false => self.param_buckets().len(),
+                    false => 1 + self.param_buckets().len(),
                 };
                 Some(total.saturating_sub(started))
             }

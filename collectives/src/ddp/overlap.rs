@@ -17,9 +17,13 @@
 //!   in the parameters' order, as `reduce_gradients` does, after recording the last segment
 //!   in which each parameter gets a gradient; kept once that pass has worked): parameters
 //!   grouped per segment, in reverse order of the parameters (as backward produces them), up
-//!   to `bucket_bytes`; those that got none go last. A later pass in which a parameter gets a
-//!   gradient after its bucket left fails, naming it (the model used its parameters
-//!   differently from the first pass), rather than send an incomplete sum.
+//!   to `bucket_bytes`; those that got none go last. The members agree on one plan first
+//!   (one small all-reduce: each parameter's segment is the last any member completes it in,
+//!   and a first pass whose cuts differ between members fails on every member), so their
+//!   buckets pair up whatever each one's first batch used. A later pass in which a parameter
+//!   gets a gradient after its bucket left fails, naming it (the model used its parameters
+//!   differently from the first pass), rather than send an incomplete sum; so does a pass
+//!   that cuts the model another number of times.
 //! - DDP-3: the gradients combined are the same as [`DistributedDataParallel::reduce_gradients`]
 //!   computes after a whole backward (the segments' gradients add up to the whole graph's).
 //! - DDP-4: from the second pass on, a bucket whose weights' whole gradients were, in the
@@ -94,10 +98,25 @@ impl Pass<'_> {
     pub async fn backward(self, loss: &Tensor) -> Result<GradStore, CollectiveError> {
         let ddp = self.ddp;
         ddp.check_in_step()?;
-        let planned = {
+        let learnt_cuts = {
             let plan = ddp.plan.lock().unwrap_or_else(|p| p.into_inner());
-            plan.as_ref().is_some_and(|p| p.cuts == self.cuts.len())
+            plan.as_ref().map(|p| p.cuts)
         };
+        if let Some(cuts) = learnt_cuts.filter(|&c| c != self.cuts.len()) {
+            // DDP-2: the others follow the plan; this member fails the operations they start.
+            let e = CollectiveError::Failed {
+                op: "ddp backward",
+                members: ddp.group.ranks().to_vec(),
+                message: format!(
+                    "this pass cuts the model {} times where the first pass, which the \
+                     buckets were learnt from, cut it {cuts} times: every pass of every \
+                     member must cut it at the same places",
+                    self.cuts.len()
+                ),
+            };
+            return Err(ddp.pass_failed(e, true, 0, false).await);
+        }
+        let planned = learnt_cuts.is_some();
         let by_id: HashMap<TensorId, usize> = ddp
             .vars
             .iter()
@@ -114,12 +133,14 @@ impl Pass<'_> {
             whole: HashSet::new(),
             segment: Segment::default(),
             all_started: false,
+            agreed: false,
         };
         match self.run(loss, &mut st).await {
             Ok(grads) => Ok(grads),
-            Err(e) => Err(ddp
-                .pass_failed(e, st.planned, st.started.len(), st.all_started)
-                .await),
+            Err(e) => {
+                let done = st.started.len() + usize::from(st.agreed);
+                Err(ddp.pass_failed(e, st.planned, done, st.all_started).await)
+            }
         }
     }
 
@@ -157,7 +178,13 @@ impl Pass<'_> {
                 .filter(|id| st.handed.get(id).is_some_and(|h| h.parts == 1))
                 .copied()
                 .collect();
-            let plan = ddp.learn_plan(self.cuts.len(), &st.last_segment, handed);
+            // One plan for the group: from every member's first pass (DDP-2).
+            let agreed = ddp.agree(self.cuts.len(), &st.last_segment, &handed).await;
+            st.agreed = true;
+            // On failure (a member's verdict, or cuts that differ: the same result everywhere)
+            // every member fails the buckets it has not started, and all stay in step.
+            let (last_segment, handed) = agreed?;
+            let plan = ddp.learn_plan(self.cuts.len(), &last_segment, handed);
             // The learning pass combines in the parameters' order (DDP-5: a member whose
             // pass fails knows how many buckets the others start).
             (ddp.param_buckets(), Some(plan))
@@ -402,6 +429,8 @@ struct State {
     segment: Segment,
     /// Whether every bucket of the pass has started (DDP-5).
     all_started: bool,
+    /// Whether the learning pass's agreement on the plan has run (DDP-5 counts it).
+    agreed: bool,
 }
 
 /// What `grad_once` handed over of one parameter's gradient.

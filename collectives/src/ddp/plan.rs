@@ -3,9 +3,10 @@
 
 use std::collections::{HashMap, HashSet};
 
-use candle_core::TensorId;
+use candle_core::{Device, Tensor, TensorId};
 
 use super::DistributedDataParallel;
+use crate::group::{CollectiveError, ReduceOp};
 
 /// The buckets of an overlapped pass.
 #[derive(Debug)]
@@ -28,6 +29,60 @@ pub(super) struct Plan {
 }
 
 impl DistributedDataParallel {
+    /// DDP-2, one plan for the group: every member's first pass in one all-reduce (the
+    /// minimum): each parameter's last segment over the members that gave it a gradient (the
+    /// segment after which every member has it; a parameter no member gave one stays
+    /// unused), handed over only where it was on every member, and the number of cuts, which
+    /// must be the same everywhere. Returns the agreed segments and handed-over parameters.
+    pub(super) async fn agree(
+        &self,
+        cuts: usize,
+        last_segment: &HashMap<TensorId, usize>,
+        handed: &HashSet<TensorId>,
+    ) -> Result<(HashMap<TensorId, usize>, HashSet<TensorId>), CollectiveError> {
+        let unused = cuts + 1;
+        let ids: Vec<TensorId> = self.vars.iter().map(|v| v.as_tensor().id()).collect();
+        let mut mine = vec![cuts as f64, -(cuts as f64)];
+        mine.extend(
+            ids.iter()
+                .map(|id| last_segment.get(id).map_or(unused, |&s| s) as f64),
+        );
+        mine.extend(
+            ids.iter()
+                .map(|id| f64::from(u8::from(handed.contains(id)))),
+        );
+        let n = mine.len();
+        let mine = Tensor::from_vec(mine, n, &Device::Cpu)?;
+        let all = self.group.all_reduce(&mine, ReduceOp::Min).await?;
+        let all = all.to_vec1::<f64>()?;
+        let (fewest, most) = (all[0], -all[1]);
+        if fewest != most {
+            return Err(CollectiveError::Failed {
+                op: "ddp backward",
+                members: self.group.ranks().to_vec(),
+                message: format!(
+                    "the members' first passes cut the model differently (from {fewest} to \
+                     {most} times): every member must cut it at the same places"
+                ),
+            });
+        }
+        let segments = &all[2..2 + ids.len()];
+        let handed_everywhere = &all[2 + ids.len()..];
+        let agreed = ids
+            .iter()
+            .zip(segments)
+            .filter(|(_, &s)| (s as usize) < unused)
+            .map(|(&id, &s)| (id, s as usize))
+            .collect();
+        let handed = ids
+            .iter()
+            .zip(handed_everywhere)
+            .filter(|(_, &h)| h == 1.0)
+            .map(|(&id, _)| id)
+            .collect();
+        Ok((agreed, handed))
+    }
+
     /// DDP-2: buckets per segment from the last segment in which each parameter got a
     /// gradient, in reverse parameter order, up to `bucket_bytes`, one element type and
     /// device each; within a segment, the handed-over parameters' buckets first (DDP-4).
