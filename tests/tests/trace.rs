@@ -123,7 +123,16 @@ fn a_trace_path_that_cannot_be_written_is_refused_before_the_job_starts() {
             .nproc(2)
             .env("TRACE_READY_FILE", ready.display().to_string())
             .trace(&bad);
-        let e = launch.run().expect_err("refused").to_string();
+        // Bounded, as `launch_with` is: the children end with this process if it overruns.
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(launch.run());
+        });
+        let ran = rx.recv_timeout(Duration::from_secs(120));
+        let e = ran
+            .expect("the launch ends")
+            .expect_err("refused")
+            .to_string();
         assert!(e.contains("trace"), "{}: {e}", bad.display());
         let started = std::fs::read_dir(&dir.0)
             .expect("the temp dir")
