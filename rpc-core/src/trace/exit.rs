@@ -14,17 +14,29 @@
 //!   (a background job's SIGINT) stays ignored.
 //!
 //! A part is written once: whichever path comes first writes it, the others wait for it to
-//! be whole and skip it, so a process never ends in the middle of writing its part.
+//! be whole and skip it, so a process never ends in the middle of writing its part. That
+//! holds also when the path writing it is the ring's drop on another thread (one still
+//! winding down as the process exits): the exit handler cannot reach a ring whose
+//! last owner is dropping it, so it waits on the ring's written flag instead, up to
+//! [`DROP_WRITE_WAIT`].
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, Once, Weak};
+use std::time::{Duration, Instant};
 
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 
 use super::{chrome, part_path, Ring};
 
+/// A traced worker's ring, with its written flag (which outlives the ring).
+type Entry = (Weak<Ring>, Arc<Mutex<bool>>);
+
 /// The rings of this process's traced workers whose part may still need writing.
-static LIVE: Mutex<Vec<Weak<Ring>>> = Mutex::new(Vec::new());
+static LIVE: Mutex<Vec<Entry>> = Mutex::new(Vec::new());
+
+/// How long the exit paths wait for a part that a ring's drop, on another thread, is writing
+/// (a part is written in milliseconds; this bounds a writer stuck on a full disk, say).
+const DROP_WRITE_WAIT: Duration = Duration::from_secs(5);
 
 /// Makes sure `ring`'s part is written however the process ends (see the module docs);
 /// `signals`: also on SIGTERM, SIGINT and SIGHUP (not with a signal grace, whose own handler
@@ -33,8 +45,8 @@ pub(crate) fn write_at_exit(ring: &Arc<Ring>, signals: bool) {
     ring.armed.store(true, Ordering::Relaxed);
     {
         let mut live = LIVE.lock().unwrap_or_else(|p| p.into_inner());
-        live.retain(|r| r.strong_count() > 0);
-        live.push(Arc::downgrade(ring));
+        live.retain(|(r, written)| r.strong_count() > 0 || !is_written(written));
+        live.push((Arc::downgrade(ring), Arc::clone(&ring.written)));
     }
     static AT_EXIT: Once = Once::new();
     AT_EXIT.call_once(|| {
@@ -64,16 +76,33 @@ extern "C" fn at_exit() {
     let _ = std::panic::catch_unwind(|| write_live(false));
 }
 
-/// Writes the part of every live ring that has none yet; `log`: through `tracing`.
+/// Writes the part of every live ring that has none yet, and waits for those that a ring's
+/// drop is writing on another thread; `log`: through `tracing`.
 fn write_live(log: bool) {
-    let live: Vec<Arc<Ring>> = LIVE
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .iter()
-        .filter_map(Weak::upgrade)
-        .collect();
-    for ring in live {
-        write_once(&ring, log);
+    let live: Vec<Entry> = LIVE.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    for (ring, written) in live {
+        match ring.upgrade() {
+            Some(ring) => write_once(&ring, log),
+            None => wait_written(&written, DROP_WRITE_WAIT),
+        }
+    }
+}
+
+/// Whether the part behind `written` is whole (false while it is being written).
+fn is_written(written: &Mutex<bool>) -> bool {
+    written.try_lock().map(|w| *w).unwrap_or(false)
+}
+
+/// Waits, up to `bound`, for the part of a ring gone from every owner: its drop writes it
+/// (every ring in [`LIVE`] is armed), holding `written` while it does; until the drop takes
+/// the lock, the flag is still false.
+fn wait_written(written: &Mutex<bool>, bound: Duration) {
+    let by = Instant::now() + bound;
+    loop {
+        if *written.lock().unwrap_or_else(|p| p.into_inner()) || Instant::now() >= by {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(1));
     }
 }
 
@@ -192,6 +221,46 @@ mod tests {
         std::fs::remove_file(&part).unwrap();
         write_once(ring, true);
         assert!(!part.exists(), "written a second time");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// TR-5: the exit paths wait for a part that the ring's drop is writing on another thread
+    /// (one still winding down as `main` returns): they cannot reach the ring
+    /// any more. They skipped it, and the process ended before the part was whole (rank 0's
+    /// part of a failing job was missing about once in ten runs of `trace.rs`).
+    #[test]
+    fn the_exit_path_waits_for_the_part_a_drop_is_writing() {
+        let dir = std::env::temp_dir().join(format!("trace-drop-{}", std::process::id()));
+        let t = traced(&dir, 4, false);
+        let ring = Arc::clone(t.ring().unwrap());
+        drop(t);
+        write_at_exit(&ring, false);
+        let part = part_path(&ring.path, 4, 0, 0);
+        // The drop's write is slow: its lock is held for a while by another thread.
+        let written = Arc::clone(&ring.written);
+        let (held_tx, held_rx) = std::sync::mpsc::channel();
+        let holder = std::thread::spawn(move || {
+            let _slow = written.lock().unwrap();
+            held_tx.send(()).unwrap();
+            std::thread::sleep(Duration::from_millis(300));
+        });
+        held_rx.recv().unwrap();
+        let gone = Arc::downgrade(&ring);
+        let dropper = std::thread::spawn(move || drop(ring));
+        for _ in 0..1000 {
+            if gone.strong_count() == 0 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(gone.strong_count(), 0, "the ring is being dropped");
+        write_live(false);
+        assert!(
+            part.exists(),
+            "the exit path returned before the part was whole"
+        );
+        holder.join().unwrap();
+        dropper.join().unwrap();
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -131,8 +131,9 @@ pub(crate) struct Ring {
     pub who: Mutex<Who>,
     /// The probes of rank 0's clock so far (TR-4).
     pub clock: Mutex<clock::ClockState>,
-    /// Whether this worker's part was written (held while it is written: TR-5).
-    written: Mutex<bool>,
+    /// Whether this worker's part was written (held while it is written: TR-5). Shared with
+    /// the exit handler, which waits on it for a ring whose last owner is writing its part.
+    written: Arc<Mutex<bool>>,
     /// Whether the part must be written however the worker ends: set as it joins (TR-5).
     armed: std::sync::atomic::AtomicBool,
 }
@@ -208,7 +209,7 @@ impl Tracer {
             path,
             who: Mutex::new(Who::default()),
             clock: Mutex::new(clock::ClockState::default()),
-            written: Mutex::new(false),
+            written: Arc::new(Mutex::new(false)),
             armed: std::sync::atomic::AtomicBool::new(false),
         })))
     }
