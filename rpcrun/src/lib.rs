@@ -423,19 +423,8 @@ impl Launch {
             }
         }
         // A trace that cannot be written fails the launch now, not after the whole job.
-        if trace.is_dir() {
-            return Err(LaunchError::Invalid(format!(
-                "--trace {} is a directory: give the path of the file to write",
-                trace.display()
-            )));
-        }
-        std::fs::create_dir_all(&parts).map_err(|e| {
-            LaunchError::Invalid(format!(
-                "--trace {}: cannot create {}: {e}",
-                trace.display(),
-                parts.display()
-            ))
-        })?;
+        rpc_core::trace::prepare(&trace)
+            .map_err(|e| LaunchError::Invalid(format!("--trace {e}")))?;
         let mut launch = self.clone();
         launch.env.push((
             rpc_core::trace::TRACE_ENV.to_owned(),

@@ -200,7 +200,8 @@ pub struct Config {
     /// as its process exits or on the SIGTERM, SIGINT or SIGHUP that stops it: the signal
     /// then ends the process as it would have, TR-5); a launcher (`rpcrun --trace`)
     /// or [`trace::merge_parts`](crate::trace::merge_parts) makes the one file. Default:
-    /// [`TRACE_ENV`](crate::trace::TRACE_ENV) if set, else off (and then free).
+    /// [`TRACE_ENV`](crate::trace::TRACE_ENV) if set, else off (and then free). A path that
+    /// cannot be written fails `init` ([`trace::prepare`](crate::trace::prepare)).
     pub trace: Option<std::path::PathBuf>,
     /// The most events this worker's trace keeps: the newest (TR-2). Default
     /// [`DEFAULT_TRACE_CAPACITY`](crate::trace::DEFAULT_TRACE_CAPACITY).
@@ -401,6 +402,44 @@ mod tests {
             e.to_string().contains("RPC_RENDEZVOUS_FD=\"1\" names no"),
             "{e}"
         );
+    }
+
+    /// A trace that cannot be written is refused as the worker starts, naming the path, from
+    /// [`Config::trace`] or from `RPC_TRACE`: a worker without `rpcrun` ran its whole job and
+    /// only then warned that its part was not written. A good path gets its parts' directory.
+    #[test]
+    fn a_trace_that_cannot_be_written_is_refused_at_start() {
+        let dir = std::env::temp_dir().join(format!("config-trace-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("a-file"), "").unwrap();
+        let group = [
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29500"),
+        ];
+        let vars = env(&group);
+        let e = base().with_trace(&dir).resolve_with(&vars).unwrap_err();
+        assert!(e.to_string().contains("is a directory"), "{e}");
+        let under_file = dir.join("a-file/job.json");
+        let e = base()
+            .with_trace(&under_file)
+            .resolve_with(&vars)
+            .unwrap_err();
+        let want = format!("trace: {}: cannot create", under_file.display());
+        assert!(e.to_string().contains(&want), "{e}");
+        let from_env = under_file.display().to_string();
+        let mut traced = group.to_vec();
+        traced.push((crate::trace::TRACE_ENV, &from_env));
+        let vars_traced = env(&traced);
+        let e = base().resolve_with(&vars_traced).unwrap_err();
+        assert!(e.to_string().contains(&want), "{e}");
+        let good = dir.join("job.json");
+        let r = base().with_trace(&good).resolve_with(&vars).unwrap();
+        assert!(r.tracer.is_on());
+        assert!(crate::trace::parts_dir(&good).is_dir());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -15,6 +15,7 @@ use super::{Config, RENDEZVOUS_FD_ENV};
 use crate::error::InitError;
 use crate::net::{NetConfig, Secret, Transport, WireProtection, SECRET_ENV, SECRET_FILE_ENV};
 use crate::rendezvous::GroupSize;
+use crate::trace::TRACE_ENV;
 
 /// The shortest group secret init accepts: a shorter one is guessable.
 const MIN_SECRET_BYTES: usize = 16;
@@ -94,7 +95,8 @@ impl Config {
                 })
                 .transpose()?,
         };
-        let tracer = crate::trace::from_config(self.trace, self.trace_capacity);
+        let tracer = crate::trace::from_config(self.trace, env(TRACE_ENV), self.trace_capacity)
+            .map_err(|e| config_error(format!("trace: {e}")))?;
         Ok(Resolved {
             tracer,
             size,

@@ -36,7 +36,7 @@ mod record;
 
 use std::borrow::Cow;
 use std::collections::VecDeque;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -410,17 +410,55 @@ pub(crate) fn write_at_exit(tracer: &Tracer, signals: bool) {
 }
 
 /// The tracer a worker's configuration asks for: [`Config::trace`](crate::Config::trace),
-/// else [`TRACE_ENV`]; off when neither names a path.
-pub(crate) fn from_config(path: Option<PathBuf>, capacity: usize) -> Tracer {
-    let path = path.or_else(|| {
-        std::env::var_os(TRACE_ENV)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    });
+/// else `from_env` ([`TRACE_ENV`]'s value); off when neither names a path. A path that
+/// cannot be written is refused now ([`prepare`]), not found out as the worker ends.
+pub(crate) fn from_config(
+    path: Option<PathBuf>,
+    from_env: Option<String>,
+    capacity: usize,
+) -> Result<Tracer, PrepareError> {
+    let path = path.or_else(|| from_env.filter(|v| !v.is_empty()).map(PathBuf::from));
     match path {
-        Some(p) => Tracer::on(p, capacity),
-        None => Tracer::off(),
+        Some(p) => {
+            prepare(&p)?;
+            Ok(Tracer::on(p, capacity))
+        }
+        None => Ok(Tracer::off()),
     }
+}
+
+/// Why a job cannot be traced to a path.
+#[derive(Debug, thiserror::Error)]
+pub enum PrepareError {
+    /// The path is a directory; the merged trace is a file.
+    #[error("{0} is a directory: give the path of the file to write")]
+    Directory(PathBuf),
+    /// The parts' directory (`<path>.parts`) cannot be created.
+    #[error("{trace}: cannot create {parts}: {source}")]
+    Parts {
+        /// The trace's path.
+        trace: PathBuf,
+        /// Its parts' directory.
+        parts: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+}
+
+/// Makes sure a job can be traced to `trace`: refuses a directory as the path (the merged
+/// trace is a file) and creates the parts' directory ([`parts_dir`]). A traced worker calls
+/// it as it starts and `rpcrun --trace` before it starts any process, so a path that cannot
+/// be written fails at once, not after the job has run.
+pub fn prepare(trace: &Path) -> Result<(), PrepareError> {
+    if trace.is_dir() {
+        return Err(PrepareError::Directory(trace.to_owned()));
+    }
+    let parts = parts_dir(trace);
+    std::fs::create_dir_all(&parts).map_err(|source| PrepareError::Parts {
+        trace: trace.to_owned(),
+        parts,
+        source,
+    })
 }
 
 #[cfg(test)]
