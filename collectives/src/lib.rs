@@ -45,7 +45,8 @@
 //!   Also `broadcast`, `all_gather`, `reduce_scatter`, `barrier`, `reduce`, `gather`,
 //!   `scatter`, `all_to_all` (equal or unequal splits), and `*_async` variants; reductions
 //!   by [`ReduceOp`] (sum, mean, max, min, product).
-//! - COL-1: a rank that finds a mismatch (shape, dtype) reports it to the group's first
+//! - COL-1: a rank that finds a mismatch (shape, dtype, or another call or reduction at the
+//!   same place in the group's order) reports it to the group's first
 //!   member, which aborts the operation on every member with the first report it got: every
 //!   member fails with the same message instead of waiting for messages that will not come.
 //!   Every wait is bounded by the group's call timeout.

@@ -496,3 +496,63 @@ fn a_mean_of_integers_divides_the_sum() {
         shutdown_all(&a).await;
     });
 }
+
+/// COL-1 for the call itself: members that reach the same place in the group's sequence with
+/// different calls fail every member with one message naming both. A reduction that differs
+/// on one member (a max where the others sum) returned Ok everywhere with results that
+/// differed from member to member; an all-gather where the others all-reduce failed on some
+/// members only, with "a chunk of .. bytes arrived where .. elements were expected". The
+/// group goes on in step.
+#[test]
+fn members_in_different_calls_fail_every_member_with_one_message() {
+    run(120, async {
+        let a = group(3).await;
+        let started = std::time::Instant::now();
+        let outs = on_all(&a, |g, r| async move {
+            let op = if r == 2 { ReduceOp::Max } else { ReduceOp::Sum };
+            g.all_reduce(&input(r, 6), op).await.map(|t| v(&t))
+        })
+        .await;
+        let msg = one_message(&outs);
+        assert!(msg.contains("max") && msg.contains("sum"), "{msg}");
+        let outs = on_all(&a, |g, r| async move {
+            match r {
+                1 => g.all_gather(&input(r, 6)).await.map(|_| ()),
+                _ => g.all_reduce(&input(r, 6), ReduceOp::Sum).await.map(|_| ()),
+            }
+        })
+        .await;
+        // Each member names its own call first; the verdict after it is one.
+        let verdicts: Vec<String> = outs
+            .iter()
+            .map(|o| {
+                let e = o.as_ref().expect_err("every member fails").to_string();
+                e.split_once("failed: ").expect("a verdict").1.to_owned()
+            })
+            .collect();
+        assert!(verdicts.iter().all(|m| *m == verdicts[0]), "{verdicts:#?}");
+        let msg = &verdicts[0];
+        assert!(
+            msg.contains("all_gather") && msg.contains("all_reduce"),
+            "{msg}"
+        );
+        let outs = on_all(&a, |g, r| async move {
+            let op = if r == 0 { ReduceOp::Min } else { ReduceOp::Sum };
+            g.reduce(&input(r, 6), op, 1).await.map(|_| ())
+        })
+        .await;
+        let msg = one_message(&outs);
+        assert!(msg.contains("min") && msg.contains("sum"), "{msg}");
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            started.elapsed()
+        );
+        let ok = on_all(&a, |g, r| async move {
+            g.all_reduce(&input(r, 4), ReduceOp::Sum).await
+        })
+        .await;
+        assert!(ok.iter().all(|o| o.is_ok()), "{ok:?}");
+        shutdown_all(&a).await;
+    });
+}

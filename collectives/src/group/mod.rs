@@ -43,6 +43,19 @@ pub enum ReduceOp {
     Product,
 }
 
+impl ReduceOp {
+    /// Its name in messages: `sum`, `mean`, `max`, `min`, `product`.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::Sum => "sum",
+            Self::Mean => "mean",
+            Self::Max => "max",
+            Self::Min => "min",
+            Self::Product => "product",
+        }
+    }
+}
+
 /// Why a collective failed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -265,7 +278,7 @@ impl ProcessGroup {
             let seq = mailbox(&self.agent).next_seq(self.id);
             return self.nccl_all_reduce(seq, turn, t, op).await;
         }
-        let o = self.begin("all_reduce", t)?;
+        let o = self.begin("all_reduce", t)?.reducing(op);
         let out = self.ring_all_reduce(&o, t, op).await;
         self.end(&o);
         out
@@ -436,12 +449,14 @@ impl ProcessGroup {
         data: &mut [T],
         op: ReduceOp,
     ) -> Result<(), CollectiveError> {
-        let o = self.begin_header(
-            "all_reduce_in_place",
-            vec![data.len()],
-            T::DTYPE.as_str(),
-            seq,
-        )?;
+        let o = self
+            .begin_header(
+                "all_reduce_in_place",
+                vec![data.len()],
+                T::DTYPE.as_str(),
+                seq,
+            )?
+            .reducing(op);
         let out = if o.n() == 1 {
             Ok(())
         } else {
@@ -479,7 +494,7 @@ impl ProcessGroup {
                 .background(|g, seq| async move { g.nccl_all_reduce(seq, turn, &t, op).await });
         }
         self.background(|g, seq| async move {
-            let o = g.begin_at("all_reduce", &t, seq)?;
+            let o = g.begin_at("all_reduce", &t, seq)?.reducing(op);
             let out = g.ring_all_reduce(&o, &t, op).await;
             g.end(&o);
             out

@@ -3,9 +3,11 @@
 
 use candle_core::Tensor;
 
-use super::{CollectiveError, ProcessGroup};
+use std::borrow::Cow;
+
+use super::{CollectiveError, ProcessGroup, ReduceOp};
 use crate::mailbox::{
-    effective_timeout, mailbox, send_raw, send_tagged, Abort, Body, Header, P2pError, Tag,
+    effective_timeout, mailbox, send_raw, send_tagged, Abort, Body, Call, Header, P2pError, Tag,
     TakeError,
 };
 
@@ -21,6 +23,13 @@ pub(super) struct Op<'a> {
 }
 
 impl Op<'_> {
+    /// The operation reduces with `op`: its messages say so, and a member that reduces with
+    /// another fails it everywhere (COL-1).
+    pub(super) fn reducing(mut self, op: ReduceOp) -> Self {
+        self.header.call.reduce = Some(Cow::Borrowed(op.name()));
+        self
+    }
+
     pub(super) fn n(&self) -> usize {
         self.g.ranks.len()
     }
@@ -147,6 +156,14 @@ impl Op<'_> {
                 message,
             },
         })?;
+        if h.call != self.header.call {
+            let me = self.g.agent.rank();
+            let why = format!(
+                "rank {from} called {}, rank {me} called {}",
+                h.call, self.header.call
+            );
+            return Err(self.mismatch(why).await);
+        }
         if let Err(why) = check(&h) {
             return Err(self.mismatch(why).await);
         }
@@ -327,6 +344,14 @@ impl ProcessGroup {
             header: Header {
                 dims,
                 dtype: dtype.to_owned(),
+                call: Call {
+                    // Both exchange the same messages, and pair with each other.
+                    name: Cow::Borrowed(match name {
+                        "all_reduce_in_place" => "all_reduce",
+                        n => n,
+                    }),
+                    reduce: None,
+                },
             },
         })
     }

@@ -264,7 +264,7 @@ impl ProcessGroup {
         op: ReduceOp,
         seq: u64,
     ) -> Result<Tensor, CollectiveError> {
-        let o = self.begin_at("reduce_scatter", t, seq)?;
+        let o = self.begin_at("reduce_scatter", t, seq)?.reducing(op);
         let out = async {
             let n = o.n();
             let mut chunks = self.split(t, n)?;

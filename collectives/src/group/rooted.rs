@@ -62,7 +62,7 @@ impl ProcessGroup {
         root: u32,
         seq: u64,
     ) -> Result<Option<Tensor>, CollectiveError> {
-        let o = self.begin_at("reduce", t, seq)?;
+        let o = self.begin_at("reduce", t, seq)?.reducing(op);
         let out = async {
             check_root(&o, root).await?;
             let n = o.n();
@@ -277,7 +277,11 @@ impl Op<'_> {
         step: u32,
         t: Tensor,
     ) -> Result<(), CollectiveError> {
-        crate::mailbox::send_tagged(&self.g.agent, to, self.tag(step), Header::of(&t), t)
+        let header = Header {
+            call: self.header.call.clone(),
+            ..Header::of(&t)
+        };
+        crate::mailbox::send_tagged(&self.g.agent, to, self.tag(step), header, t)
             .await
             .map_err(|e| self.exchange_err(e))
     }

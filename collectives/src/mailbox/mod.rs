@@ -15,6 +15,7 @@ use candle_core::Tensor;
 use rpc_core::ext::AgentExt;
 use rpc_core::{Agent, BoxError, CallContext, RemoteFn};
 use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -41,19 +42,42 @@ pub(crate) struct Tag {
 /// The group id of user point-to-point messages.
 pub(crate) const P2P: u64 = 0;
 
-/// Shape and dtype of a collective's whole input, checked by every receiver (COL-1).
+/// Shape and dtype of a collective's whole input, and the call that sent it, checked by every
+/// receiver (COL-1).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct Header {
     pub dims: Vec<usize>,
     pub dtype: String,
+    /// The collective that sent it (`all_reduce`) and its reduction (`sum`) if it reduces;
+    /// empty for point-to-point messages. Members that reach the same place in a group's
+    /// order with different calls fail it with one verdict.
+    pub call: Call,
+}
+
+/// A collective call as its messages name it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Call {
+    pub name: Cow<'static, str>,
+    pub reduce: Option<Cow<'static, str>>,
+}
+
+impl std::fmt::Display for Call {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.reduce {
+            Some(r) => write!(f, "{} ({r})", self.name),
+            None => f.write_str(&self.name),
+        }
+    }
 }
 
 impl Header {
-    /// A tensor's header.
+    /// A tensor's header (no call: a point-to-point message, or a part whose sender names
+    /// its call).
     pub(crate) fn of(t: &candle_core::Tensor) -> Self {
         Self {
             dims: t.dims().to_vec(),
             dtype: t.dtype().as_str().to_owned(),
+            call: Call::default(),
         }
     }
 
@@ -62,6 +86,7 @@ impl Header {
         Self {
             dims: Vec::new(),
             dtype: String::new(),
+            call: Call::default(),
         }
     }
 }

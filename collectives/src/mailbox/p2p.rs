@@ -37,10 +37,7 @@ pub enum P2pError {
 }
 
 fn header(t: &Tensor) -> Header {
-    Header {
-        dims: t.dims().to_vec(),
-        dtype: t.dtype().as_str().to_owned(),
-    }
+    Header::of(t)
 }
 
 fn rank_of(agent: &Agent, w: impl ToWorker) -> Result<u32, P2pError> {

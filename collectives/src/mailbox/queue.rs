@@ -192,6 +192,7 @@ mod tests {
         let h = Header {
             dims: vec![n],
             dtype: "u8".into(),
+            call: Default::default(),
         };
         (h, Body::Raw(bytes::Bytes::from(vec![0u8; n])))
     }

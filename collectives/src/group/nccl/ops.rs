@@ -93,7 +93,9 @@ impl ProcessGroup {
             return Ok(out);
         }
         let host = to_host(t)?;
-        let o = self.begin_at("all_reduce", &host, shared_seq(seq))?;
+        let o = self
+            .begin_at("all_reduce", &host, shared_seq(seq))?
+            .reducing(op);
         let out = self.ring_all_reduce(&o, &host, op).await;
         self.end(&o);
         Ok(out?.to_device(t.device())?)
