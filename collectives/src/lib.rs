@@ -89,8 +89,8 @@ pub use mailbox::{
     MailboxStats, P2pError,
 };
 pub use ps::{
-    primary_failed, serve_replica, serve_shard, shard_stats, Consistency, PsClient, Replica,
-    ShardStats,
+    primary_failed, retire_shard, serve_replica, serve_shard, shard_stats, Consistency, PsClient,
+    Replica, ServeError, ShardStats,
 };
 
 /// Adds the collectives' functions to a worker's registry.

@@ -438,7 +438,8 @@ fn parameter_server_consistency_modes_bound_staleness() {
             // Ranks 0 and 1 serve one half of the weights each; ranks 2..5 are trainers 0..3.
             for (server, shard) in [(0usize, 10u64), (1, 11)] {
                 let half = Tensor::zeros(2, candle_core::DType::F64, &Device::Cpu).unwrap();
-                collectives::serve_shard(&a[server], shard, vec![half], LR, mode, 3);
+                collectives::serve_shard(&a[server], shard, vec![half], LR, mode, 3)
+                    .expect("served");
             }
             futures::future::join_all((0..3usize).map(|t| {
                 let client = PsClient::new(&a[t + 2], vec![(0, 10), (1, 11)], t);

@@ -227,7 +227,8 @@ fn the_layers_release_and_fail_what_a_failed_worker_held() {
             })
             .collect();
         let p = vec![Tensor::zeros(2, candle_core::DType::F32, &Device::Cpu).unwrap()];
-        collectives::serve_shard(&a[0], 1, p, 0.1, collectives::Consistency::Bsp, 2);
+        collectives::serve_shard(&a[0], 1, p, 0.1, collectives::Consistency::Bsp, 2)
+            .expect("served");
         let t1 = collectives::PsClient::new(&a[1], vec![(0, 1)], 0);
         let t2 = collectives::PsClient::new(&a[2], vec![(0, 1)], 1);
         t1.pull(0).await.unwrap();

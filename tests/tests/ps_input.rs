@@ -37,7 +37,8 @@ fn a_push_of_the_wrong_dtype_is_refused_and_loses_nothing() {
             let a = integration_tests::collective_group(3, Transport::Memory(MemoryNetwork::new()))
                 .await;
             let zeros = || Tensor::zeros(2, DType::F64, &Device::Cpu).unwrap();
-            collectives::serve_shard(&a[0], 7, vec![zeros(), zeros()], LR, mode, 2);
+            collectives::serve_shard(&a[0], 7, vec![zeros(), zeros()], LR, mode, 2)
+                .expect("served");
             let t0 = PsClient::new(&a[1], vec![(0, 7)], 0);
             let t1 = PsClient::new(&a[2], vec![(0, 7)], 1);
             t0.pull(0).await.unwrap();
@@ -76,7 +77,8 @@ fn a_push_for_another_number_of_shards_is_refused_before_anything_is_sent() {
             integration_tests::collective_group(3, Transport::Memory(MemoryNetwork::new())).await;
         let zeros = || Tensor::zeros(2, DType::F64, &Device::Cpu).unwrap();
         for (server, shard) in [(0usize, 1u64), (1, 2)] {
-            collectives::serve_shard(&a[server], shard, vec![zeros()], LR, Consistency::Bsp, 1);
+            collectives::serve_shard(&a[server], shard, vec![zeros()], LR, Consistency::Bsp, 1)
+                .expect("served");
         }
         let t = PsClient::new(&a[2], vec![(0, 1), (1, 2)], 0);
         t.pull(0).await.unwrap();
@@ -92,6 +94,60 @@ fn a_push_for_another_number_of_shards_is_refused_before_anything_is_sent() {
             assert_eq!(stats.clocks, vec![0], "shard {shard}: nothing was pushed");
         }
         t.push(0, vec![vec![zeros()], vec![zeros()]]).await.unwrap();
+        shutdown_all(&a).await;
+    });
+}
+
+/// A shard is served once, with a learning rate and a number of trainers it can work with:
+/// serving shard 7 again replaced it without a word (its parameters and every trainer's
+/// clock, so a pushed step was lost and the trainer's next push was refused as ahead of its
+/// clock), and a NaN or negative learning rate was taken (a NaN one made every parameter NaN
+/// at the first push). Each is refused, naming the worker, the shard and the cause, and the
+/// shard served keeps its state; retired, it hands its parameters back and may be served
+/// again.
+#[test]
+fn a_shard_that_cannot_be_served_as_asked_is_refused() {
+    run(60, async {
+        let a =
+            integration_tests::collective_group(2, Transport::Memory(MemoryNetwork::new())).await;
+        let zeros = || Tensor::zeros(2, DType::F64, &Device::Cpu).unwrap();
+        let serve = |shard: u64, lr: f64, trainers: usize| {
+            let served = collectives::serve_shard(
+                &a[0],
+                shard,
+                vec![zeros()],
+                lr,
+                Consistency::Bsp,
+                trainers,
+            );
+            served.err().map(|e| e.to_string()).unwrap_or_default()
+        };
+        assert_eq!(serve(7, LR, 1), "");
+        let t = PsClient::new(&a[1], vec![(0, 7)], 0);
+        t.pull(0).await.unwrap();
+        t.push(
+            0,
+            vec![vec![Tensor::new(&[1.0f64, 1.0], &Device::Cpu).unwrap()]],
+        )
+        .await
+        .unwrap();
+        for (shard, lr, trainers, says) in [
+            (7, LR, 1, "shard 7 is already served"),
+            (8, f64::NAN, 1, "learning rate NaN"),
+            (8, -0.1, 1, "learning rate -0.1"),
+            (8, LR, 0, "no trainers"),
+        ] {
+            let got = serve(shard, lr, trainers);
+            assert!(got.contains(says) && got.contains("worker0"), "{got}");
+        }
+        assert!(collectives::shard_stats(&a[0], 8).is_none());
+        let w = weights(t.pull(1).await.unwrap());
+        assert_eq!(w, [-LR, -LR], "the served shard kept its step");
+        // Retired, it hands back its parameters and may be served again.
+        let kept = collectives::retire_shard(&a[0], 7).expect("served");
+        assert_eq!(kept[0].to_vec1::<f64>().unwrap(), [-LR, -LR]);
+        assert!(collectives::retire_shard(&a[0], 7).is_none());
+        assert_eq!(serve(7, LR, 1), "");
         shutdown_all(&a).await;
     });
 }

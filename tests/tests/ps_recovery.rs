@@ -68,7 +68,8 @@ fn serve(a: &[Agent]) {
                 Consistency::Bsp,
                 3,
                 replica,
-            );
+            )
+            .expect("served");
         }
     }
 }
@@ -261,8 +262,10 @@ fn a_push_interrupted_on_its_way_to_the_backup_is_not_lost() {
         let a = &g.agents;
         let zero = || vec![Tensor::zeros(2, DType::F64, &Device::Cpu).unwrap()];
         let asp = Consistency::Asp;
-        collectives::serve_replica(&a[0], 7, zero(), LR, asp, 1, Replica::Primary { backup: 1 });
-        collectives::serve_replica(&a[1], 7, zero(), LR, asp, 1, Replica::Backup { primary: 0 });
+        collectives::serve_replica(&a[0], 7, zero(), LR, asp, 1, Replica::Primary { backup: 1 })
+            .expect("served");
+        collectives::serve_replica(&a[1], 7, zero(), LR, asp, 1, Replica::Backup { primary: 0 })
+            .expect("served");
         let c = PsClient::new(&a[2], vec![(0, 7)], 0).with_backups([Some(1)]);
         let grad = || vec![vec![Tensor::new(&[1.0f64, 2.0], &Device::Cpu).unwrap()]];
         c.pull(0).await.unwrap();

@@ -54,8 +54,12 @@ impl Shards {
 
     /// Starts serving `state` as shard `shard` (a peer already declared failed cannot hold
     /// its other copy).
-    pub(crate) fn insert(&self, shard: u64, mut state: Shard) {
+    /// Serves `state` as shard `shard`; `Err` (nothing changed) if it is served already.
+    pub(crate) fn insert(&self, shard: u64, mut state: Shard) -> Result<(), ()> {
         let mut g = self.lock();
+        if g.shards.contains_key(&shard) {
+            return Err(());
+        }
         if let Replica::Primary { backup: r } | Replica::Backup { primary: r } = state.replica {
             if g.failed.contains_key(&r) {
                 state.replica = Replica::Sole;
@@ -63,6 +67,12 @@ impl Shards {
         }
         let lane = Arc::default();
         g.shards.insert(shard, Hosted { state, lane });
+        Ok(())
+    }
+
+    /// Stops serving shard `shard`; its state, if it was served.
+    pub(crate) fn remove(&self, shard: u64) -> Option<Shard> {
+        self.lock().shards.remove(&shard).map(|h| h.state)
     }
 
     /// Runs `f` on shard `shard`'s state; an error naming `agent`'s worker if it serves no

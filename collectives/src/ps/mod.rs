@@ -116,8 +116,24 @@ pub struct ShardStats {
     pub replica: Replica,
 }
 
+/// Why a shard cannot be served.
+#[derive(Debug, thiserror::Error)]
+#[error("parameter shard {shard} on `{worker}`: {why}")]
+pub struct ServeError {
+    /// The worker asked to serve it.
+    pub worker: String,
+    /// The shard.
+    pub shard: u64,
+    /// The cause.
+    pub why: String,
+}
+
 /// Starts serving shard `shard` on this worker: `params` with SGD at learning rate `lr`, for
 /// `trainers` trainers (ranks of trainers are mapped to indices by the trainers themselves).
+///
+/// Refuses, changing nothing: a shard this worker already serves (serving it again would drop
+/// its parameters and every trainer's progress: [`retire_shard`] it first to start over), a learning rate that is not a finite number
+/// of at least 0 (PyTorch's SGD range), no trainers, and no parameters.
 pub fn serve_shard(
     agent: &Agent,
     shard: u64,
@@ -125,7 +141,7 @@ pub fn serve_shard(
     lr: f64,
     consistency: Consistency,
     trainers: usize,
-) {
+) -> Result<(), ServeError> {
     serve_replica(
         agent,
         shard,
@@ -134,12 +150,13 @@ pub fn serve_shard(
         consistency,
         trainers,
         Replica::Sole,
-    );
+    )
 }
 
 /// [`serve_shard`] as one copy of a replicated shard (PS-5): call it on the primary with
 /// `Replica::Primary { backup }` and on the backup with `Replica::Backup { primary }`, with the
-/// same `params`, before any trainer calls.
+/// same `params`, before any trainer calls. Refuses what [`serve_shard`] refuses, and a copy
+/// whose other copy is this worker itself or a rank outside the group.
 pub fn serve_replica(
     agent: &Agent,
     shard: u64,
@@ -148,9 +165,45 @@ pub fn serve_replica(
     consistency: Consistency,
     trainers: usize,
     replica: Replica,
-) {
+) -> Result<(), ServeError> {
+    let refuse = |why: String| ServeError {
+        worker: agent.name().to_owned(),
+        shard,
+        why,
+    };
+    if !(lr.is_finite() && lr >= 0.0) {
+        return Err(refuse(format!(
+            "learning rate {lr} is not a finite number of at least 0"
+        )));
+    }
+    if trainers == 0 {
+        return Err(refuse("no trainers: a shard serves at least one".into()));
+    }
+    if params.is_empty() {
+        return Err(refuse("no parameters".into()));
+    }
+    if let Replica::Primary { backup: r } | Replica::Backup { primary: r } = replica {
+        let size = agent.world_size() as u32;
+        if r == agent.rank() || r >= size {
+            return Err(refuse(format!(
+                "its other copy, rank {r}, is not another worker of the group of {size}"
+            )));
+        }
+    }
     let state = shard::Shard::new(params, lr, consistency, trainers, replica);
-    log::shards(agent).insert(shard, state);
+    log::shards(agent).insert(shard, state).map_err(|()| {
+        refuse(format!(
+            "shard {shard} is already served here (serving it again would drop its \
+             parameters and every trainer's progress)"
+        ))
+    })
+}
+
+/// Stops serving shard `shard` on this worker and hands back its parameters as they are now
+/// (`None` if it serves no such shard). Trainers' later calls for it fail, naming the worker
+/// and the shard; [`serve_shard`] may then serve it again (a new run, from new parameters).
+pub fn retire_shard(agent: &Agent, shard: u64) -> Option<Vec<Tensor>> {
+    log::shards(agent).remove(shard).map(|s| s.params)
 }
 
 /// Shard `shard`'s counters on this worker.

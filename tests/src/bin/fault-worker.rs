@@ -109,7 +109,7 @@ fn main() -> anyhow::Result<()> {
                 0.01,
                 collectives::Consistency::Bsp,
                 2,
-            );
+            )?;
         }
         collectives::world(&agent).barrier().await?;
         match role.as_str() {

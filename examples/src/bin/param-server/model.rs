@@ -178,7 +178,7 @@ pub async fn reset_shards(
 }
 
 /// The body of [`reset_shards`]: serves, from zeros, the copies of the shards that `agent`'s
-/// rank holds.
+/// rank holds (retiring those of an earlier run first).
 pub fn serve_shards(agent: &Agent, mode: Consistency, backup: bool) -> Result<()> {
     let me = agent.rank();
     for (i, &(primary, shard)) in SHARDS.iter().enumerate() {
@@ -201,7 +201,8 @@ pub fn serve_shards(agent: &Agent, mode: Consistency, backup: bool) -> Result<()
         if shard == 0 {
             params.push(Tensor::zeros(LANGS.len(), DType::F32, &Device::Cpu)?);
         }
-        collectives::serve_replica(agent, shard, params, LR, mode, TRAINERS, replica);
+        collectives::retire_shard(agent, shard);
+        collectives::serve_replica(agent, shard, params, LR, mode, TRAINERS, replica)?;
     }
     Ok(())
 }
