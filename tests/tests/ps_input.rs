@@ -151,3 +151,36 @@ fn a_shard_that_cannot_be_served_as_asked_is_refused() {
         shutdown_all(&a).await;
     });
 }
+
+/// Two trainers that give the same trainer index (the second meant to be trainer 1): the
+/// second's push was acknowledged as a retry of the first's and never applied, under ASP for
+/// the whole run, without a word (under BSP the step then waited for trainer 1 until the
+/// deadline). PS-10: the shard knows each index's rank from its pushes: a push from another rank
+/// under that index is refused, naming both ranks.
+#[test]
+fn two_trainers_under_one_index_are_refused() {
+    run(60, async {
+        let a =
+            integration_tests::collective_group(3, Transport::Memory(MemoryNetwork::new())).await;
+        let zeros = || Tensor::zeros(2, DType::F64, &Device::Cpu).unwrap();
+        collectives::serve_shard(&a[0], 7, vec![zeros()], LR, Consistency::Asp, 2).expect("served");
+        let first = PsClient::new(&a[1], vec![(0, 7)], 0);
+        let second = PsClient::new(&a[2], vec![(0, 7)], 0);
+        let g = |v: f64| vec![vec![Tensor::new(&[v, v], &Device::Cpu).unwrap()]];
+        first.pull(0).await.unwrap();
+        first.push(0, g(1.0)).await.unwrap();
+        // A pull only reads (a program reads the parameters that way); a push is refused.
+        second.pull(0).await.unwrap();
+        for clock in [0, 1] {
+            let got = second.push(clock, g(10.0)).await;
+            let e = rpc_core::error_chain(&got.expect_err("another rank under trainer 0"));
+            assert!(
+                e.contains("trainer 0") && e.contains("rank 1") && e.contains("rank 2"),
+                "{e}"
+            );
+        }
+        let w = weights(first.pull(1).await.unwrap());
+        assert_eq!(w, [-LR, -LR], "only the first trainer's step is in");
+        shutdown_all(&a).await;
+    });
+}

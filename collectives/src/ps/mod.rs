@@ -47,6 +47,9 @@
 //! - PS-9: under BSP a step's gradients are summed in trainer order, whatever order they
 //!   arrived in (each is held until the step is complete), so the parameters after a step
 //!   depend on the gradients alone, not on timing.
+//! - PS-10: a trainer index is one rank's: once a rank has pushed as trainer `t` (or joined
+//!   as it), a push as `t` from another rank is refused, naming both (it would pass for a
+//!   retry of the first's, PS-4, acknowledged and never applied). Pulls only read.
 
 mod client;
 mod log;

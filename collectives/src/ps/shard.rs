@@ -59,6 +59,8 @@ pub(crate) struct Shard {
     pub trainer_ranks: Vec<Option<(u32, u64)>>,
     /// Per trainer: `(worker name, cause)` once declared failed (PS-3).
     pub departed: Vec<Option<(String, String)>>,
+    /// Per trainer: the rank whose pushes (or join) hold the index, kept by both copies.
+    pushed_by: Vec<Option<u32>>,
     pub max_staleness: u64,
     pub changed: watch::Sender<u64>,
     pub replica: Replica,
@@ -82,6 +84,7 @@ impl Shard {
             applied: vec![0; trainers],
             trainer_ranks: vec![None; trainers],
             departed: vec![None; trainers],
+            pushed_by: vec![None; trainers],
             max_staleness: 0,
             changed: watch::channel(0).0,
             replica,
@@ -113,6 +116,21 @@ impl Shard {
         }
     }
 
+    /// An error if `rank` pushes as `trainer` while another rank's pushes hold that index:
+    /// the second of two trainers given one index (its pushes passed for retries of the
+    /// first's, acknowledged and never applied). A replacement takes an index over by joining
+    /// (PS-6); pulls, which only read, are anyone's.
+    fn check_holder(&self, trainer: usize, rank: u32) -> Result<(), BoxError> {
+        match self.pushed_by.get(trainer) {
+            Some(Some(r)) if *r != rank => Err(format!(
+                "trainer {trainer} is rank {r}'s (it pushed as trainer {trainer}), and rank \
+                 {rank} pushed as trainer {trainer} too: give each trainer its own index"
+            )
+            .into()),
+            _ => Ok(()),
+        }
+    }
+
     /// Whether `change` is new to the shard, and in what form both copies apply it; an error
     /// (nothing applied anywhere) for a change the shard refuses: gradients of the wrong
     /// number, shape, dtype or device, a trainer that is not the shard's or has left it (PS-3), a step
@@ -121,9 +139,9 @@ impl Shard {
         match change {
             Change::Push {
                 trainer,
+                rank,
                 clock,
                 ref grads,
-                ..
             } => {
                 if grads.len() != self.params.len() {
                     return Err(format!(
@@ -148,6 +166,7 @@ impl Shard {
                     return Err(format!("gradient {why} (parameter {i})").into());
                 }
                 self.check_trainer(trainer)?;
+                self.check_holder(trainer, rank)?;
                 let next = self.clocks[trainer];
                 if clock < next {
                     return Ok(Admitted::Held(next));
@@ -274,6 +293,7 @@ impl Shard {
             } => {
                 let incarnation = self.trainer_ranks[trainer].map_or(0, |(_, i)| i);
                 self.trainer_ranks[trainer] = Some((rank, incarnation));
+                self.pushed_by[trainer] = Some(rank);
                 let tensors: Vec<Tensor> = grads.into_iter().map(|g| g.0).collect();
                 if self.consistency == Consistency::Bsp {
                     // Every trainer pulled step `clock` from the same state: apply the step's
@@ -309,6 +329,7 @@ impl Shard {
             } => {
                 self.departed[trainer] = None;
                 self.trainer_ranks[trainer] = Some((rank, incarnation));
+                self.pushed_by[trainer] = Some(rank);
                 self.clocks[trainer] = at;
                 self.joined_at[trainer] = at;
                 self.settle()?;
