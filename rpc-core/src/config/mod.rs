@@ -204,7 +204,7 @@ pub struct Config {
     /// cannot be written fails `init` ([`trace::prepare`](crate::trace::prepare)).
     pub trace: Option<std::path::PathBuf>,
     /// The most events this worker's trace keeps: the newest (TR-2). Default
-    /// [`DEFAULT_TRACE_CAPACITY`](crate::trace::DEFAULT_TRACE_CAPACITY).
+    /// [`DEFAULT_TRACE_CAPACITY`](crate::trace::DEFAULT_TRACE_CAPACITY); 0 is refused.
     pub trace_capacity: usize,
 }
 
@@ -435,6 +435,14 @@ mod tests {
         let vars_traced = env(&traced);
         let e = base().resolve_with(&vars_traced).unwrap_err();
         assert!(e.to_string().contains(&want), "{e}");
+        let e = base()
+            .with_trace_capacity(0)
+            .resolve_with(&vars)
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("trace_capacity must be positive"),
+            "{e}"
+        );
         let good = dir.join("job.json");
         let r = base().with_trace(&good).resolve_with(&vars).unwrap();
         assert!(r.tracer.is_on());

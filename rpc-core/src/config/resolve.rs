@@ -262,6 +262,12 @@ impl Config {
         if self.max_in_flight_calls == 0 {
             return Err(config_error("max_in_flight_calls must be positive"));
         }
+        if self.trace_capacity == 0 {
+            // A ring of none kept one event and counted every other as dropped.
+            return Err(config_error(
+                "trace_capacity must be positive (leave the trace off to record nothing)",
+            ));
+        }
         Ok(())
     }
 
