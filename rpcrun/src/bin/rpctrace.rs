@@ -14,7 +14,7 @@ use clap::{Parser, Subcommand};
 
 /// Merges trace parts and reports on a merged trace.
 #[derive(Parser, Debug)]
-#[command(name = "rpctrace", version, about)]
+#[command(name = "rpctrace", version)]
 struct Args {
     #[command(subcommand)]
     command: Command,
