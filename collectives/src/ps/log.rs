@@ -53,8 +53,7 @@ impl Shards {
     }
 
     /// Starts serving `state` as shard `shard` (a peer already declared failed cannot hold
-    /// its other copy).
-    /// Serves `state` as shard `shard`; `Err` (nothing changed) if it is served already.
+    /// its other copy); `Err` (nothing changed) if it is served already.
     pub(crate) fn insert(&self, shard: u64, mut state: Shard) -> Result<(), ()> {
         let mut g = self.lock();
         if g.shards.contains_key(&shard) {

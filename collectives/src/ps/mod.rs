@@ -122,6 +122,7 @@ pub struct ShardStats {
 /// Why a shard cannot be served.
 #[derive(Debug, thiserror::Error)]
 #[error("parameter shard {shard} on `{worker}`: {why}")]
+#[non_exhaustive]
 pub struct ServeError {
     /// The worker asked to serve it.
     pub worker: String,
@@ -135,8 +136,9 @@ pub struct ServeError {
 /// `trainers` trainers (ranks of trainers are mapped to indices by the trainers themselves).
 ///
 /// Refuses, changing nothing: a shard this worker already serves (serving it again would drop
-/// its parameters and every trainer's progress: [`retire_shard`] it first to start over), a learning rate that is not a finite number
-/// of at least 0 (PyTorch's SGD range), no trainers, and no parameters.
+/// its parameters and every trainer's progress: [`retire_shard`] it first to start over), a
+/// learning rate that is not a finite number of at least 0 (PyTorch's SGD range), no
+/// trainers, and no parameters.
 pub fn serve_shard(
     agent: &Agent,
     shard: u64,

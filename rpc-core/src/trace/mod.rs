@@ -429,6 +429,7 @@ pub(crate) fn from_config(
 
 /// Why a job cannot be traced to a path.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum PrepareError {
     /// The path is a directory; the merged trace is a file.
     #[error("{0} is a directory: give the path of the file to write")]
