@@ -122,6 +122,7 @@ pub async fn init(config: Config, mut registry: Registry) -> Result<Agent, InitE
         name: cfg.name.clone(),
         incarnation,
         restart: cfg.restart_count,
+        world_size: u32::try_from(standing.len()).unwrap_or(u32::MAX),
     });
     let inner = Arc::new(Inner {
         group: Group::new(me, Arc::clone(&directory)),

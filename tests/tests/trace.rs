@@ -168,6 +168,36 @@ fn a_job_that_fails_still_leaves_every_ranks_part() {
     }
 }
 
+/// TR-6: a worker killed outright (SIGKILL: a crash, the OOM killer) writes no part; the
+/// merge names its rank as missing, in its summary, in the merged file and in `rpctrace
+/// report`, rather than present a trace without it as the whole job's (it said "2 parts"
+/// and nothing more, and the report analysed the two workers left).
+#[test]
+fn a_rank_killed_outright_is_named_as_missing_from_the_trace() {
+    let dir = temp_dir("killed");
+    let trace = dir.0.join("job.json");
+    let exit = launch(&trace, &[("TRACE_KILL_RANK", "2")]);
+    assert_ne!(exit.code, 0, "rank 0's step failed: {exit:?}");
+    let merged = exit.trace.expect("the launcher merged the trace");
+    assert_eq!(
+        (merged.parts, merged.missing.clone()),
+        (2, vec![2]),
+        "{merged:?}"
+    );
+    let said = merged.to_string();
+    assert!(said.contains("no part from ranks [2] of 3"), "{said}");
+    let v: Value =
+        serde_json::from_slice(&std::fs::read(&trace).expect("the merged trace")).expect("JSON");
+    assert_eq!(
+        v.pointer("/otherData/rpc_trace/missing_ranks"),
+        Some(&serde_json::json!([2])),
+        "the merged file says so too"
+    );
+    let t = rpcrun::report::Trace::from_json(&v).unwrap();
+    let text = rpcrun::report::report(&t).text();
+    assert!(text.contains("no part from ranks [2]"), "{text}");
+}
+
 /// TR-5 across a group restart: the failed start's parts (rank 0's at its exit, the others'
 /// on SIGTERM) stay beside the restart's, all merged, every call linked once. Before, each
 /// start wrote `rank-R-inc-0.json` over the previous start's (and a part left from one start

@@ -120,6 +120,7 @@ pub(crate) fn part(who: &Who, clock: &ClockEstimate, events: &[Event], dropped: 
             "name": who.name,
             "incarnation": who.incarnation,
             "restart": who.restart,
+            "world_size": who.world_size,
             "clock": {"reference_rank": 0, "offset_ns": clock.offset_ns, "at_ns": clock.at_ns,
                       "drift_ppm": clock.drift_ppm, "error_bound_ns": clock.error_bound_ns,
                       "samples": clock.samples},
@@ -180,6 +181,12 @@ pub struct MergeSummary {
     pub unaligned: Vec<u32>,
     /// Events the workers' rings dropped.
     pub dropped: u64,
+    /// The ranks of the group with no part at all (TR-6): killed outright (SIGKILL, a crash),
+    /// never started, or their parts are on another host. Empty where the parts do not say
+    /// the group's size.
+    pub missing: Vec<u32>,
+    /// The group's size, as the parts say it (0: they do not).
+    pub world_size: u32,
 }
 
 impl std::fmt::Display for MergeSummary {
@@ -199,17 +206,26 @@ impl std::fmt::Display for MergeSummary {
                 self.unaligned
             )?;
         }
-        match self.dropped {
-            0 => Ok(()),
-            d => write!(f, ", {d} oldest events dropped (ring full)"),
+        if self.dropped > 0 {
+            write!(f, ", {} oldest events dropped (ring full)", self.dropped)?;
         }
+        if !self.missing.is_empty() {
+            write!(
+                f,
+                "; no part from ranks {:?} of {} (killed outright, or their parts are on \
+                 another host)",
+                self.missing, self.world_size
+            )?;
+        }
+        Ok(())
     }
 }
 
 /// Merges the parts in `<trace>.parts/` (or the files in `parts` if given) into one trace at
 /// `trace`, written whole or not at all. The merged file's `otherData.rpc_trace.parts` lists
 /// each part's metadata, `clock_error_bound_ns` is the largest bound of any part on rank 0's
-/// clock, and `unaligned_ranks` the ranks whose parts are not (their clocks never read it).
+/// clock, `unaligned_ranks` the ranks whose parts are not (their clocks never read it), and
+/// `missing_ranks` the ranks of the group with no part (TR-6).
 pub fn merge_parts(trace: &Path, parts: Option<&[PathBuf]>) -> Result<MergeSummary, MergeError> {
     let files: Vec<PathBuf> = match parts {
         Some(p) => p.to_vec(),
@@ -236,6 +252,7 @@ pub fn merge_parts(trace: &Path, parts: Option<&[PathBuf]>) -> Result<MergeSumma
     let mut events = Vec::new();
     let mut metas = Vec::new();
     let (mut bound, mut dropped, mut unaligned) = (0u64, 0u64, Vec::new());
+    let (mut world, mut present) = (0u64, std::collections::BTreeSet::new());
     for f in &files {
         let bad = |why: String| MergeError::NotAPart {
             path: f.clone(),
@@ -261,18 +278,26 @@ pub fn merge_parts(trace: &Path, parts: Option<&[PathBuf]>) -> Result<MergeSumma
             b => bound = bound.max(b.unwrap_or(0)),
         }
         dropped += meta.get("dropped").and_then(Value::as_u64).unwrap_or(0);
+        world = world.max(meta.get("world_size").and_then(Value::as_u64).unwrap_or(0));
+        present.extend(meta.get("rank").and_then(Value::as_u64));
         events.extend(evs);
         metas.push(meta);
     }
     unaligned.sort_unstable();
     unaligned.dedup();
     let unaligned: Vec<u32> = unaligned.into_iter().map(|r| r as u32).collect();
+    let world_size = u32::try_from(world).unwrap_or(u32::MAX);
+    let missing: Vec<u32> = (0..world_size)
+        .filter(|r| !present.contains(&u64::from(*r)))
+        .collect();
     let summary = MergeSummary {
         parts: files.len(),
         events: events.len(),
         clock_error_bound_ns: bound,
         unaligned: unaligned.clone(),
         dropped,
+        missing: missing.clone(),
+        world_size,
     };
     let merged = json!({
         "traceEvents": events,
@@ -282,6 +307,8 @@ pub fn merge_parts(trace: &Path, parts: Option<&[PathBuf]>) -> Result<MergeSumma
             "clock_error_bound_ns": bound,
             "unaligned_ranks": unaligned,
             "dropped": dropped,
+            "world_size": world_size,
+            "missing_ranks": missing,
         }},
     });
     write_atomic(trace, &merged).map_err(|source| MergeError::Io {

@@ -6,7 +6,7 @@
 //! mod.rs    the recorder: a Tracer handle, its spans, the bounded ring (TR-1, TR-2)
 //! clock.rs  each rank's offset from rank 0's clock, estimated over the group's connections
 //! exit.rs   the part written however a worker ends: shutdown, exit, a signal (TR-5)
-//! chrome.rs the Trace Event Format: a rank's part, the merge of the parts (TR-3, TR-4)
+//! chrome.rs the Trace Event Format: a rank's part, the merge of the parts (TR-3, TR-4, TR-6)
 //! layer.rs  spans of the `tracing` ecosystem recorded into the same ring
 //! record.rs what the ring keeps of one event (64 bytes)
 //! ```
@@ -27,6 +27,9 @@
 //!   estimated the NTP way); the part states the offset and its error bound.
 //! - **TR-5** A traced worker's part is written once, however the worker ends: at shutdown,
 //!   at its process's exit, or on the SIGTERM, SIGINT or SIGHUP that stops it.
+//! - **TR-6** A merge never passes off part of a job as the whole: each part says the size of
+//!   its group, and the ranks of it without a part (a worker killed outright writes none) are
+//!   named in the merge's summary and in the merged file.
 
 mod chrome;
 mod clock;
@@ -146,6 +149,8 @@ pub(crate) struct Who {
     pub incarnation: u64,
     /// The launcher's start it belongs to (its restart count; 0: the first start).
     pub restart: u64,
+    /// The number of ranks in its group (0: not known).
+    pub world_size: u32,
 }
 
 impl Ring {
@@ -488,6 +493,7 @@ mod tests {
                 name: "w1".into(),
                 incarnation,
                 restart,
+                world_size: 2,
             });
             let first = t.call_made("f", 0).unwrap().1;
             (first, first + 1_000_000)

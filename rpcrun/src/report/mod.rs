@@ -88,6 +88,11 @@ pub struct Report {
     pub clock_error_us: f64,
     /// The ranks whose parts are on their own clocks (they never read rank 0's).
     pub unaligned: Vec<u32>,
+    /// The ranks of the group with no part in the trace (killed outright, or their parts were
+    /// not merged).
+    pub missing: Vec<u32>,
+    /// The group's size, as the trace says it (0: not said).
+    pub world_size: u32,
     /// The worker most often the straggler, and in how many steps.
     pub straggler: Option<(String, usize)>,
     /// Critical-path time summed over the steps by (worker, span, category), largest first,
@@ -295,6 +300,8 @@ fn summarize(t: &Trace, per_step: Vec<StepReport>) -> Report {
         step_ms_median: ms.get(ms.len() / 2).copied().unwrap_or(0.0),
         clock_error_us: t.clock_error_us,
         unaligned: t.unaligned.clone(),
+        missing: t.missing.clone(),
+        world_size: t.world_size,
         straggler: stragglers.into_iter().max_by_key(|(_, n)| *n),
         critical,
         workers: sums.into_values().map(|(s, n)| scale(s, n)).collect(),
@@ -352,6 +359,14 @@ impl Report {
                 "ranks {:?} on their own clocks (rank 0's was never read): their times are \
                  not comparable with the others'",
                 self.unaligned
+            );
+        }
+        if !self.missing.is_empty() {
+            let _ = writeln!(
+                o,
+                "no part from ranks {:?} of {} (killed outright, or their parts are on another \
+                 host): what they did is not in this report",
+                self.missing, self.world_size
             );
         }
         if let Some((w, n)) = &self.straggler {

@@ -10,7 +10,9 @@
 //! exits with status 3 without shutting down, while the other ranks are still busy (they
 //! wait up to 60 s before shutting down), so the launcher stops them with SIGTERM; with
 //! `TRACE_FAIL_ONCE` too, only in the launcher's first start (a restart succeeds). With
-//! `TRACE_READY_FILE`, each rank creates `<that path>.<rank>` once it has joined its group.
+//! `TRACE_KILL_RANK`, that rank kills itself with SIGKILL as it serves its third `forward` (a
+//! crash or the OOM killer: it writes no part). With `TRACE_READY_FILE`, each rank creates
+//! `<that path>.<rank>` once it has joined its group.
 
 use std::time::Duration;
 
@@ -27,6 +29,10 @@ fn env_u64(k: &str) -> Option<u64> {
 async fn forward(ctx: CallContext, step: u64) -> Result<u64, BoxError> {
     let agent = ctx.agent();
     let me = u64::from(agent.rank());
+    if step == 2 && env_u64("TRACE_KILL_RANK") == Some(me) {
+        // SAFETY: raising a signal at this process has no memory-safety preconditions.
+        unsafe { libc::raise(libc::SIGKILL) };
+    }
     let ms = match env_u64("TRACE_SLOW_RANK") {
         Some(r) if r == me => env_u64("TRACE_SLOW_MS").unwrap_or(40),
         _ => 5,
