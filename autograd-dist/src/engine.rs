@@ -29,6 +29,11 @@
 //!   A peer that was declared failed (or left) cannot forward it to the workers its state
 //!   reached: the worker that finds it so sends the release to every other live worker
 //!   instead, and the release succeeds (AD-9).
+//! - AD-10: a call without the context may not send a tensor computed from a recv leaf of a
+//!   live context (`record.rs`): the graph would end there without a word. It fails, naming
+//!   the way out (`rpc_core::spawn` for a handler's task, or `detach()`).
+//! - AD-11: backward from a root without a graph fails (PyTorch: "does not require grad"): it
+//!   would return `Ok` having reached no variable anywhere.
 //! - AD-7: a worker declared failed releases nothing any more: every other worker drops the
 //!   state of the contexts it started on its own (`record.rs`), and a backward pass that
 //!   reaches it fails with its `PeerFailed` error.
@@ -92,7 +97,13 @@ impl DistContext {
 
     /// Runs backward from `roots` (their sum) across every worker the graph touched. Returns
     /// when every worker has finished; fails naming the worker if one fails or is unreachable.
+    /// A root without a graph (it depends on no variable and on no tensor received in the
+    /// context: a call made outside [`DistContext::run`], say) is refused (AD-11), as PyTorch
+    /// refuses a root that does not require grad.
     pub async fn backward(&self, roots: &[Tensor]) -> Result<(), AutogradError> {
+        if let Some(i) = roots.iter().position(|r| !r.track_op()) {
+            return Err(no_graph(&format!("root {i}"), self.id));
+        }
         let mut loss: Option<Tensor> = None;
         for r in roots {
             let s = r.sum_all()?;
@@ -343,12 +354,25 @@ pub(crate) struct ReleaseContext;
 /// ([`DistContext::backward_remote`]).
 pub(crate) struct BackwardFrom;
 
+/// AD-11: `root` of a backward in context `ctx` has no graph.
+fn no_graph(root: &str, ctx: u64) -> AutogradError {
+    AutogradError::State(format!(
+        "{root} of backward in autograd context {ctx:#x} has no graph: it depends on no \
+         variable and on no tensor received in the context (AD-11; was the call that made \
+         it made outside `DistContext::run`, or its result detached?)"
+    ))
+}
+
 impl RemoteFn for BackwardFrom {
     const NAME: &'static str = "autograd_dist::backward_from";
     type Args = (RRef<RTensor>, u64);
     type Output = ();
     async fn call(cx: CallContext, (root, ctx): (RRef<RTensor>, u64)) -> Result<(), BoxError> {
-        let loss = root.local_value().await?.lock().await.0.sum_all()?;
+        let value = root.local_value().await?.lock().await.0.clone();
+        if !value.track_op() {
+            return Err(no_graph("the remote root", ctx).into());
+        }
+        let loss = value.sum_all()?;
         let agent = cx.agent().clone();
         let already = container(&agent).with(ctx, |st| std::mem::replace(&mut st.running, true));
         if already {

@@ -4,7 +4,7 @@
 //! `engine.rs` runs backward over what is recorded here.
 
 use candle_core::{Tensor, TensorId, Var};
-use rpc_core::ext::{AgentExt, MessageContext};
+use rpc_core::ext::{AgentExt, MessageContext, MessageKind};
 use rpc_core::Agent;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeSet, HashMap, HashSet};
@@ -172,6 +172,46 @@ pub(crate) fn record_send(msg: &MessageContext, t: &Tensor) -> Option<Tag> {
         sender: c.me,
         msg: id,
     })
+}
+
+/// AD-10: a request that carries no context may not send a tensor computed from a leaf this
+/// worker received in a live context: the graph would end there without a word (backward
+/// returns `Ok`, and everything the tensor reaches gets no gradient). The typical cause is a
+/// call made from a bare `tokio::spawn` inside a handler, whose task has no call scope. A
+/// detached tensor (no graph) and replies (a value fetched outside the context, to look at
+/// it) are sent as they are. Costs nothing unless a live context on this worker has received
+/// tensors; then one walk of the tensor's graph.
+pub(crate) fn check_unrecorded(msg: &MessageContext, t: &Tensor) -> Result<(), String> {
+    if msg.kind() != MessageKind::Request || !t.track_op() || current_context_id().is_some() {
+        return Ok(());
+    }
+    let c = container(msg.agent());
+    let leaves: HashMap<TensorId, u64> = {
+        let m = c.contexts.lock().unwrap_or_else(|p| p.into_inner());
+        m.iter()
+            .flat_map(|(ctx, st)| st.recvs.keys().map(move |id| (*id, *ctx)))
+            .collect()
+    };
+    if leaves.is_empty() {
+        return Ok(());
+    }
+    let Some(ctx) = t
+        .sorted_nodes()
+        .iter()
+        .find_map(|n| leaves.get(&n.id()).copied())
+    else {
+        return Ok(());
+    };
+    let agent = msg.agent();
+    Err(format!(
+        "a tensor computed from one `{}` received in autograd context {ctx:#x} is sent to \
+         `{}` by a call that carries no autograd context, so its gradient would never flow \
+         back (AD-10). Make the call inside the context: from a handler's task, spawn it \
+         with `rpc_core::spawn`, not `tokio::spawn`; or send `tensor.detach()` to send its \
+         value alone",
+        agent.name(),
+        agent.name_of(msg.peer().0),
+    ))
 }
 
 pub(crate) fn record_recv(

@@ -204,10 +204,13 @@ impl Serialize for RTensor {
         let data = to_bytes(&self.0).map_err(ser::Error::custom)?;
         let here = DeviceSpec::of(self.0.device());
         let (tag, device) = match MessageContext::current() {
-            Some(msg) => (
-                record::record_send(&msg, &self.0),
-                devmap::target(msg.agent(), msg.peer().0, msg.kind(), here),
-            ),
+            Some(msg) => {
+                record::check_unrecorded(&msg, &self.0).map_err(ser::Error::custom)?;
+                (
+                    record::record_send(&msg, &self.0),
+                    devmap::target(msg.agent(), msg.peer().0, msg.kind(), here),
+                )
+            }
             None => (None, here),
         };
         Wire {

@@ -108,6 +108,30 @@ pub async fn linear_then_spawned(
     Ok(RTensor((out.0 * 2.0)?))
 }
 
+/// [`linear_then_spawned`] with a bare `tokio::spawn` (the trap: the task has no call scope,
+/// so the nested call carries no autograd context), or, with `detach`, sending `h.detach()`
+/// from that task (its value alone, on purpose).
+#[remote]
+pub async fn linear_then_bare_spawned(
+    ctx: CallContext,
+    w: String,
+    x: RTensor,
+    next: u32,
+    next_w: String,
+    detach: bool,
+) -> Result<RTensor, BoxError> {
+    let h = x.matmul(param(&ctx, &w)?.as_tensor())?.tanh()?;
+    let h = if detach { h.detach() } else { h };
+    let agent = ctx.agent().clone();
+    let out = tokio::spawn(async move {
+        agent
+            .rpc_async(next, linear, (next_w, RTensor(h), false))
+            .await
+    })
+    .await??;
+    Ok(RTensor((out.0 * 2.0)?))
+}
+
 /// The gradient of parameter `w` in autograd context `ctx_id` on this worker.
 #[remote]
 pub async fn param_grad(
@@ -240,6 +264,7 @@ pub fn register(b: rpc_core::RegistryBuilder) -> rpc_core::RegistryBuilder {
         .and_then(|b| b.register(linear))
         .and_then(|b| b.register(linear_then))
         .and_then(|b| b.register(linear_then_spawned))
+        .and_then(|b| b.register(linear_then_bare_spawned))
         .and_then(|b| b.register(param_grad))
         .and_then(|b| b.register(live_contexts))
         .and_then(|b| b.register(echo_tensor))

@@ -390,7 +390,8 @@ fn round_trip_a_to_b_to_a_one_tensor_to_two_workers_and_unused_outputs() {
 /// A handler that makes its nested call from a task it spawned (`rpc_core::spawn`): the task
 /// carries the autograd context, so the tensor it sends is recorded and the gradient of the
 /// parameter on the far worker is right. (Spawned with a bare `tokio::spawn`, the send goes
-/// unrecorded: backward returns `Ok` and that parameter gets no gradient.)
+/// unrecorded; backward returned `Ok` with no gradient for either weight, and now fails:
+/// AD-10 and AD-11, below.)
 #[test]
 fn a_nested_call_from_a_spawned_task_is_recorded_in_the_context() {
     each_transport(60, |t| async move {
@@ -433,6 +434,88 @@ fn a_nested_call_from_a_spawned_task_is_recorded_in_the_context() {
             let d = max_abs_diff(&got.0, g.get(var.as_tensor()).unwrap());
             assert!(d <= 1e-6, "{w}: max abs diff {d}");
         }
+        ctx.release().await.unwrap();
+        shutdown_all(&a).await;
+    });
+}
+
+/// AD-10: the same handler with a bare `tokio::spawn`: the task's call carries no context,
+/// so the tensor it sends, computed from one received in the context, would leave the graph
+/// there; backward returned `Ok` and neither weight got a gradient, without a word. The call
+/// now fails naming the context, the worker and the way out; a detached tensor (its value
+/// alone, on purpose) is sent as before.
+#[test]
+fn a_tensor_of_a_context_sent_by_a_call_without_it_is_refused() {
+    each_transport(60, |t| async move {
+        let a = group(3, t).await;
+        init(&a[0], 1, "b.w1", 3, 4).await;
+        init(&a[0], 2, "b.w2", 4, 2).await;
+        // The input with a graph (a variable here), so that worker 1 receives it as a leaf.
+        let xv = candle_core::Var::from_tensor(&input(2, 3)).unwrap();
+        let x = xv.as_tensor().clone();
+        let ctx = autograd_dist::context(&a[0]);
+        let call = |detach: bool| {
+            let args = ("b.w1".into(), RTensor(x.clone()), 2, "b.w2".into(), detach);
+            ctx.run(async { a[0].rpc_async(1u32, linear_then_bare_spawned, args).await })
+        };
+        let err = call(false).await.expect_err("the cut graph is refused");
+        let said = rpc_core::error_chain(&err);
+        for part in [
+            "carries no autograd context",
+            "rpc_core::spawn",
+            "detach",
+            "worker2",
+        ] {
+            assert!(said.contains(part), "{part:?} in: {said}");
+        }
+        let out = call(true).await.expect("a detached tensor is sent");
+        assert_eq!(out.0.dims(), &[2, 2]);
+        ctx.release().await.unwrap();
+        shutdown_all(&a).await;
+    });
+}
+
+/// AD-11: backward from a root without a graph (it depends on no variable and on no tensor
+/// received in the context) is refused, as PyTorch's `dist_autograd.backward` refuses a root
+/// that does not require grad. The classic way to make one: a call made outside the context
+/// and only awaited inside it, whose reply is then recorded nowhere; backward returned `Ok`
+/// and no parameter anywhere got a gradient.
+#[test]
+fn backward_from_a_root_without_a_graph_is_refused() {
+    run(60, async {
+        let a = group(2, Transport::Memory(rpc_core::MemoryNetwork::new())).await;
+        init(&a[0], 1, "r.w1", 3, 4).await;
+        let xv = candle_core::Var::from_tensor(&input(2, 3)).unwrap();
+        let ctx = autograd_dist::context(&a[0]);
+        let made_outside = a[0].rpc_async(
+            1u32,
+            linear,
+            ("r.w1".into(), RTensor(xv.as_tensor().clone()), false),
+        );
+        let y = ctx.run(made_outside).await.unwrap();
+        let loss = y.0.sum_all().unwrap();
+        let err = ctx
+            .backward(std::slice::from_ref(&loss))
+            .await
+            .expect_err("refused");
+        let said = err.to_string();
+        assert!(
+            said.contains("root 0") && said.contains("no graph"),
+            "{said}"
+        );
+        // Made inside, the same call's reply is a root with a graph.
+        let y = ctx
+            .run(async {
+                let args = ("r.w1".into(), RTensor(xv.as_tensor().clone()), false);
+                a[0].rpc_async(1u32, linear, args).await
+            })
+            .await
+            .unwrap();
+        ctx.backward(&[y.0.sum_all().unwrap()]).await.unwrap();
+        assert!(
+            ctx.gradient(xv.as_tensor()).is_some(),
+            "the input got its gradient"
+        );
         ctx.release().await.unwrap();
         shutdown_all(&a).await;
     });
