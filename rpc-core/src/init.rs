@@ -24,6 +24,7 @@ use crate::state::{Agent, Callee, Caller, Inner, Registry};
 /// Not cancel safe: dropping the future mid-way leaves this rank missing from the rendezvous,
 /// which then fails for the other ranks with this rank named.
 pub async fn init(config: Config, mut registry: Registry) -> Result<Agent, InitError> {
+    crate::config::warn_of_near_misses();
     let cfg = config.resolve()?;
     // The framework's own functions.
     registry.insert_internal::<crate::dispatch::CancelCall>();

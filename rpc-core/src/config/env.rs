@@ -93,3 +93,64 @@ pub const SIGNAL_GRACE_ENV: &str = "RPC_SIGNAL_GRACE_MS";
 /// [`Config::wire_protection`](crate::Config::wire_protection): `auto`, `mac`, `encrypt` or
 /// `off`.
 pub const WIRE_PROTECTION_ENV: &str = "RPC_WIRE_PROTECTION";
+
+/// Every `RPC_*` variable this framework's workers and launcher read or set.
+const KNOWN: [&str; 15] = [
+    RESTART_COUNT_ENV[0],
+    SERVE_RENDEZVOUS_ENV,
+    REPLACE_TOKEN_ENV,
+    RESTART_MODE_ENV,
+    MAX_WORLD_SIZE_ENV,
+    // Set by `rpcrun` for its children.
+    "RPC_MAX_RESTARTS",
+    HEARTBEAT_INTERVAL_ENV,
+    FAILURE_TIMEOUT_ENV,
+    SIGNAL_GRACE_ENV,
+    WIRE_PROTECTION_ENV,
+    crate::trace::TRACE_ENV,
+    crate::net::SECRET_ENV,
+    crate::net::SECRET_FILE_ENV,
+    crate::net::supervisor::SUPERVISOR_FD_ENV,
+    crate::rendezvous::RENDEZVOUS_FD_ENV,
+];
+
+/// The variables among `names` that look like one of this framework's but are not (a typo,
+/// a missing `_MS`, lower case): each with the one it probably means. A setting given that way
+/// is read by nothing, and the worker would run without it without a word; `init` warns.
+/// Names that resemble none (a program's own `RPC_*` variables) are left alone.
+pub(crate) fn near_misses<'a>(
+    names: impl IntoIterator<Item = &'a str>,
+) -> Vec<(String, &'static str)> {
+    let mut out = Vec::new();
+    for name in names {
+        if KNOWN.contains(&name) {
+            continue;
+        }
+        let upper = name.to_ascii_uppercase();
+        if !upper.starts_with("RPC") {
+            continue;
+        }
+        let squeeze = |s: &str| s.replace(['_', '-'], "");
+        let meant = KNOWN.iter().copied().find(|k| {
+            upper == *k
+                || squeeze(&upper) == squeeze(k)
+                || strsim::levenshtein(&upper, k) <= 2
+                || (upper.len() >= 12 && (k.starts_with(upper.as_str()) || upper.starts_with(k)))
+        });
+        if let Some(k) = meant {
+            out.push((name.to_owned(), k));
+        }
+    }
+    out
+}
+
+/// Warns (`tracing`) of each variable of this process's environment that [`near_misses`]
+/// finds.
+pub(crate) fn warn_of_near_misses() {
+    let names: Vec<String> = std::env::vars_os()
+        .filter_map(|(k, _)| k.into_string().ok())
+        .collect();
+    for (given, meant) in near_misses(names.iter().map(String::as_str)) {
+        tracing::warn!("{given} is set, and nothing reads it: did you mean {meant}?");
+    }
+}

@@ -18,6 +18,8 @@
 mod env;
 mod resolve;
 
+pub(crate) use env::warn_of_near_misses;
+
 use std::time::Duration;
 
 use crate::net::{Secret, Transport, WireProtection};

@@ -368,3 +368,31 @@ fn bad_inputs_are_named() {
         .unwrap_err();
     assert!(e.to_string().contains("at least 16"), "{e}");
 }
+
+/// A mistyped `RPC_*` variable is read by nothing; `init` warns of the ones that look like a
+/// variable of ours, naming it, and leaves a program's own `RPC_*` variables alone.
+#[test]
+fn a_mistyped_variable_is_named_with_the_one_meant() {
+    let given = [
+        "RPC_FAILURE_TIMEOUT",
+        "RPC_FAILURE_TIMEOUT_MS",
+        "rpc_heartbeat_interval_ms",
+        "RPC_SECERT",
+        "RPC_SIGNALGRACE_MS",
+        "RPC_MY_PROGRAMS_OWN",
+        "RPC_TRACE",
+        "PATH",
+    ];
+    assert_eq!(
+        super::env::near_misses(given),
+        vec![
+            ("RPC_FAILURE_TIMEOUT".to_owned(), "RPC_FAILURE_TIMEOUT_MS"),
+            (
+                "rpc_heartbeat_interval_ms".to_owned(),
+                "RPC_HEARTBEAT_INTERVAL_MS"
+            ),
+            ("RPC_SECERT".to_owned(), "RPC_SECRET"),
+            ("RPC_SIGNALGRACE_MS".to_owned(), "RPC_SIGNAL_GRACE_MS"),
+        ]
+    );
+}
