@@ -123,7 +123,11 @@ pub async fn init(config: Config, mut registry: Registry) -> Result<Agent, InitE
         name: cfg.name.clone(),
         incarnation,
         restart: cfg.restart_count,
-        world_size: u32::try_from(standing.len()).unwrap_or(u32::MAX),
+        ranks: (0..)
+            .zip(&standing)
+            .filter(|(_, s)| **s != Standing::Vacant)
+            .map(|(r, _)| r)
+            .collect(),
     });
     let inner = Arc::new(Inner {
         group: Group::new(me, Arc::clone(&directory)),

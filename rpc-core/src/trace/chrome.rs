@@ -8,7 +8,7 @@
 //! `otherData.rpc_trace` says who wrote it, the clock's offset and error bound, and how many
 //! events the ring dropped (TR-2).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use serde_json::{json, Map, Value};
@@ -120,7 +120,7 @@ pub(crate) fn part(who: &Who, clock: &ClockEstimate, events: &[Event], dropped: 
             "name": who.name,
             "incarnation": who.incarnation,
             "restart": who.restart,
-            "world_size": who.world_size,
+            "ranks": who.ranks,
             "clock": {"reference_rank": 0, "offset_ns": clock.offset_ns, "at_ns": clock.at_ns,
                       "drift_ppm": clock.drift_ppm, "error_bound_ns": clock.error_bound_ns,
                       "samples": clock.samples},
@@ -181,12 +181,9 @@ pub struct MergeSummary {
     pub unaligned: Vec<u32>,
     /// Events the workers' rings dropped.
     pub dropped: u64,
-    /// The ranks of the group with no part at all (TR-6): killed outright (SIGKILL, a crash),
-    /// never started, or their parts are on another host. Empty where the parts do not say
-    /// the group's size.
+    /// The ranks of the group (as its parts list them) with no part at all (TR-6): killed
+    /// outright (SIGKILL, a crash), or their parts are on another host.
     pub missing: Vec<u32>,
-    /// The group's size, as the parts say it (0: they do not).
-    pub world_size: u32,
 }
 
 impl std::fmt::Display for MergeSummary {
@@ -212,9 +209,8 @@ impl std::fmt::Display for MergeSummary {
         if !self.missing.is_empty() {
             write!(
                 f,
-                "; no part from ranks {:?} of {} (killed outright, or their parts are on \
-                 another host)",
-                self.missing, self.world_size
+                "; no part from ranks {:?} (killed outright, or their parts are on another host)",
+                self.missing
             )?;
         }
         Ok(())
@@ -252,7 +248,7 @@ pub fn merge_parts(trace: &Path, parts: Option<&[PathBuf]>) -> Result<MergeSumma
     let mut events = Vec::new();
     let mut metas = Vec::new();
     let (mut bound, mut dropped, mut unaligned) = (0u64, 0u64, Vec::new());
-    let (mut world, mut present) = (0u64, std::collections::BTreeSet::new());
+    let (mut group, mut present) = (BTreeSet::new(), BTreeSet::new());
     for f in &files {
         let bad = |why: String| MergeError::NotAPart {
             path: f.clone(),
@@ -278,7 +274,9 @@ pub fn merge_parts(trace: &Path, parts: Option<&[PathBuf]>) -> Result<MergeSumma
             b => bound = bound.max(b.unwrap_or(0)),
         }
         dropped += meta.get("dropped").and_then(Value::as_u64).unwrap_or(0);
-        world = world.max(meta.get("world_size").and_then(Value::as_u64).unwrap_or(0));
+        if let Some(Value::Array(ranks)) = meta.get("ranks") {
+            group.extend(ranks.iter().filter_map(Value::as_u64));
+        }
         present.extend(meta.get("rank").and_then(Value::as_u64));
         events.extend(evs);
         metas.push(meta);
@@ -286,9 +284,9 @@ pub fn merge_parts(trace: &Path, parts: Option<&[PathBuf]>) -> Result<MergeSumma
     unaligned.sort_unstable();
     unaligned.dedup();
     let unaligned: Vec<u32> = unaligned.into_iter().map(|r| r as u32).collect();
-    let world_size = u32::try_from(world).unwrap_or(u32::MAX);
-    let missing: Vec<u32> = (0..world_size)
-        .filter(|r| !present.contains(&u64::from(*r)))
+    let missing: Vec<u32> = group
+        .difference(&present)
+        .map(|&r| u32::try_from(r).unwrap_or(u32::MAX))
         .collect();
     let summary = MergeSummary {
         parts: files.len(),
@@ -297,7 +295,6 @@ pub fn merge_parts(trace: &Path, parts: Option<&[PathBuf]>) -> Result<MergeSumma
         unaligned: unaligned.clone(),
         dropped,
         missing: missing.clone(),
-        world_size,
     };
     let merged = json!({
         "traceEvents": events,
@@ -307,7 +304,6 @@ pub fn merge_parts(trace: &Path, parts: Option<&[PathBuf]>) -> Result<MergeSumma
             "clock_error_bound_ns": bound,
             "unaligned_ranks": unaligned,
             "dropped": dropped,
-            "world_size": world_size,
             "missing_ranks": missing,
         }},
     });

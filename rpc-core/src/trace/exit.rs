@@ -264,6 +264,36 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    /// TR-6: the ranks a part lists without a part of their own are named; a group's vacant
+    /// ranks (a group that grows: never joined) are not listed, so never named.
+    #[test]
+    fn the_ranks_without_a_part_are_named_and_vacant_ones_are_not() {
+        let dir = std::env::temp_dir().join(format!("trace-missing-{}", std::process::id()));
+        let part = |rank: u32, ranks: Vec<u32>| {
+            let t = Tracer::on(dir.join("job.json"), 16);
+            t.set_who(Who {
+                rank,
+                name: format!("w{rank}"),
+                ranks,
+                ..Who::default()
+            });
+            t.ring().unwrap().clock.lock().unwrap().reference = rank == 0;
+            write_once(t.ring().unwrap(), false);
+        };
+        // Ranks 0 and 1 of a group of capacity 8 that has not grown: nothing is missing.
+        part(0, vec![0, 1]);
+        part(1, vec![0, 1]);
+        let s = merge_parts(&dir.join("job.json"), None).unwrap();
+        assert_eq!((s.parts, s.missing.clone()), (2, vec![]), "{s:?}");
+        assert!(!s.to_string().contains("no part"), "{s}");
+        // Rank 2 joined (rank 1's part, written later, lists it) and left no part.
+        part(1, vec![0, 1, 2]);
+        let s = merge_parts(&dir.join("job.json"), None).unwrap();
+        assert_eq!(s.missing, vec![2], "{s:?}");
+        assert!(s.to_string().contains("no part from ranks [2]"), "{s}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// A part whose worker never read rank 0's clock is named, not folded into the bound
     /// (the summary said "clocks aligned within 18446744073709552 us").
     #[test]

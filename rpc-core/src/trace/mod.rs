@@ -27,8 +27,8 @@
 //!   estimated the NTP way); the part states the offset and its error bound.
 //! - **TR-5** A traced worker's part is written once, however the worker ends: at shutdown,
 //!   at its process's exit, or on the SIGTERM, SIGINT or SIGHUP that stops it.
-//! - **TR-6** A merge never passes off part of a job as the whole: each part says the size of
-//!   its group, and the ranks of it without a part (a worker killed outright writes none) are
+//! - **TR-6** A merge never passes off part of a job as the whole: each part lists the ranks
+//!   its group had, and those without a part (a worker killed outright writes none) are
 //!   named in the merge's summary and in the merged file.
 
 mod chrome;
@@ -149,8 +149,8 @@ pub(crate) struct Who {
     pub incarnation: u64,
     /// The launcher's start it belongs to (its restart count; 0: the first start).
     pub restart: u64,
-    /// The number of ranks in its group (0: not known).
-    pub world_size: u32,
+    /// The ranks its group had when it joined (a group that grows: not its vacant ones).
+    pub ranks: Vec<u32>,
 }
 
 impl Ring {
@@ -493,7 +493,7 @@ mod tests {
                 name: "w1".into(),
                 incarnation,
                 restart,
-                world_size: 2,
+                ranks: vec![0, 1],
             });
             let first = t.call_made("f", 0).unwrap().1;
             (first, first + 1_000_000)

@@ -91,8 +91,6 @@ pub struct Report {
     /// The ranks of the group with no part in the trace (killed outright, or their parts were
     /// not merged).
     pub missing: Vec<u32>,
-    /// The group's size, as the trace says it (0: not said).
-    pub world_size: u32,
     /// The worker most often the straggler, and in how many steps.
     pub straggler: Option<(String, usize)>,
     /// Critical-path time summed over the steps by (worker, span, category), largest first,
@@ -301,7 +299,6 @@ fn summarize(t: &Trace, per_step: Vec<StepReport>) -> Report {
         clock_error_us: t.clock_error_us,
         unaligned: t.unaligned.clone(),
         missing: t.missing.clone(),
-        world_size: t.world_size,
         straggler: stragglers.into_iter().max_by_key(|(_, n)| *n),
         critical,
         workers: sums.into_values().map(|(s, n)| scale(s, n)).collect(),
@@ -364,9 +361,9 @@ impl Report {
         if !self.missing.is_empty() {
             let _ = writeln!(
                 o,
-                "no part from ranks {:?} of {} (killed outright, or their parts are on another \
-                 host): what they did is not in this report",
-                self.missing, self.world_size
+                "no part from ranks {:?} (killed outright, or their parts are on another host): \
+                 what they did is not in this report",
+                self.missing
             );
         }
         if let Some((w, n)) = &self.straggler {

@@ -48,8 +48,6 @@ pub struct Trace {
     pub unaligned: Vec<u32>,
     /// The ranks of the group the merge found no part of (`otherData.rpc_trace.missing_ranks`).
     pub missing: Vec<u32>,
-    /// The group's size, as the merge found it (0: not said).
-    pub world_size: u32,
 }
 
 impl Trace {
@@ -110,23 +108,16 @@ impl Trace {
             .unwrap_or(0) as f64
             / 1000.0;
         t.unaligned = unaligned_ranks(v);
-        let ranks = |p: &str| -> Vec<u32> {
-            v.pointer(p)
-                .and_then(Value::as_array)
-                .map(|a| {
-                    a.iter()
-                        .filter_map(Value::as_u64)
-                        .map(|r| r as u32)
-                        .collect()
-                })
-                .unwrap_or_default()
-        };
-        let world = v
-            .pointer("/otherData/rpc_trace/world_size")
-            .and_then(Value::as_u64)
-            .unwrap_or(0);
-        t.missing = ranks("/otherData/rpc_trace/missing_ranks");
-        t.world_size = u32::try_from(world).unwrap_or(u32::MAX);
+        t.missing = v
+            .pointer("/otherData/rpc_trace/missing_ranks")
+            .and_then(Value::as_array)
+            .map(|a| {
+                a.iter()
+                    .filter_map(Value::as_u64)
+                    .map(|r| r as u32)
+                    .collect()
+            })
+            .unwrap_or_default();
         Ok(t)
     }
 
