@@ -3,7 +3,8 @@
 //! [`Launch`] starts `nproc` copies of a program on this machine (one node of `nnodes`), each
 //! with the variables the framework's `rpc_core::init` reads: `RANK`, `LOCAL_RANK`,
 //! `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `GROUP_RANK` (the node's rank), `MASTER_ADDR`,
-//! `MASTER_PORT`, `RPC_RESTART_COUNT`, and the group secret as a file (`RPC_SECRET_FILE`,
+//! `MASTER_PORT`, `RPC_RESTART_COUNT`, `RPC_JOB_ID` (the same on every node and in every
+//! restart), and the group secret as a file (`RPC_SECRET_FILE`,
 //! readable by this user only; never on a command line). On one node it chooses the
 //! rendezvous's port itself and keeps it bound: rank 0 inherits that socket and serves on it
 //! (`RPC_RENDEZVOUS_FD`, RDV-8), so that no other process can take the port first. It then
@@ -326,10 +327,12 @@ impl Launch {
 
     /// Traces the job into one file at `path` (see `rpc_core::trace`): every child records
     /// (`RPC_TRACE`), writes its part under `<path>.parts/` as it shuts down, and node 0's
-    /// launcher merges the parts into `path` when the group ends. Earlier parts there are
-    /// removed first. On several nodes, give a path on a shared filesystem (or copy the parts
-    /// to node 0 and run `rpctrace merge`). A path whose parts directory cannot be created,
-    /// or that is a directory, fails the launch before any process starts.
+    /// launcher merges the parts into `path` when the group ends (with an etcd rendezvous, the
+    /// launcher that was node 0 of the last round). Node 0 removes earlier parts there first;
+    /// the merge leaves out any an earlier run left (TR-7). On several nodes, give a path on a
+    /// shared filesystem (or copy the parts to node 0 and run `rpctrace merge`). A path whose
+    /// parts directory cannot be created, or that is a directory, fails the launch before any
+    /// process starts.
     pub fn trace(mut self, path: impl Into<PathBuf>) -> Self {
         self.trace = Some(path.into());
         self
@@ -380,11 +383,6 @@ impl Launch {
                         .into(),
                 );
             }
-            if self.trace.is_some() {
-                return bad("--trace with an etcd rendezvous: not supported yet \
-                     (trace with a HOST:PORT rendezvous)"
-                    .into());
-            }
             return Ok(());
         }
         if let Some(r) = &self.rdzv {
@@ -404,25 +402,75 @@ impl Launch {
             return Err(LaunchError::InsideRuntime);
         }
         self.validate()?;
+        let etcd = self.rdzv.as_deref().and_then(etcd::Spec::parse);
+        let (mut launch, trace) = self.traced(etcd.is_some())?;
         #[cfg(feature = "etcd")]
-        if let Some(spec) = self.rdzv.as_deref().and_then(etcd::Spec::parse) {
-            return etcd::run(self, &spec.map_err(LaunchError::Invalid)?);
+        if let Some(spec) = etcd {
+            return etcd::run(
+                &launch,
+                &spec.map_err(LaunchError::Invalid)?,
+                trace.as_deref(),
+            );
         }
+        launch
+            .env
+            .push((rpc_core::JOB_ID_ENV[0].to_owned(), self.job_id()));
+        let mut exit = supervise::run(&launch)?;
+        if let Some(t) = trace.filter(|_| self.node_rank == 0) {
+            exit.trace = merge_trace(&t);
+        }
+        Ok(exit)
+    }
+
+    /// The job's name for its children ([`rpc_core::JOB_ID_ENV`]), the same on every node and
+    /// in every restart (TR-7): the one given to this launcher (its environment, or
+    /// [`Launch::env`]), else its `--rdzv` address (every node's), else one drawn now (one
+    /// node, one launcher). With etcd, `etcd::run` names the job's run.
+    fn job_id(&self) -> String {
+        let given = |k: &str| {
+            let mine = self
+                .env
+                .iter()
+                .rev()
+                .find(|(n, _)| n == k)
+                .map(|(_, v)| v.clone());
+            mine.or_else(|| std::env::var(k).ok())
+                .filter(|v| !v.trim().is_empty())
+        };
+        if let Some(id) = rpc_core::JOB_ID_ENV.iter().find_map(|k| given(k)) {
+            return id;
+        }
+        match &self.rdzv {
+            Some(r) => format!("rpcrun {r}"),
+            None => {
+                let nanos = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap_or_default()
+                    .as_nanos();
+                format!("rpcrun {}-{nanos:x}", std::process::id())
+            }
+        }
+    }
+
+    /// With [`Launch::trace`]: the launch that traces its children (`RPC_TRACE` set), and the
+    /// trace's absolute path; the parts' directory is made (a path that cannot be written fails
+    /// the launch now, not after the whole job). Node 0 of a `HOST:PORT` rendezvous clears the
+    /// earlier parts first; with etcd, where no node knows its rank yet, the merge leaves out
+    /// an earlier run's parts by their job (TR-7).
+    fn traced(&self, etcd: bool) -> Result<(Self, Option<PathBuf>), LaunchError> {
         let Some(trace) = &self.trace else {
-            return supervise::run(self);
+            return Ok((self.clone(), None));
         };
         let system = |what| move |source| LaunchError::System { what, source };
         let trace = std::path::absolute(trace).map_err(system("the trace's path"))?;
-        let parts = rpc_core::trace::parts_dir(&trace);
-        if self.node_rank == 0 {
-            match std::fs::remove_dir_all(&parts) {
+        if self.node_rank == 0 && !etcd {
+            match std::fs::remove_dir_all(rpc_core::trace::parts_dir(&trace)) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
                     return Err(system("removing the earlier trace parts")(e));
                 }
                 _ => {}
             }
         }
-        // A trace that cannot be written fails the launch now, not after the whole job.
         rpc_core::trace::prepare(&trace)
             .map_err(|e| LaunchError::Invalid(format!("--trace {e}")))?;
         let mut launch = self.clone();
@@ -430,17 +478,22 @@ impl Launch {
             rpc_core::trace::TRACE_ENV.to_owned(),
             trace.display().to_string(),
         ));
-        let mut exit = supervise::run(&launch)?;
-        if self.node_rank == 0 {
-            match rpc_core::trace::merge_parts(&trace, None) {
-                Ok(s) => {
-                    eprintln!("rpcrun: trace {}: {s}", trace.display());
-                    exit.trace = Some(s);
-                }
-                Err(e) => eprintln!("rpcrun: trace not written: {e}"),
-            }
+        Ok((launch, Some(trace)))
+    }
+}
+
+/// Merges the job's trace at `trace` from its parts, saying how it went; the summary, if
+/// the trace was written.
+fn merge_trace(trace: &std::path::Path) -> Option<rpc_core::trace::MergeSummary> {
+    match rpc_core::trace::merge_parts(trace, None) {
+        Ok(s) => {
+            eprintln!("rpcrun: trace {}: {s}", trace.display());
+            Some(s)
         }
-        Ok(exit)
+        Err(e) => {
+            eprintln!("rpcrun: trace not written: {e}");
+            None
+        }
     }
 }
 

@@ -281,6 +281,65 @@ fn a_sighup_under_a_grace_ends_the_worker_by_its_grace_and_keeps_its_part() {
     assert!(v["traceEvents"].as_array().is_some_and(|e| !e.is_empty()));
 }
 
+/// Runs `world` trace-workers by hand (no launcher), traced to `trace`; waits (at most 60 s)
+/// for every one to exit 0.
+fn by_hand(trace: &Path, world: u32) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let mut group = Group(
+        (0..world)
+            .map(|rank| {
+                std::process::Command::new(env!("CARGO_BIN_EXE_trace-worker"))
+                    .env("RANK", rank.to_string())
+                    .env("WORLD_SIZE", world.to_string())
+                    .env("MASTER_ADDR", "127.0.0.1")
+                    .env("MASTER_PORT", port.to_string())
+                    .env("RPC_SECRET", "trace test secret, long enough")
+                    .env("RPC_TRACE", trace)
+                    .stdin(std::process::Stdio::null())
+                    .stdout(std::process::Stdio::null())
+                    .spawn()
+                    .expect("starts trace-worker")
+            })
+            .collect(),
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    for c in &mut group.0 {
+        let status = loop {
+            if let Some(s) = c.try_wait().expect("waits") {
+                break s;
+            }
+            assert!(std::time::Instant::now() < deadline, "not done in 60 s");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert!(status.success(), "{status:?}");
+    }
+}
+
+/// TR-7: a program traced by hand to the path an earlier run of it used, with fewer ranks,
+/// gets a trace of this run only: rank 2's part, left by the earlier run, is left out and
+/// named (it was merged in, as if this run had three ranks: 3 parts).
+#[test]
+fn a_rerun_to_the_same_path_leaves_the_earlier_runs_parts_out() {
+    let dir = temp_dir("rerun");
+    let trace = dir.0.join("job.json");
+    by_hand(&trace, 3);
+    by_hand(&trace, 2);
+    let s = rpc_core::trace::merge_parts(&trace, None).expect("merged");
+    assert_eq!((s.parts, s.missing.clone()), (2, vec![]), "{s:?}");
+    assert_eq!(
+        s.stale,
+        vec![rpc_core::trace::part_path(&trace, 2, 0, 0)],
+        "{s:?}"
+    );
+    let v: Value =
+        serde_json::from_slice(&std::fs::read(&trace).expect("the merged trace")).expect("JSON");
+    let t = rpcrun::report::Trace::from_json(&v).unwrap();
+    assert_eq!(rpcrun::report::report(&t).steps, 6);
+}
+
 /// Kills the processes a test started, however it ends.
 struct Group(Vec<std::process::Child>);
 

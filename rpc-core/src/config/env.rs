@@ -50,6 +50,12 @@ pub const TORCHRUN_AGENT_STORE_ENV: &str = "TORCHELASTIC_USE_AGENT_STORE";
 /// this process, was started again after a failure): this project's `rpcrun`, then torchrun's.
 pub const RESTART_COUNT_ENV: [&str; 2] = ["RPC_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"];
 
+/// The variables a launcher names its job in, the same for every process of the job and
+/// every restart (this project's `rpcrun`, then torchrun's `--rdzv-id`): a traced worker's
+/// part carries it, so that a merge takes one job's parts only. Without a launcher, the
+/// group's rendezvous draws one as it starts.
+pub const JOB_ID_ENV: [&str; 2] = ["RPC_JOB_ID", "TORCHELASTIC_RUN_ID"];
+
 /// The variable that says whether rank 0 hosts the rendezvous (`0` or `1`; see
 /// [`Config::serve_rendezvous`](crate::Config::serve_rendezvous)): a launcher that hosts a standalone one sets `0`.
 pub const SERVE_RENDEZVOUS_ENV: &str = "RPC_SERVE_RENDEZVOUS";
@@ -95,8 +101,9 @@ pub const SIGNAL_GRACE_ENV: &str = "RPC_SIGNAL_GRACE_MS";
 pub const WIRE_PROTECTION_ENV: &str = "RPC_WIRE_PROTECTION";
 
 /// Every `RPC_*` variable this framework's workers and launcher read or set.
-const KNOWN: [&str; 15] = [
+const KNOWN: [&str; 16] = [
     RESTART_COUNT_ENV[0],
+    JOB_ID_ENV[0],
     SERVE_RENDEZVOUS_ENV,
     REPLACE_TOKEN_ENV,
     RESTART_MODE_ENV,

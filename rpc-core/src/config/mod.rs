@@ -26,7 +26,7 @@ use crate::net::{Secret, Transport, WireProtection};
 
 pub use crate::rendezvous::RENDEZVOUS_FD_ENV;
 pub use env::{
-    launched_rank, launched_restart_count, FAILURE_TIMEOUT_ENV, HEARTBEAT_INTERVAL_ENV,
+    launched_rank, launched_restart_count, FAILURE_TIMEOUT_ENV, HEARTBEAT_INTERVAL_ENV, JOB_ID_ENV,
     MASTER_ADDR_ENV, MASTER_PORT_ENV, MAX_WORLD_SIZE_ENV, RANK_ENV, REPLACE_TOKEN_ENV,
     RESTART_COUNT_ENV, RESTART_MODE_ENV, SERVE_RENDEZVOUS_ENV, SIGNAL_GRACE_ENV,
     TORCHRUN_AGENT_STORE_ENV, WIRE_PROTECTION_ENV, WORLD_SIZE_ENV,

@@ -6,10 +6,10 @@
 use std::time::Duration;
 
 use super::env::{
-    env_number, Env, FAILURE_TIMEOUT_ENV, HEARTBEAT_INTERVAL_ENV, MASTER_ADDR_ENV, MASTER_PORT_ENV,
-    MAX_WORLD_SIZE_ENV, RANK_ENV, REPLACE_TOKEN_ENV, RESTART_COUNT_ENV, RESTART_MODE_ENV,
-    SERVE_RENDEZVOUS_ENV, SIGNAL_GRACE_ENV, TORCHRUN_AGENT_STORE_ENV, WIRE_PROTECTION_ENV,
-    WORLD_SIZE_ENV,
+    env_number, Env, FAILURE_TIMEOUT_ENV, HEARTBEAT_INTERVAL_ENV, JOB_ID_ENV, MASTER_ADDR_ENV,
+    MASTER_PORT_ENV, MAX_WORLD_SIZE_ENV, RANK_ENV, REPLACE_TOKEN_ENV, RESTART_COUNT_ENV,
+    RESTART_MODE_ENV, SERVE_RENDEZVOUS_ENV, SIGNAL_GRACE_ENV, TORCHRUN_AGENT_STORE_ENV,
+    WIRE_PROTECTION_ENV, WORLD_SIZE_ENV,
 };
 use super::{Config, RENDEZVOUS_FD_ENV};
 use crate::error::InitError;
@@ -42,6 +42,8 @@ pub(crate) struct Resolved {
     /// The launcher's restart count ([`RESTART_COUNT_ENV`]; 0 on the first start), for the
     /// trace's parts.
     pub restart_count: u64,
+    /// The launcher's name for the job ([`JOB_ID_ENV`]), for the trace's parts.
+    pub job_id: Option<String>,
     pub listen_addr: String,
     pub init_timeout: Duration,
     pub rpc_timeout: Duration,
@@ -110,6 +112,10 @@ impl Config {
                 .filter(|t| replace && !t.is_empty()),
             replaced_on_failure,
             restart_count: u64::from(restart_count),
+            job_id: JOB_ID_ENV
+                .iter()
+                .find_map(|k| env(k))
+                .filter(|v| !v.trim().is_empty()),
             rendezvous,
             listen_addr,
             init_timeout: self.init_timeout,

@@ -75,6 +75,7 @@ pub(crate) fn fuzz_seeds() -> Vec<Vec<u8>> {
     };
     let table = Verdict::Table(
         View {
+            job: String::new(),
             generation: 0,
             members: ["w0", "w1", "w2"]
                 .iter()

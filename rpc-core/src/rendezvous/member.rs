@@ -25,7 +25,7 @@ pub(crate) struct Link(Framed_);
 /// What one try at joining gave.
 enum Joined {
     /// The group, the link, this worker's replacement token.
-    In(View, Link, String),
+    In(View, Box<Link>, String),
     /// The rank's holder is alive and this worker has no token for it (RDV-5).
     Held(String),
 }
@@ -56,7 +56,7 @@ pub(crate) async fn join(
         )
         .await?
         {
-            Joined::In(view, link, token) => return Ok((view, link, token)),
+            Joined::In(view, link, token) => return Ok((view, *link, token)),
             Joined::Held(why) if Instant::now() + backoff < deadline => {
                 tracing::info!(%why, "the rank's holder has not failed yet; trying again");
                 sleep(backoff).await;
@@ -108,7 +108,7 @@ async fn join_once(
     match verdict {
         Verdict::Table(t, token) => Ok(Joined::In(
             check_table(t, &me).map_err(err)?,
-            Link(f),
+            Box::new(Link(f)),
             token,
         )),
         Verdict::Held(why) => Ok(Joined::Held(why)),
@@ -362,7 +362,7 @@ async fn redial_until(
                     reports_again = resend.len(),
                     "the rendezvous link is back"
                 );
-                return Some((link, resend));
+                return Some((*link, resend));
             }
             Err(InitError::Refused(why)) => {
                 tracing::error!(rank = me, %why, "the rendezvous no longer counts this worker");

@@ -209,6 +209,10 @@ impl Member {
 /// The group: every rank's current incarnation and standing, after `generation` changes.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct View {
+    /// The group's identity: drawn at random by the rendezvous as it starts, the same for
+    /// every member and every view it sends (a trace's parts name it, so that a merge can
+    /// tell the parts of this run from those an earlier run left at the same path).
+    pub job: String,
     pub generation: u64,
     /// By rank, one per rank of the group's capacity (vacant ranks too).
     pub members: Vec<Member>,
@@ -533,6 +537,7 @@ mod tests {
 
     fn table(names: &[&str]) -> View {
         View {
+            job: String::new(),
             generation: 0,
             members: names
                 .iter()

@@ -87,6 +87,8 @@ fn new_token() -> String {
 }
 
 struct State {
+    /// The group's identity ([`View::job`]).
+    job: String,
     size: GroupSize,
     /// The ranks some worker has joined (the others are vacant).
     slots: BTreeMap<u32, Slot>,
@@ -119,6 +121,7 @@ pub(super) async fn serve(
     // Bounded: joins and reports are few; a full queue slows the readers, it drops nothing.
     let (tx, mut rx) = mpsc::channel::<Event>(256);
     let mut state = State {
+        job: new_token(),
         size,
         slots: BTreeMap::new(),
         pending: BTreeMap::new(),
@@ -254,6 +257,7 @@ fn refuse(mut f: Framed_, why: String) {
 impl State {
     fn view(&self) -> View {
         View {
+            job: self.job.clone(),
             generation: self.generation,
             members: (0..self.size.capacity())
                 .map(|r| match self.slots.get(&r) {

@@ -94,6 +94,7 @@ mod tests {
             })
             .collect();
         View {
+            job: String::new(),
             generation: 0,
             members,
         }

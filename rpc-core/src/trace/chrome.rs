@@ -10,6 +10,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
+use std::time::SystemTime;
 
 use serde_json::{json, Map, Value};
 
@@ -121,6 +122,7 @@ pub(crate) fn part(who: &Who, clock: &ClockEstimate, events: &[Event], dropped: 
             "incarnation": who.incarnation,
             "restart": who.restart,
             "ranks": who.ranks,
+            "job": who.job,
             "clock": {"reference_rank": 0, "offset_ns": clock.offset_ns, "at_ns": clock.at_ns,
                       "drift_ppm": clock.drift_ppm, "error_bound_ns": clock.error_bound_ns,
                       "samples": clock.samples},
@@ -184,6 +186,9 @@ pub struct MergeSummary {
     /// The ranks of the group (as its parts list them) with no part at all (TR-6): killed
     /// outright (SIGKILL, a crash), or their parts are on another host.
     pub missing: Vec<u32>,
+    /// The parts left out because another job wrote them (TR-7): an earlier run traced to
+    /// the same path left them, and this run wrote no part of that name over them.
+    pub stale: Vec<PathBuf>,
 }
 
 impl std::fmt::Display for MergeSummary {
@@ -213,15 +218,85 @@ impl std::fmt::Display for MergeSummary {
                 self.missing
             )?;
         }
+        if !self.stale.is_empty() {
+            let names: Vec<_> = self.stale.iter().filter_map(|p| p.file_name()).collect();
+            write!(
+                f,
+                "; left out {} part(s) an earlier job left at this path: {names:?}",
+                self.stale.len()
+            )?;
+        }
         Ok(())
     }
+}
+
+/// A part read: its metadata (`otherData.rpc_trace`) and its events.
+struct Part {
+    meta: Value,
+    events: Vec<Value>,
+}
+
+/// Reads each of `files` as a part, with its modification time.
+fn read_parts(files: &[PathBuf]) -> Result<Vec<(PathBuf, SystemTime, Part)>, MergeError> {
+    let mut out = Vec::with_capacity(files.len());
+    for f in files {
+        let bad = |why: String| MergeError::NotAPart {
+            path: f.clone(),
+            why,
+        };
+        let io = |source| MergeError::Io {
+            path: f.clone(),
+            source,
+        };
+        let text = std::fs::read(f).map_err(io)?;
+        let written = std::fs::metadata(f)
+            .and_then(|m| m.modified())
+            .map_err(io)?;
+        let mut v: Value = serde_json::from_slice(&text).map_err(|e| bad(e.to_string()))?;
+        let meta = v
+            .pointer("/otherData/rpc_trace")
+            .cloned()
+            .ok_or_else(|| bad("no otherData.rpc_trace".into()))?;
+        let Some(Value::Array(events)) = v.get_mut("traceEvents").map(Value::take) else {
+            return Err(bad("no traceEvents array".into()));
+        };
+        out.push((f.clone(), written, Part { meta, events }));
+    }
+    Ok(out)
+}
+
+/// TR-7: the parts of the job that wrote the newest part, and the paths of the others (left
+/// by an earlier run traced to the same path: a rank or a restart this run did not have).
+/// Parts written before parts named their job count as one job of their own.
+fn this_job(parts: Vec<(PathBuf, SystemTime, Part)>) -> (Vec<Part>, Vec<PathBuf>) {
+    let job = |p: &Part| {
+        p.meta
+            .get("job")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_owned()
+    };
+    let newest = parts
+        .iter()
+        .max_by_key(|(_, written, _)| *written)
+        .map(|(_, _, p)| job(p));
+    let (mut mine, mut stale) = (Vec::new(), Vec::new());
+    for (path, _, part) in parts {
+        if Some(job(&part)) == newest {
+            mine.push(part);
+        } else {
+            stale.push(path);
+        }
+    }
+    (mine, stale)
 }
 
 /// Merges the parts in `<trace>.parts/` (or the files in `parts` if given) into one trace at
 /// `trace`, written whole or not at all. The merged file's `otherData.rpc_trace.parts` lists
 /// each part's metadata, `clock_error_bound_ns` is the largest bound of any part on rank 0's
 /// clock, `unaligned_ranks` the ranks whose parts are not (their clocks never read it), and
-/// `missing_ranks` the ranks of the group with no part (TR-6).
+/// `missing_ranks` the ranks of the group with no part (TR-6). Only the parts of the job that
+/// wrote the newest part are merged; `stale_parts` lists the others (TR-7).
 pub fn merge_parts(trace: &Path, parts: Option<&[PathBuf]>) -> Result<MergeSummary, MergeError> {
     let files: Vec<PathBuf> = match parts {
         Some(p) => p.to_vec(),
@@ -245,27 +320,13 @@ pub fn merge_parts(trace: &Path, parts: Option<&[PathBuf]>) -> Result<MergeSumma
     if files.is_empty() {
         return Err(MergeError::NoParts(parts_dir(trace)));
     }
+    let (files, stale) = this_job(read_parts(&files)?);
     let mut events = Vec::new();
     let mut metas = Vec::new();
     let (mut bound, mut dropped, mut unaligned) = (0u64, 0u64, Vec::new());
     let (mut group, mut present) = (BTreeSet::new(), BTreeSet::new());
-    for f in &files {
-        let bad = |why: String| MergeError::NotAPart {
-            path: f.clone(),
-            why,
-        };
-        let text = std::fs::read(f).map_err(|source| MergeError::Io {
-            path: f.clone(),
-            source,
-        })?;
-        let mut v: Value = serde_json::from_slice(&text).map_err(|e| bad(e.to_string()))?;
-        let meta = v
-            .pointer("/otherData/rpc_trace")
-            .cloned()
-            .ok_or_else(|| bad("no otherData.rpc_trace".into()))?;
-        let Some(Value::Array(evs)) = v.get_mut("traceEvents").map(Value::take) else {
-            return Err(bad("no traceEvents array".into()));
-        };
+    let count = files.len();
+    for Part { meta, events: evs } in files {
         match meta
             .pointer("/clock/error_bound_ns")
             .and_then(Value::as_u64)
@@ -289,12 +350,13 @@ pub fn merge_parts(trace: &Path, parts: Option<&[PathBuf]>) -> Result<MergeSumma
         .map(|&r| u32::try_from(r).unwrap_or(u32::MAX))
         .collect();
     let summary = MergeSummary {
-        parts: files.len(),
+        parts: count,
         events: events.len(),
         clock_error_bound_ns: bound,
         unaligned: unaligned.clone(),
         dropped,
         missing: missing.clone(),
+        stale: stale.clone(),
     };
     let merged = json!({
         "traceEvents": events,
@@ -305,6 +367,7 @@ pub fn merge_parts(trace: &Path, parts: Option<&[PathBuf]>) -> Result<MergeSumma
             "unaligned_ranks": unaligned,
             "dropped": dropped,
             "missing_ranks": missing,
+            "stale_parts": stale,
         }},
     });
     write_atomic(trace, &merged).map_err(|source| MergeError::Io {

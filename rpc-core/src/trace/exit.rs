@@ -294,6 +294,52 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    /// TR-7: a run traced to the path of an earlier run with more ranks does not merge the
+    /// part of the rank it no longer has (it did, as this run's: 3 parts, rank 2 of a job
+    /// that had ended); the part is left out and named.
+    #[test]
+    fn the_parts_of_an_earlier_job_at_the_same_path_are_left_out_and_named() {
+        let dir = std::env::temp_dir().join(format!("trace-stale-{}", std::process::id()));
+        let part = |rank: u32, ranks: Vec<u32>, job: &str| {
+            let t = Tracer::on(dir.join("job.json"), 16);
+            t.set_who(Who {
+                rank,
+                name: format!("w{rank}"),
+                ranks,
+                job: job.into(),
+                ..Who::default()
+            });
+            t.ring().unwrap().clock.lock().unwrap().reference = rank == 0;
+            write_once(t.ring().unwrap(), false);
+            part_path(&dir.join("job.json"), rank, 0, 0)
+        };
+        let earlier = [0, 1, 2].map(|r| part(r, vec![0, 1, 2], "earlier"));
+        // Written a minute ago, whatever the file system's clock granularity.
+        let ago = std::time::SystemTime::now() - Duration::from_secs(60);
+        for p in &earlier {
+            let f = std::fs::File::options().write(true).open(p).unwrap();
+            f.set_modified(ago).unwrap();
+        }
+        part(0, vec![0, 1], "later");
+        part(1, vec![0, 1], "later");
+        let s = merge_parts(&dir.join("job.json"), None).unwrap();
+        assert_eq!((s.parts, s.missing.clone()), (2, vec![]), "{s:?}");
+        assert_eq!(s.stale, vec![earlier[2].clone()], "{s:?}");
+        let said = s.to_string();
+        assert!(
+            said.ends_with(
+                "left out 1 part(s) an earlier job left at this path: \
+                                [\"rank-2-inc-0.json\"]"
+            ),
+            "{said}"
+        );
+        let merged: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("job.json")).unwrap()).unwrap();
+        let listed = &merged["otherData"]["rpc_trace"]["stale_parts"];
+        assert_eq!(listed.as_array().map(Vec::len), Some(1), "{listed}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// A part whose worker never read rank 0's clock is named, not folded into the bound
     /// (the summary said "clocks aligned within 18446744073709552 us").
     #[test]

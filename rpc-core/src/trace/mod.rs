@@ -6,7 +6,7 @@
 //! mod.rs    the recorder: a Tracer handle, its spans, the bounded ring (TR-1, TR-2)
 //! clock.rs  each rank's offset from rank 0's clock, estimated over the group's connections
 //! exit.rs   the part written however a worker ends: shutdown, exit, a signal (TR-5)
-//! chrome.rs the Trace Event Format: a rank's part, the merge of the parts (TR-3, TR-4, TR-6)
+//! chrome.rs the Trace Event Format: a rank's part, the merge of the parts (TR-3, 4, 6, 7)
 //! layer.rs  spans of the `tracing` ecosystem recorded into the same ring
 //! record.rs what the ring keeps of one event (64 bytes)
 //! ```
@@ -30,6 +30,9 @@
 //! - **TR-6** A merge never passes off part of a job as the whole: each part lists the ranks
 //!   its group had, and those without a part (a worker killed outright writes none) are
 //!   named in the merge's summary and in the merged file.
+//! - **TR-7** A merge takes one job's parts: each part names its job (its launcher's
+//!   [`JOB_ID_ENV`](crate::JOB_ID_ENV), else the id its rendezvous drew), and the parts an
+//!   earlier run left at the same path are left out and named, not merged into this run's.
 
 mod chrome;
 mod clock;
@@ -151,6 +154,8 @@ pub(crate) struct Who {
     pub restart: u64,
     /// The ranks its group had when it joined (a group that grows: not its vacant ones).
     pub ranks: Vec<u32>,
+    /// The job it belongs to: its launcher's name for it, else its rendezvous's (TR-7).
+    pub job: String,
 }
 
 impl Ring {
@@ -494,6 +499,7 @@ mod tests {
                 incarnation,
                 restart,
                 ranks: vec![0, 1],
+                ..Who::default()
             });
             let first = t.call_made("f", 0).unwrap().1;
             (first, first + 1_000_000)

@@ -48,7 +48,12 @@ fn rdzv_error(why: String) -> LaunchError {
     LaunchError::Rendezvous(why)
 }
 
-pub(crate) fn run(launch: &Launch, spec: &Spec) -> Result<Exit, LaunchError> {
+/// `trace`: the job's trace, merged by the launcher that was node 0 of the last round.
+pub(crate) fn run(
+    launch: &Launch,
+    spec: &Spec,
+    trace: Option<&std::path::Path>,
+) -> Result<Exit, LaunchError> {
     let secret = SecretFile::resolve(launch)?;
     let handlers = Handlers::install()?;
     // Launchers may start before etcd does.
@@ -62,6 +67,7 @@ pub(crate) fn run(launch: &Launch, spec: &Spec) -> Result<Exit, LaunchError> {
     let mut failures = Vec::new();
     let mut restarts = 0;
     let mut fresh = true;
+    let mut last_node = None;
     let ended = loop {
         let mut round = match join(&mut store, launch, &id, &host, fresh, &handlers)? {
             Joined::Round(r) => r,
@@ -72,6 +78,12 @@ pub(crate) fn run(launch: &Launch, spec: &Spec) -> Result<Exit, LaunchError> {
         restarts = round.restart;
         let mut node = launch.clone();
         node.node_rank = round.node_rank;
+        last_node = Some(round.node_rank);
+        // The job's run, the same on every node and in every round (TR-7).
+        node.env.push((
+            rpc_core::JOB_ID_ENV[0].to_owned(),
+            format!("{}/{}", spec.job, round.gen - u64::from(round.restart)),
+        ));
         tracing::info!(
             round = round.gen,
             restart = round.restart,
@@ -142,11 +154,24 @@ pub(crate) fn run(launch: &Launch, spec: &Spec) -> Result<Exit, LaunchError> {
         }
     };
     store.leave();
+    let trace = match (trace, last_node) {
+        (Some(t), Some(0)) => crate::merge_trace(t),
+        (Some(t), Some(_)) => {
+            eprintln!(
+                "rpcrun: this node's trace parts are in {}; node 0 of the last round merges \
+                 the trace (unless the path is on a shared filesystem, copy them there and \
+                 run `rpctrace merge`)",
+                rpc_core::trace::parts_dir(t).display()
+            );
+            None
+        }
+        _ => None,
+    };
     Ok(Exit {
         code: ended,
         restarts,
         failures,
-        trace: None,
+        trace,
     })
 }
 
