@@ -60,6 +60,8 @@
 //! # Ok::<(), rpcrun::LaunchError>(())
 //! ```
 
+#![deny(missing_docs)]
+
 mod child;
 mod env;
 mod etcd;
@@ -416,8 +418,8 @@ impl Launch {
             .env
             .push((rpc_core::JOB_ID_ENV[0].to_owned(), self.job_id()));
         let mut exit = supervise::run(&launch)?;
-        if let Some(t) = trace.filter(|_| self.node_rank == 0) {
-            exit.trace = merge_trace(&t);
+        if let Some(t) = trace {
+            exit.trace = merge_trace(&t, self.node_rank == 0);
         }
         Ok(exit)
     }
@@ -482,9 +484,17 @@ impl Launch {
     }
 }
 
-/// Merges the job's trace at `trace` from its parts, saying how it went; the summary, if
-/// the trace was written.
-fn merge_trace(trace: &std::path::Path) -> Option<rpc_core::trace::MergeSummary> {
+/// On node 0 (`merges`), merges the job's trace at `trace` from its parts, saying how it
+/// went: the summary, if the trace was written. Elsewhere, says where this node's parts are.
+fn merge_trace(trace: &std::path::Path, merges: bool) -> Option<rpc_core::trace::MergeSummary> {
+    if !merges {
+        eprintln!(
+            "rpcrun: this node's trace parts are in {}; node 0 merges the trace (unless the \
+             path is on a filesystem node 0 shares, copy them there and run `rpctrace merge`)",
+            rpc_core::trace::parts_dir(trace).display()
+        );
+        return None;
+    }
     match rpc_core::trace::merge_parts(trace, None) {
         Ok(s) => {
             eprintln!("rpcrun: trace {}: {s}", trace.display());

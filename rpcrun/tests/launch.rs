@@ -99,6 +99,32 @@ fn a_failed_rank_restarts_the_whole_group_with_the_count_raised() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// TR-7: every child of a launch gets one job id, in every restart (each start's trace parts
+/// are one job's), and another launch gets another.
+#[test]
+fn every_child_of_a_launch_gets_one_job_id_in_every_restart() {
+    let mut ids = Vec::new();
+    for launch in 0..2 {
+        let dir = scratch(&format!("job-id-{launch}"));
+        let mut r = start(
+            &dir,
+            &["--nproc", "2", "--max-restarts", "1"],
+            r#"echo "job $RPC_JOB_ID"
+               if [ "$RANK" = 1 ] && [ "$RPC_RESTART_COUNT" = 0 ]; then sleep 0.3; exit 3; fi"#,
+        );
+        assert_eq!(r.wait(Duration::from_secs(30)), Some(0), "{}", r.stderr());
+        let out = r.stdout();
+        let mut seen: Vec<&str> = out.lines().filter_map(|l| l.split("job ").nth(1)).collect();
+        assert_eq!(seen.len(), 4, "{out}");
+        seen.dedup();
+        assert_eq!(seen.len(), 1, "{out}");
+        assert!(!seen[0].is_empty(), "{out}");
+        ids.push(seen[0].to_owned());
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+    assert_ne!(ids[0], ids[1]);
+}
+
 #[test]
 fn out_of_restarts_it_exits_with_the_failure_status() {
     let dir = scratch("out");

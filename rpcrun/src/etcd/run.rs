@@ -154,17 +154,9 @@ pub(crate) fn run(
         }
     };
     store.leave();
+    // Node 0 of the last round merges (a spare that never ran has no part to speak of).
     let trace = match (trace, last_node) {
-        (Some(t), Some(0)) => crate::merge_trace(t),
-        (Some(t), Some(_)) => {
-            eprintln!(
-                "rpcrun: this node's trace parts are in {}; node 0 of the last round merges \
-                 the trace (unless the path is on a shared filesystem, copy them there and \
-                 run `rpctrace merge`)",
-                rpc_core::trace::parts_dir(t).display()
-            );
-            None
-        }
+        (Some(t), Some(node)) => crate::merge_trace(t, node == 0),
         _ => None,
     };
     Ok(Exit {
