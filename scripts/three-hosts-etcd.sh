@@ -26,7 +26,7 @@ job="three-hosts-$$"
 start_host() {
     ip netns exec "${hosts[$1]}" unshare --pid --fork --kill-child --mount-proc \
         "$bin/rpcrun" --nnodes 3 --nproc 1 --rdzv "etcd://10.232.0.254:2379/$job" \
-        --secret-file "$out/secret" --max-restarts 3 -- \
+        --secret-file "$out/secret" --max-restarts 3 --trace "$out/job.json" -- \
         "$bin/hybrid-rnn" "${flags[@]}" --quiet --out-dir "$out/run" \
         >"$out/host$1.out" 2>"$out/host$1.err" &
     pids[$1]=$!
@@ -112,12 +112,25 @@ grep -h -E "node 0 of|restarting|stopped|left round|exited" "$out"/host*.err | g
     sed 's/^/  /' || true
 # The master's last line: on whichever host was node 0 of the last round.
 result=$(grep -h "params_sha256" "$out"/host*.out | tail -1 | sed 's/^\[rank0\]: //')
-python3 - "$out/ref.out" "$result" "$status" <<'PY'
+grep -h "rpcrun: trace" "$out"/host*.err | sed 's/^/  /' || true
+python3 - "$out/ref.out" "$result" "$status" "$out/job.json" <<'PY'
 import json, sys
 a = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
 b = json.loads(sys.argv[2] or "{}")
 same = a["params_sha256"] == b.get("params_sha256")
+# The job's trace, merged by node 0 of the last round: one job's parts (TR-7), every rank of
+# the last round's start present, none missing (TR-6).
+try:
+    meta = json.load(open(sys.argv[4]))["otherData"]["rpc_trace"]
+except (OSError, ValueError, KeyError) as e:
+    meta = {"parts": [], "error": str(e)}
+parts = meta["parts"]
+last = max((p["restart"] for p in parts), default=-1)
+traced = (len({p["job"] for p in parts}) == 1 and not meta.get("missing_ranks")
+          and {p["rank"] for p in parts if p["restart"] == last} == {0, 1, 2})
 print(json.dumps({"three_hosts": True, "rdzv": "etcd", "bit_identical": same,
-                  "recoveries": b.get("recoveries", 0), "time_lost_s": b.get("time_lost_s")}))
-sys.exit(0 if same and sys.argv[3] == "0" and b.get("recoveries", 0) >= 1 else 1)
+                  "recoveries": b.get("recoveries", 0), "time_lost_s": b.get("time_lost_s"),
+                  "trace": {"parts": len(parts), "last_start": last, "ok": traced,
+                            "error": meta.get("error")}}))
+sys.exit(0 if same and traced and sys.argv[3] == "0" and b.get("recoveries", 0) >= 1 else 1)
 PY

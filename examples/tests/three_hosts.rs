@@ -12,7 +12,7 @@
 //! RDV-7: before, a frozen rendezvous left them waiting on it). One loopback reference run
 //! serves every scenario (the script's `REF_CACHE`). With the launchers' rendezvous in etcd (`RDZV=etcd`, a fourth host
 //! waiting as a spare), the loss of that host (killed or frozen) costs one restart and the run
-//! ends bit-identical; etcd's own death ends every launcher with an error naming it. Those
+//! ends bit-identical, traced into one file by node 0 of the last round; etcd's own death ends every launcher with an error naming it. Those
 //! need `rpcrun` built with its `etcd` feature and Debian's `etcd-server` (`.ci/run` has
 //! both); elsewhere they are skipped, saying why.
 //!
@@ -205,6 +205,10 @@ fn in_rendezvous(rdzv: &str, fault: &str, restart: &str, said: &str) {
         assert_eq!(j["ok"], true, "{text}");
     } else {
         assert_eq!(j["bit_identical"], true, "{text}");
+        if rdzv == "etcd" {
+            // Traced: one job's parts, every rank of the last start, none missing (TR-6, 7).
+            assert_eq!(j["trace"]["ok"], true, "{text}");
+        }
         // An impostor refused, or a cut that evicts no one, needs no recovery.
         let need = u64::from(!matches!(fault, "pair" | "impostor"));
         assert!(j["recoveries"].as_u64().unwrap() >= need, "{text}");

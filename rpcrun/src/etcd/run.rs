@@ -67,8 +67,11 @@ pub(crate) fn run(
     let mut failures = Vec::new();
     let mut restarts = 0;
     let mut fresh = true;
-    let mut last_node = None;
+    let mut last_node;
     let ended = loop {
+        // Set while this launcher takes part in a round: the round that ends the job, when
+        // the loop ends with it set (a launcher that finds the job over took part in none).
+        last_node = None;
         let mut round = match join(&mut store, launch, &id, &host, fresh, &handlers)? {
             Joined::Round(r) => r,
             Joined::Ended(code) => break code,

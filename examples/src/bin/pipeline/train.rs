@@ -167,7 +167,12 @@ impl Trainer<'_> {
             .flatten();
         let killer = async {
             if let Some(v) = kill {
-                tokio::time::sleep(Duration::from_millis(20)).await;
+                // Once the step has begun (its first sends are out), not after a delay: a step
+                // shorter than the delay ended first, and the fault came between steps or not
+                // at all (seen on a faster machine: replayed 3 steps, or the master never
+                // killed). The victim's `die` needs one hop; the step needs stage 0's forward
+                // before it reaches any later stage, so it cannot end first.
+                tokio::task::yield_now().await;
                 eprintln!("pipeline: killing {v} during step {step}");
                 let rank = match v {
                     Victim::Master => 0,
