@@ -243,16 +243,17 @@ fn a_job_meeting_in_etcd_is_traced_into_one_file() {
     let parts = etcd.dir.join("job.json.parts");
     std::fs::create_dir_all(&parts).unwrap();
     let stale = parts.join("rank-2-inc-0.json");
-    let part = |rank: u32, job: &str| {
-        format!(
-            r#"{{"traceEvents":[],"otherData":{{"rpc_trace":{{"rank":{rank},"ranks":[0,1],"job":"{job}"}}}}}}"#
-        )
-    };
-    std::fs::write(&stale, part(2, "an earlier run")).unwrap();
+    let part = serde_json::json!({"traceEvents": [], "otherData": {"rpc_trace":
+        {"rank": 2, "ranks": [0, 1, 2], "job": "an earlier run"}}});
+    std::fs::write(&stale, part.to_string()).unwrap();
     let ago = std::time::SystemTime::now() - Duration::from_secs(60);
     let f = std::fs::File::options().write(true).open(&stale).unwrap();
     f.set_modified(ago).unwrap();
-    let script = r#"printf '{"traceEvents":[],"otherData":{"rpc_trace":{"rank":%s,"ranks":[0,1],"job":"%s"}}}' "$RANK" "$RPC_JOB_ID" > "$RPC_TRACE.parts/rank-$RANK-inc-0.json""#;
+    let script = concat!(
+        r#"printf '{"traceEvents":[],"otherData":{"rpc_trace":"#,
+        r#"{"rank":%s,"ranks":[0,1],"job":"%s"}}}' "$RANK" "$RPC_JOB_ID" "#,
+        r#"> "$RPC_TRACE.parts/rank-$RANK-inc-0.json""#
+    );
     let flags = ["--trace", trace.to_str().unwrap()];
     let mut a = etcd.launcher("trace", 0, &flags, script);
     let mut b = etcd.launcher("trace", 1, &flags, script);
