@@ -437,7 +437,7 @@ impl Launch {
                 .find(|(n, _)| n == k)
                 .map(|(_, v)| v.clone());
             mine.or_else(|| std::env::var(k).ok())
-                .filter(|v| !v.trim().is_empty())
+                .filter(|v| !v.trim().is_empty() && v != "none")
         };
         if let Some(id) = rpc_core::JOB_ID_ENV.iter().find_map(|k| given(k)) {
             return id;

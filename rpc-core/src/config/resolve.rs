@@ -112,10 +112,10 @@ impl Config {
                 .filter(|t| replace && !t.is_empty()),
             replaced_on_failure,
             restart_count: u64::from(restart_count),
+            // torchrun's `--rdzv-id` is "none" unless given: the same for every job, so no name.
             job_id: JOB_ID_ENV
                 .iter()
-                .find_map(|k| env(k))
-                .filter(|v| !v.trim().is_empty()),
+                .find_map(|k| env(k).filter(|v| !v.trim().is_empty() && v != "none")),
             rendezvous,
             listen_addr,
             init_timeout: self.init_timeout,

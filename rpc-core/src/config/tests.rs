@@ -108,6 +108,26 @@ fn a_trace_that_cannot_be_written_is_refused_at_start() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// TR-7: the job's name is the launcher's (ours, then torchrun's); torchrun's default, "none",
+/// names no job (every run would share it), so the rendezvous's drawn id is used.
+#[test]
+fn the_job_is_named_by_its_launcher_unless_torchrun_gave_it_no_name() {
+    let job = |vars: &[(&str, &str)]| {
+        let cfg = base().with_rank(0).with_world_size(1);
+        cfg.with_init_method("tcp://a:1")
+            .resolve_with(&env(vars))
+            .unwrap()
+            .job_id
+    };
+    assert_eq!(job(&[("RPC_JOB_ID", "j1")]).as_deref(), Some("j1"));
+    let both = [("RPC_JOB_ID", "j1"), ("TORCHELASTIC_RUN_ID", "t1")];
+    assert_eq!(job(&both).as_deref(), Some("j1"));
+    assert_eq!(job(&[("TORCHELASTIC_RUN_ID", "t1")]).as_deref(), Some("t1"));
+    assert_eq!(job(&[("TORCHELASTIC_RUN_ID", "none")]), None);
+    assert_eq!(job(&[("RPC_JOB_ID", " ")]), None);
+    assert_eq!(job(&[]), None);
+}
+
 #[test]
 fn torchrun_variables() {
     let r = base()
