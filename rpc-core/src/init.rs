@@ -124,6 +124,7 @@ pub async fn init(config: Config, mut registry: Registry) -> Result<Agent, InitE
         incarnation,
         restart: cfg.restart_count,
         job: cfg.job_id.clone().unwrap_or_else(|| view.job.clone()),
+        group: view.job.clone(),
         ranks: (0..)
             .zip(&standing)
             .filter(|(_, s)| **s != Standing::Vacant)

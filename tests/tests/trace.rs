@@ -198,6 +198,33 @@ fn a_rank_killed_outright_is_named_as_missing_from_the_trace() {
     assert!(text.contains("no part from ranks [2]"), "{text}");
 }
 
+/// TR-6 per start: a rank killed outright in the launcher's first start, before the group
+/// restart that wrote its part, is named as missing from that start, in the summary and in
+/// `rpctrace report` (its part from the restart stood in for it: nothing was missing).
+#[test]
+fn a_rank_killed_in_a_start_the_group_restarted_is_named_for_that_start() {
+    let dir = temp_dir("killed-restart");
+    let trace = dir.0.join("job.json");
+    let env = [("TRACE_KILL_RANK", "2"), ("TRACE_FAIL_ONCE", "1")];
+    let exit = launch_with(&trace, &env, |l| l.max_restarts(1));
+    assert_eq!((exit.code, exit.restarts), (0, 1), "{exit:?}");
+    let merged = exit.trace.expect("the launcher merged the trace");
+    assert_eq!(merged.parts, 5, "{merged:?}");
+    let by_start = vec![(0, vec![2])];
+    assert_eq!(
+        (merged.missing.clone(), merged.missing_by_start.clone()),
+        (vec![2], by_start),
+        "{merged:?}"
+    );
+    let said = merged.to_string();
+    assert!(said.contains("no part from ranks [2] in start 0"), "{said}");
+    let v: Value =
+        serde_json::from_slice(&std::fs::read(&trace).expect("the merged trace")).expect("JSON");
+    let t = rpcrun::report::Trace::from_json(&v).unwrap();
+    let text = rpcrun::report::report(&t).text();
+    assert!(text.contains("no part from ranks [2] in start 0"), "{text}");
+}
+
 /// TR-5 across a group restart: the failed start's parts (rank 0's at its exit, the others'
 /// on SIGTERM) stay beside the restart's, all merged, every call linked once. Before, each
 /// start wrote `rank-R-inc-0.json` over the previous start's (and a part left from one start

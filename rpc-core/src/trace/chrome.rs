@@ -123,6 +123,7 @@ pub(crate) fn part(who: &Who, clock: &ClockEstimate, events: &[Event], dropped: 
             "restart": who.restart,
             "ranks": who.ranks,
             "job": who.job,
+            "group": who.group,
             "clock": {"reference_rank": 0, "offset_ns": clock.offset_ns, "at_ns": clock.at_ns,
                       "drift_ppm": clock.drift_ppm, "error_bound_ns": clock.error_bound_ns,
                       "samples": clock.samples},
@@ -183,9 +184,13 @@ pub struct MergeSummary {
     pub unaligned: Vec<u32>,
     /// Events the workers' rings dropped.
     pub dropped: u64,
-    /// The ranks of the group (as its parts list them) with no part at all (TR-6): killed
-    /// outright (SIGKILL, a crash), or their parts are on another host.
+    /// The ranks of the group (as its parts list them) with no part (TR-6): killed outright
+    /// (SIGKILL, a crash), or their parts are on another host. After group restarts, those
+    /// without a part in some start.
     pub missing: Vec<u32>,
+    /// When the trace holds several starts of a group (the launcher's group restarts): for
+    /// each start that lacks a part, its restart count and the ranks without one.
+    pub missing_by_start: Vec<(u64, Vec<u32>)>,
     /// The parts left out because another job wrote them (TR-7): an earlier run traced to
     /// the same path left them, and this run wrote no part of that name over them.
     pub stale: Vec<PathBuf>,
@@ -211,12 +216,16 @@ impl std::fmt::Display for MergeSummary {
         if self.dropped > 0 {
             write!(f, ", {} oldest events dropped (ring full)", self.dropped)?;
         }
+        if !self.missing_by_start.is_empty() {
+            let each: Vec<String> = (self.missing_by_start.iter())
+                .map(|(start, ranks)| format!("{ranks:?} in start {start}"))
+                .collect();
+            write!(f, "; no part from ranks {}", each.join(", "))?;
+        } else if !self.missing.is_empty() {
+            write!(f, "; no part from ranks {:?}", self.missing)?;
+        }
         if !self.missing.is_empty() {
-            write!(
-                f,
-                "; no part from ranks {:?} (killed outright, or their parts are on another host)",
-                self.missing
-            )?;
+            write!(f, " (killed outright, or their parts are on another host)")?;
         }
         if !self.stale.is_empty() {
             let names: Vec<_> = self.stale.iter().filter_map(|p| p.file_name()).collect();
@@ -324,7 +333,10 @@ pub fn merge_parts(trace: &Path, parts: Option<&[PathBuf]>) -> Result<MergeSumma
     let mut events = Vec::new();
     let mut metas = Vec::new();
     let (mut bound, mut dropped, mut unaligned) = (0u64, 0u64, Vec::new());
-    let (mut group, mut present) = (BTreeSet::new(), BTreeSet::new());
+    // Per group the job formed (one per start of the launcher's group restarts; processes
+    // replaced one by one join the same): its first restart count, the ranks its parts list,
+    // the ranks with a part.
+    let mut groups: BTreeMap<String, (u64, BTreeSet<u64>, BTreeSet<u64>)> = BTreeMap::new();
     let count = files.len();
     for Part { meta, events: evs } in files {
         match meta
@@ -335,8 +347,19 @@ pub fn merge_parts(trace: &Path, parts: Option<&[PathBuf]>) -> Result<MergeSumma
             b => bound = bound.max(b.unwrap_or(0)),
         }
         dropped += meta.get("dropped").and_then(Value::as_u64).unwrap_or(0);
+        let group = meta
+            .get("group")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_owned();
+        let restart = meta.get("restart").and_then(Value::as_u64).unwrap_or(0);
+        let (start, listed, present) =
+            groups
+                .entry(group)
+                .or_insert((restart, [].into(), [].into()));
+        *start = (*start).min(restart);
         if let Some(Value::Array(ranks)) = meta.get("ranks") {
-            group.extend(ranks.iter().filter_map(Value::as_u64));
+            listed.extend(ranks.iter().filter_map(Value::as_u64));
         }
         present.extend(meta.get("rank").and_then(Value::as_u64));
         events.extend(evs);
@@ -345,10 +368,18 @@ pub fn merge_parts(trace: &Path, parts: Option<&[PathBuf]>) -> Result<MergeSumma
     unaligned.sort_unstable();
     unaligned.dedup();
     let unaligned: Vec<u32> = unaligned.into_iter().map(|r| r as u32).collect();
-    let missing: Vec<u32> = group
-        .difference(&present)
-        .map(|&r| u32::try_from(r).unwrap_or(u32::MAX))
+    let rank = |r: &u64| u32::try_from(*r).unwrap_or(u32::MAX);
+    let mut gaps: Vec<(u64, Vec<u32>)> = (groups.values())
+        .map(|(start, listed, present)| (*start, listed.difference(present).map(rank).collect()))
         .collect();
+    gaps.sort_unstable();
+    let mut missing: Vec<u32> = gaps.iter().flat_map(|(_, r)| r.iter().copied()).collect();
+    missing.sort_unstable();
+    missing.dedup();
+    let missing_by_start: Vec<(u64, Vec<u32>)> = match groups.len() {
+        1 => Vec::new(),
+        _ => gaps.into_iter().filter(|(_, r)| !r.is_empty()).collect(),
+    };
     let summary = MergeSummary {
         parts: count,
         events: events.len(),
@@ -356,6 +387,7 @@ pub fn merge_parts(trace: &Path, parts: Option<&[PathBuf]>) -> Result<MergeSumma
         unaligned: unaligned.clone(),
         dropped,
         missing: missing.clone(),
+        missing_by_start: missing_by_start.clone(),
         stale: stale.clone(),
     };
     let merged = json!({
@@ -367,6 +399,9 @@ pub fn merge_parts(trace: &Path, parts: Option<&[PathBuf]>) -> Result<MergeSumma
             "unaligned_ranks": unaligned,
             "dropped": dropped,
             "missing_ranks": missing,
+            "missing_by_start": missing_by_start.iter()
+                .map(|(start, ranks)| json!({"restart": start, "ranks": ranks}))
+                .collect::<Vec<_>>(),
             "stale_parts": stale,
         }},
     });

@@ -294,6 +294,52 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    /// TR-6 per group the job formed: a rank without a part in one start of a group restart
+    /// is named for that start, though the next start has its part (it was not named at
+    /// all); processes replaced one by one join the same group, so a replacement's part
+    /// counts with the others'.
+    #[test]
+    fn a_rank_without_a_part_in_one_start_is_named_for_that_start() {
+        let dir = std::env::temp_dir().join(format!("trace-starts-{}", std::process::id()));
+        let part = |rank: u32, group: &str, incarnation: u64, restart: u64| {
+            let t = Tracer::on(dir.join("job.json"), 16);
+            t.set_who(Who {
+                rank,
+                name: format!("w{rank}"),
+                incarnation,
+                restart,
+                ranks: vec![0, 1, 2],
+                job: "job".into(),
+                group: group.into(),
+            });
+            t.ring().unwrap().clock.lock().unwrap().reference = rank == 0;
+            write_once(t.ring().unwrap(), false);
+        };
+        // One by one: rank 1 replaced (incarnation 1) in the same group; nothing missing.
+        for (rank, inc) in [(0, 0), (1, 0), (1, 1), (2, 0)] {
+            part(rank, "first", inc, inc);
+        }
+        let s = merge_parts(&dir.join("job.json"), None).unwrap();
+        assert_eq!((s.parts, s.missing.clone()), (4, vec![]), "{s:?}");
+        assert!(s.missing_by_start.is_empty(), "{s:?}");
+        // A group restart: rank 2 of the first start left no part, the second start's did.
+        std::fs::remove_dir_all(dir.join("job.json.parts")).unwrap();
+        part(0, "first", 0, 0);
+        part(1, "first", 0, 0);
+        for rank in 0..3 {
+            part(rank, "second", 0, 1);
+        }
+        let s = merge_parts(&dir.join("job.json"), None).unwrap();
+        assert_eq!((s.parts, s.missing.clone()), (5, vec![2]), "{s:?}");
+        assert_eq!(s.missing_by_start, vec![(0, vec![2])], "{s:?}");
+        let said = s.to_string();
+        assert!(
+            said.contains("no part from ranks [2] in start 0 (killed"),
+            "{said}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// TR-7: a run traced to the path of an earlier run with more ranks does not merge the
     /// part of the rank it no longer has (it did, as this run's: 3 parts, rank 2 of a job
     /// that had ended); the part is left out and named.

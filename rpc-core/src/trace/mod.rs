@@ -29,7 +29,8 @@
 //!   at its process's exit, or on the SIGTERM, SIGINT or SIGHUP that stops it.
 //! - **TR-6** A merge never passes off part of a job as the whole: each part lists the ranks
 //!   its group had, and those without a part (a worker killed outright writes none) are
-//!   named in the merge's summary and in the merged file.
+//!   named in the merge's summary and in the merged file; after group restarts, per start
+//!   (a rank's part from one start does not stand in for the start it has none of).
 //! - **TR-7** A merge takes one job's parts: each part names its job (its launcher's
 //!   [`JOB_ID_ENV`](crate::JOB_ID_ENV), else the id its rendezvous drew), and the parts an
 //!   earlier run left at the same path are left out and named, not merged into this run's.
@@ -156,6 +157,9 @@ pub(crate) struct Who {
     pub ranks: Vec<u32>,
     /// The job it belongs to: its launcher's name for it, else its rendezvous's (TR-7).
     pub job: String,
+    /// The group it joined: the id its rendezvous drew. A group restart starts a new one; a
+    /// process replaced one by one joins the same (TR-6 counts the ranks per group).
+    pub group: String,
 }
 
 impl Ring {

@@ -89,8 +89,10 @@ pub struct Report {
     /// The ranks whose parts are on their own clocks (they never read rank 0's).
     pub unaligned: Vec<u32>,
     /// The ranks of the group with no part in the trace (killed outright, or their parts were
-    /// not merged).
+    /// not merged); after group restarts, with no part in some start.
     pub missing: Vec<u32>,
+    /// After group restarts: each start that lacks parts, with the ranks it lacks.
+    pub missing_by_start: Vec<(u64, Vec<u32>)>,
     /// The worker most often the straggler, and in how many steps.
     pub straggler: Option<(String, usize)>,
     /// Critical-path time summed over the steps by (worker, span, category), largest first,
@@ -299,6 +301,7 @@ fn summarize(t: &Trace, per_step: Vec<StepReport>) -> Report {
         clock_error_us: t.clock_error_us,
         unaligned: t.unaligned.clone(),
         missing: t.missing.clone(),
+        missing_by_start: t.missing_by_start.clone(),
         straggler: stragglers.into_iter().max_by_key(|(_, n)| *n),
         critical,
         workers: sums.into_values().map(|(s, n)| scale(s, n)).collect(),
@@ -359,11 +362,17 @@ impl Report {
             );
         }
         if !self.missing.is_empty() {
+            let which = match self.missing_by_start.as_slice() {
+                [] => format!("{:?}", self.missing),
+                starts => (starts.iter())
+                    .map(|(start, ranks)| format!("{ranks:?} in start {start}"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            };
             let _ = writeln!(
                 o,
-                "no part from ranks {:?} (killed outright, or their parts are on another host): \
-                 what they did is not in this report",
-                self.missing
+                "no part from ranks {which} (killed outright, or their parts are on another \
+                 host): what they did is not in this report"
             );
         }
         if let Some((w, n)) = &self.straggler {

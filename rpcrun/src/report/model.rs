@@ -48,6 +48,9 @@ pub struct Trace {
     pub unaligned: Vec<u32>,
     /// The ranks of the group the merge found no part of (`otherData.rpc_trace.missing_ranks`).
     pub missing: Vec<u32>,
+    /// After group restarts: each start that lacks parts, with the ranks it lacks
+    /// (`missing_by_start`).
+    pub missing_by_start: Vec<(u64, Vec<u32>)>,
 }
 
 impl Trace {
@@ -118,6 +121,7 @@ impl Trace {
                     .collect()
             })
             .unwrap_or_default();
+        t.missing_by_start = missing_by_start(v);
         Ok(t)
     }
 
@@ -182,6 +186,25 @@ pub(crate) fn unaligned_ranks(v: &Value) -> Vec<u32> {
         (Some(u64::MAX), Some(r)) => vec![r as u32],
         _ => Vec::new(),
     }
+}
+
+/// `otherData.rpc_trace.missing_by_start`: `[{"restart": k, "ranks": [..]}, ..]`.
+fn missing_by_start(v: &Value) -> Vec<(u64, Vec<u32>)> {
+    let Some(Value::Array(starts)) = v.pointer("/otherData/rpc_trace/missing_by_start") else {
+        return Vec::new();
+    };
+    let ranks = |s: &Value| -> Vec<u32> {
+        (s.get("ranks")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten())
+        .filter_map(Value::as_u64)
+        .map(|r| r as u32)
+        .collect()
+    };
+    (starts.iter())
+        .filter_map(|s| Some((s.get("restart")?.as_u64()?, ranks(s))))
+        .collect()
 }
 
 #[cfg(test)]

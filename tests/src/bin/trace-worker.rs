@@ -11,7 +11,7 @@
 //! wait up to 60 s before shutting down), so the launcher stops them with SIGTERM; with
 //! `TRACE_FAIL_ONCE` too, only in the launcher's first start (a restart succeeds). With
 //! `TRACE_KILL_RANK`, that rank kills itself with SIGKILL as it serves its third `forward` (a
-//! crash or the OOM killer: it writes no part). With `TRACE_READY_FILE`, each rank creates
+//! crash or the OOM killer: it writes no part); with `TRACE_FAIL_ONCE`, only in the first start. With `TRACE_READY_FILE`, each rank creates
 //! `<that path>.<rank>` once it has joined its group.
 
 use std::time::Duration;
@@ -29,7 +29,7 @@ fn env_u64(k: &str) -> Option<u64> {
 async fn forward(ctx: CallContext, step: u64) -> Result<u64, BoxError> {
     let agent = ctx.agent();
     let me = u64::from(agent.rank());
-    if step == 2 && env_u64("TRACE_KILL_RANK") == Some(me) {
+    if step == 2 && env_u64("TRACE_KILL_RANK") == Some(me) && faults_now() {
         // SAFETY: raising a signal at this process has no memory-safety preconditions.
         unsafe { libc::raise(libc::SIGKILL) };
     }
@@ -65,14 +65,16 @@ fn rerun_skewed(secs: u64) -> ! {
     }
 }
 
-/// The step rank 0 fails at, in this start: `TRACE_FAIL_STEP`, only in the launcher's first
-/// start with `TRACE_FAIL_ONCE`.
-fn fail_step() -> Option<u64> {
+/// Whether the faults asked for happen in this start: with `TRACE_FAIL_ONCE`, only in the
+/// launcher's first.
+fn faults_now() -> bool {
     let restarted = env_u64("RPC_RESTART_COUNT").unwrap_or(0) > 0;
-    if restarted && std::env::var_os("TRACE_FAIL_ONCE").is_some() {
-        return None;
-    }
-    env_u64("TRACE_FAIL_STEP")
+    !(restarted && std::env::var_os("TRACE_FAIL_ONCE").is_some())
+}
+
+/// The step rank 0 fails at, in this start: `TRACE_FAIL_STEP` (see [`faults_now`]).
+fn fail_step() -> Option<u64> {
+    env_u64("TRACE_FAIL_STEP").filter(|_| faults_now())
 }
 
 fn main() {
