@@ -119,18 +119,20 @@ a = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
 b = json.loads(sys.argv[2] or "{}")
 same = a["params_sha256"] == b.get("params_sha256")
 # The job's trace, merged by node 0 of the last round: one job's parts (TR-7), every rank of
-# the last round's start present, none missing (TR-6).
+# the last start present; the only rank missing (TR-6) is the first start's rank 0, on the
+# host killed or frozen (a frozen master's part is written once it is thawed, after the merge).
 try:
     meta = json.load(open(sys.argv[4]))["otherData"]["rpc_trace"]
 except (OSError, ValueError, KeyError) as e:
     meta = {"parts": [], "error": str(e)}
 parts = meta["parts"]
 last = max((p["restart"] for p in parts), default=-1)
-traced = (len({p["job"] for p in parts}) == 1 and not meta.get("missing_ranks")
+missing = [[m["restart"], m["ranks"]] for m in meta.get("missing_by_start", [])]
+traced = (len({p["job"] for p in parts}) == 1 and missing in ([], [[0, [0]]])
           and {p["rank"] for p in parts if p["restart"] == last} == {0, 1, 2})
 print(json.dumps({"three_hosts": True, "rdzv": "etcd", "bit_identical": same,
                   "recoveries": b.get("recoveries", 0), "time_lost_s": b.get("time_lost_s"),
-                  "trace": {"parts": len(parts), "last_start": last, "ok": traced,
-                            "error": meta.get("error")}}))
+                  "trace": {"parts": len(parts), "last_start": last, "missing": missing,
+                            "ok": traced, "error": meta.get("error")}}))
 sys.exit(0 if same and traced and sys.argv[3] == "0" and b.get("recoveries", 0) >= 1 else 1)
 PY

@@ -28,7 +28,7 @@
 # must go on without it (the spare takes its place) and end bit-identical, every other
 # launcher exiting 0; the frozen host, thawed after the end, must exit 0 within 60 s. The job
 # is traced (`--trace`): the trace node 0 of the last round merges must hold one job's parts,
-# every rank of the last start among them, none missing.
+# every rank of the last start among them, and none missing but the lost host's rank 0 in start 0.
 # `etcdkill`: etcd killed mid-run; every launcher must end non-zero naming etcd within
 # RDV_BOUND seconds (it can no longer know whether the others go on without it).
 #

@@ -206,7 +206,8 @@ fn in_rendezvous(rdzv: &str, fault: &str, restart: &str, said: &str) {
     } else {
         assert_eq!(j["bit_identical"], true, "{text}");
         if rdzv == "etcd" {
-            // Traced: one job's parts, every rank of the last start, none missing (TR-6, 7).
+            // Traced: one job's parts, every rank of the last start, only the lost host's
+            // rank missing from the first start (TR-6, TR-7).
             assert_eq!(j["trace"]["ok"], true, "{text}");
         }
         // An impostor refused, or a cut that evicts no one, needs no recovery.

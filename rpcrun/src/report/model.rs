@@ -194,13 +194,12 @@ fn missing_by_start(v: &Value) -> Vec<(u64, Vec<u32>)> {
         return Vec::new();
     };
     let ranks = |s: &Value| -> Vec<u32> {
-        (s.get("ranks")
+        let all = s
+            .get("ranks")
             .and_then(Value::as_array)
             .into_iter()
-            .flatten())
-        .filter_map(Value::as_u64)
-        .map(|r| r as u32)
-        .collect()
+            .flatten();
+        all.filter_map(Value::as_u64).map(|r| r as u32).collect()
     };
     (starts.iter())
         .filter_map(|s| Some((s.get("restart")?.as_u64()?, ranks(s))))
