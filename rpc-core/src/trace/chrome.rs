@@ -300,31 +300,73 @@ fn this_job(parts: Vec<(PathBuf, SystemTime, Part)>) -> (Vec<Part>, Vec<PathBuf>
     (mine, stale)
 }
 
+/// The parts in `<trace>.parts/`, by name.
+fn listed_parts(trace: &Path) -> Result<Vec<PathBuf>, MergeError> {
+    let dir = parts_dir(trace);
+    let io = |source| MergeError::Io {
+        path: dir.clone(),
+        source,
+    };
+    let mut v = Vec::new();
+    for entry in std::fs::read_dir(&dir).map_err(io)? {
+        let p = entry.map_err(io)?.path();
+        if p.extension().is_some_and(|x| x == "json") {
+            v.push(p);
+        }
+    }
+    v.sort();
+    Ok(v)
+}
+
+/// TR-6: per group the job formed (one per start of the launcher's group restarts; processes
+/// replaced one by one join the same), its first restart count, the ranks its parts list and
+/// the ranks with a part.
+#[derive(Default)]
+struct Coverage(BTreeMap<String, (u64, BTreeSet<u64>, BTreeSet<u64>)>);
+
+impl Coverage {
+    fn add(&mut self, meta: &Value) {
+        let group = meta.get("group").and_then(Value::as_str).unwrap_or("");
+        let restart = meta.get("restart").and_then(Value::as_u64).unwrap_or(0);
+        let (start, listed, present) = (self.0.entry(group.to_owned()))
+            .or_insert_with(|| (restart, BTreeSet::new(), BTreeSet::new()));
+        *start = (*start).min(restart);
+        if let Some(Value::Array(ranks)) = meta.get("ranks") {
+            listed.extend(ranks.iter().filter_map(Value::as_u64));
+        }
+        present.extend(meta.get("rank").and_then(Value::as_u64));
+    }
+
+    /// The ranks without a part in some group; and, when there were several groups (starts),
+    /// each start that lacks parts with the ranks it lacks.
+    fn missing(self) -> (Vec<u32>, Vec<(u64, Vec<u32>)>) {
+        let several = self.0.len() > 1;
+        let rank = |r: &u64| u32::try_from(*r).unwrap_or(u32::MAX);
+        let mut gaps: Vec<(u64, Vec<u32>)> = (self.0.into_values())
+            .map(|(start, listed, present)| {
+                (start, listed.difference(&present).map(rank).collect())
+            })
+            .filter(|(_, ranks): &(u64, Vec<u32>)| !ranks.is_empty())
+            .collect();
+        gaps.sort_unstable();
+        let mut missing: Vec<u32> = gaps.iter().flat_map(|(_, r)| r.iter().copied()).collect();
+        missing.sort_unstable();
+        missing.dedup();
+        (missing, if several { gaps } else { Vec::new() })
+    }
+}
+
 /// Merges the parts in `<trace>.parts/` (or the files in `parts` if given) into one trace at
 /// `trace`, written whole or not at all. The merged file's `otherData.rpc_trace.parts` lists
 /// each part's metadata, `clock_error_bound_ns` is the largest bound of any part on rank 0's
 /// clock, `unaligned_ranks` the ranks whose parts are not (their clocks never read it), and
-/// `missing_ranks` the ranks of the group with no part (TR-6). Only the parts of the job that
-/// wrote the newest part are merged; `stale_parts` lists the others (TR-7).
+/// `missing_ranks` the ranks of the group with no part (TR-6; `missing_by_start`, after group
+/// restarts, which start lacks which). Only the parts of the job that wrote the newest part
+/// are merged; `stale_parts` lists the others (TR-7).
 pub fn merge_parts(trace: &Path, parts: Option<&[PathBuf]>) -> Result<MergeSummary, MergeError> {
-    let files: Vec<PathBuf> = match parts {
+    let files = match parts {
         Some(p) => p.to_vec(),
-        None => {
-            let dir = parts_dir(trace);
-            let io = |source| MergeError::Io {
-                path: dir.clone(),
-                source,
-            };
-            let mut v = Vec::new();
-            for entry in std::fs::read_dir(&dir).map_err(io)? {
-                let p = entry.map_err(io)?.path();
-                if p.extension().is_some_and(|x| x == "json") {
-                    v.push(p);
-                }
-            }
-            v.sort();
-            v
-        }
+        None => listed_parts(trace)?,
     };
     if files.is_empty() {
         return Err(MergeError::NoParts(parts_dir(trace)));
@@ -333,10 +375,7 @@ pub fn merge_parts(trace: &Path, parts: Option<&[PathBuf]>) -> Result<MergeSumma
     let mut events = Vec::new();
     let mut metas = Vec::new();
     let (mut bound, mut dropped, mut unaligned) = (0u64, 0u64, Vec::new());
-    // Per group the job formed (one per start of the launcher's group restarts; processes
-    // replaced one by one join the same): its first restart count, the ranks its parts list,
-    // the ranks with a part.
-    let mut groups: BTreeMap<String, (u64, BTreeSet<u64>, BTreeSet<u64>)> = BTreeMap::new();
+    let mut coverage = Coverage::default();
     let count = files.len();
     for Part { meta, events: evs } in files {
         match meta
@@ -347,39 +386,14 @@ pub fn merge_parts(trace: &Path, parts: Option<&[PathBuf]>) -> Result<MergeSumma
             b => bound = bound.max(b.unwrap_or(0)),
         }
         dropped += meta.get("dropped").and_then(Value::as_u64).unwrap_or(0);
-        let group = meta
-            .get("group")
-            .and_then(Value::as_str)
-            .unwrap_or("")
-            .to_owned();
-        let restart = meta.get("restart").and_then(Value::as_u64).unwrap_or(0);
-        let (start, listed, present) =
-            groups
-                .entry(group)
-                .or_insert((restart, [].into(), [].into()));
-        *start = (*start).min(restart);
-        if let Some(Value::Array(ranks)) = meta.get("ranks") {
-            listed.extend(ranks.iter().filter_map(Value::as_u64));
-        }
-        present.extend(meta.get("rank").and_then(Value::as_u64));
+        coverage.add(&meta);
         events.extend(evs);
         metas.push(meta);
     }
     unaligned.sort_unstable();
     unaligned.dedup();
     let unaligned: Vec<u32> = unaligned.into_iter().map(|r| r as u32).collect();
-    let rank = |r: &u64| u32::try_from(*r).unwrap_or(u32::MAX);
-    let mut gaps: Vec<(u64, Vec<u32>)> = (groups.values())
-        .map(|(start, listed, present)| (*start, listed.difference(present).map(rank).collect()))
-        .collect();
-    gaps.sort_unstable();
-    let mut missing: Vec<u32> = gaps.iter().flat_map(|(_, r)| r.iter().copied()).collect();
-    missing.sort_unstable();
-    missing.dedup();
-    let missing_by_start: Vec<(u64, Vec<u32>)> = match groups.len() {
-        1 => Vec::new(),
-        _ => gaps.into_iter().filter(|(_, r)| !r.is_empty()).collect(),
-    };
+    let (missing, missing_by_start) = coverage.missing();
     let summary = MergeSummary {
         parts: count,
         events: events.len(),
