@@ -194,6 +194,10 @@ pub struct MergeSummary {
     /// The parts left out because another job wrote them (TR-7): an earlier run traced to
     /// the same path left them, and this run wrote no part of that name over them.
     pub stale: Vec<PathBuf>,
+    /// The files that could not be read as parts (damaged, cut short, not a part), each with
+    /// why: left out, and named, so that the rest still makes a trace (their ranks count as
+    /// missing, TR-6).
+    pub unreadable: Vec<(PathBuf, String)>,
 }
 
 impl std::fmt::Display for MergeSummary {
@@ -227,6 +231,20 @@ impl std::fmt::Display for MergeSummary {
         if !self.missing.is_empty() {
             write!(f, " (killed outright, or their parts are on another host)")?;
         }
+        if !self.unreadable.is_empty() {
+            let each: Vec<String> = (self.unreadable.iter())
+                .map(|(path, why)| {
+                    let name = path.file_name().unwrap_or(path.as_os_str());
+                    format!("{} ({why})", name.to_string_lossy())
+                })
+                .collect();
+            write!(
+                f,
+                "; left out {} unreadable part(s): {}",
+                self.unreadable.len(),
+                each.join("; ")
+            )?;
+        }
         if !self.stale.is_empty() {
             let names: Vec<_> = self.stale.iter().filter_map(|p| p.file_name()).collect();
             write!(
@@ -245,39 +263,65 @@ struct Part {
     events: Vec<Value>,
 }
 
-/// Reads each of `files` as a part, with its modification time.
-fn read_parts(files: &[PathBuf]) -> Result<Vec<(PathBuf, SystemTime, Part)>, MergeError> {
-    let mut out = Vec::with_capacity(files.len());
+/// A part read, with its file and the file's modification time.
+type Dated = (PathBuf, SystemTime, Part);
+
+/// A file that could not be read as a part, and why.
+type Unreadable = (PathBuf, String);
+
+/// The parts of `files` that could be read, with their modification times, and those that
+/// could not, with why; an error only when none could (the first one's).
+fn read_parts(files: &[PathBuf]) -> Result<(Vec<Dated>, Vec<Unreadable>), MergeError> {
+    let (mut read, mut unreadable, mut first) = (Vec::new(), Vec::new(), None);
     for f in files {
-        let bad = |why: String| MergeError::NotAPart {
-            path: f.clone(),
-            why,
-        };
-        let io = |source| MergeError::Io {
-            path: f.clone(),
-            source,
-        };
-        let text = std::fs::read(f).map_err(io)?;
-        let written = std::fs::metadata(f)
-            .and_then(|m| m.modified())
-            .map_err(io)?;
-        let mut v: Value = serde_json::from_slice(&text).map_err(|e| bad(e.to_string()))?;
-        let meta = v
-            .pointer("/otherData/rpc_trace")
-            .cloned()
-            .ok_or_else(|| bad("no otherData.rpc_trace".into()))?;
-        let Some(Value::Array(events)) = v.get_mut("traceEvents").map(Value::take) else {
-            return Err(bad("no traceEvents array".into()));
-        };
-        out.push((f.clone(), written, Part { meta, events }));
+        match read_part(f) {
+            Ok((written, part)) => read.push((f.clone(), written, part)),
+            Err(e) => {
+                let why = match &e {
+                    MergeError::NotAPart { why, .. } => why.clone(),
+                    MergeError::Io { source, .. } => source.to_string(),
+                    other => other.to_string(),
+                };
+                unreadable.push((f.clone(), why));
+                first.get_or_insert(e);
+            }
+        }
     }
-    Ok(out)
+    match first {
+        Some(e) if read.is_empty() => Err(e),
+        _ => Ok((read, unreadable)),
+    }
+}
+
+/// Reads `f` as a part, with its modification time.
+fn read_part(f: &Path) -> Result<(SystemTime, Part), MergeError> {
+    let bad = |why: String| MergeError::NotAPart {
+        path: f.to_owned(),
+        why,
+    };
+    let io = |source| MergeError::Io {
+        path: f.to_owned(),
+        source,
+    };
+    let text = std::fs::read(f).map_err(io)?;
+    let written = std::fs::metadata(f)
+        .and_then(|m| m.modified())
+        .map_err(io)?;
+    let mut v: Value = serde_json::from_slice(&text).map_err(|e| bad(e.to_string()))?;
+    let meta = v
+        .pointer("/otherData/rpc_trace")
+        .cloned()
+        .ok_or_else(|| bad("no otherData.rpc_trace".into()))?;
+    let Some(Value::Array(events)) = v.get_mut("traceEvents").map(Value::take) else {
+        return Err(bad("no traceEvents array".into()));
+    };
+    Ok((written, Part { meta, events }))
 }
 
 /// TR-7: the parts of the job that wrote the newest part, and the paths of the others (left
 /// by an earlier run traced to the same path: a rank or a restart this run did not have).
 /// Parts written before parts named their job count as one job of their own.
-fn this_job(parts: Vec<(PathBuf, SystemTime, Part)>) -> (Vec<Part>, Vec<PathBuf>) {
+fn this_job(parts: Vec<Dated>) -> (Vec<Part>, Vec<PathBuf>) {
     let job = |p: &Part| {
         p.meta
             .get("job")
@@ -362,7 +406,8 @@ impl Coverage {
 /// clock, `unaligned_ranks` the ranks whose parts are not (their clocks never read it), and
 /// `missing_ranks` the ranks of the group with no part (TR-6; `missing_by_start`, after group
 /// restarts, which start lacks which). Only the parts of the job that wrote the newest part
-/// are merged; `stale_parts` lists the others (TR-7).
+/// are merged; `stale_parts` lists the others (TR-7). A file that cannot be read as a part is
+/// left out and named (`unreadable_parts`); the merge fails only when no part can be read.
 pub fn merge_parts(trace: &Path, parts: Option<&[PathBuf]>) -> Result<MergeSummary, MergeError> {
     let files = match parts {
         Some(p) => p.to_vec(),
@@ -371,7 +416,8 @@ pub fn merge_parts(trace: &Path, parts: Option<&[PathBuf]>) -> Result<MergeSumma
     if files.is_empty() {
         return Err(MergeError::NoParts(parts_dir(trace)));
     }
-    let (files, stale) = this_job(read_parts(&files)?);
+    let (read, unreadable) = read_parts(&files)?;
+    let (files, stale) = this_job(read);
     let mut events = Vec::new();
     let mut metas = Vec::new();
     let (mut bound, mut dropped, mut unaligned) = (0u64, 0u64, Vec::new());
@@ -403,6 +449,7 @@ pub fn merge_parts(trace: &Path, parts: Option<&[PathBuf]>) -> Result<MergeSumma
         missing: missing.clone(),
         missing_by_start: missing_by_start.clone(),
         stale: stale.clone(),
+        unreadable: unreadable.clone(),
     };
     let merged = json!({
         "traceEvents": events,
@@ -417,6 +464,9 @@ pub fn merge_parts(trace: &Path, parts: Option<&[PathBuf]>) -> Result<MergeSumma
                 .map(|(start, ranks)| json!({"restart": start, "ranks": ranks}))
                 .collect::<Vec<_>>(),
             "stale_parts": stale,
+            "unreadable_parts": unreadable.iter()
+                .map(|(path, why)| json!({"path": path, "why": why}))
+                .collect::<Vec<_>>(),
         }},
     });
     write_atomic(trace, &merged).map_err(|source| MergeError::Io {

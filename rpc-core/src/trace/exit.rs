@@ -386,6 +386,39 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    /// A part that cannot be read (cut short, say, or copied over by hand and damaged) is left
+    /// out and named, its rank missing: the merge of the others still makes a trace (one
+    /// damaged part failed the whole merge, and the job had no trace). With no part readable,
+    /// the merge fails, naming the file.
+    #[test]
+    fn a_damaged_part_is_left_out_and_named_and_the_rest_merged() {
+        let dir = std::env::temp_dir().join(format!("trace-damaged-{}", std::process::id()));
+        let (t0, t1) = (traced(&dir, 0, true), traced(&dir, 1, false));
+        for t in [&t0, &t1] {
+            write_once(t.ring().unwrap(), false);
+        }
+        let p1 = part_path(&dir.join("job.json"), 1, 0, 0);
+        let whole = std::fs::read(&p1).unwrap();
+        std::fs::write(&p1, &whole[..whole.len() / 2]).unwrap();
+        let s = merge_parts(&dir.join("job.json"), None).unwrap();
+        assert_eq!(s.parts, 1, "{s:?}");
+        assert_eq!(s.unreadable.len(), 1, "{s:?}");
+        assert_eq!(s.unreadable[0].0, p1);
+        let said = s.to_string();
+        assert!(
+            said.contains("left out 1 unreadable part(s): rank-1-inc-0.json (EOF"),
+            "{said}"
+        );
+        std::fs::remove_file(part_path(&dir.join("job.json"), 0, 0, 0)).unwrap();
+        let e = merge_parts(&dir.join("job.json"), None).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("rank-1-inc-0.json is not a trace part"),
+            "{e}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// A part whose worker never read rank 0's clock is named, not folded into the bound
     /// (the summary said "clocks aligned within 18446744073709552 us").
     #[test]
