@@ -50,7 +50,7 @@ impl PsClient {
         }
     }
 
-    /// Names each shard's backup (the rank given to [`serve_replica`] as `Replica::Backup`'s
+    /// Names each shard's backup (the rank given to [`serve_replica`](super::serve_replica) as `Replica::Backup`'s
     /// host), in the order of the shards: calls fail over to it once the primary has been
     /// declared failed.
     pub fn with_backups(mut self, backups: impl IntoIterator<Item = Option<u32>>) -> Self {

@@ -287,11 +287,11 @@ impl Config {
         with_replace_token(replace_token: impl Into<String>) => Some(replace_token.into());
         /// Sets [`Config::replaced_on_failure`].
         with_replaced_on_failure(replaced_on_failure: bool) => Some(replaced_on_failure);
-        /// Sets [`Config::listen_addr`].
+        /// Sets [`Config::listen_addr`](Config#structfield.listen_addr).
         with_listen_addr(listen_addr: impl Into<String>) => Some(listen_addr.into());
         /// Sets [`Config::transport`].
         with_transport(transport: Transport) => transport;
-        /// Sets [`Config::secret`].
+        /// Sets [`Config::secret`](Config#structfield.secret).
         with_secret(secret: Secret) => Some(secret);
         /// Sets [`Config::rpc_timeout`] (`Duration::ZERO`: none).
         with_rpc_timeout(rpc_timeout: Duration) => rpc_timeout;
