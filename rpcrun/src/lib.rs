@@ -330,7 +330,8 @@ impl Launch {
     /// Traces the job into one file at `path` (see `rpc_core::trace`): every child records
     /// (`RPC_TRACE`), writes its part under `<path>.parts/` as it shuts down, and node 0's
     /// launcher merges the parts into `path` when the group ends (with an etcd rendezvous, the
-    /// launcher that was node 0 of the last round). Node 0 removes earlier parts there first;
+    /// launcher that was node 0 of the last round). Each node removes earlier parts there
+    /// first (with etcd none does: a spare may start after a round's parts were written), and
     /// the merge leaves out any an earlier run left (TR-7). On several nodes, give a path on a
     /// shared filesystem (or copy the parts to node 0 and run `rpctrace merge`). A path whose
     /// parts directory cannot be created, or that is a directory, fails the launch before any
@@ -456,16 +457,19 @@ impl Launch {
 
     /// With [`Launch::trace`]: the launch that traces its children (`RPC_TRACE` set), and the
     /// trace's absolute path; the parts' directory is made (a path that cannot be written fails
-    /// the launch now, not after the whole job). Node 0 of a `HOST:PORT` rendezvous clears the
-    /// earlier parts first; with etcd, where no node knows its rank yet, the merge leaves out
-    /// an earlier run's parts by their job (TR-7).
+    /// the launch now, not after the whole job). Each node of a `HOST:PORT` rendezvous clears
+    /// the earlier parts in its directory first: no part of this run exists before every node
+    /// has started (a worker writes one only once its group formed), and a node's own earlier
+    /// parts, copied to node 0 by hand, would carry the same job name as this run's. With
+    /// etcd, where a spare may start after a round's parts were written, none clears: the
+    /// merge leaves out an earlier run's parts by their job (TR-7).
     fn traced(&self, etcd: bool) -> Result<(Self, Option<PathBuf>), LaunchError> {
         let Some(trace) = &self.trace else {
             return Ok((self.clone(), None));
         };
         let system = |what| move |source| LaunchError::System { what, source };
         let trace = std::path::absolute(trace).map_err(system("the trace's path"))?;
-        if self.node_rank == 0 && !etcd {
+        if !etcd {
             match std::fs::remove_dir_all(rpc_core::trace::parts_dir(&trace)) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
                     return Err(system("removing the earlier trace parts")(e));

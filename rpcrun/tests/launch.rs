@@ -125,6 +125,38 @@ fn every_child_of_a_launch_gets_one_job_id_in_every_restart() {
     assert_ne!(ids[0], ids[1]);
 }
 
+/// A node other than 0, traced, clears its own earlier parts as it starts (they would carry
+/// this run's job name, `rpcrun HOST:PORT`, into a merge on node 0; only node 0 cleared) and
+/// says where this run's parts are, since node 0 merges.
+#[test]
+fn every_node_clears_its_earlier_trace_parts_and_node_1_says_where_its_are() {
+    let dir = scratch("trace-node-1");
+    let parts = dir.join("job.json.parts");
+    std::fs::create_dir_all(&parts).unwrap();
+    let earlier = parts.join("rank-9-inc-0.json");
+    std::fs::write(&earlier, "{}").unwrap();
+    std::fs::write(dir.join("secret"), "0123456789abcdef0123456789abcdef").unwrap();
+    let flags = [
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--rdzv",
+        "127.0.0.1:29999",
+        "--secret-file",
+        "secret",
+        "--trace",
+        "job.json",
+    ];
+    let mut r = start(&dir, &flags, "true");
+    assert_eq!(r.wait(Duration::from_secs(30)), Some(0), "{}", r.stderr());
+    assert!(!earlier.exists(), "the earlier part is still there");
+    assert!(parts.is_dir());
+    let err = r.stderr();
+    assert!(err.contains("this node's trace parts are in"), "{err}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 #[test]
 fn out_of_restarts_it_exits_with_the_failure_status() {
     let dir = scratch("out");
