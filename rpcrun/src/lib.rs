@@ -459,7 +459,8 @@ impl Launch {
     /// trace's absolute path; the parts' directory is made (a path that cannot be written fails
     /// the launch now, not after the whole job). Each node of a `HOST:PORT` rendezvous clears
     /// the earlier parts in its directory first: no part of this run exists before every node
-    /// has started (a worker writes one only once its group formed), and a node's own earlier
+    /// has started (a worker writes one only once its group formed, and the groups rpcrun
+    /// starts form with all their ranks), and a node's own earlier
     /// parts, copied to node 0 by hand, would carry the same job name as this run's. With
     /// etcd, where a spare may start after a round's parts were written, none clears: the
     /// merge leaves out an earlier run's parts by their job (TR-7).
