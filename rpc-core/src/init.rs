@@ -155,7 +155,10 @@ pub async fn init(config: Config, mut registry: Registry) -> Result<Agent, InitE
         for (r, st) in standing.iter().enumerate() {
             match st {
                 Standing::Vacant | Standing::Left => inner.shutdown.depart(r as u32, world),
-                Standing::Failed(_) => inner.shutdown.excuse(r as u32, world),
+                Standing::Failed(_) => {
+                    let inc = inner.net.directory().incarnation(r as u32);
+                    inner.shutdown.excuse(r as u32, inc, world)
+                }
                 Standing::Alive => {}
             }
         }
@@ -166,7 +169,7 @@ pub async fn init(config: Config, mut registry: Registry) -> Result<Agent, InitE
             .membership
             .on_failure(Arc::new(move |f: &WorkerFailed| {
                 if let Some(inner) = weak.upgrade() {
-                    inner.shutdown.excuse(f.rank, world);
+                    inner.shutdown.excuse(f.rank, f.incarnation, world);
                     // The group hears of this worker's verdicts (RDV-3).
                     if f.rank != me {
                         let _ = inner.reports.try_send(Report::Failed {
@@ -187,7 +190,8 @@ pub async fn init(config: Config, mut registry: Registry) -> Result<Agent, InitE
         let weak = Arc::downgrade(&inner);
         inner.net.membership.on_rejoin(Arc::new(move |rank| {
             if let Some(inner) = weak.upgrade() {
-                inner.shutdown.readmit(rank);
+                let incarnation = inner.net.directory().incarnation(rank);
+                inner.shutdown.readmit(rank, incarnation);
             }
         }));
     }

@@ -27,6 +27,8 @@
 //!   word), its calls in flight drain for at most a second before they are aborted, instead
 //!   of the shutdown timeout: a call waiting for work that will never come (a trainer's pull
 //!   for a step its failed peer will not push) cannot hold the failure's report back.
+//! - SHUT-3: the barrier waits for the incarnation that holds a rank: a failure verdict on an
+//!   earlier one, heard after its replacement joined, excuses nothing.
 //! - AG-7: where a launcher replaces failed processes one by one
 //!   ([`Config::replaced_on_failure`](crate::Config::replaced_on_failure)), a rank whose
 //!   rank 0 failed waits, within the barrier's timeout, for rank 0's next incarnation and

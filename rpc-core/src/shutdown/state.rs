@@ -87,6 +87,9 @@ struct Barrier {
     waiters: Vec<oneshot::Sender<Result<(), Vec<u32>>>>,
     /// Set when rank 0 gave up waiting: the ranks that never arrived.
     failed: Option<Vec<u32>>,
+    /// Per rank readmitted, the incarnation that holds it now: the failure of an earlier one,
+    /// heard late, excuses nothing (SHUT-3).
+    holders: std::collections::BTreeMap<u32, u64>,
 }
 
 impl Barrier {
@@ -169,9 +172,16 @@ impl State {
         rx.await.unwrap_or(Ok(()))
     }
 
-    /// `rank` was declared failed: the barrier does not wait for it (AG-6).
-    pub(crate) fn excuse(&self, rank: u32, world: usize) {
+    /// Incarnation `incarnation` of `rank` was declared failed: the barrier does not wait for
+    /// it (AG-6), unless a later incarnation holds the rank now (SHUT-3: the verdict's hooks
+    /// run outside the membership's lock, so one for the replaced incarnation can come after
+    /// its replacement was readmitted; it excused the replacement, and the barrier ended
+    /// with "ranks [2] never reached the shutdown barrier" though rank 2 had).
+    pub(crate) fn excuse(&self, rank: u32, incarnation: u64, world: usize) {
         let mut b = self.barrier();
+        if b.holders.get(&rank).is_some_and(|&held| incarnation < held) {
+            return;
+        }
         if !b.arrived.contains(&rank) {
             b.excused.insert(rank);
             b.release_if_complete(world);
@@ -189,10 +199,12 @@ impl State {
         }
     }
 
-    /// A new incarnation holds `rank`: the barrier waits for it again (unless it already
-    /// released).
-    pub(crate) fn readmit(&self, rank: u32) {
+    /// Incarnation `incarnation` holds `rank` now: the barrier waits for it again (unless it
+    /// already released).
+    pub(crate) fn readmit(&self, rank: u32, incarnation: u64) {
         let mut b = self.barrier();
+        let held = b.holders.entry(rank).or_insert(incarnation);
+        *held = (*held).max(incarnation);
         b.excused.remove(&rank);
         b.departed.remove(&rank);
         // A previous incarnation that arrived and then failed does not stand in for it.
@@ -210,5 +222,35 @@ impl State {
             let _ = tx.send(Err(missing.clone()));
         }
         missing
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// SHUT-3: a verdict on rank 2's replaced incarnation 0, whose hooks ran after incarnation
+    /// 1 was readmitted (seen under rpcrun --restart worker: the param-server test's clean run
+    /// ended with "ranks [2] never reached the shutdown barrier"), excuses nothing: the
+    /// barrier still waits for rank 2. The replacement's own failure still excuses it.
+    #[test]
+    fn a_late_verdict_on_a_replaced_incarnation_excuses_nothing() {
+        let s = State::new(Duration::from_secs(1), false);
+        s.excuse(2, 0, 3);
+        assert_eq!(
+            s.missing(3),
+            vec![0, 1],
+            "incarnation 0's failure in time excuses it"
+        );
+        s.readmit(2, 1);
+        assert_eq!(s.missing(3), vec![0, 1, 2], "its replacement is waited for");
+        s.excuse(2, 0, 3);
+        assert_eq!(
+            s.missing(3),
+            vec![0, 1, 2],
+            "a late verdict on incarnation 0"
+        );
+        s.excuse(2, 1, 3);
+        assert_eq!(s.missing(3), vec![0, 1], "the replacement's own failure");
     }
 }
