@@ -11,7 +11,8 @@
 # `overlap` over PyTorch's `ddp`.
 #
 # Environment: RPC_BENCH (default target/release/rpc-bench, built first if absent),
-# RPC_BENCH_ARGS (more flags for `rpc-bench ddp`, as `--ring-threads 1`), PYTHON
+# RPC_BENCH_ARGS (more flags for `rpc-bench ddp`, as `--ring-threads 1`, or `--interleave 5`:
+# the variants alternated in blocks of 5 steps within each group, `local` among them), PYTHON
 # (default: the anchors' venv beside ANCHOR, else python3), ANCHOR (default
 # ../shared/anchors/ddp/ddp_torch.py). Without PyTorch the PyTorch half is skipped, and says so.
 # Bounded: each half runs under `timeout` (15 minutes).
@@ -60,9 +61,13 @@ for r in range(1, rounds + 1):
         print(json.dumps({"round": r, **o}))
     step = {(o["impl"], o.get("variant"), o["world_size"]): o["median"]
             for o in lines if o.get("metric") == "ddp_step_ms"}
-    local = step.get(("ours", "local", 1))
+    # With --interleave, each group steps `local` among its variants (rank 0 alone): that
+    # local step, not the one before the groups, is its baseline.
+    beside = {o["group"]: o["median"] for o in lines
+              if o.get("variant") == "local" and "group" in o}
     sizes = sorted({w for (i, v, w) in step if i == "ours" and w > 1})
     for w in sizes:
+        local = beside.get(w, step.get(("ours", "local", 1)))
         after, ovl = step.get(("ours", "after", w)), step.get(("ours", "overlap", w))
         apart, ddp = step.get(("ours", "no_comm", w)), step.get(("torch", "ddp", w))
         s = {"round": r, "summary": "ddp", "world_size": w}

@@ -14,7 +14,10 @@
 //! `CompressHook::bf16`). Then the all-reduce alone of the whole gradient (the communication
 //! floor, `ddp_allreduce_ms`, variant `all_reduce`). A step's time is the largest over the
 //! ranks (a barrier before each; 5 warm-up steps, then `--steps`, default 30). `--variants`
-//! picks and orders them (repeats allowed, to alternate two). Each group line also carries
+//! picks and orders them (repeats allowed, to alternate two). `--interleave K` alternates the
+//! step variants instead, `local` among them, in blocks of K steps inside one group (rank 0
+//! steps `local` alone while the others wait): a machine whose speed moves by tens of percent
+//! from minute to minute then moves every variant alike. Each group line also carries
 //! the group's `ring_threads` and how rank 0's blobs travelled meanwhile, in MB:
 //! `shared_mb` through shared memory, `streamed_mb` on the stream (no room in the arena).
 
@@ -150,33 +153,109 @@ async fn step(
     Ok(())
 }
 
+/// One variant's model, optimizer and data-parallel wrapper, and the step times it took.
+struct Runner {
+    v: Variant,
+    vars: Vec<Var>,
+    ddp: Option<DistributedDataParallel>,
+    opt: Optimizer,
+    /// Steps run so far, warm-up included.
+    run: usize,
+    times: Vec<f64>,
+}
+
+impl Runner {
+    async fn new(v: Variant, group: Option<&ProcessGroup>) -> Result<Self> {
+        let vars = model()?;
+        let ddp = match group {
+            Some(g) if !matches!(v, Variant::Local | Variant::NoComm) => {
+                let d = DistributedDataParallel::new(g.clone(), vars.clone()).await?;
+                Some(match v {
+                    Variant::Bf16 => d.with_hook(CompressHook::bf16()),
+                    _ => d,
+                })
+            }
+            _ => None,
+        };
+        let opt = Optimizer::new(OptimizerKind::sgd(LR), vars.clone());
+        Ok(Self {
+            v,
+            vars,
+            ddp,
+            opt,
+            run: 0,
+            times: Vec::new(),
+        })
+    }
+
+    /// `k` more steps (a barrier before each in a group); those past the warm-up are timed.
+    /// In a group, `local` is stepped by the `lead` (rank 0) alone while the others wait at
+    /// the next barrier (they record 0: the step's time is rank 0's).
+    async fn steps(&mut self, group: Option<&ProcessGroup>, k: usize, lead: bool) -> Result<()> {
+        let alone = self.v == Variant::Local && group.is_some() && !lead;
+        for _ in 0..k {
+            if let Some(g) = group {
+                g.barrier().await?;
+            }
+            let t = Instant::now();
+            if !alone {
+                step(self.v, self.ddp.as_ref(), &mut self.opt, &self.vars).await?;
+            }
+            let ms = if alone {
+                0.0
+            } else {
+                t.elapsed().as_secs_f64() * 1e3
+            };
+            if self.run >= WARMUP {
+                self.times.push(ms);
+            }
+            self.run += 1;
+        }
+        Ok(())
+    }
+}
+
 /// Times `steps` steps of `v` (after the warm-up); each step's time is the largest over the
 /// group's members when there is a group.
 async fn timed(v: Variant, group: Option<&ProcessGroup>, steps: usize) -> Result<Vec<f64>> {
-    let vars = model()?;
-    let ddp = match group {
-        Some(g) if !matches!(v, Variant::Local | Variant::NoComm) => {
-            let d = DistributedDataParallel::new(g.clone(), vars.clone()).await?;
-            Some(match v {
-                Variant::Bf16 => d.with_hook(CompressHook::bf16()),
-                _ => d,
-            })
-        }
-        _ => None,
-    };
-    let mut opt = Optimizer::new(OptimizerKind::sgd(LR), vars.clone());
-    let mut times = Vec::new();
-    for i in 0..WARMUP + steps {
-        if let Some(g) = group {
-            g.barrier().await?;
-        }
-        let t = Instant::now();
-        step(v, ddp.as_ref(), &mut opt, &vars).await?;
-        if i >= WARMUP {
-            times.push(t.elapsed().as_secs_f64() * 1e3);
+    let mut r = Runner::new(v, group).await?;
+    r.steps(group, WARMUP + steps, true).await?;
+    slowest(group, r.times).await
+}
+
+/// The step variants of `vs` (the all-reduce alone aside) alternated in blocks of `block`
+/// steps, after each one's warm-up, until each has `steps` timed steps: every variant then
+/// meets the machine's changes of speed alike, and a comparison of two (what `overlap` hid
+/// of what `after` pays over `local`) holds within the run. `local` is rank 0 alone.
+async fn interleaved(
+    vs: &[Variant],
+    group: &ProcessGroup,
+    steps: usize,
+    block: usize,
+    lead: bool,
+) -> Result<Vec<(Variant, Vec<f64>)>> {
+    let mut runners = Vec::new();
+    for &v in vs.iter().filter(|v| **v != Variant::AllReduce) {
+        if runners.iter().all(|r: &Runner| r.v != v) {
+            runners.push(Runner::new(v, Some(group)).await?);
         }
     }
-    slowest(group, times).await
+    for r in &mut runners {
+        r.steps(Some(group), WARMUP, lead).await?;
+    }
+    let mut left = steps;
+    while left > 0 {
+        let k = block.min(left);
+        for r in &mut runners {
+            r.steps(Some(group), k, lead).await?;
+        }
+        left -= k;
+    }
+    let mut out = Vec::new();
+    for r in runners {
+        out.push((r.v, slowest(Some(group), r.times).await?));
+    }
+    Ok(out)
 }
 
 /// Each step's largest time over the group.
@@ -217,12 +296,16 @@ fn line(metric: &str, variant: &str, n: usize, mut times: Vec<f64>) -> serde_jso
     })
 }
 
-/// What every rank of a group runs; rank 0's lines are returned to print.
+/// What every rank of a group runs; rank 0's lines are returned to print. `interleave`:
+/// the step variants (`local` too, stepped by rank 0 alone) alternated in blocks of that many
+/// steps (see [`interleaved`]), their lines marked `"interleave"` and `"group"`; the
+/// all-reduce alone, if asked for, after them.
 pub async fn rank_main(
     agent: &Agent,
     steps: usize,
     ring_threads: Option<usize>,
     variants: &str,
+    interleave: Option<usize>,
 ) -> Result<Vec<serde_json::Value>> {
     let mut g = collectives::world(agent);
     if let Some(k) = ring_threads {
@@ -230,7 +313,23 @@ pub async fn rank_main(
     }
     let n = g.size();
     let mut out = Vec::new();
-    for v in parse_variants(variants)? {
+    let vs = parse_variants(variants)?;
+    if let Some(block) = interleave {
+        let lead = agent.rank() == 0;
+        for (v, times) in interleaved(&vs, &g, steps, block, lead).await? {
+            let mut l = match v {
+                Variant::Local => line("ddp_step_ms", v.name(), 1, times),
+                _ => line("ddp_step_ms", v.name(), n, times),
+            };
+            l["group"] = n.into();
+            l["interleave"] = block.into();
+            out.push(l);
+        }
+    }
+    for v in vs {
+        if interleave.is_some() && v != Variant::AllReduce {
+            continue;
+        }
         let before = agent.bulk_stats();
         let mut l = match v {
             Variant::Local => continue,

@@ -411,10 +411,17 @@ fn main() -> Result<()> {
             anyhow::ensure!(steps >= 1, "--steps must be at least 1");
             let ring: Option<usize> = value("--ring-threads")?.map(|v| v.parse()).transpose()?;
             let variants = value("--variants")?.map_or(ddp::ALL_VARIANTS, |v| v.as_str());
+            let interleave: Option<usize> = value("--interleave")?
+                .map(|v| v.parse().context("--interleave takes a number of steps"))
+                .transpose()?;
+            anyhow::ensure!(
+                interleave != Some(0),
+                "--interleave takes a block of 1 step or more"
+            );
             // Every flag checked before the first figure (a run takes minutes).
             let world_sizes = ddp::world_sizes(value("--world-sizes")?)?;
             let rt = runtime(threads)?;
-            if ddp::wants_local(variants)? {
+            if ddp::wants_local(variants)? && interleave.is_none() {
                 emit(rt.block_on(ddp::local(steps))?);
             }
             for n in world_sizes {
@@ -427,12 +434,13 @@ fn main() -> Result<()> {
                         steps.to_string(),
                         ring.map_or("auto".into(), |k| k.to_string()),
                         variants.into(),
+                        interleave.map_or("none".into(), |k| k.to_string()),
                     ]
                 })?;
                 let (a, list) = (agent.clone(), variants.to_string());
-                let lines = rt.block_on(
-                    rt.spawn(async move { ddp::rank_main(&a, steps, ring, &list).await }),
-                )??;
+                let lines = rt.block_on(rt.spawn(async move {
+                    ddp::rank_main(&a, steps, ring, &list, interleave).await
+                }))??;
                 lines.into_iter().for_each(emit);
                 rt.block_on(agent.shutdown());
             }
@@ -448,13 +456,14 @@ fn main() -> Result<()> {
             let steps: usize = args.get(4).context("steps")?.parse()?;
             let ring = args.get(5).and_then(|k| k.parse().ok());
             let variants = args.get(6).context("variants")?;
+            let interleave = args.get(7).and_then(|k| k.parse().ok());
             let rt = runtime(threads)?;
             rt.block_on(async {
                 let cfg = config(rank, rendezvous, Secret::from_env()?.context("no secret")?)
                     .with_world_size(n)
                     .with_name(format!("rank{rank}"));
                 let agent = rpc_core::init(cfg, registry()).await?;
-                ddp::rank_main(&agent, steps, ring, variants).await?;
+                ddp::rank_main(&agent, steps, ring, variants, interleave).await?;
                 agent.wait_for_group().await;
                 Ok(())
             })

@@ -8,7 +8,7 @@ processes it starts itself; one JSON object per line.
 
 usage: rpc-bench [all|latency|throughput|tensor|rref|allreduce|overhead|trace-overhead|soak|ddp] \
 [--threads N] [--busy-poll-us N] [--no-shm] [--wire-protection P] [--heartbeat-ms N] [--calls N] \
-[--world-sizes N,N] [--steps N] [--ring-threads N] [--variants V,V]
+[--world-sizes N,N] [--steps N] [--ring-threads N] [--variants V,V] [--interleave K]
   --threads N        runtime worker threads of every process (default 1: two processes
                      on a 2-core machine; 0: current-thread runtime)
   --busy-poll-us N   Config::busy_poll of every process, in microseconds (default: the
@@ -26,10 +26,13 @@ usage: rpc-bench [all|latency|throughput|tensor|rref|allreduce|overhead|trace-ov
                      reference model, with --world-sizes (default 2,4), --steps (30) and
                      --ring-threads (the ring's threads per operation; default: the group's)
                      and --variants (default local,no_comm,after,overlap,bf16,all_reduce)
+                     and --interleave K (the step variants, local too, alternated in blocks
+                     of K steps in one group: comparisons that hold on a machine whose speed
+                     moves)
 Prints one JSON object per line.";
 
 /// The flags that take a value, and those that stand alone.
-const VALUE_FLAGS: [&str; 9] = [
+const VALUE_FLAGS: [&str; 10] = [
     "--threads",
     "--busy-poll-us",
     "--wire-protection",
@@ -39,6 +42,7 @@ const VALUE_FLAGS: [&str; 9] = [
     "--steps",
     "--ring-threads",
     "--variants",
+    "--interleave",
 ];
 const BARE_FLAGS: [&str; 2] = ["--no-shm", "--trace"];
 

@@ -49,6 +49,14 @@ fn a_value_that_measures_nothing_is_refused_before_the_first_figure() {
             "--world-sizes: a group of 0",
         ),
         (&["soak", "--calls", "0"], "--calls must be at least 1"),
+        (
+            &["ddp", "--interleave", "0"],
+            "--interleave takes a block of 1 step or more",
+        ),
+        (
+            &["ddp", "--interleave", "five"],
+            "--interleave takes a number of steps",
+        ),
     ] {
         let (ok, out, err) = bench(args);
         assert!(!ok && err.contains(says), "{args:?}: {err}");
