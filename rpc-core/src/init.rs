@@ -76,6 +76,11 @@ pub async fn init(config: Config, mut registry: Registry) -> Result<Agent, InitE
     } else {
         None
     };
+    // TR-7: the job's name from this process's launcher, for the members whose launcher gave
+    // them none (the other nodes' of an `rpcrun HOST:PORT` launch).
+    if let (Some(s), Some(job)) = (&server, &cfg.job_id) {
+        s.name_job(job);
+    }
     let join = Join {
         name: cfg.name.clone(),
         rank: net_cfg.rank,
@@ -123,7 +128,9 @@ pub async fn init(config: Config, mut registry: Registry) -> Result<Agent, InitE
         name: cfg.name.clone(),
         incarnation,
         restart: cfg.restart_count,
-        job: cfg.job_id.clone().unwrap_or_else(|| view.job.clone()),
+        job: (cfg.job_id.clone())
+            .or_else(|| view.named.clone())
+            .unwrap_or_else(|| view.job.clone()),
         group: view.job.clone(),
         ranks: (0..)
             .zip(&standing)

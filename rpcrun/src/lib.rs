@@ -3,8 +3,9 @@
 //! [`Launch`] starts `nproc` copies of a program on this machine (one node of `nnodes`), each
 //! with the variables the framework's `rpc_core::init` reads: `RANK`, `LOCAL_RANK`,
 //! `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `GROUP_RANK` (the node's rank), `MASTER_ADDR`,
-//! `MASTER_PORT`, `RPC_RESTART_COUNT`, `RPC_JOB_ID` (the same on every node and in every
-//! restart), and the group secret as a file (`RPC_SECRET_FILE`,
+//! `MASTER_PORT`, `RPC_RESTART_COUNT`, `RPC_JOB_ID` (the same in every restart, another in
+//! the next launch; with `--rdzv HOST:PORT`, node 0's only: the others' processes take it
+//! from the rendezvous), and the group secret as a file (`RPC_SECRET_FILE`,
 //! readable by this user only; never on a command line). On one node it chooses the
 //! rendezvous's port itself and keeps it bound: rank 0 inherits that socket and serves on it
 //! (`RPC_RENDEZVOUS_FD`, RDV-8), so that no other process can take the port first. It then
@@ -415,9 +416,9 @@ impl Launch {
                 trace.as_deref(),
             );
         }
-        launch
-            .env
-            .push((rpc_core::JOB_ID_ENV[0].to_owned(), self.job_id()));
+        if let Some(id) = self.job_id() {
+            launch.env.push((rpc_core::JOB_ID_ENV[0].to_owned(), id));
+        }
         let mut exit = supervise::run(&launch)?;
         if let Some(t) = trace {
             exit.trace = merge_trace(&t, self.node_rank == 0);
@@ -426,10 +427,13 @@ impl Launch {
     }
 
     /// The job's name for its children ([`rpc_core::JOB_ID_ENV`]), the same on every node and
-    /// in every restart (TR-7): the one given to this launcher (its environment, or
-    /// [`Launch::env`]), else its `--rdzv` address (every node's), else one drawn now (one
-    /// node, one launcher). With etcd, `etcd::run` names the job's run.
-    fn job_id(&self) -> String {
+    /// in every restart, another in the next launch (TR-7): the one given to this launcher
+    /// (its environment, or [`Launch::env`]), else one drawn now, once per launch, by the
+    /// launcher whose children serve the rendezvous (one node, or node 0 of a `--rdzv
+    /// HOST:PORT` launch). The other nodes name none: their children take node 0's from the
+    /// rendezvous ([`rpc_core::RendezvousServer::name_job`]). With etcd, `etcd::run` names
+    /// the job's run.
+    fn job_id(&self) -> Option<String> {
         let given = |k: &str| {
             let mine = self
                 .env
@@ -441,18 +445,16 @@ impl Launch {
                 .filter(|v| !v.trim().is_empty() && v != "none")
         };
         if let Some(id) = rpc_core::JOB_ID_ENV.iter().find_map(|k| given(k)) {
-            return id;
+            return Some(id);
         }
-        match &self.rdzv {
-            Some(r) => format!("rpcrun {r}"),
-            None => {
-                let nanos = std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .unwrap_or_default()
-                    .as_nanos();
-                format!("rpcrun {}-{nanos:x}", std::process::id())
-            }
+        if self.rdzv.is_some() && self.node_rank != 0 {
+            return None;
         }
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos();
+        Some(format!("rpcrun {}-{nanos:x}", std::process::id()))
     }
 
     /// With [`Launch::trace`]: the launch that traces its children (`RPC_TRACE` set), and the

@@ -429,6 +429,12 @@ fn run_workers(launch: &Launch) -> Result<Exit, LaunchError> {
             what: "starting the rendezvous",
             source: std::io::Error::other(e.to_string()),
         })?;
+        // TR-7: the job's name for the other nodes' processes, which their launchers name none.
+        if let Some((_, job)) =
+            (launch.env.iter().rev()).find(|(k, _)| k == rpc_core::JOB_ID_ENV[0])
+        {
+            server.name_job(job);
+        }
         let mut events = server.subscribe();
         rt.spawn(async move {
             loop {

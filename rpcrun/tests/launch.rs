@@ -125,9 +125,9 @@ fn every_child_of_a_launch_gets_one_job_id_in_every_restart() {
     assert_ne!(ids[0], ids[1]);
 }
 
-/// A node other than 0, traced, clears its own earlier parts as it starts (they would carry
-/// this run's job name, `rpcrun HOST:PORT`, into a merge on node 0; only node 0 cleared) and
-/// says where this run's parts are, since node 0 merges.
+/// A node other than 0, traced, clears its own earlier parts as it starts (only node 0
+/// cleared: an earlier run's parts stayed beside this run's, to be copied to node 0 with
+/// them) and says where this run's parts are, since node 0 merges.
 #[test]
 fn every_node_clears_its_earlier_trace_parts_and_node_1_says_where_its_are() {
     let dir = scratch("trace-node-1");

@@ -367,6 +367,79 @@ fn a_rerun_to_the_same_path_leaves_the_earlier_runs_parts_out() {
     assert_eq!(rpcrun::report::report(&t).steps, 6);
 }
 
+/// The job its part in `trace`'s parts names (rank `rank`, the first start).
+fn part_job(trace: &Path, rank: u32) -> String {
+    let part = rpc_core::trace::part_path(trace, rank, 0, 0);
+    let v: Value = serde_json::from_slice(&std::fs::read(&part).expect("the part")).expect("JSON");
+    v["otherData"]["rpc_trace"]["job"]
+        .as_str()
+        .expect("the part names its job")
+        .to_owned()
+}
+
+/// TR-7 across hosts: two launches, one after the other, of two nodes meeting at one `--rdzv
+/// HOST:PORT` (each node tracing to its own directory, as on hosts without a shared
+/// filesystem) are two jobs, and the two nodes of each one job: a part of the first run
+/// copied by hand beside the second's is left out of the second's merge. Both restart modes
+/// (group: the rendezvous in node 0's rank 0; worker: in node 0's launcher). Both runs were
+/// one job, `rpcrun 127.0.0.1:PORT`, named after the address.
+#[test]
+fn two_launches_at_one_address_are_two_jobs_and_each_one_job_on_every_node() {
+    let dir = temp_dir("two-nodes");
+    let secret = dir.0.join("secret");
+    std::fs::write(&secret, "0123456789abcdef0123456789abcdef").unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let mut jobs = Vec::new();
+    for (run, restart) in [rpcrun::Restart::Group, rpcrun::Restart::Worker]
+        .into_iter()
+        .enumerate()
+    {
+        let traces: Vec<PathBuf> = (0..2)
+            .map(|n| dir.0.join(format!("run{run}-node{n}")).join("job.json"))
+            .collect();
+        let (tx, rx) = std::sync::mpsc::channel();
+        for (node, trace) in traces.iter().enumerate() {
+            let launch = rpcrun::Launch::new(env!("CARGO_BIN_EXE_trace-worker"))
+                .nproc(1)
+                .nodes(2, node as u32)
+                .rendezvous(format!("127.0.0.1:{port}"))
+                .secret_file(&secret)
+                .restart(restart)
+                .stop_grace(Duration::from_secs(2))
+                .trace(trace);
+            let tx = tx.clone();
+            // On threads of their own, bounded: the children end with this process if it
+            // overruns.
+            std::thread::spawn(move || {
+                let _ = tx.send((node, launch.run()));
+            });
+        }
+        for _ in 0..2 {
+            let (node, exit) = rx
+                .recv_timeout(Duration::from_secs(120))
+                .expect("each node's launch ends within 2 minutes");
+            let exit = exit.expect("the launch runs");
+            assert_eq!(exit.code, 0, "run {run} node {node}: {exit:?}");
+        }
+        let (node0, node1) = (part_job(&traces[0], 0), part_job(&traces[1], 1));
+        assert_eq!(
+            node0, node1,
+            "run {run}: the two nodes' parts name two jobs"
+        );
+        jobs.push((node0, traces));
+    }
+    assert_ne!(jobs[0].0, jobs[1].0, "the two launches are one job");
+    // The first run's rank 1 part, copied by hand beside the second's: left out, named.
+    let (first, second) = (&jobs[0].1, &jobs[1].1);
+    let stale = rpc_core::trace::part_path(&second[0], 1, 0, 0);
+    std::fs::copy(rpc_core::trace::part_path(&first[1], 1, 0, 0), &stale).unwrap();
+    let s = rpc_core::trace::merge_parts(&second[0], None).expect("merged");
+    assert_eq!((s.parts, s.stale.clone()), (1, vec![stale]), "{s:?}");
+}
+
 /// Kills the processes a test started, however it ends.
 struct Group(Vec<std::process::Child>);
 

@@ -76,6 +76,7 @@ pub(crate) fn fuzz_seeds() -> Vec<Vec<u8>> {
     let table = Verdict::Table(
         View {
             job: String::new(),
+            named: None,
             generation: 0,
             members: ["w0", "w1", "w2"]
                 .iter()

@@ -213,6 +213,11 @@ pub(crate) struct View {
     /// every member and every view it sends (a trace's parts name it, so that a merge can
     /// tell the parts of this run from those an earlier run left at the same path).
     pub job: String,
+    /// The job's name that the rendezvous's host was given by its launcher
+    /// ([`RendezvousServer::name_job`]; `rpcrun` draws one per launch on node 0): members whose
+    /// own launcher gave them none take it, so that every node's parts name one job, and a
+    /// later launch at the same address another (TR-7).
+    pub named: Option<String>,
     pub generation: u64,
     /// By rank, one per rank of the group's capacity (vacant ranks too).
     pub members: Vec<Member>,
@@ -326,6 +331,8 @@ pub(crate) struct Faults {
     pub ended: AtomicBool,
     /// Not a fault: the ranks whose member is linked now ([`RendezvousServer::linked_ranks`]).
     pub linked: std::sync::Mutex<Vec<u32>>,
+    /// Not a fault: the job's name its host gave ([`RendezvousServer::name_job`], [`View::named`]).
+    pub named: std::sync::OnceLock<String>,
 }
 
 impl RendezvousServer {
@@ -410,6 +417,14 @@ impl RendezvousServer {
     /// so that launcher stops instead of taking the rendezvous's exit for its host's death.
     pub fn end(&self) {
         self.faults.ended.store(true, Ordering::SeqCst);
+    }
+
+    /// Names the job for its members (TR-7): every view this rendezvous sends carries `name`,
+    /// and a member whose own launcher named no job ([`crate::JOB_ID_ENV`]) names its trace
+    /// part with it. Call it before the group's first worker starts (a view sent before says
+    /// nothing); a second name is ignored: a job keeps the name it was given first.
+    pub fn name_job(&self, name: &str) {
+        let _ = self.faults.named.set(name.to_owned());
     }
 
     /// The ranks whose member holds its link to the rendezvous now (a member that exited,
@@ -538,6 +553,7 @@ mod tests {
     fn table(names: &[&str]) -> View {
         View {
             job: String::new(),
+            named: None,
             generation: 0,
             members: names
                 .iter()

@@ -258,6 +258,7 @@ impl State {
     fn view(&self) -> View {
         View {
             job: self.job.clone(),
+            named: self.faults.named.get().cloned(),
             generation: self.generation,
             members: (0..self.size.capacity())
                 .map(|r| match self.slots.get(&r) {

@@ -95,6 +95,7 @@ mod tests {
             .collect();
         View {
             job: String::new(),
+            named: None,
             generation: 0,
             members,
         }

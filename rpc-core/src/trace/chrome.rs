@@ -10,7 +10,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use serde_json::{json, Map, Value};
 
@@ -124,6 +124,11 @@ pub(crate) fn part(who: &Who, clock: &ClockEstimate, events: &[Event], dropped: 
             "ranks": who.ranks,
             "job": who.job,
             "group": who.group,
+            // TR-7: when it was written, by the wall clock, for the merge to tell the newest
+            // job by (a file's modification time is the copy's, for a part copied by hand).
+            "written_unix_ms": std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64),
             "clock": {"reference_rank": 0, "offset_ns": clock.offset_ns, "at_ns": clock.at_ns,
                       "drift_ppm": clock.drift_ppm, "error_bound_ns": clock.error_bound_ns,
                       "samples": clock.samples},
@@ -293,7 +298,8 @@ fn read_parts(files: &[PathBuf]) -> Result<(Vec<Dated>, Vec<Unreadable>), MergeE
     }
 }
 
-/// Reads `f` as a part, with its modification time.
+/// Reads `f` as a part, with when it was written: the time it records (TR-7), else (a part
+/// from before parts recorded one) the file's modification time.
 fn read_part(f: &Path) -> Result<(SystemTime, Part), MergeError> {
     let bad = |why: String| MergeError::NotAPart {
         path: f.to_owned(),
@@ -304,7 +310,7 @@ fn read_part(f: &Path) -> Result<(SystemTime, Part), MergeError> {
         source,
     };
     let text = std::fs::read(f).map_err(io)?;
-    let written = std::fs::metadata(f)
+    let modified = std::fs::metadata(f)
         .and_then(|m| m.modified())
         .map_err(io)?;
     let mut v: Value = serde_json::from_slice(&text).map_err(|e| bad(e.to_string()))?;
@@ -312,6 +318,9 @@ fn read_part(f: &Path) -> Result<(SystemTime, Part), MergeError> {
         .pointer("/otherData/rpc_trace")
         .cloned()
         .ok_or_else(|| bad("no otherData.rpc_trace".into()))?;
+    let written = (meta.get("written_unix_ms").and_then(Value::as_u64)).map_or(modified, |ms| {
+        SystemTime::UNIX_EPOCH + Duration::from_millis(ms)
+    });
     let Some(Value::Array(events)) = v.get_mut("traceEvents").map(Value::take) else {
         return Err(bad("no traceEvents array".into()));
     };

@@ -360,14 +360,22 @@ mod tests {
             part_path(&dir.join("job.json"), rank, 0, 0)
         };
         let earlier = [0, 1, 2].map(|r| part(r, vec![0, 1, 2], "earlier"));
-        // Written a minute ago, whatever the file system's clock granularity.
-        let ago = std::time::SystemTime::now() - Duration::from_secs(60);
+        // Written a minute ago (the time each part records), whatever the clock's resolution.
         for p in &earlier {
-            let f = std::fs::File::options().write(true).open(p).unwrap();
-            f.set_modified(ago).unwrap();
+            let mut v: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap();
+            let at = &mut v["otherData"]["rpc_trace"]["written_unix_ms"];
+            *at = (at.as_u64().unwrap() - 60_000).into();
+            std::fs::write(p, serde_json::to_vec(&v).unwrap()).unwrap();
         }
-        part(0, vec![0, 1], "later");
-        part(1, vec![0, 1], "later");
+        let later = [0, 1].map(|r| part(r, vec![0, 1], "later"));
+        // The earlier job's parts copied by hand now (their files the newest) are still the
+        // earlier job's: the merge goes by the time each part records, not its file's.
+        for p in &later {
+            let f = std::fs::File::options().write(true).open(p).unwrap();
+            f.set_modified(std::time::SystemTime::now() - Duration::from_secs(60))
+                .unwrap();
+        }
         let s = merge_parts(&dir.join("job.json"), None).unwrap();
         assert_eq!((s.parts, s.missing.clone()), (2, vec![]), "{s:?}");
         assert_eq!(s.stale, vec![earlier[2].clone()], "{s:?}");

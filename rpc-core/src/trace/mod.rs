@@ -32,8 +32,9 @@
 //!   named in the merge's summary and in the merged file; after group restarts, per start
 //!   (a rank's part from one start does not stand in for the start it has none of).
 //! - **TR-7** A merge takes one job's parts: each part names its job (its launcher's
-//!   [`JOB_ID_ENV`](crate::JOB_ID_ENV), else the id its rendezvous drew), and the parts an
-//!   earlier run left at the same path are left out and named, not merged into this run's.
+//!   [`JOB_ID_ENV`](crate::JOB_ID_ENV), else the name the rendezvous's host was given by its
+//!   own launcher, else the id its rendezvous drew), and the parts an earlier run left at
+//!   the same path are left out and named, not merged into this run's.
 
 mod chrome;
 mod clock;
@@ -155,7 +156,8 @@ pub(crate) struct Who {
     pub restart: u64,
     /// The ranks its group had when it joined (a group that grows: not its vacant ones).
     pub ranks: Vec<u32>,
-    /// The job it belongs to: its launcher's name for it, else its rendezvous's (TR-7).
+    /// The job it belongs to: its launcher's name for it, else the one the rendezvous's host
+    /// was given, else the rendezvous's own id (TR-7).
     pub job: String,
     /// The group it joined: the id its rendezvous drew. A group restart starts a new one; a
     /// process replaced one by one joins the same (TR-6 counts the ranks per group).
