@@ -15,6 +15,9 @@
 # leaving no process behind; they wait RDZV_TIMEOUT seconds (rpcrun's --rdzv-timeout, default
 # 60) for it to answer again.
 #
+# Every host traces its processes to a directory of its own (`--trace`); the scenarios that
+# finish must leave parts of one job only (TR-7), from every rank.
+#
 # `pair`: the link between hosts 1 and 2 alone cut both ways for CUT_SECS (each still reaches
 # host 0): each of the two healthy workers takes the other for failed, but neither report is
 # confirmed (RDV-4), so neither is evicted; the run must end bit-identical, every launcher 0.
@@ -152,7 +155,7 @@ for i in 0 1 2; do
     ip netns exec "${hosts[$i]}" unshare --pid --fork --kill-child --mount-proc \
         "$bin/rpcrun" --nnodes 3 --nproc 1 --node-rank "$i" --rdzv 10.232.0.1:29500 \
         --secret-file "$out/secret" --max-restarts 3 --restart "$restart" \
-        --rdzv-timeout "${RDZV_TIMEOUT:-60}" -- \
+        --rdzv-timeout "${RDZV_TIMEOUT:-60}" --trace "$out/trace$i/job.json" -- \
         "$bin/hybrid-rnn" "${flags[@]}" --quiet --out-dir "$out/run" --restart "$restart" \
         >"$out/host$i.out" 2>"$out/host$i.err" &
     pids+=($!)
@@ -263,17 +266,25 @@ if [ -n "$frozen" ] && [ -e "/proc/$frozen" ] && ! grep -q '^State:.*Z' "/proc/$
 fi
 grep -h -E "restarting|killing|killed|exited" "$out"/host*.err | grep -v "^\[rank" | sed 's/^/  /' || true
 tail -1 "$out/host0.out"
-python3 - "$out/ref.out" "$out/host0.out" "$status" "$fault" <<'PY'
-import json, sys
+python3 - "$out/ref.out" "$out/host0.out" "$status" "$fault" "$out" <<'PY'
+import glob, json, sys
 # The last line, without rpcrun's `[rank0]: ` prefix.
 last = lambda p: json.loads(open(p).read().strip().splitlines()[-1].split("]: ", 1)[-1])
 a, b = last(sys.argv[1]), last(sys.argv[2])
 same = a["params_sha256"] == b["params_sha256"]
+# Traced, each host to its own directory (as hosts without a shared filesystem): every part
+# of every host names one job (TR-7: node 0's launcher names it, the others take it from the
+# rendezvous), and every rank left at least one.
+parts = [json.load(open(p))["otherData"]["rpc_trace"]
+         for p in glob.glob(f"{sys.argv[5]}/trace*/job.json.parts/*.json")]
+jobs = sorted({p["job"] for p in parts})
+traced = len(jobs) == 1 and {p["rank"] for p in parts} == {0, 1, 2}
 print(json.dumps({"three_hosts": True, "bit_identical": same, "recoveries": b["recoveries"],
                   "time_lost_s": b["time_lost_s"],
                   "accuracy": {"loopback": a["test_accuracy"], "three_hosts": b["test_accuracy"]},
                   "ms_per_step": {"loopback": a["ms_per_step_median"],
-                                  "three_hosts": b["ms_per_step_median"]}}))
+                                  "three_hosts": b["ms_per_step_median"]},
+                  "trace": {"parts": len(parts), "jobs": jobs, "ok": traced}}))
 # An impostor refused, or a cut that evicts no one, costs no recovery; the others need one.
 need = 0 if sys.argv[4] in ("pair", "impostor") else 1
 # A cut between two workers costs at most a restart, not their RPC timeout (DIAL-2: before, a
@@ -281,5 +292,6 @@ need = 0 if sys.argv[4] in ("pair", "impostor") else 1
 quick = sys.argv[4] != "pair" or sum(b["time_lost_s"]) <= 30
 if not quick:
     print(f"the cut cost {sum(b['time_lost_s'])} s")
-sys.exit(0 if same and sys.argv[3] == "0" and b["recoveries"] >= need and quick else 1)
+sys.exit(0 if same and sys.argv[3] == "0" and b["recoveries"] >= need and quick and traced
+         else 1)
 PY

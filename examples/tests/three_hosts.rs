@@ -5,7 +5,8 @@
 //! only the frozen process; the link between hosts 1 and 2 alone cut (neither worker is
 //! evicted, RDV-4); or an impostor with the secret claiming rank 1 from host 2 (refused,
 //! RDV-5). Each run must recover, every launcher exit 0, and the parameters end bit-identical
-//! to the same run on loopback. Before the launchers watched their children,
+//! to the same run on loopback; every host traces to a directory of its own, and the parts of
+//! all three must name one job (TR-7). Before the launchers watched their children,
 //! a frozen process hung its launcher for good. Host 0, where the rendezvous and the master
 //! live, killed or frozen: the group cannot go on, and the launchers of hosts 1 and 2 must end
 //! with an error naming the rendezvous within 60 s, giving it 15 s to answer (`--rdzv-timeout`;
@@ -205,11 +206,10 @@ fn in_rendezvous(rdzv: &str, fault: &str, restart: &str, said: &str) {
         assert_eq!(j["ok"], true, "{text}");
     } else {
         assert_eq!(j["bit_identical"], true, "{text}");
-        if rdzv == "etcd" {
-            // Traced: one job's parts, every rank of the last start, only the lost host's
-            // rank missing from the first start (TR-6, TR-7).
-            assert_eq!(j["trace"]["ok"], true, "{text}");
-        }
+        // Traced: one job's parts (TR-7), on every host; with etcd, every rank of the last
+        // start, only the lost host's rank missing from the first start (TR-6); embedded,
+        // every rank's.
+        assert_eq!(j["trace"]["ok"], true, "{text}");
         // An impostor refused, or a cut that evicts no one, needs no recovery.
         let need = u64::from(!matches!(fault, "pair" | "impostor"));
         assert!(j["recoveries"].as_u64().unwrap() >= need, "{text}");
