@@ -197,7 +197,7 @@ pub fn cut_rendezvous_link(agent: &Agent) {
 /// process would not; its connections stay open.
 pub fn freeze_rendezvous(server: &RendezvousServer, frozen: bool) {
     server
-        .faults
+        .shared
         .silenced
         .store(frozen, std::sync::atomic::Ordering::Relaxed);
 }
@@ -206,7 +206,7 @@ pub fn freeze_rendezvous(server: &RendezvousServer, frozen: bool) {
 /// that breaks loses the reports still on their way (TCP accepted them from the sender).
 pub fn deafen_rendezvous(server: &RendezvousServer, deaf: bool) {
     server
-        .faults
+        .shared
         .deaf
         .store(deaf, std::sync::atomic::Ordering::Relaxed);
 }

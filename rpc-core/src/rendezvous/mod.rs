@@ -314,13 +314,15 @@ pub struct RendezvousServer {
     task: Option<JoinHandle<()>>,
     events: broadcast::Sender<MembershipEvent>,
     formed: tokio::sync::watch::Receiver<bool>,
-    /// Faults tests inject (`testing::freeze_rendezvous`, `testing::deafen_rendezvous`).
-    pub(crate) faults: Arc<Faults>,
+    /// What its task shares with it: the faults tests inject (`testing::freeze_rendezvous`,
+    /// `testing::deafen_rendezvous`), the job's end and name, the ranks linked now.
+    pub(crate) shared: Arc<Shared>,
 }
 
-/// Faults a test injects into a rendezvous.
+/// What a rendezvous's task shares with its handle: faults a test injects, and the state its
+/// host sets or reads.
 #[derive(Debug, Default)]
-pub(crate) struct Faults {
+pub(crate) struct Shared {
     /// While set, it sends nothing on any member's link, as a frozen process would not.
     pub silenced: AtomicBool,
     /// While set, it drops the reports it reads, as a connection that breaks loses those
@@ -331,7 +333,8 @@ pub(crate) struct Faults {
     pub ended: AtomicBool,
     /// Not a fault: the ranks whose member is linked now ([`RendezvousServer::linked_ranks`]).
     pub linked: std::sync::Mutex<Vec<u32>>,
-    /// Not a fault: the job's name its host gave ([`RendezvousServer::name_job`], [`View::named`]).
+    /// Not a fault: the job's name its host gave ([`RendezvousServer::name_job`],
+    /// [`View::named`]).
     pub named: std::sync::OnceLock<String>,
 }
 
@@ -392,21 +395,21 @@ impl RendezvousServer {
         // Bounded: a watcher that falls this far behind is told it lagged.
         let events = broadcast::channel(1024).0;
         let (formed_tx, formed) = tokio::sync::watch::channel(false);
-        let faults = Arc::new(Faults::default());
+        let shared = Arc::new(Shared::default());
         let task = tokio::spawn(server::serve(
             listener,
             secret,
             size,
             deadline,
             events.clone(),
-            (formed_tx, Arc::clone(&faults)),
+            (formed_tx, Arc::clone(&shared)),
         ));
         Ok(Self {
             addr,
             task: Some(task),
             events,
             formed,
-            faults,
+            shared,
         })
     }
 
@@ -416,7 +419,7 @@ impl RendezvousServer {
     /// fails to join with [`InitError::JobEnded`], and [`probe_rendezvous`] answers the same,
     /// so that launcher stops instead of taking the rendezvous's exit for its host's death.
     pub fn end(&self) {
-        self.faults.ended.store(true, Ordering::SeqCst);
+        self.shared.ended.store(true, Ordering::SeqCst);
     }
 
     /// Names the job for its members (TR-7): every view this rendezvous sends carries `name`,
@@ -424,13 +427,13 @@ impl RendezvousServer {
     /// part with it. Call it before the group's first worker starts (a view sent before says
     /// nothing); a second name is ignored: a job keeps the name it was given first.
     pub fn name_job(&self, name: &str) {
-        let _ = self.faults.named.set(name.to_owned());
+        let _ = self.shared.named.set(name.to_owned());
     }
 
     /// The ranks whose member holds its link to the rendezvous now (a member that exited,
     /// failed or lost its link is not among them).
     pub fn linked_ranks(&self) -> Vec<u32> {
-        self.faults
+        self.shared
             .linked
             .lock()
             .unwrap_or_else(|p| p.into_inner())

@@ -103,8 +103,9 @@ struct State {
     suspicions: Suspicions,
     /// Member connections so far (each gets the next number, RDV-6).
     links: u64,
-    /// Tests: faults injected (a frozen rendezvous, reports lost on their way).
-    faults: Arc<super::Faults>,
+    /// Shared with its handle: faults tests inject (a frozen rendezvous, reports lost on
+    /// their way), the job's end and name, the ranks linked now.
+    shared: Arc<super::Shared>,
 }
 
 /// Serves the group: formation until `deadline` (RDV-1), then membership for as long as the
@@ -115,7 +116,7 @@ pub(super) async fn serve(
     size: GroupSize,
     deadline: Instant,
     watchers: broadcast::Sender<MembershipEvent>,
-    (formed_tx, faults): (tokio::sync::watch::Sender<bool>, Arc<super::Faults>),
+    (formed_tx, shared): (tokio::sync::watch::Sender<bool>, Arc<super::Shared>),
 ) {
     let initial = size.initial();
     // Bounded: joins and reports are few; a full queue slows the readers, it drops nothing.
@@ -131,7 +132,7 @@ pub(super) async fn serve(
         watchers,
         suspicions: Suspicions::default(),
         links: 0,
-        faults,
+        shared,
     };
     let gate = auth::Gate::default();
     let mut formed = size.is_dynamic();
@@ -144,7 +145,7 @@ pub(super) async fn serve(
                 let Ok(conn) = acc else { continue };
                 let (tx, secret, gate) = (tx.clone(), secret.clone(), gate.clone());
                 let by = if formed { Instant::now() + Duration::from_secs(30) } else { deadline };
-                let ended = Arc::clone(&state.faults);
+                let ended = Arc::clone(&state.shared);
                 tokio::spawn(read_join(conn, (tx, ended), secret, gate, by));
             }
             Some(ev) = rx.recv() => {
@@ -208,7 +209,7 @@ pub(super) async fn serve(
 /// Authenticates a connection and reads its join, by `by`.
 async fn read_join(
     mut conn: Conn,
-    (tx, switches): (mpsc::Sender<Event>, Arc<super::Faults>),
+    (tx, switches): (mpsc::Sender<Event>, Arc<super::Shared>),
     secret: Secret,
     gate: auth::Gate,
     by: Instant,
@@ -258,7 +259,7 @@ impl State {
     fn view(&self) -> View {
         View {
             job: self.job.clone(),
-            named: self.faults.named.get().cloned(),
+            named: self.shared.named.get().cloned(),
             generation: self.generation,
             members: (0..self.size.capacity())
                 .map(|r| match self.slots.get(&r) {
@@ -308,7 +309,7 @@ impl State {
             .filter(|(_, s)| s.out.is_some())
             .map(|(r, _)| *r)
             .collect();
-        *self.faults.linked.lock().unwrap_or_else(|p| p.into_inner()) = linked;
+        *self.shared.linked.lock().unwrap_or_else(|p| p.into_inner()) = linked;
     }
 
     /// Sends `first` on `f`, then serves the member's updates and reports.
@@ -323,11 +324,11 @@ impl State {
         slot.link = self.links;
         let link = self.links;
         let events = self.events.clone();
-        let faults = Arc::clone(&self.faults);
+        let shared = Arc::clone(&self.shared);
         tokio::spawn(async move {
             let (mut sink, mut stream) = f.split();
             let hold = || async {
-                while faults.silenced.load(Ordering::Relaxed) {
+                while shared.silenced.load(Ordering::Relaxed) {
                     tokio::time::sleep(Duration::from_millis(10)).await;
                 }
             };
@@ -349,7 +350,7 @@ impl State {
                     };
                     // RDV-10: the job ended; a member still linked loses the link (and its
                     // redial is told that the job ended).
-                    if faults.ended.load(Ordering::SeqCst) {
+                    if shared.ended.load(Ordering::SeqCst) {
                         return;
                     }
                     hold().await;
@@ -366,7 +367,7 @@ impl State {
             let reader = async {
                 while let Some(Ok(frame)) = stream.next().await {
                     match bincode::deserialize::<Report>(&frame) {
-                        Ok(_) if faults.deaf.load(Ordering::Relaxed) => {}
+                        Ok(_) if shared.deaf.load(Ordering::Relaxed) => {}
                         Ok(r) => {
                             if events
                                 .send(Event::Report(rank, incarnation, r))
