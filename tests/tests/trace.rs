@@ -98,7 +98,10 @@ fn the_merged_trace_links_every_call_and_names_the_straggler() {
         "{}",
         r.text()
     );
-    assert!(*share > 0.5, "{}", r.text());
+    // Most of the path on an idle machine; on a loaded one the calls' time on the wire (the
+    // callee's process not yet scheduled) grows beside it: 46 % with three copies of this
+    // test binary at once on two cores, the wire 45 %.
+    assert!(*share > 0.35, "{}", r.text());
     for s in &r.workers {
         let sum = s.busy + s.communicating + s.waiting;
         assert!((sum - 1.0).abs() < 1e-6, "{s:?}");
