@@ -314,10 +314,7 @@ fn a_sighup_under_a_grace_ends_the_worker_by_its_grace_and_keeps_its_part() {
 /// Runs `world` trace-workers by hand (no launcher), traced to `trace`; waits (at most 60 s)
 /// for every one to exit 0.
 fn by_hand(trace: &Path, world: u32) {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port();
+    let port = rpc_core::testing::free_port();
     let mut group = Group(
         (0..world)
             .map(|rank| {
@@ -391,10 +388,9 @@ fn two_launches_at_one_address_are_two_jobs_and_each_one_job_on_every_node() {
     let dir = temp_dir("two-nodes");
     let secret = dir.0.join("secret");
     std::fs::write(&secret, "0123456789abcdef0123456789abcdef").unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port();
+    // Below the ephemeral range: a port drawn by binding port 0 was taken by another test's
+    // connection before rank 0 bound it (seen once in CI: "Address already in use").
+    let port = rpc_core::testing::free_port();
     let mut jobs = Vec::new();
     for (run, restart) in [rpcrun::Restart::Group, rpcrun::Restart::Worker]
         .into_iter()

@@ -217,29 +217,9 @@ pub fn await_step(run: &mut Spawned, out: &Path, step: u64, limit: Duration) {
     }
 }
 
-/// A port of 127.0.0.1 free now, for a rendezvous address a test must name before anything
-/// binds it (`--rdzv`, `MASTER_PORT`): drawn below Linux's default ephemeral range (32768 and
-/// up), where neither outgoing connections nor listeners on port 0 take ports, so that no
-/// other test's traffic can take it before the program binds it (RDV-8; a launcher that chooses
-/// the port itself keeps it bound instead). At most 64 draws, then any free port.
+/// A port of 127.0.0.1 free now, below the ephemeral range ([`rpc_core::testing::free_port`]).
 pub fn free_port() -> u16 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u32(std::process::id());
-    let mut x = h.finish();
-    for _ in 0..64 {
-        x = x
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        let port = 20_000 + ((x >> 33) % 12_000) as u16;
-        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            return port;
-        }
-    }
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
+    rpc_core::testing::free_port()
 }
 
 /// The `rpcrun` built beside the example binary `bin`, or `None` after saying on stderr that the
