@@ -270,12 +270,7 @@ fn bad_input_fails_with_a_message_not_a_panic() {
     assert!(r.stderr.contains("0 restart(s)"), "{}", r.stderr);
 
     // Rank 0 of an external group whose workers never come: the missing ranks are named.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string();
+    let port = rpc_core::testing::free_port().to_string();
     let env = [
         ("RANK", "0"),
         ("WORLD_SIZE", "3"),

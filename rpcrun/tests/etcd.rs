@@ -14,6 +14,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{alive, scratch, start, Run};
+use rpc_core::testing::free_port;
 
 /// An etcd server on loopback, killed on drop.
 struct Etcd {
@@ -30,14 +31,6 @@ impl Drop for Etcd {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 impl Etcd {
     /// A fresh etcd, answering; `None` (the reason printed) where these tests cannot run.
     fn start(name: &str) -> Option<Self> {
@@ -50,7 +43,11 @@ impl Etcd {
             return None;
         }
         let dir = scratch(&format!("etcd-{name}"));
-        let (client, peer) = (free_port(), free_port());
+        // Drawn below the ephemeral range, where no other test's connection can take them
+        // before etcd binds them (RDV-8).
+        let client = free_port();
+        let peer = (0..8).map(|_| free_port()).find(|&p| p != client);
+        let peer = peer.expect("a second free port");
         let endpoint = format!("127.0.0.1:{client}");
         let child = Command::new("etcd")
             .args(["--name", "t", "--data-dir"])

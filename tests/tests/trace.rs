@@ -262,10 +262,7 @@ fn a_sighup_under_a_grace_ends_the_worker_by_its_grace_and_keeps_its_part() {
     let dir = temp_dir("hup");
     let trace = dir.0.join("job.json");
     let ready = dir.0.join("ready");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port();
+    let port = rpc_core::testing::free_port();
     let spawn = |rank: u32| {
         std::process::Command::new(env!("CARGO_BIN_EXE_trace-worker"))
             .env("RANK", rank.to_string())
