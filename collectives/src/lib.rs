@@ -53,6 +53,9 @@
 //! - COL-4: a member that cannot make its part of an operation (a failed or panicking fill
 //!   of [`ProcessGroup::all_reduce_fill_async`]) fails the operation on every member the
 //!   same way, with one message naming it and the cause, and the group stays in step.
+//! - ROOT-1: members that pass different roots to a `broadcast`, `reduce`, `gather` or
+//!   `scatter` fail it on every member with one message naming both roots, at once (each
+//!   member's messages carry its root, and neighbours compare theirs).
 //!
 //! Install the functions in every worker's registry with [`install`].
 //!

@@ -311,7 +311,8 @@ impl ProcessGroup {
 
     /// `root`'s `t` on every member (`t` gives the shape and dtype on the others). The members
     /// send the root their shapes first, so a mismatch, or a root that is not a member, fails
-    /// every member with one message (COL-1) and no data moves.
+    /// every member with one message (COL-1) and no data moves; so do members that pass
+    /// different roots (ROOT-1).
     pub async fn broadcast(&self, t: &Tensor, root: u32) -> Result<Tensor, CollectiveError> {
         let seq = mailbox(&self.agent).next_seq(self.id);
         #[cfg(feature = "nccl")]
@@ -340,7 +341,7 @@ impl ProcessGroup {
     }
 
     /// Reduces `t` element-wise over the group onto `root`, which gets `Some(result)`; the
-    /// others get `None` (every member passes the same shape and dtype).
+    /// others get `None` (every member passes the same shape, dtype and root: ROOT-1).
     pub async fn reduce(
         &self,
         t: &Tensor,
@@ -356,7 +357,7 @@ impl ProcessGroup {
     }
 
     /// Every member's `t` on `root`, in member order (`Some` there, `None` elsewhere; all
-    /// must have the same shape and dtype).
+    /// must have the same shape and dtype, and pass the same root: ROOT-1).
     pub async fn gather(
         &self,
         t: &Tensor,
@@ -371,7 +372,10 @@ impl ProcessGroup {
     }
 
     /// `root`'s `parts[i]` on the group's `i`-th member. The root passes `Some(parts)`, one
-    /// per member in member order (of any shapes); the others pass `None`.
+    /// per member in member order (of any shapes); the others pass `None`. The root sends
+    /// the parts once every member has said it takes part (one small message each), so
+    /// that a wrong call anywhere (parts passed by another member, another root: ROOT-1)
+    /// fails every member with one message and no member gets its part.
     pub async fn scatter(
         &self,
         parts: Option<Vec<Tensor>>,

@@ -11,6 +11,10 @@ use crate::mailbox::{
     TakeError,
 };
 
+/// The step of the message by which neighbours compare their calls ([`Op::agree_on_root`]);
+/// no operation has as many steps of its own.
+pub(super) const AGREE_STEP: u32 = u32::MAX;
+
 /// One collective call's bookkeeping.
 pub(super) struct Op<'a> {
     pub g: &'a ProcessGroup,
@@ -27,6 +31,13 @@ impl Op<'_> {
     /// another fails it everywhere (COL-1).
     pub(super) fn reducing(mut self, op: ReduceOp) -> Self {
         self.header.call.reduce = Some(Cow::Borrowed(op.name()));
+        self
+    }
+
+    /// The operation has root `root`: its messages say so, and a member that names another
+    /// root fails it everywhere (ROOT-1).
+    pub(super) fn rooted(mut self, root: u32) -> Self {
+        self.header.call.root = Some(root);
         self
     }
 
@@ -116,6 +127,20 @@ impl Op<'_> {
             ))
         })
         .await
+    }
+
+    /// ROOT-1: sends this member's call (its root included) to the next member and checks
+    /// the previous member's, so that members that name different roots fail the operation
+    /// with one verdict instead of waiting for each other until their timeout.
+    pub(super) async fn agree_on_root(&self) -> Result<(), CollectiveError> {
+        if self.n() < 2 {
+            return Ok(());
+        }
+        let empty = Tensor::zeros(0, candle_core::DType::U8, &candle_core::Device::Cpu)?;
+        let send = self.send_part(self.peer(1), AGREE_STEP, empty);
+        let recv = self.recv_part(self.peer(-1), AGREE_STEP, |_| Ok(()));
+        tokio::try_join!(send, recv)?;
+        Ok(())
     }
 
     /// Receives a tensor whose sender's header passes `check` (parts whose shapes differ by
@@ -351,6 +376,7 @@ impl ProcessGroup {
                         n => n,
                     }),
                     reduce: None,
+                    root: None,
                 },
             },
         })

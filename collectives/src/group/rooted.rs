@@ -7,7 +7,19 @@
 //! an all-reduce would make it. `gather`, `scatter` and `all_to_all` send each part directly
 //! to the member it is for: the data leave each member once, which is what they cost anyway.
 //! A gather's members wait for the root's word that every part matched (one small message),
-//! so that a mismatch fails every member (COL-1), not only the root.
+//! and a scatter's root waits for every member's header before it sends the parts, so that
+//! a mismatch fails every member (COL-1), not only the root.
+//!
+//! ROOT-1: members that name different roots fail the operation on every member at once
+//! with one verdict naming both roots, where each would otherwise wait for a root that does
+//! not send (or sends to others) until its timeout. Every message carries its sender's root
+//! in its call, and in a broadcast, gather or scatter each member also sends its successor
+//! in the group one empty message ([`Op::agree_on_root`]): any disagreement lies between two
+//! neighbours somewhere around the group, and the later of them finds it. No member can end
+//! such an operation first: its root waits for every member (a broadcast's and a scatter's
+//! headers, a gather's parts) and the others for the root. A reduce needs no extra message:
+//! its reduce-scatter already compares every member's call with its predecessor's at each
+//! step, and every member's last chunk waits on every other member.
 
 use candle_core::{DType, Device, Tensor};
 
@@ -37,18 +49,21 @@ impl ProcessGroup {
         root: u32,
         seq: u64,
     ) -> Result<Tensor, CollectiveError> {
-        let o = self.begin_at("broadcast", t, seq)?;
+        let o = self.begin_at("broadcast", t, seq)?.rooted(root);
         let out = async {
             check_root(&o, root).await?;
             let others = || self.ranks.iter().copied().filter(|&r| r != root);
-            if self.agent.rank() != root {
-                let header_only = Tensor::zeros(0, DType::U8, &Device::Cpu)?;
-                o.send(root, 0, header_only).await?;
-                return o.recv(root, 1).await;
-            }
-            futures::future::try_join_all(others().map(|r| o.recv(r, 0))).await?;
-            futures::future::try_join_all(others().map(|r| o.send(r, 1, t.clone()))).await?;
-            Ok(t.clone())
+            let body = async {
+                if self.agent.rank() != root {
+                    let header_only = Tensor::zeros(0, DType::U8, &Device::Cpu)?;
+                    o.send(root, 0, header_only).await?;
+                    return o.recv(root, 1).await;
+                }
+                futures::future::try_join_all(others().map(|r| o.recv(r, 0))).await?;
+                futures::future::try_join_all(others().map(|r| o.send(r, 1, t.clone()))).await?;
+                Ok(t.clone())
+            };
+            Ok(tokio::try_join!(o.agree_on_root(), body)?.1)
         }
         .await;
         self.end(&o);
@@ -62,7 +77,8 @@ impl ProcessGroup {
         root: u32,
         seq: u64,
     ) -> Result<Option<Tensor>, CollectiveError> {
-        let o = self.begin_at("reduce", t, seq)?.reducing(op);
+        // ROOT-1 without a message of its own: see the module's documentation.
+        let o = self.begin_at("reduce", t, seq)?.reducing(op).rooted(root);
         let out = async {
             check_root(&o, root).await?;
             let n = o.n();
@@ -98,36 +114,45 @@ impl ProcessGroup {
         root: u32,
         seq: u64,
     ) -> Result<Option<Vec<Tensor>>, CollectiveError> {
-        let o = self.begin_at("gather", t, seq)?;
+        let o = self.begin_at("gather", t, seq)?.rooted(root);
         let out = async {
             check_root(&o, root).await?;
-            if self.agent.rank() != root {
-                o.send(root, 0, t.clone()).await?;
-                // The root's word that every part matched (COL-1: a mismatch fails every
-                // member, these included).
-                o.recv_part(root, 1, |_| Ok(())).await?;
-                return Ok(None);
-            }
-            let mut all = Vec::with_capacity(o.n());
-            for &r in self.ranks.iter() {
-                all.push(if r == root {
-                    t.clone()
-                } else {
-                    o.recv(r, 0).await?
-                });
-            }
-            let done = Tensor::zeros(0, DType::U8, &Device::Cpu)?;
-            let acks = self
-                .ranks
-                .iter()
-                .filter(|&&r| r != root)
-                .map(|&r| o.send_part(r, 1, done.clone()));
-            futures::future::try_join_all(acks).await?;
-            Ok(Some(all))
+            Ok(tokio::try_join!(o.agree_on_root(), self.gather_body(&o, t, root))?.1)
         }
         .await;
         self.end(&o);
         out
+    }
+
+    async fn gather_body(
+        &self,
+        o: &Op<'_>,
+        t: &Tensor,
+        root: u32,
+    ) -> Result<Option<Vec<Tensor>>, CollectiveError> {
+        if self.agent.rank() != root {
+            o.send(root, 0, t.clone()).await?;
+            // The root's word that every part matched (COL-1: a mismatch fails every
+            // member, these included).
+            o.recv_part(root, 1, |_| Ok(())).await?;
+            return Ok(None);
+        }
+        let mut all = Vec::with_capacity(o.n());
+        for &r in self.ranks.iter() {
+            all.push(if r == root {
+                t.clone()
+            } else {
+                o.recv(r, 0).await?
+            });
+        }
+        let done = Tensor::zeros(0, DType::U8, &Device::Cpu)?;
+        let acks = self
+            .ranks
+            .iter()
+            .filter(|&&r| r != root)
+            .map(|&r| o.send_part(r, 1, done.clone()));
+        futures::future::try_join_all(acks).await?;
+        Ok(Some(all))
     }
 
     pub(super) async fn scatter_at(
@@ -142,43 +167,61 @@ impl ProcessGroup {
             (Some(p), true) if !p.is_empty() => Header::of(&p[0]),
             _ => Header::any(),
         };
-        let o = self.begin_header("scatter", header.dims, &header.dtype, seq)?;
+        let o = self
+            .begin_header("scatter", header.dims, &header.dtype, seq)?
+            .rooted(root);
         let out = async {
             check_root(&o, root).await?;
-            if !me_root {
-                // Nobody waits for this member: it alone fails (a verdict would race with
-                // the others' parts and fail some of them, not all).
-                if parts.is_some() {
-                    return Err(o.failed(format!(
-                        "only the root (rank {root}) passes the parts to scatter"
-                    )));
-                }
-                return o.recv_part(root, 0, |_| Ok(())).await;
-            }
-            let Some(mut parts) = parts else {
-                let why = format!("the root (rank {root}) passed no parts");
-                return Err(o.mismatch(why).await);
-            };
-            if parts.len() != o.n() {
-                let why = format!(
-                    "the root (rank {root}) passed {} parts for {} members",
-                    parts.len(),
-                    o.n()
-                );
-                return Err(o.mismatch(why).await);
-            }
-            let sends = self
-                .ranks
-                .iter()
-                .zip(&parts)
-                .filter(|(&r, _)| r != root)
-                .map(|(&r, p)| o.send_part(r, 0, p.clone()));
-            futures::future::try_join_all(sends).await?;
-            Ok(parts.swap_remove(o.me))
+            Ok(tokio::try_join!(o.agree_on_root(), self.scatter_body(&o, parts, root))?.1)
         }
         .await;
         self.end(&o);
         out
+    }
+
+    /// The root sends the parts once every member's header (its call, no data) has come, so
+    /// that no member gets its part from an operation that fails elsewhere (COL-1).
+    async fn scatter_body(
+        &self,
+        o: &Op<'_>,
+        parts: Option<Vec<Tensor>>,
+        root: u32,
+    ) -> Result<Tensor, CollectiveError> {
+        if self.agent.rank() != root {
+            if parts.is_some() {
+                let why = format!(
+                    "rank {} passed parts to scatter; only the root (rank {root}) passes them",
+                    self.agent.rank()
+                );
+                return Err(o.mismatch(why).await);
+            }
+            let header_only = Tensor::zeros(0, DType::U8, &Device::Cpu)?;
+            o.send_part(root, 1, header_only).await?;
+            return o.recv_part(root, 0, |_| Ok(())).await;
+        }
+        let Some(mut parts) = parts else {
+            let why = format!("the root (rank {root}) passed no parts");
+            return Err(o.mismatch(why).await);
+        };
+        if parts.len() != o.n() {
+            let why = format!(
+                "the root (rank {root}) passed {} parts for {} members",
+                parts.len(),
+                o.n()
+            );
+            return Err(o.mismatch(why).await);
+        }
+        let others = || self.ranks.iter().copied().filter(|&r| r != root);
+        let headers = others().map(|r| o.recv_part(r, 1, |_| Ok(())));
+        futures::future::try_join_all(headers).await?;
+        let sends = self
+            .ranks
+            .iter()
+            .zip(&parts)
+            .filter(|(&r, _)| r != root)
+            .map(|(&r, p)| o.send_part(r, 0, p.clone()));
+        futures::future::try_join_all(sends).await?;
+        Ok(parts.swap_remove(o.me))
     }
 
     pub(super) async fn all_to_all_at(

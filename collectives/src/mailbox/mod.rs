@@ -48,9 +48,9 @@ pub(crate) const P2P: u64 = 0;
 pub(crate) struct Header {
     pub dims: Vec<usize>,
     pub dtype: String,
-    /// The collective that sent it (`all_reduce`) and its reduction (`sum`) if it reduces;
-    /// empty for point-to-point messages. Members that reach the same place in a group's
-    /// order with different calls fail it with one verdict.
+    /// The collective that sent it (`all_reduce`), its reduction (`sum`) if it reduces and
+    /// its root if it has one; empty for point-to-point messages. Members that reach the same
+    /// place in a group's order with different calls fail it with one verdict.
     pub call: Call,
 }
 
@@ -59,13 +59,18 @@ pub(crate) struct Header {
 pub(crate) struct Call {
     pub name: Cow<'static, str>,
     pub reduce: Option<Cow<'static, str>>,
+    /// The root a `broadcast`, `reduce`, `gather` or `scatter` was called with (ROOT-1).
+    pub root: Option<u32>,
 }
 
 impl std::fmt::Display for Call {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match &self.reduce {
-            Some(r) => write!(f, "{} ({r})", self.name),
-            None => f.write_str(&self.name),
+        f.write_str(&self.name)?;
+        match (&self.reduce, self.root) {
+            (Some(r), Some(root)) => write!(f, " ({r}, root {root})"),
+            (Some(r), None) => write!(f, " ({r})"),
+            (None, Some(root)) => write!(f, " (root {root})"),
+            (None, None) => Ok(()),
         }
     }
 }

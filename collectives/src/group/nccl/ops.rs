@@ -6,6 +6,8 @@ use candle_core::Tensor;
 use cudarc::nccl::{result as nc, sys as ncs};
 
 use super::{address, nccl_err, nccl_op, nccl_type, run, shared_seq, to_host, Ran, Turn};
+use crate::group::op::Op;
+use crate::group::rooted::check_root;
 use crate::group::{CollectiveError, ProcessGroup, ReduceOp};
 
 /// What an NCCL call of one source and one destination buffer is given ([`ProcessGroup::one_call`]
@@ -23,31 +25,29 @@ struct Call {
 type Status = Result<nc::NcclStatus, nc::NcclError>;
 
 impl ProcessGroup {
-    /// `root`'s position in the group, or the error every member gives alike.
-    fn position_of(&self, op: &'static str, root: u32) -> Result<usize, CollectiveError> {
-        self.ranks
-            .iter()
-            .position(|&r| r == root)
-            .ok_or_else(|| CollectiveError::Failed {
-                op,
-                members: self.ranks.to_vec(),
-                message: format!("root {root} is not a member"),
-            })
+    /// `root`'s position in the group (0 for a root that is not a member, which
+    /// [`check_root`] fails everywhere before NCCL is called).
+    fn position_of(&self, root: u32) -> usize {
+        self.ranks.iter().position(|&r| r == root).unwrap_or(0)
     }
 
-    /// One operation of one NCCL call (`what`, for errors) from `t` into a new tensor of
+    /// One operation `o` of one NCCL call (`what`, for errors) from `t` into a new tensor of
     /// `out_dims` on `t`'s device: `count` is the count the call is given. `None`: members
-    /// share a GPU, and the caller runs the ring (NC-5).
+    /// share a GPU, and the caller runs the ring (NC-5). NC-2's exchange of headers compares
+    /// every member's call with every other's, its reduction and root included (COL-1,
+    /// ROOT-1).
     async fn one_call(
         &self,
-        (name, seq, turn): (&'static str, u64, Turn),
+        (o, turn): (Op<'_>, Turn),
         t: &Tensor,
         (out_dims, count): (Vec<usize>, usize),
         what: &'static str,
         call: impl FnOnce(Call) -> Status,
     ) -> Result<Option<Tensor>, CollectiveError> {
-        let o = self.begin_at(name, t, seq)?;
         let out = async {
+            if let Some(root) = o.header.call.root {
+                check_root(&o, root).await?;
+            }
             let t = t.contiguous()?;
             let ty = nccl_type(&o, t.dtype())?;
             let out = Tensor::zeros(out_dims, t.dtype(), t.device())?;
@@ -82,7 +82,8 @@ impl ProcessGroup {
         op: ReduceOp,
     ) -> Result<Tensor, CollectiveError> {
         let (dims, red) = ((t.dims().to_vec(), t.elem_count()), nccl_op(op));
-        let out = self.one_call(("all_reduce", seq, turn), t, dims, "ncclAllReduce", |c| {
+        let o = self.begin_at("all_reduce", t, seq)?.reducing(op);
+        let out = self.one_call((o, turn), t, dims, "ncclAllReduce", |c| {
             // SAFETY: both buffers hold `count` elements of `ty` on the communicator's device.
             unsafe {
                 let (src, dst) = (c.src as _, c.dst as _);
@@ -109,9 +110,10 @@ impl ProcessGroup {
         t: &Tensor,
         root: u32,
     ) -> Result<Tensor, CollectiveError> {
-        let at = self.position_of("broadcast", root)? as i32;
+        let at = self.position_of(root) as i32;
         let dims = (t.dims().to_vec(), t.elem_count());
-        let out = self.one_call(("broadcast", seq, turn), t, dims, "ncclBroadcast", |c| {
+        let o = self.begin_at("broadcast", t, seq)?.rooted(root);
+        let out = self.one_call((o, turn), t, dims, "ncclBroadcast", |c| {
             // SAFETY: both buffers hold `count` elements of `ty` on the communicator's device.
             unsafe {
                 let (src, dst) = (c.src as _, c.dst as _);
@@ -136,9 +138,10 @@ impl ProcessGroup {
         op: ReduceOp,
         root: u32,
     ) -> Result<Option<Tensor>, CollectiveError> {
-        let at = self.position_of("reduce", root)? as i32;
+        let at = self.position_of(root) as i32;
         let (dims, red) = ((t.dims().to_vec(), t.elem_count()), nccl_op(op));
-        let out = self.one_call(("reduce", seq, turn), t, dims, "ncclReduce", |c| {
+        let o = self.begin_at("reduce", t, seq)?.reducing(op).rooted(root);
+        let out = self.one_call((o, turn), t, dims, "ncclReduce", |c| {
             // SAFETY: both buffers hold `count` elements of `ty` on the communicator's device.
             unsafe {
                 let (src, dst) = (c.src as _, c.dst as _);
@@ -163,20 +166,13 @@ impl ProcessGroup {
     ) -> Result<Vec<Tensor>, CollectiveError> {
         let mut dims = vec![self.size()];
         dims.extend_from_slice(t.dims());
+        let o = self.begin_at("all_gather", t, seq)?;
         let Some(all) = self
-            .one_call(
-                ("all_gather", seq, turn),
-                t,
-                (dims, t.elem_count()),
-                "ncclAllGather",
-                |c| {
-                    // SAFETY: the destination holds `size * count` elements of `ty`, the source
-                    // `count`.
-                    unsafe {
-                        nc::all_gather(c.src as _, c.dst as _, c.count, c.ty, c.comm, c.stream)
-                    }
-                },
-            )
+            .one_call((o, turn), t, (dims, t.elem_count()), "ncclAllGather", |c| {
+                // SAFETY: the destination holds `size * count` elements of `ty`, the source
+                // `count`.
+                unsafe { nc::all_gather(c.src as _, c.dst as _, c.count, c.ty, c.comm, c.stream) }
+            })
             .await?
         else {
             let all = self.all_gather_at(&to_host(t)?, shared_seq(seq)).await?;
@@ -214,8 +210,8 @@ impl ProcessGroup {
                 .narrow(0, start, base + usize::from(me < extra))?);
         }
         let (per, red) = (len / n, nccl_op(op));
-        let name = ("reduce_scatter", seq, turn);
-        let out = self.one_call(name, t, (vec![per], per), "ncclReduceScatter", |c| {
+        let o = self.begin_at("reduce_scatter", t, seq)?.reducing(op);
+        let out = self.one_call((o, turn), t, (vec![per], per), "ncclReduceScatter", |c| {
             // SAFETY: the source holds `size * count` elements of `ty`, the destination `count`.
             unsafe {
                 let (src, dst) = (c.src as _, c.dst as _);
@@ -240,9 +236,10 @@ impl ProcessGroup {
         t: &Tensor,
         root: u32,
     ) -> Result<Option<Vec<Tensor>>, CollectiveError> {
-        let at = self.position_of("gather", root)?;
-        let o = self.begin_at("gather", t, seq)?;
+        let at = self.position_of(root);
+        let o = self.begin_at("gather", t, seq)?.rooted(root);
         let out = async {
+            check_root(&o, root).await?;
             let t = t.contiguous()?;
             let ty = nccl_type(&o, t.dtype())?;
             let n = t.elem_count();
