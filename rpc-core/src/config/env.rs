@@ -151,9 +151,24 @@ pub(crate) fn near_misses<'a>(
     out
 }
 
+/// Whether this process warns of the near misses in its environment: once per process (a
+/// test's group of agents in one process shares one environment), and under a launcher only
+/// in local rank 0, since every process of a node inherits the same environment: one warning
+/// per node, not one per worker. A `LOCAL_RANK` that is not a number warns.
+pub(crate) fn warns_of_near_misses(local_rank: Option<&str>, first_in_process: bool) -> bool {
+    let local = local_rank.and_then(|r| r.trim().parse::<u32>().ok());
+    first_in_process && local.is_none_or(|r| r == 0)
+}
+
 /// Warns (`tracing`) of each variable of this process's environment that [`near_misses`]
-/// finds.
+/// finds ([`warns_of_near_misses`] says where).
 pub(crate) fn warn_of_near_misses() {
+    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let first = !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed);
+    let local_rank = std::env::var("LOCAL_RANK").ok();
+    if !warns_of_near_misses(local_rank.as_deref(), first) {
+        return;
+    }
     let names: Vec<String> = std::env::vars_os()
         .filter_map(|(k, _)| k.into_string().ok())
         .collect();

@@ -389,6 +389,21 @@ fn bad_inputs_are_named() {
     assert!(e.to_string().contains("at least 16"), "{e}");
 }
 
+/// The near-miss warning comes once per node: every worker a launcher starts inherits the
+/// same environment, and each of them warned (`rpcrun --nproc 3`: three copies of one warning).
+/// Local rank 0 warns, once per process; a process without a launcher warns.
+#[test]
+fn near_misses_are_warned_of_once_per_node() {
+    use super::env::warns_of_near_misses as warns;
+    assert!(warns(None, true));
+    assert!(warns(Some("0"), true));
+    assert!(warns(Some("not a rank"), true));
+    assert!(!warns(Some("1"), true));
+    assert!(!warns(Some("3"), true));
+    assert!(!warns(None, false));
+    assert!(!warns(Some("0"), false));
+}
+
 /// A mistyped `RPC_*` variable is read by nothing; `init` warns of the ones that look like a
 /// variable of ours, naming it, and leaves a program's own `RPC_*` variables alone.
 #[test]
