@@ -1,4 +1,5 @@
-//! `allreduce`: the ring all-reduce in place and into a new tensor, in groups of 2 and 4.
+//! `allreduce`: the ring all-reduce in place and into a new tensor, in groups of 2 and 4, and
+//! the latency of the collectives with a root on a tiny tensor.
 
 use std::time::Instant;
 
@@ -11,12 +12,20 @@ use crate::variant::bulk_path;
 use crate::{emit, group, peak_rss_mb, raw_servers, runtime, stats};
 
 const ALLREDUCE_ITERS: usize = 8;
+const ROOTED_ITERS: usize = 200;
+
+/// The timings of one run: `(metric, bytes, ms per iteration)` of the all-reduces, and
+/// `(op, µs per iteration)` of the rooted collectives.
+type Timings = (
+    Vec<(&'static str, usize, Vec<f64>)>,
+    Vec<(&'static str, Vec<f64>)>,
+);
 
 /// The timed loop every member runs: a barrier, then all-reduces of 64 MiB and 1 MiB in place
 /// (as `torch.distributed.all_reduce` and gloo work), and of a 64 MiB tensor into a new one.
 /// Returns the metric name, size and per-iteration times seen by this member, in
 /// milliseconds.
-pub(crate) async fn allreduce_loop(agent: &Agent) -> Result<Vec<(&'static str, usize, Vec<f64>)>> {
+pub(crate) async fn allreduce_loop(agent: &Agent) -> Result<Timings> {
     let g = collectives::world(agent);
     let n = g.size() as f32;
     let mut out = Vec::new();
@@ -66,6 +75,45 @@ pub(crate) async fn allreduce_loop(agent: &Agent) -> Result<Vec<(&'static str, u
         }
     }
     out.push(("all_reduce_tensor_64MiB_ms", bytes, times));
+    Ok((out, rooted_loop(agent).await?))
+}
+
+/// The collectives with a root (the last member) on a 16-byte tensor, each timed from a barrier
+/// to its end on this member: their latency, with ROOT-1's message to the next member and a
+/// scatter's headers to its root.
+async fn rooted_loop(agent: &Agent) -> Result<Vec<(&'static str, Vec<f64>)>> {
+    use collectives::ReduceOp;
+    let g = collectives::world(agent);
+    let root = g.size() as u32 - 1;
+    let me_root = agent.rank() == root;
+    let x = candle_core::Tensor::new(&[1f32, 2., 3., 4.], &candle_core::Device::Cpu)?;
+    let mut out = Vec::new();
+    for op in ["broadcast", "reduce", "gather", "scatter"] {
+        let mut times = Vec::with_capacity(ROOTED_ITERS);
+        for i in 0..ROOTED_ITERS + 10 {
+            g.barrier().await?;
+            let t = Instant::now();
+            match op {
+                "broadcast" => {
+                    g.broadcast(&x, root).await?;
+                }
+                "reduce" => {
+                    g.reduce(&x, ReduceOp::Sum, root).await?;
+                }
+                "gather" => {
+                    g.gather(&x, root).await?;
+                }
+                _ => {
+                    let parts = me_root.then(|| vec![x.clone(); g.size()]);
+                    g.scatter(parts, root).await?;
+                }
+            }
+            if i >= 10 {
+                times.push(t.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+        out.push((op, times));
+    }
     Ok(out)
 }
 
@@ -92,6 +140,19 @@ pub(crate) fn allreduce_bench(n: u32, threads: usize) -> Result<()> {
     }));
     let a = agent.clone();
     let results = rt.block_on(rt.spawn(async move { allreduce_loop(&a).await }))??;
+    let (results, rooted) = results;
+    for (op, times) in rooted {
+        let st = stats(times);
+        emit(json!({
+            "metric": "rooted_16B_us",
+            "op": op,
+            "processes": n,
+            "median": st.median,
+            "p99": st.p99,
+            "n": ROOTED_ITERS,
+            "transport": "tcp",
+        }));
+    }
     for (name, bytes, times) in results {
         let st = stats(times);
         let busbw = 2.0 * (n as f64 - 1.0) / n as f64 * bytes as f64 / (st.median / 1e3) / 1e9;
