@@ -54,8 +54,9 @@
 //!   of [`ProcessGroup::all_reduce_fill_async`]) fails the operation on every member the
 //!   same way, with one message naming it and the cause, and the group stays in step.
 //! - ROOT-1: members that pass different roots to a `broadcast`, `reduce`, `gather` or
-//!   `scatter` fail it on every member with one message naming both roots, at once (each
-//!   member's messages carry its root, and neighbours compare theirs).
+//!   `scatter` fail it on every member with one message naming both roots, within about a
+//!   second rather than at their timeout (each member's messages carry its root, and
+//!   members still waiting after a second compare theirs with their neighbours').
 //!
 //! Install the functions in every worker's registry with [`install`].
 //!

@@ -4,6 +4,7 @@
 use candle_core::Tensor;
 
 use std::borrow::Cow;
+use std::time::Duration;
 
 use super::{CollectiveError, ProcessGroup, ReduceOp};
 use crate::mailbox::{
@@ -14,6 +15,10 @@ use crate::mailbox::{
 /// The step of the message by which neighbours compare their calls ([`Op::agree_on_root`]);
 /// no operation has as many steps of its own.
 pub(super) const AGREE_STEP: u32 = u32::MAX;
+
+/// How long an operation with a root waits before its members compare their calls with their
+/// neighbours (ROOT-1), at most: a quarter of the wait bound where that is shorter.
+const AGREE_AFTER: Duration = Duration::from_secs(1);
 
 /// One collective call's bookkeeping.
 pub(super) struct Op<'a> {
@@ -129,18 +134,54 @@ impl Op<'_> {
         .await
     }
 
-    /// ROOT-1: sends this member's call (its root included) to the next member and checks
-    /// the previous member's, so that members that name different roots fail the operation
-    /// with one verdict instead of waiting for each other until their timeout.
-    pub(super) async fn agree_on_root(&self) -> Result<(), CollectiveError> {
+    /// ROOT-1: runs `body`, an operation with a root that no member can end while members
+    /// disagree on the root; if it has not ended after [`AGREE_AFTER`], this member also
+    /// compares calls with its neighbours ([`Op::agree_on_root`]). Costs nothing while the
+    /// operation ends sooner; members that name different roots all wait that long, then
+    /// fail with one verdict instead of waiting for each other until their timeout.
+    pub(super) async fn with_root_check<T>(
+        &self,
+        body: impl std::future::Future<Output = Result<T, CollectiveError>>,
+    ) -> Result<T, CollectiveError> {
+        let after = (effective_timeout(&self.g.agent) / 4).min(AGREE_AFTER);
+        let check = async {
+            tokio::time::sleep(after).await;
+            self.agree_on_root().await?;
+            // They agree: the operation's own waits say how it ends.
+            std::future::pending().await
+        };
+        tokio::select! {
+            out = body => out,
+            failed = check => failed,
+        }
+    }
+
+    /// Sends this member's call (its root included) to the next member and compares the
+    /// previous member's with its own: a difference fails the operation with one verdict.
+    /// Anything else (the message did not come, as from a member that ended the operation
+    /// without waiting this long) is left to the operation's own waits.
+    async fn agree_on_root(&self) -> Result<(), CollectiveError> {
         if self.n() < 2 {
             return Ok(());
         }
         let empty = Tensor::zeros(0, candle_core::DType::U8, &candle_core::Device::Cpu)?;
-        let send = self.send_part(self.peer(1), AGREE_STEP, empty);
-        let recv = self.recv_part(self.peer(-1), AGREE_STEP, |_| Ok(()));
-        tokio::try_join!(send, recv)?;
-        Ok(())
+        // A send that fails leaves the next member to its own waits.
+        let send = async { drop(self.send_part(self.peer(1), AGREE_STEP, empty).await) };
+        let (from, me) = (self.peer(-1), self.g.agent.rank());
+        let timeout = effective_timeout(&self.g.agent);
+        let mb = mailbox(&self.g.agent);
+        let recv = mb.take(from, self.tag(AGREE_STEP), timeout);
+        let ((), got) = tokio::join!(send, recv);
+        match got {
+            Ok((h, _)) if h.call != self.header.call => {
+                let why = format!(
+                    "rank {from} called {}, rank {me} called {}",
+                    h.call, self.header.call
+                );
+                Err(self.mismatch(why).await)
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Receives a tensor whose sender's header passes `check` (parts whose shapes differ by

@@ -10,16 +10,17 @@
 //! and a scatter's root waits for every member's header before it sends the parts, so that
 //! a mismatch fails every member (COL-1), not only the root.
 //!
-//! ROOT-1: members that name different roots fail the operation on every member at once
-//! with one verdict naming both roots, where each would otherwise wait for a root that does
-//! not send (or sends to others) until its timeout. Every message carries its sender's root
-//! in its call, and in a broadcast, gather or scatter each member also sends its successor
-//! in the group one empty message ([`Op::agree_on_root`]): any disagreement lies between two
-//! neighbours somewhere around the group, and the later of them finds it. No member can end
-//! such an operation first: its root waits for every member (a broadcast's and a scatter's
-//! headers, a gather's parts) and the others for the root. A reduce needs no extra message:
-//! its reduce-scatter already compares every member's call with its predecessor's at each
-//! step, and every member's last chunk waits on every other member.
+//! ROOT-1: members that name different roots fail the operation on every member with one
+//! verdict naming both roots, where each would otherwise wait for a root that does not send
+//! (or sends to others) until its timeout. Every message carries its sender's root in its
+//! call. In a broadcast, gather or scatter no member can end the operation while members
+//! disagree: its root waits for every member (a broadcast's and a scatter's headers, a
+//! gather's parts) and the others for the root. So a member still waiting after a second
+//! sends the next member its call and compares the previous one's ([`Op::with_root_check`]):
+//! any disagreement lies between two neighbours somewhere around the group, and the later of
+//! them finds it. An operation that ends sooner sends nothing more. A reduce needs no extra
+//! message: its reduce-scatter already compares every member's call with its predecessor's
+//! at each step, and every member's last chunk waits on every other member.
 
 use candle_core::{DType, Device, Tensor};
 
@@ -63,7 +64,7 @@ impl ProcessGroup {
                 futures::future::try_join_all(others().map(|r| o.send(r, 1, t.clone()))).await?;
                 Ok(t.clone())
             };
-            Ok(tokio::try_join!(o.agree_on_root(), body)?.1)
+            o.with_root_check(body).await
         }
         .await;
         self.end(&o);
@@ -117,7 +118,7 @@ impl ProcessGroup {
         let o = self.begin_at("gather", t, seq)?.rooted(root);
         let out = async {
             check_root(&o, root).await?;
-            Ok(tokio::try_join!(o.agree_on_root(), self.gather_body(&o, t, root))?.1)
+            o.with_root_check(self.gather_body(&o, t, root)).await
         }
         .await;
         self.end(&o);
@@ -172,7 +173,7 @@ impl ProcessGroup {
             .rooted(root);
         let out = async {
             check_root(&o, root).await?;
-            Ok(tokio::try_join!(o.agree_on_root(), self.scatter_body(&o, parts, root))?.1)
+            o.with_root_check(self.scatter_body(&o, parts, root)).await
         }
         .await;
         self.end(&o);

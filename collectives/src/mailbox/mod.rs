@@ -8,6 +8,9 @@
 //!   worker has joined, groups created with it (and point-to-point messages from it) work, and
 //!   what the failed incarnation left queued is dropped.
 //!
+//! - MB-3: a message for an operation this member has ended (one of the last 1024) is dropped
+//!   on arrival: nothing will take it, and it would wait until it is too old.
+//!
 //! What arrives before its receive waits in a bounded queue (`queue.rs`, MB-1, MB-2); the
 //! public point-to-point API is `p2p.rs`.
 
@@ -16,7 +19,7 @@ use rpc_core::ext::AgentExt;
 use rpc_core::{Agent, BoxError, CallContext, RemoteFn};
 use serde::{Deserialize, Serialize};
 use std::borrow::Cow;
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
@@ -41,6 +44,10 @@ pub(crate) struct Tag {
 
 /// The group id of user point-to-point messages.
 pub(crate) const P2P: u64 = 0;
+
+/// How many of the operations this member ended it remembers, to drop their late messages
+/// (MB-3).
+const RECENTLY_ENDED: usize = 1024;
 
 /// Shape and dtype of a collective's whole input, and the call that sent it, checked by every
 /// receiver (COL-1).
@@ -144,6 +151,12 @@ struct Inner {
     /// Aborted operations, and when; kept after they end so that their late messages are
     /// dropped, until they are as old as a queued message may be (MB-2).
     aborted: HashMap<(u64, u64), (String, Instant)>,
+    /// The operations this member ended last, oldest first (at most [`RECENTLY_ENDED`]): a
+    /// message for one of them that arrives after it ended is dropped, not kept until it is
+    /// too old (MB-3).
+    ended: VecDeque<(u64, u64)>,
+    /// The same operations, to look up.
+    ended_set: HashSet<(u64, u64)>,
     /// Next sequence number per group, shared by every handle on the group.
     next_seq: HashMap<u64, u64>,
     /// Members of every group created here and their incarnations, by group id.
@@ -284,7 +297,8 @@ impl Mailbox {
         let mut m = self.lock();
         let now = Instant::now();
         m.sweep(now);
-        if m.aborted.contains_key(&(tag.group, tag.seq)) {
+        let op = (tag.group, tag.seq);
+        if m.aborted.contains_key(&op) || m.ended_set.contains(&op) {
             return Ok(());
         }
         let key = (from, tag);
@@ -372,6 +386,13 @@ impl Mailbox {
         let mut m = self.lock();
         m.queued
             .retain(|(_, t)| !(t.group == group && t.seq == seq));
+        if m.ended_set.insert((group, seq)) {
+            m.ended.push_back((group, seq));
+        }
+        while m.ended.len() > RECENTLY_ENDED {
+            let oldest = m.ended.pop_front().expect("more than none");
+            m.ended_set.remove(&oldest);
+        }
     }
 
     pub(crate) async fn take(&self, from: u32, tag: Tag, timeout: Duration) -> Msg {
@@ -506,4 +527,44 @@ pub(crate) async fn send_tagged(
     t: Tensor,
 ) -> Result<(), P2pError> {
     deliver(agent, to, Deliver, (tag, header, RTensor(t))).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tag(seq: u64) -> Tag {
+        Tag {
+            group: 7,
+            seq,
+            step: u32::MAX,
+        }
+    }
+
+    fn empty() -> (Header, Body) {
+        (Header::any(), Body::Raw(bytes::Bytes::new()))
+    }
+
+    /// MB-3: a message for an operation this member ended is dropped on arrival (ROOT-1's
+    /// check sends one to a member that may have ended it); one for an operation not ended
+    /// waits for its receive. Before, it waited until it was too old (ten minutes by
+    /// default) and was then dropped with a warning.
+    #[test]
+    fn a_message_for_an_ended_operation_is_dropped_on_arrival() {
+        let mb = Mailbox::default();
+        mb.finish(7, 3);
+        let (h, b) = empty();
+        mb.deliver(1, tag(3), h, b).unwrap();
+        assert_eq!(mb.stats().queued_messages, 0);
+        let (h, b) = empty();
+        mb.deliver(1, tag(4), h, b).unwrap();
+        assert_eq!(mb.stats().queued_messages, 1);
+        // The oldest ended operations are forgotten past the bound.
+        for seq in 100..100 + RECENTLY_ENDED as u64 {
+            mb.finish(7, seq);
+        }
+        let (h, b) = empty();
+        mb.deliver(1, tag(3), h, b).unwrap();
+        assert_eq!(mb.stats().queued_messages, 2);
+    }
 }
