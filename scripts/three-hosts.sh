@@ -16,7 +16,8 @@
 # 60) for it to answer again.
 #
 # Every host traces its processes to a directory of its own (`--trace`); the scenarios that
-# finish must leave parts of one job only (TR-7), from every rank.
+# finish must leave parts of one job only (TR-7), from every rank, and host 0's merged trace
+# must hold every rank of the last start (TR-8: parts sent to rank 0 at shutdown).
 #
 # `pair`: the link between hosts 1 and 2 alone cut both ways for CUT_SECS (each still reaches
 # host 0): each of the two healthy workers takes the other for failed, but neither report is
@@ -278,13 +279,21 @@ same = a["params_sha256"] == b["params_sha256"]
 parts = [json.load(open(p))["otherData"]["rpc_trace"]
          for p in glob.glob(f"{sys.argv[5]}/trace*/job.json.parts/*.json")]
 jobs = sorted({p["job"] for p in parts})
-traced = len(jobs) == 1 and {p["rank"] for p in parts} == {0, 1, 2}
+# TR-8: host 0's merge alone has every rank (the workers that shut down cleanly sent rank 0
+# their parts), with no shared filesystem.
+try:
+    merged = json.load(open(f"{sys.argv[5]}/trace0/job.json"))["otherData"]["rpc_trace"]["parts"]
+except (OSError, ValueError, KeyError):
+    merged = []
+node0 = sorted({p["rank"] for p in merged})
+traced = len(jobs) == 1 and {p["rank"] for p in parts} == {0, 1, 2} and node0 == [0, 1, 2]
 print(json.dumps({"three_hosts": True, "bit_identical": same, "recoveries": b["recoveries"],
                   "time_lost_s": b["time_lost_s"],
                   "accuracy": {"loopback": a["test_accuracy"], "three_hosts": b["test_accuracy"]},
                   "ms_per_step": {"loopback": a["ms_per_step_median"],
                                   "three_hosts": b["ms_per_step_median"]},
-                  "trace": {"parts": len(parts), "jobs": jobs, "ok": traced}}))
+                  "trace": {"parts": len(parts), "jobs": jobs, "node0_merged": node0,
+                            "ok": traced}}))
 # An impostor refused, or a cut that evicts no one, costs no recovery; the others need one.
 need = 0 if sys.argv[4] in ("pair", "impostor") else 1
 # A cut between two workers costs at most a restart, not their RPC timeout (DIAL-2: before, a

@@ -6,7 +6,7 @@
 //! evicted, RDV-4); or an impostor with the secret claiming rank 1 from host 2 (refused,
 //! RDV-5). Each run must recover, every launcher exit 0, and the parameters end bit-identical
 //! to the same run on loopback; every host traces to a directory of its own, and the parts of
-//! all three must name one job (TR-7). Before the launchers watched their children,
+//! all three must name one job (TR-7), host 0's merged trace holding every rank (TR-8). Before the launchers watched their children,
 //! a frozen process hung its launcher for good. Host 0, where the rendezvous and the master
 //! live, killed or frozen: the group cannot go on, and the launchers of hosts 1 and 2 must end
 //! with an error naming the rendezvous within 60 s, giving it 15 s to answer (`--rdzv-timeout`;

@@ -30,6 +30,8 @@ pub async fn init(config: Config, mut registry: Registry) -> Result<Agent, InitE
     registry.insert_internal::<crate::dispatch::CancelCall>();
     registry.insert_internal::<crate::shutdown::ShutdownBarrier>();
     registry.insert_internal::<crate::trace::TraceClock>();
+    registry.insert_internal::<crate::trace::TraceWanted>();
+    registry.insert_internal::<crate::trace::TracePart>();
     registry.insert_internal::<crate::view_sync::KnowsIncarnation>();
     let net_cfg = &cfg.net;
     let bind_error = |source| InitError::Bind {

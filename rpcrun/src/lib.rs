@@ -333,8 +333,10 @@ impl Launch {
     /// launcher merges the parts into `path` when the group ends (with an etcd rendezvous, the
     /// launcher that was node 0 of the last round). Each node removes earlier parts there
     /// first (with etcd none does: a spare may start after a round's parts were written), and
-    /// the merge leaves out any an earlier run left (TR-7). On several nodes, give a path on a
-    /// shared filesystem (or copy the parts to node 0 and run `rpctrace merge`). A path whose
+    /// the merge leaves out any an earlier run left (TR-7). On several nodes, every worker that
+    /// shuts down cleanly also sends its part to rank 0, which writes it under its own path
+    /// (TR-8): no shared filesystem is needed. A worker that ends otherwise leaves its part on
+    /// its own node only (copy it to node 0 and run `rpctrace merge`). A path whose
     /// parts directory cannot be created, or that is a directory, fails the launch before any
     /// process starts.
     pub fn trace(mut self, path: impl Into<PathBuf>) -> Self {
@@ -496,8 +498,9 @@ impl Launch {
 fn merge_trace(trace: &std::path::Path, merges: bool) -> Option<rpc_core::trace::MergeSummary> {
     if !merges {
         eprintln!(
-            "rpcrun: this node's trace parts are in {}; node 0 merges the trace (unless the \
-             path is on a filesystem node 0 shares, copy them there and run `rpctrace merge`)",
+            "rpcrun: this node's trace parts are in {}; node 0 merges the trace (a worker that \
+             shut down cleanly sent rank 0 its part; copy any other there and run `rpctrace \
+             merge`)",
             rpc_core::trace::parts_dir(trace).display()
         );
         return None;

@@ -379,7 +379,9 @@ fn part_job(trace: &Path, rank: u32) -> String {
 /// filesystem) are two jobs, and the two nodes of each one job: a part of the first run
 /// copied by hand beside the second's is left out of the second's merge. Both restart modes
 /// (group: the rendezvous in node 0's rank 0; worker: in node 0's launcher). Both runs were
-/// one job, `rpcrun 127.0.0.1:PORT`, named after the address.
+/// one job, `rpcrun 127.0.0.1:PORT`, named after the address. TR-8: node 0's merge has node
+/// 1's rank too, sent to rank 0 at shutdown (before, it named rank 1 missing: its part was
+/// only in node 1's directory).
 #[test]
 fn two_launches_at_one_address_are_two_jobs_and_each_one_job_on_every_node() {
     let dir = temp_dir("two-nodes");
@@ -419,6 +421,11 @@ fn two_launches_at_one_address_are_two_jobs_and_each_one_job_on_every_node() {
                 .expect("each node's launch ends within 2 minutes");
             let exit = exit.expect("the launch runs");
             assert_eq!(exit.code, 0, "run {run} node {node}: {exit:?}");
+            if node == 0 {
+                let merged = exit.trace.expect("node 0 merged the trace");
+                let whole = (merged.parts, merged.missing.clone());
+                assert_eq!(whole, (2, vec![]), "run {run}: {merged}");
+            }
         }
         let (node0, node1) = (part_job(&traces[0], 0), part_job(&traces[1], 1));
         assert_eq!(

@@ -252,6 +252,8 @@ async fn run(agent: Agent, t: Duration, group_barrier: Option<Duration>) -> Shut
         {
             tracing::warn!(worker = %agent.name(), "shutdown hooks did not finish in time");
         }
+        // TR-8: rank 0 gets the parts it would not find, before the barrier releases it.
+        crate::trace::send_part_to_rank0(&agent, t).await;
         // Phase 1: the barrier.
         let barrier = barrier(&agent, bt).await;
         if let Err(why) = &barrier {

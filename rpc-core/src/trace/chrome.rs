@@ -140,13 +140,18 @@ pub(crate) fn part(who: &Who, clock: &ClockEstimate, events: &[Event], dropped: 
 
 /// Writes `value` to `path` whole or not at all (a temporary file renamed into place).
 pub(crate) fn write_atomic(path: &Path, value: &Value) -> std::io::Result<()> {
+    let bytes = serde_json::to_vec(value).map_err(std::io::Error::other)?;
+    write_bytes_atomic(path, &bytes)
+}
+
+/// Writes `bytes` to `path` whole or not at all (a temporary file renamed into place).
+pub(crate) fn write_bytes_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)?;
     }
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(format!(".tmp-{}", std::process::id()));
     let tmp = PathBuf::from(tmp);
-    let bytes = serde_json::to_vec(value).map_err(std::io::Error::other)?;
     std::fs::write(&tmp, bytes)?;
     std::fs::rename(&tmp, path)
 }

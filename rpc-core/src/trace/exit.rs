@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 
-use super::{chrome, part_path, Ring};
+use super::{chrome, part_path, ClockEstimate, Ring, Who};
 
 /// A traced worker's ring, with its written flag (which outlives the ring).
 type Entry = (Weak<Ring>, Arc<Mutex<bool>>);
@@ -155,6 +155,28 @@ fn disposition(sig: i32) -> Option<libc::sighandler_t> {
     }
 }
 
+impl Ring {
+    /// This worker's part as it stands: its clock estimate so far (TR-4), every event kept;
+    /// with who recorded it, the estimate, how many events it has and how many were dropped.
+    pub(crate) fn part_now(&self) -> (serde_json::Value, Who, ClockEstimate, (usize, u64)) {
+        let clock = self
+            .clock
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .estimate();
+        let who = self.who.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let (events, dropped) = self.snapshot();
+        let part = chrome::part(&who, &clock, &events, dropped);
+        (part, who, clock, (events.len(), dropped))
+    }
+
+    /// [`Ring::part_now`] as JSON bytes, and who recorded it.
+    pub(crate) fn part_json(&self) -> serde_json::Result<(Vec<u8>, Who)> {
+        let (part, who, _, _) = self.part_now();
+        Ok((serde_json::to_vec(&part)?, who))
+    }
+}
+
 /// Writes `ring`'s part unless it was written: its clock estimate kept since the worker joined
 /// (TR-4), every event kept. Needs no network. A failure is reported, never fatal: a trace
 /// must not fail the job. `log`: through `tracing` (else stderr, for the exit handler).
@@ -164,22 +186,15 @@ pub(crate) fn write_once(ring: &Ring, log: bool) {
         return;
     }
     *written = true;
-    let clock = ring
-        .clock
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .estimate();
-    let who = ring.who.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let (part, who, clock, (events, dropped)) = ring.part_now();
     if clock.samples == 0 && clock.error_bound_ns == u64::MAX && log {
         tracing::warn!(worker = %who.name,
             "trace: rank 0's clock was never read; this part keeps its own clock");
     }
-    let (events, dropped) = ring.snapshot();
     let path = part_path(&ring.path, who.rank, who.incarnation, who.restart);
-    let part = chrome::part(&who, &clock, &events, dropped);
     match (chrome::write_atomic(&path, &part), log) {
         (Ok(()), true) => tracing::info!(worker = %who.name, path = %path.display(),
-            events = events.len(), dropped, "trace part written"),
+            events, dropped, "trace part written"),
         (Err(e), true) => tracing::warn!(worker = %who.name, path = %path.display(),
             cause = %e, "trace part not written"),
         (Ok(()), false) => {}

@@ -6,6 +6,7 @@
 //! mod.rs    the recorder: a Tracer handle, its spans, the bounded ring (TR-1, TR-2)
 //! clock.rs  each rank's offset from rank 0's clock, estimated over the group's connections
 //! exit.rs   the part written however a worker ends: shutdown, exit, a signal (TR-5)
+//! ship.rs   parts of other hosts sent to rank 0 at shutdown (TR-8)
 //! chrome.rs the Trace Event Format: a rank's part, the merge of the parts (TR-3, 4, 6, 7)
 //! layer.rs  spans of the `tracing` ecosystem recorded into the same ring
 //! record.rs what the ring keeps of one event (64 bytes)
@@ -35,12 +36,16 @@
 //!   [`JOB_ID_ENV`](crate::JOB_ID_ENV), else the name the rendezvous's host was given by its
 //!   own launcher, else the id its rendezvous drew), and the parts an earlier run left at
 //!   the same path are left out and named, not merged into this run's.
+//! - **TR-8** At a clean shutdown every traced worker whose part rank 0 would not find in its
+//!   own parts' directory (another host, another path) sends it to rank 0 before the
+//!   barrier, and rank 0 writes it there: node 0's merge needs no shared filesystem.
 
 mod chrome;
 mod clock;
 mod exit;
 mod layer;
 mod record;
+mod ship;
 
 use std::borrow::Cow;
 use std::collections::VecDeque;
@@ -53,6 +58,7 @@ pub use clock::{estimate_offset, ClockEstimate};
 pub(crate) use clock::{keep_in_sync, TraceClock};
 pub use layer::TraceLayer;
 use record::Record;
+pub(crate) use ship::{send_part_to_rank0, TracePart, TraceWanted};
 
 /// The environment variable that turns tracing on: the path of the job's trace; each worker
 /// writes its part under `<path>.parts/` at shutdown (see [`Config::trace`](crate::Config::trace)).
