@@ -65,18 +65,25 @@ impl RemoteFn for TracePart {
     }
 }
 
+/// How long a worker waits for rank 0 to say whether it wants its part, at most: a live rank 0
+/// answers at once, and one that does not should not hold up the shutdown.
+const ASK_BOUND: Duration = Duration::from_secs(5);
+
 /// TR-8: sends this worker's part to rank 0 if rank 0 wants it (see the module's
-/// documentation), each call bounded by `t`. A failure is said, never fatal: a trace must not
-/// fail the job.
+/// documentation): the question bounded by [`ASK_BOUND`] (or `t` if shorter), the part by
+/// `t`; nothing where rank 0 is known to be gone. A failure is said, never fatal: a trace
+/// must not fail the job.
 pub(crate) async fn send_part_to_rank0(agent: &Agent, t: Duration) {
     let Some(ring) = agent.tracer().ring().cloned() else {
         return;
     };
-    if agent.rank() == 0 {
+    if agent.rank() == 0 || !agent.is_live(0u32).unwrap_or(false) {
         return;
     }
     let asked = (host_name(), ring.path.clone());
-    let wanted = agent.rpc_async_timeout(0u32, TraceWanted, asked, t).await;
+    let wanted = agent
+        .rpc_async_timeout(0u32, TraceWanted, asked, t.min(ASK_BOUND))
+        .await;
     match wanted {
         Ok(true) => {}
         Ok(false) => return,
