@@ -200,8 +200,8 @@ fn remote_modules_on_cuda_train_like_one_process_on_the_cpu() {
 /// Collectives of CUDA tensors go through NCCL (one GPU per member: NCCL refuses two ranks
 /// on one device) and equal the ring's results on CPU copies: all-reduce (sum, mean, max),
 /// broadcast, all-gather, reduce-scatter with chunks of unequal size, reduce, gather, and two
-/// asynchronous all-reduces in flight at once; a shape mismatch fails both members with one
-/// message before NCCL sees a buffer.
+/// asynchronous all-reduces in flight at once; a shape mismatch, roots that differ and
+/// reductions that differ each fail both members with one message before NCCL sees a buffer.
 #[test]
 fn nccl_collectives_equal_the_ring() {
     if gpus("nccl_collectives_equal_the_ring", 2).is_none() {
@@ -224,7 +224,8 @@ fn members_sharing_a_gpu_get_the_ring_s_results_on_it() {
 }
 
 /// Two members, member `i` on `cuda:devices[i]`: every collective of a CUDA tensor equals the
-/// ring's on the CPU, and a shape mismatch fails both with one message.
+/// ring's on the CPU, and a shape mismatch, roots that differ and reductions that differ each
+/// fail both with one message.
 fn cuda_collectives_equal_the_ring(devices: [usize; 2]) {
     use collectives::ReduceOp;
     run(240, async {
@@ -284,7 +285,12 @@ fn cuda_collectives_equal_the_ring(devices: [usize; 2]) {
                 xg.narrow(0, 0, 5).unwrap()
             };
             let e = g.all_reduce(&odd, ReduceOp::Sum).await.unwrap_err();
-            (diffs, e.to_string())
+            // Roots that differ (ROOT-1) and reductions that differ (COL-1): found in NC-2's
+            // exchange of headers, one verdict, before NCCL sees a buffer.
+            let e_root = g.broadcast(&xg, i as u32).await.unwrap_err();
+            let op = if i == 0 { ReduceOp::Sum } else { ReduceOp::Max };
+            let e_op = g.all_reduce(&xg, op).await.unwrap_err();
+            (diffs, [e, e_root, e_op].map(|e| e.to_string()))
         });
         let mut messages = Vec::new();
         for (diffs, message) in futures::future::join_all(work).await {
@@ -293,7 +299,10 @@ fn cuda_collectives_equal_the_ring(devices: [usize; 2]) {
             }
             messages.push(message);
         }
-        assert!(messages[0].contains("shape"), "{}", messages[0]);
+        let [shape, root, op] = &messages[0];
+        assert!(shape.contains("shape"), "{shape}");
+        assert!(root.contains("root 0") && root.contains("root 1"), "{root}");
+        assert!(op.contains("max") && op.contains("sum"), "{op}");
         assert_eq!(messages[0], messages[1]);
         shutdown_all(&a).await;
     });
