@@ -139,10 +139,14 @@ impl Op<'_> {
     /// compares calls with its neighbours ([`Op::agree_on_root`]). Costs nothing while the
     /// operation ends sooner; members that name different roots all wait that long, then
     /// fail with one verdict instead of waiting for each other until their timeout.
+    /// A `root` that is not a member fails the operation first, everywhere
+    /// ([`check_root`](super::rooted::check_root)).
     pub(super) async fn with_root_check<T>(
         &self,
+        root: u32,
         body: impl std::future::Future<Output = Result<T, CollectiveError>>,
     ) -> Result<T, CollectiveError> {
+        super::rooted::check_root(self, root).await?;
         let after = (effective_timeout(&self.g.agent) / 4).min(AGREE_AFTER);
         let check = async {
             tokio::time::sleep(after).await;

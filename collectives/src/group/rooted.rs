@@ -51,22 +51,18 @@ impl ProcessGroup {
         seq: u64,
     ) -> Result<Tensor, CollectiveError> {
         let o = self.begin_at("broadcast", t, seq)?.rooted(root);
-        let out = async {
-            check_root(&o, root).await?;
-            let others = || self.ranks.iter().copied().filter(|&r| r != root);
-            let body = async {
-                if self.agent.rank() != root {
-                    let header_only = Tensor::zeros(0, DType::U8, &Device::Cpu)?;
-                    o.send(root, 0, header_only).await?;
-                    return o.recv(root, 1).await;
-                }
-                futures::future::try_join_all(others().map(|r| o.recv(r, 0))).await?;
-                futures::future::try_join_all(others().map(|r| o.send(r, 1, t.clone()))).await?;
-                Ok(t.clone())
-            };
-            o.with_root_check(body).await
-        }
-        .await;
+        let others = || self.ranks.iter().copied().filter(|&r| r != root);
+        let body = async {
+            if self.agent.rank() != root {
+                let header_only = Tensor::zeros(0, DType::U8, &Device::Cpu)?;
+                o.send(root, 0, header_only).await?;
+                return o.recv(root, 1).await;
+            }
+            futures::future::try_join_all(others().map(|r| o.recv(r, 0))).await?;
+            futures::future::try_join_all(others().map(|r| o.send(r, 1, t.clone()))).await?;
+            Ok(t.clone())
+        };
+        let out = o.with_root_check(root, body).await;
         self.end(&o);
         out
     }
@@ -116,11 +112,7 @@ impl ProcessGroup {
         seq: u64,
     ) -> Result<Option<Vec<Tensor>>, CollectiveError> {
         let o = self.begin_at("gather", t, seq)?.rooted(root);
-        let out = async {
-            check_root(&o, root).await?;
-            o.with_root_check(self.gather_body(&o, t, root)).await
-        }
-        .await;
+        let out = o.with_root_check(root, self.gather_body(&o, t, root)).await;
         self.end(&o);
         out
     }
@@ -171,11 +163,9 @@ impl ProcessGroup {
         let o = self
             .begin_header("scatter", header.dims, &header.dtype, seq)?
             .rooted(root);
-        let out = async {
-            check_root(&o, root).await?;
-            o.with_root_check(self.scatter_body(&o, parts, root)).await
-        }
-        .await;
+        let out = o
+            .with_root_check(root, self.scatter_body(&o, parts, root))
+            .await;
         self.end(&o);
         out
     }
