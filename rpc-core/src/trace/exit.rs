@@ -156,9 +156,17 @@ fn disposition(sig: i32) -> Option<libc::sighandler_t> {
 }
 
 impl Ring {
-    /// This worker's part as it stands: its clock estimate so far (TR-4), every event kept;
-    /// with who recorded it, the estimate, how many events it has and how many were dropped.
-    pub(crate) fn part_now(&self) -> (serde_json::Value, Who, ClockEstimate, (usize, u64)) {
+    /// This worker's part as it stands, as JSON: its clock estimate so far (TR-4), every
+    /// event kept; with who recorded it, the estimate, how many events it has and how many
+    /// were dropped.
+    pub(crate) fn part_now(
+        &self,
+    ) -> (
+        serde_json::Result<Vec<u8>>,
+        Who,
+        ClockEstimate,
+        (usize, u64),
+    ) {
         let clock = self
             .clock
             .lock()
@@ -170,10 +178,10 @@ impl Ring {
         (part, who, clock, (events.len(), dropped))
     }
 
-    /// [`Ring::part_now`] as JSON bytes, and who recorded it.
+    /// [`Ring::part_now`]'s JSON, and who recorded it.
     pub(crate) fn part_json(&self) -> serde_json::Result<(Vec<u8>, Who)> {
         let (part, who, _, _) = self.part_now();
-        Ok((serde_json::to_vec(&part)?, who))
+        Ok((part?, who))
     }
 }
 
@@ -192,7 +200,10 @@ pub(crate) fn write_once(ring: &Ring, log: bool) {
             "trace: rank 0's clock was never read; this part keeps its own clock");
     }
     let path = part_path(&ring.path, who.rank, who.incarnation, who.restart);
-    match (chrome::write_atomic(&path, &part), log) {
+    let written = part
+        .map_err(std::io::Error::other)
+        .and_then(|bytes| chrome::write_bytes_atomic(&path, &bytes));
+    match (written, log) {
         (Ok(()), true) => tracing::info!(worker = %who.name, path = %path.display(),
             events, dropped, "trace part written"),
         (Err(e), true) => tracing::warn!(worker = %who.name, path = %path.display(),

@@ -586,4 +586,28 @@ mod cost {
             println!("{ns:.0} ns per clock read");
         }
     }
+
+    /// Prints what encoding a full part costs, as TR-8 sends it to rank 0 at shutdown (run
+    /// with `--release --ignored --nocapture`).
+    #[test]
+    #[ignore]
+    fn full_part_cost() {
+        let cap = DEFAULT_TRACE_CAPACITY;
+        let t = Tracer::on(PathBuf::from("unused"), cap);
+        for i in 0..cap as u32 / 2 {
+            let (mut s, _) = t.call_made("some::function", i % 3).unwrap();
+            s.ok(true);
+            let mut r = t.call_served("some::function", 1, Some(u64::from(i)), None);
+            r.bytes(10);
+        }
+        let ring = t.ring().unwrap();
+        let start = std::time::Instant::now();
+        let (bytes, _) = ring.part_json().unwrap();
+        println!(
+            "{} events: {:.1} MB of JSON in {:.0} ms",
+            ring.snapshot().0.len(),
+            bytes.len() as f64 / 1e6,
+            start.elapsed().as_secs_f64() * 1e3
+        );
+    }
 }
