@@ -134,19 +134,30 @@ impl Op<'_> {
         .await
     }
 
+    /// A root that is not a member fails the operation (COL-1's verdict) on every member
+    /// that waits for the members that passed it (all of a broadcast's, a reduce's, a
+    /// gather's or a scatter's), not only on those members.
+    pub(super) async fn check_root(&self, root: u32) -> Result<(), CollectiveError> {
+        if self.g.ranks.contains(&root) {
+            Ok(())
+        } else {
+            Err(self.mismatch(format!("root {root} is not a member")).await)
+        }
+    }
+
     /// ROOT-1: runs `body`, an operation with a root that no member can end while members
     /// disagree on the root; if it has not ended after [`AGREE_AFTER`], this member also
     /// compares calls with its neighbours ([`Op::agree_on_root`]). Costs nothing while the
     /// operation ends sooner; members that name different roots all wait that long, then
     /// fail with one verdict instead of waiting for each other until their timeout.
     /// A `root` that is not a member fails the operation first, everywhere
-    /// ([`check_root`](super::rooted::check_root)).
+    /// ([`Op::check_root`]).
     pub(super) async fn with_root_check<T>(
         &self,
         root: u32,
         body: impl std::future::Future<Output = Result<T, CollectiveError>>,
     ) -> Result<T, CollectiveError> {
-        super::rooted::check_root(self, root).await?;
+        self.check_root(root).await?;
         let after = (effective_timeout(&self.g.agent) / 4).min(AGREE_AFTER);
         let check = async {
             tokio::time::sleep(after).await;

@@ -29,17 +29,6 @@ use super::ring::mean_of;
 use super::{CollectiveError, ProcessGroup, ReduceOp};
 use crate::mailbox::Header;
 
-/// A root that is not a member fails the operation (COL-1's verdict) on every member that
-/// waits for the members that passed it (all of a broadcast's, a reduce's or a gather's; in
-/// a scatter, those still waiting for their part), not only on those members.
-pub(super) async fn check_root(o: &Op<'_>, root: u32) -> Result<(), CollectiveError> {
-    if o.g.ranks.contains(&root) {
-        Ok(())
-    } else {
-        Err(o.mismatch(format!("root {root} is not a member")).await)
-    }
-}
-
 impl ProcessGroup {
     /// Each member first sends the root its header (shape and dtype, no data); the root
     /// sends its tensor once every header matched, so a mismatch, or a root that is not a
@@ -77,7 +66,7 @@ impl ProcessGroup {
         // ROOT-1 without a message of its own: see the module's documentation.
         let o = self.begin_at("reduce", t, seq)?.reducing(op).rooted(root);
         let out = async {
-            check_root(&o, root).await?;
+            o.check_root(root).await?;
             let n = o.n();
             let mut chunks = self.split(t, n)?;
             if n > 1 {

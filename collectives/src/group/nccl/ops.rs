@@ -7,7 +7,6 @@ use cudarc::nccl::{result as nc, sys as ncs};
 
 use super::{address, nccl_err, nccl_op, nccl_type, run, shared_seq, to_host, Ran, Turn};
 use crate::group::op::Op;
-use crate::group::rooted::check_root;
 use crate::group::{CollectiveError, ProcessGroup, ReduceOp};
 
 /// What an NCCL call of one source and one destination buffer is given ([`ProcessGroup::one_call`]
@@ -26,7 +25,7 @@ type Status = Result<nc::NcclStatus, nc::NcclError>;
 
 impl ProcessGroup {
     /// `root`'s position in the group (0 for a root that is not a member, which
-    /// [`check_root`] fails everywhere before NCCL is called).
+    /// [`Op::check_root`] fails everywhere before NCCL is called).
     fn position_of(&self, root: u32) -> usize {
         self.ranks.iter().position(|&r| r == root).unwrap_or(0)
     }
@@ -46,7 +45,7 @@ impl ProcessGroup {
     ) -> Result<Option<Tensor>, CollectiveError> {
         let out = async {
             if let Some(root) = o.header.call.root {
-                check_root(&o, root).await?;
+                o.check_root(root).await?;
             }
             let t = t.contiguous()?;
             let ty = nccl_type(&o, t.dtype())?;
@@ -239,7 +238,7 @@ impl ProcessGroup {
         let at = self.position_of(root);
         let o = self.begin_at("gather", t, seq)?.rooted(root);
         let out = async {
-            check_root(&o, root).await?;
+            o.check_root(root).await?;
             let t = t.contiguous()?;
             let ty = nccl_type(&o, t.dtype())?;
             let n = t.elem_count();
