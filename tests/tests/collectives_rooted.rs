@@ -493,6 +493,57 @@ fn a_mean_of_integers_divides_the_sum() {
     });
 }
 
+/// Integer reductions wrap on overflow, as PyTorch's and NCCL's do: a `u8` sum of 200 and
+/// 100 is 44 and an `i64` product past `i64::MAX` keeps its low 64 bits. In a debug build
+/// they panicked inside the reduction (candle's checked arithmetic) and the operation never
+/// returned.
+#[test]
+fn integer_reductions_wrap_on_overflow() {
+    run(60, async {
+        let a = group(2).await;
+        let outs = on_all(&a, |g, r| async move {
+            let bytes = Tensor::new(&[200u8 - 100 * r as u8, 255, 1, 0], &Device::Cpu).unwrap();
+            let big = Tensor::new(&[i64::MAX, -3, i64::MIN + r as i64, 1], &Device::Cpu).unwrap();
+            let mut got = vec![];
+            for (t, op) in [
+                (&bytes, ReduceOp::Sum),
+                (&bytes, ReduceOp::Product),
+                (&big, ReduceOp::Sum),
+                (&big, ReduceOp::Product),
+            ] {
+                let all = g.all_reduce(t, op).await.unwrap();
+                let one = g.reduce(t, op, 0).await.unwrap();
+                let mine = g.reduce_scatter(t, op).await.unwrap();
+                let mine = Tensor::cat(&g.all_gather(&mine).await.unwrap(), 0).unwrap();
+                for x in [Some(all), one, Some(mine)].into_iter().flatten() {
+                    got.push(x.to_dtype(DType::I64).unwrap().to_vec1::<i64>().unwrap());
+                }
+            }
+            (r, got)
+        })
+        .await;
+        let want: [[i64; 4]; 4] = [
+            [44, 254, 2, 0],
+            [(200u8.wrapping_mul(100)) as i64, 1, 1, 0],
+            [i64::MAX.wrapping_add(i64::MAX), -6, 1, 2],
+            [
+                i64::MAX.wrapping_mul(i64::MAX),
+                9,
+                i64::MIN.wrapping_mul(i64::MIN + 1),
+                1,
+            ],
+        ];
+        for (r, got) in outs {
+            let per = if r == 0 { 3 } else { 2 };
+            assert_eq!(got.len(), 4 * per, "rank {r}");
+            for (i, g) in got.iter().enumerate() {
+                assert_eq!(g[..], want[i / per], "rank {r}, result {i}");
+            }
+        }
+        shutdown_all(&a).await;
+    });
+}
+
 /// COL-1 for the call itself: members that reach the same place in the group's sequence with
 /// different calls fail every member with one message naming both. A reduction that differs
 /// on one member (a max where the others sum) returned Ok everywhere with results that

@@ -30,7 +30,7 @@ pub(crate) use op::Verdict;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ReduceOp {
-    /// Element-wise sum.
+    /// Element-wise sum (of integers: wrapping on overflow, as PyTorch's and NCCL's).
     Sum,
     /// Element-wise mean over the group's members (of integers: the sum divided by the
     /// number of members, rounded toward zero, as NCCL's average).
@@ -39,7 +39,7 @@ pub enum ReduceOp {
     Max,
     /// Element-wise minimum.
     Min,
-    /// Element-wise product.
+    /// Element-wise product (of integers: wrapping on overflow).
     Product,
 }
 

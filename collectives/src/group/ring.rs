@@ -12,11 +12,45 @@ use crate::mailbox::P2pError;
 
 fn combine(op: ReduceOp, a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     match op {
-        ReduceOp::Sum | ReduceOp::Mean => a + b,
         ReduceOp::Max => a.maximum(b),
         ReduceOp::Min => a.minimum(b),
+        _ if a.dtype().is_int() && a.device().is_cpu() => wrapping(op, a, b),
+        ReduceOp::Sum | ReduceOp::Mean => a + b,
         ReduceOp::Product => a * b,
     }
+}
+
+/// An integer sum or product on the CPU that wraps on overflow, as PyTorch's and NCCL's do
+/// (candle's CPU arithmetic is checked in a debug build, and panicked mid-operation).
+fn wrapping(op: ReduceOp, a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    fn go<T: candle_core::WithDType>(
+        a: &Tensor,
+        b: &Tensor,
+        f: impl Fn(T, T) -> T,
+    ) -> candle_core::Result<Tensor> {
+        let (x, y) = (
+            a.flatten_all()?.to_vec1::<T>()?,
+            b.flatten_all()?.to_vec1::<T>()?,
+        );
+        if x.len() != y.len() {
+            candle_core::bail!("combining {} elements with {}", x.len(), y.len());
+        }
+        let out: Vec<T> = x.into_iter().zip(y).map(|(x, y)| f(x, y)).collect();
+        Tensor::from_vec(out, a.dims(), a.device())
+    }
+    macro_rules! by_dtype {
+        ($($d:ident => $t:ty),*) => {
+            match (a.dtype(), op) {
+                $(
+                    (DType::$d, ReduceOp::Product) => go::<$t>(a, b, <$t>::wrapping_mul),
+                    (DType::$d, _) => go::<$t>(a, b, <$t>::wrapping_add),
+                )*
+                (_, ReduceOp::Product) => a * b,
+                _ => a + b,
+            }
+        };
+    }
+    by_dtype!(U8 => u8, U32 => u32, I16 => i16, I32 => i32, I64 => i64)
 }
 
 /// Bytes per message of the fast ring: big enough to amortize a message, small enough that
