@@ -7,7 +7,8 @@
 //! clock.rs  each rank's offset from rank 0's clock, estimated over the group's connections
 //! exit.rs   the part written however a worker ends: shutdown, exit, a signal (TR-5)
 //! ship.rs   parts of other hosts sent to rank 0 at shutdown (TR-8)
-//! chrome.rs the Trace Event Format: a rank's part, the merge of the parts (TR-3, 4, 6, 7)
+//! chrome.rs the Trace Event Format: a rank's part (TR-3, 4)
+//! merge.rs  the merge of a job's parts into one trace, streamed (TR-6, 7)
 //! layer.rs  spans of the `tracing` ecosystem recorded into the same ring
 //! record.rs what the ring keeps of one event (64 bytes)
 //! ```
@@ -44,6 +45,7 @@ mod chrome;
 mod clock;
 mod exit;
 mod layer;
+mod merge;
 mod record;
 mod ship;
 
@@ -53,10 +55,11 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-pub use chrome::{merge_parts, part_path, parts_dir, MergeError, MergeSummary};
+pub use chrome::{part_path, parts_dir};
 pub use clock::{estimate_offset, ClockEstimate};
 pub(crate) use clock::{keep_in_sync, TraceClock};
 pub use layer::TraceLayer;
+pub use merge::{merge_parts, MergeError, MergeSummary};
 use record::Record;
 pub(crate) use ship::{send_part_to_rank0, TracePart, TraceWanted};
 
@@ -609,5 +612,37 @@ mod cost {
             bytes.len() as f64 / 1e6,
             start.elapsed().as_secs_f64() * 1e3
         );
+        let dir = std::env::temp_dir().join(format!("merge-cost-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let trace = dir.join("trace.json");
+        let parts = parts_dir(&trace);
+        std::fs::create_dir_all(&parts).unwrap();
+        for r in 0..4 {
+            std::fs::write(parts.join(format!("rank{r}.json")), &bytes).unwrap();
+        }
+        let peak = || {
+            let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+            let kb = s
+                .lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .unwrap_or("0 kB");
+            kb.trim()
+                .trim_end_matches(" kB")
+                .trim()
+                .parse::<u64>()
+                .unwrap_or(0)
+                / 1024
+        };
+        let before = peak();
+        let start = std::time::Instant::now();
+        let summary = merge_parts(&trace, None).unwrap();
+        println!(
+            "merging 4 such parts ({} events): {:.0} ms, peak RSS {} MB -> {} MB",
+            summary.events,
+            start.elapsed().as_secs_f64() * 1e3,
+            before,
+            peak()
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
