@@ -49,7 +49,7 @@ fn check(
             .len(),
         parts
     );
-    let ok = rpcrun::report::validate(v, 0.0).unwrap_or_else(|e| panic!("{e}"));
+    let ok = rpcrun::report::validate(&file(v), 0.0).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(ok.unlinked_calls, 0, "{ok:?}");
     assert!(ok.linked_calls > 10 * steps, "{ok:?}");
     for cat in cats {
@@ -60,7 +60,7 @@ fn check(
             .any(|e| e["cat"] == *cat);
         assert!(has, "no {cat} span");
     }
-    let t = rpcrun::report::Trace::from_json(v).unwrap();
+    let t = rpcrun::report::Trace::from_file(&file(v)).unwrap();
     let r = rpcrun::report::report(&t);
     assert_eq!(r.steps, steps, "{}", r.text());
     assert!(r.critical.iter().all(|c| c.3 >= 0.0), "{}", r.text());
@@ -165,7 +165,7 @@ fn the_param_server_and_elastic_ddp_trace_into_one_valid_file() {
         let v = traced_by(bin, tag, args, false);
         let listed = v["otherData"]["rpc_trace"]["parts"].as_array().unwrap();
         assert_eq!(listed.len(), parts, "{tag}");
-        let ok = rpcrun::report::validate(&v, 0.0).unwrap_or_else(|e| panic!("{tag}: {e}"));
+        let ok = rpcrun::report::validate(&file(&v), 0.0).unwrap_or_else(|e| panic!("{tag}: {e}"));
         assert_eq!(ok.unlinked_calls, 0, "{tag}: {ok:?}");
         assert!(ok.linked_calls >= steps, "{tag}: {ok:?}");
         let has = |c: &str| {
@@ -176,8 +176,13 @@ fn the_param_server_and_elastic_ddp_trace_into_one_valid_file() {
                 .any(|e| e["cat"] == c)
         };
         assert!(has("call") && has(cat), "{tag}: no call or {cat} span");
-        let t = rpcrun::report::Trace::from_json(&v).unwrap();
+        let t = rpcrun::report::Trace::from_file(&file(&v)).unwrap();
         let r = rpcrun::report::report(&t);
         assert_eq!(r.steps, steps, "{tag}: {}", r.text());
     }
+}
+
+/// `v` as the report reads a trace.
+fn file(v: &serde_json::Value) -> rpcrun::report::TraceFile<'_> {
+    rpcrun::report::TraceFile::from_value(v).expect("a trace")
 }

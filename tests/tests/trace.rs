@@ -66,7 +66,7 @@ fn run(trace: &Path, env: &[(&str, &str)]) -> Value {
 /// The format, and TR-3 / TR-4 (`rpcrun::report::validate`): every call linked to its served
 /// span, inside the caller's within the clocks' bound. The number of linked calls.
 fn check_calls(v: &Value) -> usize {
-    let ok = rpcrun::report::validate(v, 0.0).unwrap_or_else(|e| panic!("{e}"));
+    let ok = rpcrun::report::validate(&file(v), 0.0).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(ok.unlinked_calls, 0, "{ok:?}");
     ok.linked_calls
 }
@@ -86,7 +86,7 @@ fn the_merged_trace_links_every_call_and_names_the_straggler() {
     );
     // 6 steps x 2 workers.
     assert_eq!(check_calls(&v), 12);
-    let t = rpcrun::report::Trace::from_json(&v).unwrap();
+    let t = rpcrun::report::Trace::from_file(&file(&v)).unwrap();
     let r = rpcrun::report::report(&t);
     assert_eq!(r.steps, 6, "{}", r.text());
     let (straggler, n) = r.straggler.clone().expect("a straggler");
@@ -159,7 +159,7 @@ fn a_job_that_fails_still_leaves_every_ranks_part() {
     let v: Value =
         serde_json::from_slice(&std::fs::read(&trace).expect("the merged trace")).expect("JSON");
     assert_eq!(check_calls(&v), 6);
-    let t = rpcrun::report::Trace::from_json(&v).unwrap();
+    let t = rpcrun::report::Trace::from_file(&file(&v)).unwrap();
     assert_eq!(rpcrun::report::report(&t).steps, 3);
     for rank in [1, 2] {
         assert!(
@@ -196,7 +196,7 @@ fn a_rank_killed_outright_is_named_as_missing_from_the_trace() {
         Some(&serde_json::json!([2])),
         "the merged file says so too"
     );
-    let t = rpcrun::report::Trace::from_json(&v).unwrap();
+    let t = rpcrun::report::Trace::from_file(&file(&v)).unwrap();
     let text = rpcrun::report::report(&t).text();
     assert!(text.contains("no part from ranks [2]"), "{text}");
 }
@@ -223,7 +223,7 @@ fn a_rank_killed_in_a_start_the_group_restarted_is_named_for_that_start() {
     assert!(said.contains("no part from ranks [2] in start 0"), "{said}");
     let v: Value =
         serde_json::from_slice(&std::fs::read(&trace).expect("the merged trace")).expect("JSON");
-    let t = rpcrun::report::Trace::from_json(&v).unwrap();
+    let t = rpcrun::report::Trace::from_file(&file(&v)).unwrap();
     let text = rpcrun::report::report(&t).text();
     assert!(text.contains("no part from ranks [2] in start 0"), "{text}");
 }
@@ -249,7 +249,7 @@ fn a_group_restart_keeps_the_failed_starts_parts() {
         serde_json::from_slice(&std::fs::read(&trace).expect("the merged trace")).expect("JSON");
     // 3 steps of the failed start and 6 of the restart, 2 calls each.
     assert_eq!(check_calls(&v), 18);
-    let t = rpcrun::report::Trace::from_json(&v).unwrap();
+    let t = rpcrun::report::Trace::from_file(&file(&v)).unwrap();
     assert_eq!(rpcrun::report::report(&t).steps, 9);
 }
 
@@ -360,7 +360,7 @@ fn a_rerun_to_the_same_path_leaves_the_earlier_runs_parts_out() {
     );
     let v: Value =
         serde_json::from_slice(&std::fs::read(&trace).expect("the merged trace")).expect("JSON");
-    let t = rpcrun::report::Trace::from_json(&v).unwrap();
+    let t = rpcrun::report::Trace::from_file(&file(&v)).unwrap();
     assert_eq!(rpcrun::report::report(&t).steps, 6);
 }
 
@@ -486,4 +486,9 @@ fn a_shifted_clock_is_recovered_within_the_stated_bound() {
     );
     assert!(bound < 5_000_000, "bound {bound} ns");
     assert_eq!(check_calls(&v), 12);
+}
+
+/// `v` as the report reads a trace.
+fn file(v: &Value) -> rpcrun::report::TraceFile<'_> {
+    rpcrun::report::TraceFile::from_value(v).expect("a trace")
 }

@@ -11,6 +11,7 @@
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
+use rpcrun::report::TraceFile;
 
 /// Merges trace parts and reports on a merged trace.
 #[derive(Parser, Debug)]
@@ -72,12 +73,12 @@ fn main() {
             out,
             first,
             steps,
-        } => read(&trace).and_then(|v| {
-            let picture = rpcrun::report::svg(&v, first, steps);
+        } => read(&trace, |f| {
+            let picture = rpcrun::report::svg(f, first, steps);
             std::fs::write(&out, picture).map_err(|e| format!("{}: {e}", out.display()))
         }),
-        Command::Check { trace } => read(&trace).and_then(|v| {
-            let ok = rpcrun::report::validate(&v, 0.0)?;
+        Command::Check { trace } => read(&trace, |f| {
+            let ok = rpcrun::report::validate(f, 0.0)?;
             println!(
                 "{}: valid; {} events, {} calls linked to their callee, {} without one",
                 trace.display(),
@@ -94,14 +95,20 @@ fn main() {
     }
 }
 
-fn read(path: &std::path::Path) -> Result<serde_json::Value, String> {
+/// Reads the trace at `path` and runs `then` on it (its events borrow from the file's bytes).
+fn read<T>(
+    path: &std::path::Path,
+    then: impl FnOnce(&TraceFile<'_>) -> Result<T, String>,
+) -> Result<T, String> {
     let text = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    serde_json::from_slice(&text).map_err(|e| format!("{}: {e}", path.display()))
+    let file = TraceFile::from_slice(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    then(&file)
 }
 
 fn report(path: &std::path::Path, json: bool) -> Result<(), String> {
-    let v = read(path)?;
-    let t = rpcrun::report::Trace::from_json(&v).map_err(|e| format!("{}: {e}", path.display()))?;
+    let t = read(path, |f| {
+        rpcrun::report::Trace::from_file(f).map_err(|e| format!("{}: {e}", path.display()))
+    })?;
     let r = rpcrun::report::report(&t);
     if json {
         println!("{}", serde_json::to_string(&r).map_err(|e| e.to_string())?);

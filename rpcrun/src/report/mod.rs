@@ -14,14 +14,19 @@
 //!   actions), for ranks that ran some;
 //! - **the straggler**: the worker with the most time on the critical path.
 
+mod file;
+mod index;
 mod model;
 mod svg;
 mod validate;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::Serialize;
 
+use index::Index;
+
+pub use file::{Args, Event, TraceFile};
 pub use model::{covered, overlap, Span, Trace};
 pub use svg::svg;
 pub use validate::{validate, Validated};
@@ -109,9 +114,32 @@ const COMPUTE: [&str; 3] = ["compute", "optimizer", "pipeline"];
 /// Categories a worker communicates in.
 const COMMUNICATE: [&str; 3] = ["call", "collective", "transfer"];
 
+/// A trace with its spans indexed, and what the report asks of every step.
+struct Indexed<'a> {
+    t: &'a Trace,
+    ix: Index,
+    /// The ranks with spans.
+    ranks: Vec<u32>,
+    /// The ranks with pipeline spans anywhere in the trace.
+    pipelined: BTreeSet<u32>,
+}
+
 /// Analyses every step of `t`.
 pub fn report(t: &Trace) -> Report {
-    let mut steps: Vec<&Span> = t.spans.iter().filter(|s| s.cat == "step").collect();
+    let ix = Index::new(t);
+    let c = Indexed {
+        t,
+        ranks: ix.ranks().collect(),
+        ix,
+        pipelined: (t.spans.iter())
+            .filter(|s| s.cat == "pipeline")
+            .map(|s| s.rank)
+            .collect(),
+    };
+    let mut steps: Vec<(Option<usize>, &Span)> = (t.spans.iter().enumerate())
+        .filter(|(_, s)| s.cat == "step")
+        .map(|(i, s)| (Some(i), s))
+        .collect();
     let whole;
     if steps.is_empty() {
         let (lo, hi) = t.spans.iter().fold((f64::MAX, f64::MIN), |(a, b), s| {
@@ -125,15 +153,16 @@ pub fn report(t: &Trace) -> Report {
             end: hi.max(lo),
             flow: None,
         };
-        steps.push(&whole);
+        steps.push((None, &whole));
     }
-    let per_step: Vec<StepReport> = steps.iter().map(|s| step(t, s)).collect();
+    let per_step: Vec<StepReport> = steps.iter().map(|&(at, s)| step(&c, at, s)).collect();
     summarize(t, per_step)
 }
 
-fn step(t: &Trace, s: &Span) -> StepReport {
+fn step(c: &Indexed<'_>, at: Option<usize>, s: &Span) -> StepReport {
+    let t = c.t;
     let mut path = Vec::new();
-    walk(t, s, s.start, s.end, 0, &mut path);
+    walk(c, at, s, s.start, s.end, 0, &mut path);
     path.reverse();
     let mut by_worker: BTreeMap<u32, f64> = BTreeMap::new();
     for seg in &path {
@@ -143,10 +172,8 @@ fn step(t: &Trace, s: &Span) -> StepReport {
         .iter()
         .max_by(|a, b| a.1.total_cmp(b.1))
         .map(|(&r, &ms)| (t.name(r), ms));
-    let ranks: std::collections::BTreeSet<u32> = t.spans.iter().map(|x| x.rank).collect();
-    let workers = ranks
-        .iter()
-        .map(|&r| shares(t, r, s.start, s.end))
+    let workers = (c.ranks.iter())
+        .map(|&r| shares(c, r, s.start, s.end))
         .collect();
     StepReport {
         name: s.name.clone(),
@@ -161,64 +188,94 @@ fn step(t: &Trace, s: &Span) -> StepReport {
 /// How deep the walk follows spans inside spans and calls into callees.
 const MAX_DEPTH: u32 = 64;
 
-/// The critical path inside `container` (on its rank, within `[lo, hi]`), pushed end first.
-fn walk(t: &Trace, container: &Span, lo: f64, hi: f64, depth: u32, out: &mut Vec<Segment>) {
+/// The critical path inside `container` (span `at` of the trace, `None` for the whole trace;
+/// on its rank, within `[lo, hi]`), pushed end first.
+fn walk(
+    c: &Indexed<'_>,
+    at: Option<usize>,
+    container: &Span,
+    lo: f64,
+    hi: f64,
+    depth: u32,
+    out: &mut Vec<Segment>,
+) {
+    let t = c.t;
+    let span = |i: usize| &t.spans[i];
     let eps = t.clock_error_us.max(1.0);
     // Strictly inside: shorter, or as long and later in the trace (two spans with the same
     // interval must not contain each other, or the walk would never end).
-    let inside = |x: &Span| {
-        x.rank == container.rank
-            && (x.len() < container.len()
-                || (x.len() == container.len() && (x as *const Span) > (container as *const Span)))
+    let inside = |i: usize| {
+        let x = span(i);
+        (x.len() < container.len() || (x.len() == container.len() && at.is_some_and(|a| i > a)))
             && x.cat != "serve"
             && x.cat != "step"
-            && x.start >= lo - eps
             && x.end <= hi + eps
             && !x.is_empty()
     };
-    let kids: Vec<&Span> = t.spans.iter().filter(|x| inside(x)).collect();
-    // Only the outermost: a span inside another is walked when that one is.
-    let top: Vec<&Span> = kids
-        .iter()
+    let mut kids: Vec<usize> = (c.ix.starting_in(container.rank, lo - eps, hi + eps).iter())
         .copied()
-        .filter(|k| {
-            !kids.iter().any(|o| {
-                !std::ptr::eq(*o, *k)
-                    && o.start <= k.start
-                    && o.end >= k.end
-                    && (o.len() > k.len() || (o.len() == k.len() && o.start < k.start))
-            })
-        })
+        .filter(|&i| inside(i))
         .collect();
+    // Only the outermost: a span inside another is walked when that one is. By start, the
+    // longest first: a kid is inside one that starts earlier and ends no earlier, or one
+    // that starts with it and is longer.
+    kids.sort_by(|&a, &b| {
+        (span(a).start.total_cmp(&span(b).start))
+            .then(span(b).end.total_cmp(&span(a).end))
+            .then(a.cmp(&b))
+    });
+    let mut top = Vec::new();
+    let (mut earlier_end, mut g) = (f64::NEG_INFINITY, 0);
+    while g < kids.len() {
+        let start = span(kids[g]).start;
+        let h = (kids[g..].iter())
+            .position(|&i| span(i).start != start)
+            .map_or(kids.len(), |p| g + p);
+        let longest = (kids[g..h].iter()).fold(f64::NEG_INFINITY, |m, &i| m.max(span(i).len()));
+        for &i in &kids[g..h] {
+            if earlier_end < span(i).end && longest <= span(i).len() {
+                top.push(i);
+            }
+        }
+        earlier_end = (kids[g..h].iter()).fold(earlier_end, |m, &i| m.max(span(i).end));
+        g = h;
+    }
+    // Walked back from `hi`: the span that ended last before `now` holds it up (the later
+    // in the trace of two that end together). `now` only moves back, so a span passed over
+    // (it ends after `now`, or starts at or after it) is never the one.
+    top.sort_by(|&a, &b| span(a).end.total_cmp(&span(b).end).then(a.cmp(&b)));
     let own = |a: f64, b: f64, out: &mut Vec<Segment>| {
         if b - a > 0.0 {
             out.push(segment(t, container, "self", container.name.clone(), b - a));
         }
     };
     let mut now = hi;
-    loop {
-        let next = top
-            .iter()
-            .filter(|k| k.end <= now + eps && k.start < now)
-            .max_by(|a, b| a.end.total_cmp(&b.end));
-        let Some(k) = next else { break };
+    while let Some(ki) = top.pop() {
+        let k = span(ki);
+        if k.end > now + eps || k.start >= now {
+            continue;
+        }
         let end = k.end.min(now);
         own(end, now, out);
         let start = k.start.max(lo);
-        match t.callee_of(k).filter(|_| depth < MAX_DEPTH) {
-            Some(c) => {
-                let (cs, ce) = (c.start.max(start), c.end.min(end));
+        let callee = (k.cat == "call")
+            .then(|| t.served.get(&k.flow?).copied())
+            .flatten();
+        match callee.filter(|_| depth < MAX_DEPTH) {
+            Some(ci) => {
+                let callee = span(ci);
+                let (cs, ce) = (callee.start.max(start), callee.end.min(end));
                 if end > ce {
                     out.push(segment(t, k, "wire", k.name.clone(), end - ce));
                 }
                 if ce > cs {
-                    walk(t, c, cs, ce, depth + 1, out);
+                    walk(c, Some(ci), callee, cs, ce, depth + 1, out);
                 }
                 if cs > start {
                     out.push(segment(t, k, "wire", k.name.clone(), cs - start));
                 }
             }
-            None if depth < MAX_DEPTH => walk(t, k, start, end, depth + 1, out),
+            None if depth < MAX_DEPTH => walk(c, Some(ki), k, start, end, depth + 1, out),
             None => out.push(segment(t, k, "self", k.name.clone(), end - start)),
         }
         now = start;
@@ -240,11 +297,12 @@ fn segment(t: &Trace, on: &Span, cat: &str, span: String, us: f64) -> Segment {
 }
 
 /// Rank `r`'s shares of `[lo, hi]`.
-fn shares(t: &Trace, r: u32, lo: f64, hi: f64) -> Shares {
+fn shares(c: &Indexed<'_>, r: u32, lo: f64, hi: f64) -> Shares {
+    let t = c.t;
+    let near = c.ix.overlapping(r, lo, hi);
     let of = |cats: &[&str]| -> Vec<(f64, f64)> {
-        t.spans
-            .iter()
-            .filter(|s| s.rank == r && cats.contains(&s.cat.as_str()))
+        (near.iter().map(|&i| &t.spans[i]))
+            .filter(|s| cats.contains(&s.cat.as_str()))
             .map(|s| (s.start, s.end))
             .collect()
     };
@@ -264,7 +322,7 @@ fn shares(t: &Trace, r: u32, lo: f64, hi: f64) -> Shares {
         communicating: comm_len / len,
         waiting: (len - any).max(0.0) / len,
         overlap: (comm_len > 0.0).then(|| overlap(&compute, &comm, lo, hi) / comm_len),
-        pipeline_bubble: (!pipeline.is_empty())
+        pipeline_bubble: (c.pipelined.contains(&r))
             .then(|| (len - covered(pipeline, lo, hi)).max(0.0) / len),
     }
 }
@@ -494,6 +552,36 @@ mod tests {
             (total - 0.010).abs() < 1e-9,
             "{:?}",
             r.per_step[0].critical_path
+        );
+    }
+
+    /// Prints what a report of a long job costs: 5000 steps of three workers, a call and
+    /// its served span, a compute span inside, per worker and step (run with `--release
+    /// --ignored --nocapture`).
+    #[test]
+    #[ignore]
+    fn report_cost() {
+        let mut spans = Vec::new();
+        for k in 0..5000u64 {
+            let t0 = k as f64 * 100.0;
+            spans.push(span(0, "step", "step", t0, t0 + 90.0, None));
+            for w in 1..3u32 {
+                let flow = Some(2 * k + u64::from(w));
+                let at = t0 + 10.0 * f64::from(w);
+                spans.push(span(0, "call", "f", at, at + 30.0, flow));
+                spans.push(span(w, "serve", "f", at + 2.0, at + 28.0, flow));
+                spans.push(span(w, "compute", "forward", at + 4.0, at + 26.0, None));
+            }
+            spans.push(span(0, "compute", "backward", t0 + 50.0, t0 + 85.0, None));
+        }
+        let n = spans.len();
+        let t = trace(spans);
+        let start = std::time::Instant::now();
+        let r = report(&t);
+        println!(
+            "{} steps, {n} spans: report in {:.0} ms",
+            r.steps,
+            start.elapsed().as_secs_f64() * 1e3
         );
     }
 }

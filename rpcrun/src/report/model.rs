@@ -4,6 +4,8 @@ use std::collections::{BTreeMap, HashMap};
 
 use serde_json::Value;
 
+use super::file::TraceFile;
+
 /// One complete span (`ph: X`) of the trace, in microseconds on rank 0's clock.
 #[derive(Clone, Debug)]
 pub struct Span {
@@ -54,44 +56,28 @@ pub struct Trace {
 }
 
 impl Trace {
-    /// Reads a trace in the Trace Event Format (a merged one, or a single part).
-    pub fn from_json(v: &Value) -> Result<Trace, String> {
-        let events = v
-            .get("traceEvents")
-            .and_then(Value::as_array)
-            .ok_or("no traceEvents array: not a trace")?;
+    /// Indexes a trace (a merged one, or a single part).
+    pub fn from_file(f: &TraceFile<'_>) -> Result<Trace, String> {
         let mut t = Trace::default();
-        for (i, e) in events.iter().enumerate() {
-            let ph = e.get("ph").and_then(Value::as_str).unwrap_or("");
-            let pid = e.get("pid").and_then(Value::as_u64);
-            let bad = |what: &str| format!("event {i} ({ph}): {what}");
-            match ph {
-                "M" if e.get("name").and_then(Value::as_str) == Some("process_name") => {
-                    let name = e
-                        .pointer("/args/name")
-                        .and_then(Value::as_str)
-                        .unwrap_or("");
-                    let pid = pid.ok_or_else(|| bad("no pid"))?;
-                    t.names.insert(pid as u32, name.to_owned());
+        for (i, e) in f.events.iter().enumerate() {
+            let bad = |what: &str| format!("event {i} ({}): {what}", e.ph);
+            match &*e.ph {
+                "M" if e.name == "process_name" => {
+                    let pid = e.pid.ok_or_else(|| bad("no pid"))?;
+                    t.names
+                        .insert(pid as u32, e.arg_name().unwrap_or("").to_owned());
                 }
                 "X" => {
-                    let pid = pid.ok_or_else(|| bad("no pid"))?;
-                    let ts = e
-                        .get("ts")
-                        .and_then(Value::as_f64)
-                        .ok_or_else(|| bad("no ts"))?;
-                    let dur = e
-                        .get("dur")
-                        .and_then(Value::as_f64)
-                        .ok_or_else(|| bad("no dur"))?;
-                    let text = |k: &str| e.get(k).and_then(Value::as_str).unwrap_or("").to_owned();
+                    let pid = e.pid.ok_or_else(|| bad("no pid"))?;
+                    let ts = e.ts.ok_or_else(|| bad("no ts"))?;
+                    let dur = e.dur.ok_or_else(|| bad("no dur"))?;
                     t.spans.push(Span {
                         rank: pid as u32,
-                        cat: text("cat"),
-                        name: text("name"),
+                        cat: e.cat.clone().into_owned(),
+                        name: e.name.clone().into_owned(),
                         start: ts,
                         end: ts + dur,
-                        flow: e.pointer("/args/flow").and_then(Value::as_u64),
+                        flow: e.flow(),
                     });
                 }
                 _ => {}
@@ -103,17 +89,15 @@ impl Trace {
                 t.served.insert(f, i);
             }
         }
-        t.clock_error_us = v
-            .pointer("/otherData/rpc_trace/clock_error_bound_ns")
-            .or_else(|| v.pointer("/otherData/rpc_trace/clock/error_bound_ns"))
+        t.clock_error_us = f
+            .rpc_trace("/clock_error_bound_ns")
+            .or_else(|| f.rpc_trace("/clock/error_bound_ns"))
             .and_then(Value::as_u64)
             .filter(|&b| b != u64::MAX)
             .unwrap_or(0) as f64
             / 1000.0;
-        t.unaligned = unaligned_ranks(v);
-        t.missing = v
-            .pointer("/otherData/rpc_trace/missing_ranks")
-            .and_then(Value::as_array)
+        t.unaligned = unaligned_ranks(f);
+        t.missing = (f.rpc_trace("/missing_ranks").and_then(Value::as_array))
             .map(|a| {
                 a.iter()
                     .filter_map(Value::as_u64)
@@ -121,7 +105,7 @@ impl Trace {
                     .collect()
             })
             .unwrap_or_default();
-        t.missing_by_start = missing_by_start(v);
+        t.missing_by_start = missing_by_start(f);
         Ok(t)
     }
 
@@ -169,8 +153,8 @@ pub fn overlap(a: &[(f64, f64)], b: &[(f64, f64)], lo: f64, hi: f64) -> f64 {
 
 /// The ranks a merged trace says are on their own clocks (`otherData.rpc_trace.unaligned_ranks`;
 /// a single part's own, if its clock never read rank 0's).
-pub(crate) fn unaligned_ranks(v: &Value) -> Vec<u32> {
-    if let Some(Value::Array(a)) = v.pointer("/otherData/rpc_trace/unaligned_ranks") {
+pub(crate) fn unaligned_ranks(f: &TraceFile<'_>) -> Vec<u32> {
+    if let Some(Value::Array(a)) = f.rpc_trace("/unaligned_ranks") {
         return a
             .iter()
             .filter_map(Value::as_u64)
@@ -178,10 +162,8 @@ pub(crate) fn unaligned_ranks(v: &Value) -> Vec<u32> {
             .collect();
     }
     match (
-        v.pointer("/otherData/rpc_trace/clock/error_bound_ns")
-            .and_then(Value::as_u64),
-        v.pointer("/otherData/rpc_trace/rank")
-            .and_then(Value::as_u64),
+        f.rpc_trace("/clock/error_bound_ns").and_then(Value::as_u64),
+        f.rpc_trace("/rank").and_then(Value::as_u64),
     ) {
         (Some(u64::MAX), Some(r)) => vec![r as u32],
         _ => Vec::new(),
@@ -189,8 +171,8 @@ pub(crate) fn unaligned_ranks(v: &Value) -> Vec<u32> {
 }
 
 /// `otherData.rpc_trace.missing_by_start`: `[{"restart": k, "ranks": [..]}, ..]`.
-fn missing_by_start(v: &Value) -> Vec<(u64, Vec<u32>)> {
-    let Some(Value::Array(starts)) = v.pointer("/otherData/rpc_trace/missing_by_start") else {
+fn missing_by_start(f: &TraceFile<'_>) -> Vec<(u64, Vec<u32>)> {
+    let Some(Value::Array(starts)) = f.rpc_trace("/missing_by_start") else {
         return Vec::new();
     };
     let ranks = |s: &Value| -> Vec<u32> {

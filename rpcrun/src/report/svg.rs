@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write;
 
-use serde_json::Value;
+use super::file::{Event, TraceFile};
 
 const WIDTH: f64 = 1000.0;
 const LABEL: f64 = 190.0;
@@ -29,15 +29,15 @@ fn colour(cat: &str) -> &'static str {
 
 /// The window to draw: `steps` steps from the `first`-th `step` span (0-based), or the whole
 /// trace if it has none.
-fn window(events: &[Value], first: usize, steps: usize) -> (f64, f64) {
+fn window(events: &[Event<'_>], first: usize, steps: usize) -> (f64, f64) {
     let mut spans: Vec<(f64, f64)> = events
         .iter()
-        .filter(|e| e["ph"] == "X" && e["cat"] == "step")
-        .filter_map(|e| Some((e["ts"].as_f64()?, e["ts"].as_f64()? + e["dur"].as_f64()?)))
+        .filter(|e| e.ph == "X" && e.cat == "step")
+        .filter_map(|e| Some((e.ts?, e.ts? + e.dur?)))
         .collect();
     spans.sort_by(|a, b| a.0.total_cmp(&b.0));
     if spans.is_empty() {
-        let ts = events.iter().filter_map(|e| e["ts"].as_f64());
+        let ts = events.iter().filter_map(|e| e.ts);
         let (lo, hi) = ts.fold((f64::MAX, f64::MIN), |(a, b), t| (a.min(t), b.max(t)));
         return (lo, hi.max(lo + 1.0));
     }
@@ -46,40 +46,30 @@ fn window(events: &[Value], first: usize, steps: usize) -> (f64, f64) {
     (spans[a].0, spans[b].1.max(spans[a].0 + 1.0))
 }
 
-/// Draws `steps` steps of the trace `v` from its `first`-th step.
-pub fn svg(v: &Value, first: usize, steps: usize) -> String {
-    let empty = Vec::new();
-    let events = v["traceEvents"].as_array().unwrap_or(&empty);
+/// Draws `steps` steps of the trace `f` from its `first`-th step.
+pub fn svg(f: &TraceFile<'_>, first: usize, steps: usize) -> String {
+    let events = &f.events;
     let (lo, hi) = window(events, first, steps);
     let x = |t: f64| LABEL + (t - lo) / (hi - lo) * WIDTH;
-    let visible = |e: &Value| {
-        let (ts, dur) = (
-            e["ts"].as_f64().unwrap_or(0.0),
-            e["dur"].as_f64().unwrap_or(0.0),
-        );
+    let visible = |e: &Event<'_>| {
+        let (ts, dur) = (e.ts.unwrap_or(0.0), e.dur.unwrap_or(0.0));
         ts <= hi && ts + dur >= lo
     };
     let mut names: HashMap<(u64, u64), String> = HashMap::new();
     let mut procs: HashMap<u64, String> = HashMap::new();
-    for e in events.iter().filter(|e| e["ph"] == "M") {
-        let (pid, name) = (e["pid"].as_u64().unwrap_or(0), e["args"]["name"].as_str());
-        match (e["name"].as_str(), name) {
-            (Some("process_name"), Some(n)) => drop(procs.insert(pid, n.to_owned())),
-            (Some("thread_name"), Some(n)) => {
-                names.insert((pid, e["tid"].as_u64().unwrap_or(0)), n.to_owned());
+    let key = |e: &Event<'_>| (e.pid.unwrap_or(0), e.tid.unwrap_or(0));
+    for e in events.iter().filter(|e| e.ph == "M") {
+        match (&*e.name, e.arg_name()) {
+            ("process_name", Some(n)) => drop(procs.insert(e.pid.unwrap_or(0), n.to_owned())),
+            ("thread_name", Some(n)) => {
+                names.insert(key(e), n.to_owned());
             }
             _ => {}
         }
     }
     let mut rows: BTreeMap<(u64, u64), usize> = BTreeMap::new();
-    for e in events.iter().filter(|e| e["ph"] == "X" && visible(e)) {
-        rows.insert(
-            (
-                e["pid"].as_u64().unwrap_or(0),
-                e["tid"].as_u64().unwrap_or(0),
-            ),
-            0,
-        );
+    for e in events.iter().filter(|e| e.ph == "X" && visible(e)) {
+        rows.insert(key(e), 0);
     }
     for (i, r) in rows.values_mut().enumerate() {
         *r = i;
@@ -118,19 +108,11 @@ pub fn svg(v: &Value, first: usize, steps: usize) -> String {
             yy + ROW
         );
     }
-    for e in events.iter().filter(|e| e["ph"] == "X" && visible(e)) {
-        let key = (
-            e["pid"].as_u64().unwrap_or(0),
-            e["tid"].as_u64().unwrap_or(0),
-        );
-        let Some(yy) = y(key) else { continue };
-        let (ts, dur) = (
-            e["ts"].as_f64().unwrap_or(0.0),
-            e["dur"].as_f64().unwrap_or(0.0),
-        );
+    for e in events.iter().filter(|e| e.ph == "X" && visible(e)) {
+        let Some(yy) = y(key(e)) else { continue };
+        let (ts, dur) = (e.ts.unwrap_or(0.0), e.dur.unwrap_or(0.0));
         let (x0, x1) = (x(ts.max(lo)), x((ts + dur).min(hi)));
-        let cat = e["cat"].as_str().unwrap_or("");
-        let name = e["name"].as_str().unwrap_or("");
+        let (cat, name) = (&*e.cat, &*e.name);
         let _ = writeln!(
             o,
             concat!(
@@ -149,21 +131,13 @@ pub fn svg(v: &Value, first: usize, steps: usize) -> String {
     }
     // Calls: from the caller's start to the callee's.
     let mut starts: HashMap<u64, (f64, (u64, u64))> = HashMap::new();
-    for e in events.iter().filter(|e| e["ph"] == "s") {
-        let key = (
-            e["pid"].as_u64().unwrap_or(0),
-            e["tid"].as_u64().unwrap_or(0),
-        );
-        if let (Some(id), Some(ts)) = (e["id"].as_u64(), e["ts"].as_f64()) {
-            starts.insert(id, (ts, key));
+    for e in events.iter().filter(|e| e.ph == "s") {
+        if let (Some(id), Some(ts)) = (e.id, e.ts) {
+            starts.insert(id, (ts, key(e)));
         }
     }
-    for e in events.iter().filter(|e| e["ph"] == "f") {
-        let key = (
-            e["pid"].as_u64().unwrap_or(0),
-            e["tid"].as_u64().unwrap_or(0),
-        );
-        let (Some(id), Some(ts)) = (e["id"].as_u64(), e["ts"].as_f64()) else {
+    for e in events.iter().filter(|e| e.ph == "f") {
+        let (Some(id), Some(ts)) = (e.id, e.ts) else {
             continue;
         };
         let Some(&(ts0, from)) = starts.get(&id) else {
@@ -172,7 +146,7 @@ pub fn svg(v: &Value, first: usize, steps: usize) -> String {
         if ts0 < lo || ts > hi {
             continue;
         }
-        if let (Some(y0), Some(y1)) = (y(from), y(key)) {
+        if let (Some(y0), Some(y1)) = (y(from), y(key(e))) {
             let _ = writeln!(
                 o,
                 concat!(

@@ -9,6 +9,8 @@ use std::collections::HashMap;
 use serde::Serialize;
 use serde_json::Value;
 
+use super::file::TraceFile;
+
 /// What a valid trace holds.
 #[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
 pub struct Validated {
@@ -21,63 +23,49 @@ pub struct Validated {
     pub unlinked_calls: usize,
 }
 
-/// Checks `v` (see the module docs); `slack_us` is added to the clocks' error bound when
+/// Checks `f` (see the module docs); `slack_us` is added to the clocks' error bound when
 /// checking that a callee's span is inside its caller's.
-pub fn validate(v: &Value, slack_us: f64) -> Result<Validated, String> {
-    let events = v
-        .get("traceEvents")
-        .and_then(Value::as_array)
-        .ok_or("no traceEvents array")?;
-    let bound_us = v
-        .pointer("/otherData/rpc_trace/clock_error_bound_ns")
+pub fn validate(f: &TraceFile<'_>, slack_us: f64) -> Result<Validated, String> {
+    let bound_us = f
+        .rpc_trace("/clock_error_bound_ns")
         .and_then(Value::as_f64)
         .unwrap_or(0.0)
         / 1000.0;
-    let unaligned = super::model::unaligned_ranks(v);
+    let unaligned = super::model::unaligned_ranks(f);
     let mut spans: HashMap<(&str, u64), (f64, f64, u64, &str)> = HashMap::new();
     let mut arrows: HashMap<(&str, u64), usize> = HashMap::new();
-    for (i, e) in events.iter().enumerate() {
-        let ph = e
-            .get("ph")
-            .and_then(Value::as_str)
-            .ok_or(format!("event {i}: no ph"))?;
-        let bad = |what: &str| format!("event {i} ({ph}): {what}: {e}");
-        let pid = e
-            .get("pid")
-            .and_then(Value::as_u64)
-            .ok_or_else(|| bad("no pid"))?;
-        let num = |k: &str| e.get(k).and_then(Value::as_f64).ok_or_else(|| bad(k));
-        let text = |k: &str| e.get(k).and_then(Value::as_str).ok_or_else(|| bad(k));
+    for (i, e) in f.events.iter().enumerate() {
+        let ph = &*e.ph;
+        if ph.is_empty() {
+            return Err(format!("event {i}: no ph"));
+        }
+        let bad = |what: &str| format!("event {i} ({ph}): {what}: {e:?}");
+        let pid = e.pid.ok_or_else(|| bad("no pid"))?;
+        let num = |v: Option<f64>, k: &str| v.ok_or_else(|| bad(k));
         match ph {
             "M" => {
-                e.pointer("/args").ok_or_else(|| bad("no args"))?;
+                e.args.as_ref().ok_or_else(|| bad("no args"))?;
             }
             "X" => {
-                let (ts, dur) = (num("ts")?, num("dur")?);
-                let (name, cat) = (text("name")?, text("cat")?);
-                e.get("tid")
-                    .and_then(Value::as_u64)
-                    .ok_or_else(|| bad("no tid"))?;
+                let (ts, dur) = (num(e.ts, "ts")?, num(e.dur, "dur")?);
+                e.tid.ok_or_else(|| bad("no tid"))?;
                 if dur < 0.0 {
                     return Err(bad("negative dur"));
                 }
-                if let Some(id) = e.pointer("/args/flow").and_then(Value::as_u64) {
-                    if spans.insert((cat, id), (ts, ts + dur, pid, name)).is_some() {
+                if let Some(id) = e.flow() {
+                    if (spans.insert((&e.cat, id), (ts, ts + dur, pid, &e.name))).is_some() {
                         return Err(bad("a second span of this flow"));
                     }
                 }
             }
             "i" => {
-                num("ts")?;
-                text("s")?;
+                num(e.ts, "ts")?;
+                e.s.as_ref().ok_or_else(|| bad("no s"))?;
             }
             "s" | "f" => {
-                num("ts")?;
-                let id = e
-                    .get("id")
-                    .and_then(Value::as_u64)
-                    .ok_or_else(|| bad("no id"))?;
-                if ph == "f" && e.get("bp").and_then(Value::as_str) != Some("e") {
+                num(e.ts, "ts")?;
+                let id = e.id.ok_or_else(|| bad("no id"))?;
+                if ph == "f" && e.bp.as_deref() != Some("e") {
                     return Err(bad("a flow's end binds to its enclosing slice (bp: e)"));
                 }
                 *arrows.entry((ph, id)).or_default() += 1;
@@ -86,7 +74,7 @@ pub fn validate(v: &Value, slack_us: f64) -> Result<Validated, String> {
         }
     }
     let mut out = Validated {
-        events: events.len(),
+        events: f.events.len(),
         ..Validated::default()
     };
     for (&(cat, id), &(ts, end, pid, name)) in &spans {
@@ -137,9 +125,11 @@ mod tests {
                    "otherData": {"rpc_trace": {"clock_error_bound_ns": 1000,
                                                "unaligned_ranks": unaligned}}})
         };
-        let err = super::validate(&trace(&[]), 0.0).unwrap_err();
+        let (aligned, one_unaligned) = (trace(&[]), trace(&[1]));
+        let file = |v| super::TraceFile::from_value(v).unwrap();
+        let err = super::validate(&file(&aligned), 0.0).unwrap_err();
         assert!(err.contains("outside its caller's"), "{err}");
-        let ok = super::validate(&trace(&[1]), 0.0).unwrap();
+        let ok = super::validate(&file(&one_unaligned), 0.0).unwrap();
         assert_eq!((ok.linked_calls, ok.unlinked_calls), (1, 0));
     }
 }
