@@ -289,6 +289,53 @@ fn a_job_meeting_in_etcd_is_traced_into_one_file() {
     );
 }
 
+/// TR-7 across etcds: the same job run again on a fresh etcd (one started per experiment,
+/// its data gone) is another run, so the earlier run's parts at the same trace path are left
+/// out. Both runs were named `<job>/0`, and the earlier run's extra ranks were merged into
+/// this run's trace as its own ("4 parts").
+#[test]
+fn a_rerun_on_a_fresh_etcd_is_another_job() {
+    let dir = scratch("etcd-rerun-trace");
+    let trace = dir.join("job.json");
+    let flags = ["--trace", trace.to_str().unwrap()];
+    let script = |extra: &str, ranks: &str| {
+        format!(
+            concat!(
+                r#"for r in $RANK {}; do printf '{{"traceEvents":[],"otherData":"#,
+                r#"{{"rpc_trace":{{"rank":%s,"ranks":{},"job":"%s"}}}}}}' "$r" "$RPC_JOB_ID" "#,
+                r#"> "$RPC_TRACE.parts/rank-$r-inc-0.json"; done"#
+            ),
+            extra, ranks
+        )
+    };
+    let mut said = Vec::new();
+    for (run, script) in [
+        ("first", script("$((RANK + 2))", "[0,1,2,3]")),
+        ("second", script("", "[0,1]")),
+    ] {
+        let Some(etcd) = Etcd::start(&format!("rerun-{run}")) else {
+            let _ = std::fs::remove_dir_all(&dir);
+            return;
+        };
+        let mut a = etcd.launcher("rerun", 0, &flags, &script);
+        let mut b = etcd.launcher("rerun", 1, &flags, &script);
+        for r in [&mut a, &mut b] {
+            assert_eq!(r.wait(Duration::from_secs(30)), Some(0), "{}", r.stderr());
+        }
+        said.push(a.stderr() + &b.stderr());
+        // A part written in the same millisecond as the next run's would tie on its time.
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(said[0].contains("4 parts, 0 events"), "{}", said[0]);
+    assert!(said[1].contains("2 parts, 0 events"), "{}", said[1]);
+    assert!(
+        said[1].contains("left out 2 part(s) an earlier job left at this path"),
+        "{}",
+        said[1]
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn a_frozen_launcher_is_fenced() {
     let Some(etcd) = Etcd::start("frozen") else {

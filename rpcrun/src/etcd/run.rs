@@ -28,6 +28,8 @@ const LEASE_BACK: Duration = Duration::from_secs(30);
 struct Round {
     gen: u64,
     restart: u32,
+    /// The run's token (`job/run`; "" for a job an older launcher created).
+    run: String,
     node_rank: u32,
     members: Vec<Joiner>,
     rdzv: Rendezvous,
@@ -82,10 +84,15 @@ pub(crate) fn run(
         let mut node = launch.clone();
         node.node_rank = round.node_rank;
         last_node = Some(round.node_rank);
-        // The job's run, the same on every node and in every round (TR-7).
+        // The job's run, the same on every node and in every round, another in a run on a
+        // fresh etcd (TR-7).
+        let base = round.gen - u64::from(round.restart);
         node.env.push((
             rpc_core::JOB_ID_ENV[0].to_owned(),
-            format!("{}/{}", spec.job, round.gen - u64::from(round.restart)),
+            match round.run.as_str() {
+                "" => format!("{}/{base}", spec.job),
+                run => format!("{}/{base}-{run}", spec.job),
+            },
         ));
         tracing::info!(
             round = round.gen,
@@ -240,6 +247,7 @@ fn join(
                     return Ok(Joined::Round(Round {
                         gen,
                         restart: gen.saturating_sub(st.base) as u32,
+                        run: st.run.clone(),
                         node_rank: node_rank as u32,
                         rdzv: Rendezvous {
                             host: h.to_owned(),

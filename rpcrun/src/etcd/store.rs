@@ -3,7 +3,9 @@
 //! Under `/rpcrun/<JOB>/`:
 //!
 //! - `job/gen`: the current round's number; `job/base`: the round this run began with (the
-//!   restart count is `gen - base`); `job/done`: the job's exit status, once it ended;
+//!   restart count is `gen - base`); `job/run`: a token drawn when the run began, so that a
+//!   run on a fresh etcd (its data gone, `gen` from 0 again) is told from an earlier one
+//!   (TR-7); `job/done`: the job's exit status, once it ended;
 //! - `round/<gen>/join/<id>`: a launcher that wants to take part in round `gen`, its value
 //!   the address its node would serve the group's rendezvous on; held by the launcher's
 //!   lease, so it goes when the launcher does (killed, frozen or cut off from etcd longer
@@ -40,8 +42,19 @@ pub(crate) struct JobState {
     pub gen: Option<u64>,
     /// The round this run began with.
     pub base: u64,
+    /// The token drawn when this run began ("" for a job an older launcher created).
+    pub run: String,
     /// The job's exit status, once it ended.
     pub done: Option<i32>,
+}
+
+/// A token for a run that begins now: this process and the time in nanoseconds, in hex.
+fn run_token() -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos();
+    format!("{:x}-{nanos:x}", std::process::id())
 }
 
 /// A launcher that joined a round: its id and its node's rendezvous address.
@@ -168,6 +181,7 @@ impl Store {
             match k.rsplit('/').next() {
                 Some("gen") => s.gen = v.parse().ok(),
                 Some("base") => s.base = v.parse().unwrap_or(0),
+                Some("run") => s.run = v.to_owned(),
                 Some("done") => s.done = v.parse().ok(),
                 _ => {}
             }
@@ -190,6 +204,7 @@ impl Store {
             vec![
                 TxnOp::put(gen.as_str(), "0", None),
                 TxnOp::put(self.key("job/base"), "0", None),
+                TxnOp::put(self.key("job/run"), run_token(), None),
             ],
         )
     }
@@ -207,6 +222,7 @@ impl Store {
             vec![
                 TxnOp::put(self.key("job/gen"), next.as_str(), None),
                 TxnOp::put(self.key("job/base"), next.as_str(), None),
+                TxnOp::put(self.key("job/run"), run_token(), None),
                 TxnOp::delete(self.key("job/done"), None),
             ],
         )
