@@ -1,7 +1,10 @@
 //! What held each step up: a report over a merged trace (`rpctrace report`).
 //!
 //! A step is a span of category `step` (the training loops record one per step; without any,
-//! the whole trace on rank 0 is one step). For each step:
+//! the whole trace on rank 0 is one step). Where several ranks record steps (the replicas of
+//! data parallelism, a parameter server's trainers) the k-th step span of each is step k, and
+//! its critical path is the walk of the one busy longest: the one the others waited for. For
+//! each step:
 //! - **the critical path**, walked back from the step's end: on a worker, the span that ended
 //!   last before the current time holds it up; a call made continues on the callee inside its
 //!   served span (the time the call took beyond it is `wire`: the network and the queues); a
@@ -136,12 +139,14 @@ pub fn report(t: &Trace) -> Report {
             .map(|s| s.rank)
             .collect(),
     };
-    let mut steps: Vec<(Option<usize>, &Span)> = (t.spans.iter().enumerate())
-        .filter(|(_, s)| s.cat == "step")
-        .map(|(i, s)| (Some(i), s))
-        .collect();
+    // Each rank's step spans in order; the k-th of every rank that records steps is step k
+    // (in data parallelism every replica records its own).
+    let mut by_rank: BTreeMap<u32, Vec<(Option<usize>, &Span)>> = BTreeMap::new();
+    for (i, s) in t.spans.iter().enumerate().filter(|(_, s)| s.cat == "step") {
+        by_rank.entry(s.rank).or_default().push((Some(i), s));
+    }
     let whole;
-    if steps.is_empty() {
+    if by_rank.is_empty() {
         let (lo, hi) = t.spans.iter().fold((f64::MAX, f64::MIN), |(a, b), s| {
             (a.min(s.start), b.max(s.end))
         });
@@ -153,17 +158,55 @@ pub fn report(t: &Trace) -> Report {
             end: hi.max(lo),
             flow: None,
         };
-        steps.push((None, &whole));
+        by_rank.insert(0, vec![(None, &whole)]);
     }
-    let per_step: Vec<StepReport> = steps.iter().map(|&(at, s)| step(&c, at, s)).collect();
+    let count = by_rank.values().map(Vec::len).max().unwrap_or(0);
+    let per_step: Vec<StepReport> = (0..count)
+        .map(|k| {
+            let members: Vec<_> = by_rank.values().filter_map(|v| v.get(k)).copied().collect();
+            step(&c, &members)
+        })
+        .collect();
     summarize(t, per_step)
 }
 
-fn step(c: &Indexed<'_>, at: Option<usize>, s: &Span) -> StepReport {
+/// Step k: the k-th step span of each rank that records steps (`members`). Each member's
+/// step is walked on its rank; the step's critical path is the walk of the member that was
+/// busy longest, the one the others waited for (in a collective, or for a server that waits
+/// for every push), and each member's shares are of its own step span; other ranks' are of
+/// the members' spans' union.
+fn step(c: &Indexed<'_>, members: &[(Option<usize>, &Span)]) -> StepReport {
     let t = c.t;
-    let mut path = Vec::new();
-    walk(c, at, s, s.start, s.end, 0, &mut path);
-    path.reverse();
+    let walked: Vec<(Vec<Segment>, Shares, &Span)> = (members.iter())
+        .map(|&(at, s)| {
+            let mut path = Vec::new();
+            walk(c, at, s, s.start, s.end, 0, &mut path);
+            path.reverse();
+            (path, shares(c, s.rank, s.start, s.end), s)
+        })
+        .collect();
+    let busy_ms = |(_, sh, s): &(Vec<Segment>, Shares, &Span)| sh.busy * s.len();
+    let longest = (0..walked.len())
+        .max_by(|&a, &b| {
+            busy_ms(&walked[a])
+                .total_cmp(&busy_ms(&walked[b]))
+                .then(b.cmp(&a))
+        })
+        .unwrap_or(0);
+    let (lo, hi) = (members.iter()).fold((f64::MAX, f64::MIN), |(a, b), (_, s)| {
+        (a.min(s.start), b.max(s.end))
+    });
+    let mut own: BTreeMap<u32, Shares> = BTreeMap::new();
+    let mut ms = 0.0f64;
+    let mut chosen = None;
+    for (i, (path, sh, s)) in walked.into_iter().enumerate() {
+        ms = ms.max(s.len() / 1000.0);
+        if i == longest {
+            chosen = Some((path, s));
+        }
+        own.insert(s.rank, sh);
+    }
+    let (path, s) = chosen.expect("a step has a member");
     let mut by_worker: BTreeMap<u32, f64> = BTreeMap::new();
     for seg in &path {
         *by_worker.entry(seg.rank).or_default() += seg.ms;
@@ -173,12 +216,12 @@ fn step(c: &Indexed<'_>, at: Option<usize>, s: &Span) -> StepReport {
         .max_by(|a, b| a.1.total_cmp(b.1))
         .map(|(&r, &ms)| (t.name(r), ms));
     let workers = (c.ranks.iter())
-        .map(|&r| shares(c, r, s.start, s.end))
+        .map(|&r| own.remove(&r).unwrap_or_else(|| shares(c, r, lo, hi)))
         .collect();
     StepReport {
         name: s.name.clone(),
         rank: s.rank,
-        ms: s.len() / 1000.0,
+        ms,
         critical_path: path,
         straggler,
         workers,
@@ -535,6 +578,42 @@ mod tests {
             ]
         );
         assert_eq!(r.straggler, Some(("rank 1".into(), 1)));
+    }
+
+    /// Replicas that each record their steps: the k-th step of each is one step, and the
+    /// straggler is the replica the others waited for in the all-reduce (the one busy
+    /// longest), whatever its rank. The report counted each replica's steps as steps of
+    /// their own (6 here), each walked on its own rank, so every replica led "its" steps and
+    /// the straggler was the tie's last name (rank 1).
+    #[test]
+    fn replicas_steps_are_one_step_and_the_slow_replica_is_the_straggler() {
+        let mut spans = Vec::new();
+        for k in 0..3 {
+            let t0 = 100.0 * f64::from(k);
+            for (r, compute) in [(0u32, 70.0), (1, 20.0)] {
+                spans.push(span(r, "step", "step", t0, t0 + 90.0, None));
+                spans.push(span(r, "compute", "backward", t0, t0 + compute, None));
+                spans.push(span(
+                    r,
+                    "collective",
+                    "all_reduce",
+                    t0 + compute,
+                    t0 + 90.0,
+                    None,
+                ));
+            }
+        }
+        let r = report(&trace(spans));
+        assert_eq!(r.steps, 3, "{}", r.text());
+        assert_eq!(r.straggler, Some(("rank 0".into(), 3)), "{}", r.text());
+        let (who, span, cat, ms, _) = &r.critical[0];
+        assert_eq!(
+            (who.as_str(), span.as_str(), cat.as_str()),
+            ("rank 0", "backward", "self")
+        );
+        assert!((ms - 0.21).abs() < 1e-9, "{}", r.text());
+        let busy: Vec<f64> = r.workers.iter().map(|w| (w.busy * 90.0).round()).collect();
+        assert_eq!(busy, [70.0, 20.0], "{}", r.text());
     }
 
     /// Two spans with the same interval do not contain each other (the walk used to recurse
