@@ -27,23 +27,35 @@ fn colour(cat: &str) -> &'static str {
     }
 }
 
-/// The window to draw: `steps` steps from the `first`-th `step` span (0-based), or the whole
-/// trace if it has none.
+/// The window to draw: `steps` steps from the `first`-th (0-based), or the whole trace if it
+/// has no `step` span. As in the report, the k-th step span of each rank that records steps
+/// is step k (the replicas of data parallelism each record theirs).
 fn window(events: &[Event<'_>], first: usize, steps: usize) -> (f64, f64) {
-    let mut spans: Vec<(f64, f64)> = events
-        .iter()
-        .filter(|e| e.ph == "X" && e.cat == "step")
-        .filter_map(|e| Some((e.ts?, e.ts? + e.dur?)))
-        .collect();
-    spans.sort_by(|a, b| a.0.total_cmp(&b.0));
-    if spans.is_empty() {
+    let mut by_rank: BTreeMap<u64, Vec<(f64, f64)>> = BTreeMap::new();
+    for e in events.iter().filter(|e| e.ph == "X" && e.cat == "step") {
+        if let (Some(ts), Some(dur)) = (e.ts, e.dur) {
+            by_rank
+                .entry(e.pid.unwrap_or(0))
+                .or_default()
+                .push((ts, ts + dur));
+        }
+    }
+    let count = by_rank.values().map(Vec::len).max().unwrap_or(0);
+    if count == 0 {
         let ts = events.iter().filter_map(|e| e.ts);
         let (lo, hi) = ts.fold((f64::MAX, f64::MIN), |(a, b), t| (a.min(t), b.max(t)));
         return (lo, hi.max(lo + 1.0));
     }
-    let a = first.min(spans.len() - 1);
-    let b = (a + steps.max(1) - 1).min(spans.len() - 1);
-    (spans[a].0, spans[b].1.max(spans[a].0 + 1.0))
+    for v in by_rank.values_mut() {
+        v.sort_by(|a, b| a.0.total_cmp(&b.0));
+    }
+    let a = first.min(count - 1);
+    let b = (a + steps.max(1) - 1).min(count - 1);
+    let lo = (by_rank.values().filter_map(|v| v.get(a))).fold(f64::MAX, |m, s| m.min(s.0));
+    let hi = (by_rank.values())
+        .filter_map(|v| v.get(b).or(v.last()))
+        .fold(f64::MIN, |m, s| m.max(s.1));
+    (lo, hi.max(lo + 1.0))
 }
 
 /// Draws `steps` steps of the trace `f` from its `first`-th step.
@@ -216,4 +228,36 @@ fn escape(s: &str) -> String {
     s.replace('&', "&amp;")
         .replace('<', "&lt;")
         .replace('>', "&gt;")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two replicas that each record their steps: two steps drawn are both replicas' first
+    /// two (the window took the first two step spans by start, both of step 0, and left
+    /// step 1 out).
+    #[test]
+    fn the_window_counts_the_replicas_steps_together() {
+        let mut events = Vec::new();
+        for r in 0..2 {
+            for k in 0..3 {
+                let t0 = 100.0 * f64::from(k);
+                events.push(serde_json::json!({"ph": "X", "cat": "step", "name": "step",
+                    "pid": r, "tid": 1, "ts": t0, "dur": 90.0}));
+                events.push(serde_json::json!({"ph": "X", "cat": "compute",
+                    "name": format!("work-{k}"), "pid": r, "tid": 2, "ts": t0 + 10.0,
+                    "dur": 50.0}));
+            }
+        }
+        let v = serde_json::json!({ "traceEvents": events });
+        let f = TraceFile::from_value(&v).unwrap();
+        let picture = svg(&f, 0, 2);
+        assert!(
+            picture.contains("work-0") && picture.contains("work-1"),
+            "{picture}"
+        );
+        assert!(!picture.contains("work-2"), "{picture}");
+        assert!(svg(&f, 2, 5).contains("work-2"));
+    }
 }
