@@ -395,7 +395,9 @@ impl Span {
         self
     }
 
-    /// A line of detail (a step number, a file name, an error).
+    /// A line of detail (a step number, a file name, an error). On a [`Cat::Step`] span, `step
+    /// N` (as in `trainer 1 step N`) is the step's number: `rpctrace report` pairs the step
+    /// spans of several ranks by it.
     pub fn detail(&mut self, d: impl FnOnce() -> String) -> &mut Self {
         if let Some(o) = self.0.as_mut() {
             o.rec.set_detail(d());

@@ -46,16 +46,20 @@ pub struct Event<'a> {
     /// An instant's scope (`i`).
     pub s: Option<String>,
     /// The arguments this framework reads.
-    pub args: Option<Args>,
+    #[serde(borrow)]
+    pub args: Option<Args<'a>>,
 }
 
 /// The arguments of an event that the report reads.
 #[derive(Debug, Default, Deserialize)]
-pub struct Args {
+pub struct Args<'a> {
     /// A call's flow id (on a call made and the call served).
     pub flow: Option<u64>,
     /// A metadata event's name (a process's or a track's).
     pub name: Option<String>,
+    /// What the span's recorder said of it (`step 12` on a step span).
+    #[serde(borrow)]
+    pub detail: Option<Cow<'a, str>>,
 }
 
 impl<'a> TraceFile<'a> {
@@ -84,6 +88,11 @@ impl Event<'_> {
     /// Its `args.name` (a metadata event's), if any.
     pub fn arg_name(&self) -> Option<&str> {
         self.args.as_ref()?.name.as_deref()
+    }
+
+    /// Its `args.detail`, if any.
+    pub fn detail(&self) -> Option<&str> {
+        self.args.as_ref()?.detail.as_deref()
     }
 }
 

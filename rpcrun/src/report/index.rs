@@ -138,6 +138,7 @@ mod tests {
                 start,
                 end: start + len,
                 flow: None,
+                step: None,
             });
         }
         let t = Trace {

@@ -2,9 +2,9 @@
 //!
 //! A step is a span of category `step` (the training loops record one per step; without any,
 //! the whole trace on rank 0 is one step). Where several ranks record steps (the replicas of
-//! data parallelism, a parameter server's trainers) the k-th step span of each is step k, and
-//! its critical path is the walk of the one busy longest: the one the others waited for. For
-//! each step:
+//! data parallelism, a parameter server's trainers) a step is one span of each, paired by the
+//! step number their details give (`step 12`), else by count (`steps.rs`), and its critical
+//! path is the walk of the one busy longest: the one the others waited for. For each step:
 //! - **the critical path**, walked back from the step's end: on a worker, the span that ended
 //!   last before the current time holds it up; a call made continues on the callee inside its
 //!   served span (the time the call took beyond it is `wire`: the network and the queues); a
@@ -20,6 +20,7 @@
 mod file;
 mod index;
 mod model;
+mod steps;
 mod svg;
 mod validate;
 
@@ -28,6 +29,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::Serialize;
 
 use index::Index;
+use steps::StepSpan;
 
 pub use file::{Args, Event, TraceFile};
 pub use model::{covered, overlap, Span, Trace};
@@ -139,38 +141,49 @@ pub fn report(t: &Trace) -> Report {
             .map(|s| s.rank)
             .collect(),
     };
-    // Each rank's step spans in order; the k-th of every rank that records steps is step k
-    // (in data parallelism every replica records its own).
-    let mut by_rank: BTreeMap<u32, Vec<(Option<usize>, &Span)>> = BTreeMap::new();
-    for (i, s) in t.spans.iter().enumerate().filter(|(_, s)| s.cat == "step") {
-        by_rank.entry(s.rank).or_default().push((Some(i), s));
-    }
-    let whole;
-    if by_rank.is_empty() {
+    // The step spans, paired into steps (in data parallelism every replica records its own).
+    let recorded: Vec<usize> = (0..t.spans.len())
+        .filter(|&i| t.spans[i].cat == "step")
+        .collect();
+    let per_step: Vec<StepReport> = if recorded.is_empty() {
         let (lo, hi) = t.spans.iter().fold((f64::MAX, f64::MIN), |(a, b), s| {
             (a.min(s.start), b.max(s.end))
         });
-        whole = Span {
+        let whole = Span {
             rank: 0,
             cat: "step".into(),
             name: "the whole trace".into(),
             start: lo.min(hi),
             end: hi.max(lo),
             flow: None,
+            step: None,
         };
-        by_rank.insert(0, vec![(None, &whole)]);
-    }
-    let count = by_rank.values().map(Vec::len).max().unwrap_or(0);
-    let per_step: Vec<StepReport> = (0..count)
-        .map(|k| {
-            let members: Vec<_> = by_rank.values().filter_map(|v| v.get(k)).copied().collect();
-            step(&c, &members)
-        })
-        .collect();
+        vec![step(&c, &[(None, &whole)])]
+    } else {
+        let spans: Vec<StepSpan> = (recorded.iter())
+            .map(|&i| {
+                let s = &t.spans[i];
+                StepSpan {
+                    rank: u64::from(s.rank),
+                    start: s.start,
+                    end: s.end,
+                    number: s.step,
+                }
+            })
+            .collect();
+        (steps::pair(&spans).iter())
+            .map(|m| {
+                let members: Vec<_> = (m.iter())
+                    .map(|&k| (Some(recorded[k]), &t.spans[recorded[k]]))
+                    .collect();
+                step(&c, &members)
+            })
+            .collect()
+    };
     summarize(t, per_step)
 }
 
-/// Step k: the k-th step span of each rank that records steps (`members`). Each member's
+/// One step: a step span of each rank that records steps (`members`). Each member's
 /// step is walked on its rank; the step's critical path is the walk of the member that was
 /// busy longest, the one the others waited for (in a collective, or for a server that waits
 /// for every push), and each member's shares are of its own step span; other ranks' are of
@@ -526,6 +539,7 @@ mod tests {
             start,
             end,
             flow,
+            step: None,
         }
     }
 
@@ -614,6 +628,33 @@ mod tests {
         assert!((ms - 0.21).abs() < 1e-9, "{}", r.text());
         let busy: Vec<f64> = r.workers.iter().map(|w| (w.busy * 90.0).round()).collect();
         assert_eq!(busy, [70.0, 20.0], "{}", r.text());
+    }
+
+    /// A replacement replica that joined at step 1 after a failure at step 2 (the others
+    /// rolled back and replayed 1 and 2): its steps are the replayed steps of the same
+    /// numbers. The report paired by count: the replacement's step 1 (15 ms) was the others'
+    /// step 0, 60 ms before it began, and the replayed steps were the replacement's 2, 3 and
+    /// none.
+    #[test]
+    fn a_replacements_steps_pair_with_the_replay() {
+        let mut spans = Vec::new();
+        let mut step = |r: u32, n: u64, start: f64, len: f64| {
+            let mut s = span(r, "step", "step", start, start + len, None);
+            s.step = Some(n);
+            spans.push(s);
+        };
+        for r in 0..2 {
+            for (k, n) in [0, 1, 2, 1, 2, 3].into_iter().enumerate() {
+                step(r, n, 20_000.0 * k as f64, 10_000.0);
+            }
+        }
+        for (k, n) in [1, 2, 3].into_iter().enumerate() {
+            step(2, n, 60_000.0 + 20_000.0 * k as f64, 15_000.0);
+        }
+        spans.sort_by(|a, b| a.start.total_cmp(&b.start));
+        let r = report(&trace(spans));
+        let ms: Vec<f64> = r.per_step.iter().map(|s| s.ms).collect();
+        assert_eq!(ms, [10.0, 10.0, 10.0, 15.0, 15.0, 15.0], "{}", r.text());
     }
 
     /// Two spans with the same interval do not contain each other (the walk used to recurse

@@ -21,6 +21,8 @@ pub struct Span {
     pub end: f64,
     /// The call's flow id, on a call made or served.
     pub flow: Option<u64>,
+    /// A step span's number, from its detail (`step 12`): steps of several ranks pair by it.
+    pub step: Option<u64>,
 }
 
 impl Span {
@@ -78,6 +80,9 @@ impl Trace {
                         start: ts,
                         end: ts + dur,
                         flow: e.flow(),
+                        step: (e.cat == "step")
+                            .then(|| e.detail().and_then(super::steps::step_number))
+                            .flatten(),
                     });
                 }
                 _ => {}

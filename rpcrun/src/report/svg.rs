@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write;
 
 use super::file::{Event, TraceFile};
+use super::steps::{pair, step_number, StepSpan};
 
 const WIDTH: f64 = 1000.0;
 const LABEL: f64 = 190.0;
@@ -28,33 +29,31 @@ fn colour(cat: &str) -> &'static str {
 }
 
 /// The window to draw: `steps` steps from the `first`-th (0-based), or the whole trace if it
-/// has no `step` span. As in the report, the k-th step span of each rank that records steps
-/// is step k (the replicas of data parallelism each record theirs).
+/// has no `step` span. The step spans of several ranks are paired as the report pairs them
+/// (`steps.rs`: the replicas of data parallelism each record theirs).
 fn window(events: &[Event<'_>], first: usize, steps: usize) -> (f64, f64) {
-    let mut by_rank: BTreeMap<u64, Vec<(f64, f64)>> = BTreeMap::new();
-    for e in events.iter().filter(|e| e.ph == "X" && e.cat == "step") {
-        if let (Some(ts), Some(dur)) = (e.ts, e.dur) {
-            by_rank
-                .entry(e.pid.unwrap_or(0))
-                .or_default()
-                .push((ts, ts + dur));
-        }
-    }
-    let count = by_rank.values().map(Vec::len).max().unwrap_or(0);
-    if count == 0 {
+    let spans: Vec<StepSpan> = (events.iter())
+        .filter(|e| e.ph == "X" && e.cat == "step")
+        .filter_map(|e| {
+            let (ts, dur) = (e.ts?, e.dur?);
+            Some(StepSpan {
+                rank: e.pid.unwrap_or(0),
+                start: ts,
+                end: ts + dur,
+                number: e.detail().and_then(step_number),
+            })
+        })
+        .collect();
+    let paired = pair(&spans);
+    if paired.is_empty() {
         let ts = events.iter().filter_map(|e| e.ts);
         let (lo, hi) = ts.fold((f64::MAX, f64::MIN), |(a, b), t| (a.min(t), b.max(t)));
         return (lo, hi.max(lo + 1.0));
     }
-    for v in by_rank.values_mut() {
-        v.sort_by(|a, b| a.0.total_cmp(&b.0));
-    }
-    let a = first.min(count - 1);
-    let b = (a + steps.max(1) - 1).min(count - 1);
-    let lo = (by_rank.values().filter_map(|v| v.get(a))).fold(f64::MAX, |m, s| m.min(s.0));
-    let hi = (by_rank.values())
-        .filter_map(|v| v.get(b).or(v.last()))
-        .fold(f64::MIN, |m, s| m.max(s.1));
+    let a = first.min(paired.len() - 1);
+    let b = (a + steps.max(1) - 1).min(paired.len() - 1);
+    let lo = (paired[a].iter()).fold(f64::MAX, |m, &i| m.min(spans[i].start));
+    let hi = (paired[a..=b].iter().flatten()).fold(f64::MIN, |m, &i| m.max(spans[i].end));
     (lo, hi.max(lo + 1.0))
 }
 
