@@ -77,6 +77,8 @@ pub struct StepReport {
     pub name: String,
     /// The rank that recorded the step.
     pub rank: u32,
+    /// The step's number, as its span's detail gives it (`step 12`).
+    pub number: Option<u64>,
     /// Milliseconds.
     pub ms: f64,
     /// The critical path, from the step's start to its end.
@@ -234,6 +236,7 @@ fn step(c: &Indexed<'_>, members: &[(Option<usize>, &Span)]) -> StepReport {
     StepReport {
         name: s.name.clone(),
         rank: s.rank,
+        number: s.step,
         ms,
         critical_path: path,
         straggler,
@@ -496,6 +499,16 @@ impl Report {
                 self.steps
             );
         }
+        let slowest = (self.per_step.iter().enumerate())
+            .max_by(|a, b| a.1.ms.total_cmp(&b.1.ms).then(b.0.cmp(&a.0)));
+        if let (Some((k, s)), true) = (slowest, self.steps > 1) {
+            let which = (s.number.filter(|&n| n != k as u64))
+                .map_or(String::new(), |n| format!(" (recorded as step {n})"));
+            let who = (s.straggler.as_ref()).map_or(String::new(), |(w, ms)| {
+                format!(", {w} {ms:.2} ms of its critical path")
+            });
+            let _ = writeln!(o, "slowest: step {k}{which}, {:.2} ms{who}", s.ms);
+        }
         let _ = writeln!(o, "critical path, summed over the steps:");
         for (w, s, c, ms, share) in self.critical.iter().take(8) {
             let _ = writeln!(
@@ -655,6 +668,14 @@ mod tests {
         let r = report(&trace(spans));
         let ms: Vec<f64> = r.per_step.iter().map(|s| s.ms).collect();
         assert_eq!(ms, [10.0, 10.0, 10.0, 15.0, 15.0, 15.0], "{}", r.text());
+        let numbers: Vec<_> = r.per_step.iter().filter_map(|s| s.number).collect();
+        assert_eq!(numbers, [0, 1, 2, 1, 2, 3]);
+        assert!(
+            r.text()
+                .contains("slowest: step 3 (recorded as step 1), 15.00 ms"),
+            "{}",
+            r.text()
+        );
     }
 
     /// Two spans with the same interval do not contain each other (the walk used to recurse
