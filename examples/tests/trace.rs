@@ -140,6 +140,42 @@ fn a_hybrid_rnn_run_and_a_pipeline_run_trace_into_one_valid_file() {
     assert_eq!(stages, 3, "{}", r.text());
 }
 
+/// Data parallelism through the launcher: every replica's forward pass and optimizer step
+/// are spans of their own, on the critical path, and the step's own time (what no span
+/// covers) is small. `DdpOptimizer`'s step recorded no span and the example none for its
+/// forward pass: `step (self)` was the critical path's largest entry (53 % on both ranks of
+/// a full run) and every replica 11 % busy.
+#[test]
+fn a_data_parallel_run_traces_its_forward_pass_and_optimizer_steps() {
+    let v = traced_by(
+        env!("CARGO_BIN_EXE_data-parallel"),
+        "data-parallel",
+        &[
+            "--nproc",
+            "2",
+            "--epochs",
+            "1",
+            "--train-limit",
+            "640",
+            "--test-limit",
+            "100",
+        ],
+        false,
+    );
+    let r = check(&v, 2, 10, &["step", "compute", "optimizer", "collective"]);
+    let on_path = |name: &str| r.critical.iter().any(|c| c.1 == name);
+    assert!(
+        on_path("forward") && on_path("optimizer step"),
+        "{}",
+        r.text()
+    );
+    let own: f64 = (r.critical.iter())
+        .filter(|c| c.1 == "step" && c.2 == "self")
+        .map(|c| c.4)
+        .sum();
+    assert!(own < 0.25, "{own}: {}", r.text());
+}
+
 /// The two examples that start their own processes: every process's part is in the file, every
 /// call is linked, and the k-th step of every trainer (or replica) is step k of the report.
 #[test]

@@ -3,6 +3,7 @@
 
 use autograd_dist::Optimizer;
 use candle_core::Tensor;
+use rpc_core::trace::Cat;
 
 use super::{DistributedDataParallel, Pass};
 use crate::group::CollectiveError;
@@ -29,13 +30,15 @@ impl<'a> DdpOptimizer<'a> {
     }
 
     /// Backpropagates `loss` through `pass`, combining gradients over the group as they
-    /// come, then updates the parameters.
+    /// come, then updates the parameters (an `optimizer step` span in the trace).
     pub async fn backward_step(
         &mut self,
         pass: Pass<'_>,
         loss: &Tensor,
     ) -> Result<(), CollectiveError> {
         let grads = pass.backward(loss).await?;
+        let tracer = self.ddp.group.agent().tracer();
+        let _span = tracer.span(Cat::Optimizer, "optimizer step");
         self.opt.step(&grads)?;
         Ok(())
     }

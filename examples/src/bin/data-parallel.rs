@@ -159,8 +159,10 @@ async fn replica(args: Args) -> Result<i32> {
             let (x, y) = dense(&words)?;
             let (x, y) = (x.to_device(&device)?, y.to_device(&device)?);
             let mut pass = opt.pass();
+            let forward_span = agent.tracer().span(Cat::Compute, "forward");
             let logits = forward(ddp.vars(), &x, |h| Ok(pass.cut(h)?))?;
             let loss = candle_nn::loss::cross_entropy(&logits, &y)?;
+            drop(forward_span);
             opt.backward_step(pass, &loss).await?;
             drop(span);
             step_ms.push(t.elapsed().as_secs_f64() * 1e3);
