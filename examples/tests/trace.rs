@@ -177,7 +177,8 @@ fn a_data_parallel_run_traces_its_forward_pass_and_optimizer_steps() {
 }
 
 /// The two examples that start their own processes: every process's part is in the file, every
-/// call is linked, and the k-th step of every trainer (or replica) is step k of the report.
+/// call is linked, the k-th step of every trainer (or replica) is step k of the report, and
+/// the trainers' (replicas') forward and backward passes are spans of their own.
 #[test]
 fn the_param_server_and_elastic_ddp_trace_into_one_valid_file() {
     for (bin, tag, args, parts, steps, cat) in [
@@ -215,6 +216,15 @@ fn the_param_server_and_elastic_ddp_trace_into_one_valid_file() {
         let t = rpcrun::report::Trace::from_file(&file(&v)).unwrap();
         let r = rpcrun::report::report(&t);
         assert_eq!(r.steps, steps, "{tag}: {}", r.text());
+        // The trainers' and replicas' computation is traced: the step's own time (what no
+        // span covers) is not the critical path (it was 80 % of a parameter server's).
+        let on_path = |name: &str| r.critical.iter().any(|c| c.1 == name);
+        assert!(on_path("forward and backward"), "{tag}: {}", r.text());
+        let own: f64 = (r.critical.iter())
+            .filter(|c| c.1 == "step" && c.2 == "self")
+            .map(|c| c.4)
+            .sum();
+        assert!(own < 0.5, "{tag}: {own}: {}", r.text());
     }
 }
 

@@ -197,6 +197,8 @@ async fn replica(
     let (mut recovered_from, mut replayed, mut recovery_s) =
         ((agent.incarnation() > 0).then_some(step), 0, 0.0);
     let mut failures = 0;
+    // The same global batch every step, split over the current replicas.
+    let order = DistributedSampler::new(data.len(), 1, 0, SEED).indices(0);
     while step < args.steps {
         if step % args.commit_every == 0 {
             el.commit(step)?;
@@ -204,8 +206,6 @@ async fn replica(
         let mut span = agent.tracer().span(Cat::Step, "step");
         span.detail(|| format!("step {step}"));
         let (i, n) = el.replica();
-        // The same global batch every step, split over the current replicas.
-        let order = DistributedSampler::new(data.len(), 1, 0, SEED).indices(0);
         let global = (step as usize * BATCH) % (order.len() - BATCH);
         let per = BATCH / n;
         let batch: Vec<_> = order[global + i * per..global + (i + 1) * per]
@@ -214,9 +214,11 @@ async fn replica(
             .collect();
         let (x, y) = dense(&batch)?;
         let v = el.ddp().vars();
+        let compute = agent.tracer().span(Cat::Compute, "forward and backward");
         let loss =
             candle_nn::loss::cross_entropy(&logits(&x, v[0].as_tensor(), v[1].as_tensor())?, &y)?;
         let mut grads = loss.backward()?;
+        drop(compute);
         if args.kill_at == Some(step) && failures == 0 {
             if let Some(w) = workers.as_deref_mut() {
                 w.kill(args.victim)?;
@@ -229,6 +231,7 @@ async fn replica(
         }
         match el.ddp().reduce_gradients(&mut grads).await {
             Ok(()) => {
+                let _update = agent.tracer().span(Cat::Optimizer, "optimizer step");
                 sgd.step(&grads)?;
                 step += 1;
                 if let (Some(d), 0) = (&args.out_dir, agent.rank()) {

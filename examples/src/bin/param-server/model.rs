@@ -132,6 +132,7 @@ pub async fn train_loop(
         fault_at(&plan, step)?;
         let shards = client.pull(step).await?;
         let started = Instant::now();
+        let compute = agent.tracer().span(Cat::Compute, "forward and backward");
         let w = Var::from_tensor(&Tensor::cat(&[&shards[0][0], &shards[1][0]], 0)?)?;
         let b = Var::from_tensor(&shards[0][1])?;
         let at = (step as usize * BATCH) % mine.len().saturating_sub(BATCH).max(1);
@@ -144,7 +145,9 @@ pub async fn train_loop(
         let g = loss.backward()?;
         let gw = g.get(w.as_tensor()).context("no gradient")?;
         let gb = g.get(b.as_tensor()).context("no gradient")?;
+        drop(compute);
         if plan.slow_factor > 1.0 {
+            let _slow = agent.tracer().span(Cat::Compute, "slowed (--slow-factor)");
             tokio::time::sleep(started.elapsed().mul_f64(plan.slow_factor - 1.0)).await;
         }
         client
