@@ -171,17 +171,17 @@ pub fn svg(f: &TraceFile<'_>, first: usize, steps: usize) -> String {
             );
         }
     }
-    // The axis: milliseconds from the window's start.
+    // The axis: time from the window's start, at most a dozen ticks.
     let span_ms = (hi - lo) / 1000.0;
-    let step = [
-        0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0,
-    ]
-    .into_iter()
-    .find(|s| span_ms / s <= 12.0)
-    .unwrap_or(1000.0);
+    let step = tick(span_ms);
     let base = height - 22.0;
-    let mut t = 0.0;
-    while t <= span_ms {
+    let ticks = if step > 0.0 {
+        (span_ms / step) as usize
+    } else {
+        0
+    };
+    for i in 0..=ticks.min(MAX_TICKS) {
+        let t = i as f64 * step;
         let xx = x(lo + t * 1000.0);
         let _ = writeln!(
             o,
@@ -189,10 +189,10 @@ pub fn svg(f: &TraceFile<'_>, first: usize, steps: usize) -> String {
         );
         let _ = writeln!(
             o,
-            r#"<text x="{xx:.1}" y="{}" text-anchor="middle">{t} ms</text>"#,
-            base + 12.0
+            r#"<text x="{xx:.1}" y="{}" text-anchor="middle">{}</text>"#,
+            base + 12.0,
+            tick_label(t, step)
         );
-        t += step;
     }
     let mut lx = LABEL;
     for cat in [
@@ -221,6 +221,37 @@ pub fn svg(f: &TraceFile<'_>, first: usize, steps: usize) -> String {
     }
     o.push_str("</svg>\n");
     o
+}
+
+/// The most ticks the axis has.
+const MAX_TICKS: usize = 12;
+
+/// The axis's tick for a window `span_ms` wide: 1, 2 or 5 times a power of ten, the smallest
+/// with at most [`MAX_TICKS`] ticks past the first (0 for an empty or unbounded window).
+fn tick(span_ms: f64) -> f64 {
+    if !(span_ms.is_finite() && span_ms > 0.0) {
+        return 0.0;
+    }
+    let least = span_ms / MAX_TICKS as f64;
+    let power = 10f64.powf(least.log10().floor());
+    [1.0, 2.0, 5.0, 10.0]
+        .into_iter()
+        .map(|m| m * power)
+        .find(|&s| s >= least)
+        .unwrap_or(10.0 * power)
+}
+
+/// A tick's label: milliseconds with the tick's precision, seconds from 1 s ticks on.
+fn tick_label(t_ms: f64, step_ms: f64) -> String {
+    match step_ms {
+        s if s >= 1000.0 && t_ms < 1e12 => format!("{:.0} s", t_ms / 1000.0),
+        s if s >= 1000.0 => format!("{:.1e} s", t_ms / 1000.0),
+        s if s >= 1.0 => format!("{t_ms:.0} ms"),
+        s => {
+            let places = (-s.log10().floor()).clamp(0.0, 9.0) as usize;
+            format!("{t_ms:.places$} ms")
+        }
+    }
 }
 
 fn escape(s: &str) -> String {
@@ -258,5 +289,28 @@ mod tests {
         );
         assert!(!picture.contains("work-2"), "{picture}");
         assert!(svg(&f, 2, 5).contains("work-2"));
+    }
+
+    /// The axis has a dozen ticks or fewer whatever the window's width: two ranks on their
+    /// own clocks, 30 days apart (processes started on hosts booted a month apart, never
+    /// aligned), in a trace without steps. The axis stopped growing its tick at 1000 ms:
+    /// 2.6 million ticks, a 300 MB picture; with a wider window it never ended.
+    #[test]
+    fn the_axis_has_a_dozen_ticks_whatever_the_width() {
+        for apart_us in [30.0 * 86_400e6, 1e300, 0.3, 0.0] {
+            let events: Vec<_> = [0.0, apart_us]
+                .into_iter()
+                .enumerate()
+                .map(|(r, ts)| {
+                    serde_json::json!({"ph": "X", "cat": "compute", "name": "work",
+                        "pid": r, "tid": 1, "ts": ts, "dur": 10.0})
+                })
+                .collect();
+            let v = serde_json::json!({ "traceEvents": events });
+            let picture = svg(&TraceFile::from_value(&v).unwrap(), 0, 3);
+            let ticks = picture.matches(r##"stroke="#dddddd""##).count();
+            assert!((1..=13).contains(&ticks), "{apart_us}: {ticks} ticks");
+            assert!(!picture.contains("00000000000"), "{picture}");
+        }
     }
 }
