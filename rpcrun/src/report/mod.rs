@@ -526,6 +526,8 @@ mod tests {
             ]
         );
         assert_eq!(r.straggler, Some(("rank 1".into(), 1)));
+        // The step's own 20 ms of 100 are a fifth of the path: the text says how to trace them.
+        assert!(r.text().contains("20 % is `step (self)`"), "{}", r.text());
     }
 
     /// Replicas that each record their steps: the k-th step of each is one step, and the
@@ -552,6 +554,7 @@ mod tests {
             }
         }
         let r = report(&trace(spans));
+        assert!(!r.text().contains("no span covers"), "{}", r.text());
         assert_eq!(r.steps, 3, "{}", r.text());
         assert_eq!(r.straggler, Some(("rank 0".into(), 3)), "{}", r.text());
         let (who, span, cat, ms, _) = &r.critical[0];

@@ -2,6 +2,10 @@
 
 use super::Report;
 
+/// The share of the critical path in the step spans' own time from which the text says how
+/// to trace what it is.
+const UNTRACED_HINT: f64 = 0.15;
+
 impl Report {
     /// The report as plain text.
     pub fn text(&self) -> String {
@@ -57,6 +61,19 @@ impl Report {
                 o,
                 "  {:>5.1} %  {ms:>10.2} ms  {w}: {s} ({c})",
                 share * 100.0
+            );
+        }
+        let untraced: f64 = (self.critical.iter())
+            .filter(|(_, s, c, _, _)| s == "step" && c == "self")
+            .map(|c| c.4)
+            .sum();
+        if untraced >= UNTRACED_HINT {
+            let _ = writeln!(
+                o,
+                "  ({:.0} % is `step (self)`: time in the step spans that no span covers, the program's \
+                 own\n   work; a `Cat::Compute` span around its forward pass, loss and update says \
+                 which)",
+                untraced * 100.0
             );
         }
         let _ = writeln!(o, "worker shares of a step (mean):");
