@@ -443,3 +443,91 @@ fn members_whose_first_passes_differ_share_one_plan() {
         );
     }
 }
+
+/// DDP-7: a model cut after every layer, each layer a `grad_once` weight and a bias. Each
+/// weight's bucket leaves as its product is computed; the biases, a few bytes each, go
+/// together with the last segment's buckets instead of costing an all-reduce per layer: 4
+/// weights' buckets and one of the 4 biases a pass (it was 8: a bias bucket per layer). The
+/// replicas' parameters still equal one process's on both halves of the batch.
+#[test]
+fn biases_ride_with_the_next_segments_buckets() {
+    use candle_core::Device;
+    const LAYERS: usize = 4;
+    let params = || {
+        (0..LAYERS)
+            .flat_map(|l| {
+                let w: Vec<f64> = (0..64)
+                    .map(|i| ((i * 7 + l) % 11) as f64 * 0.05 - 0.25)
+                    .collect();
+                let w = Tensor::from_vec(w, (8, 8), &Device::Cpu).unwrap();
+                let b = Tensor::full(0.1 * l as f64, 8, &Device::Cpu).unwrap();
+                [Var::from_tensor(&w).unwrap(), Var::from_tensor(&b).unwrap()]
+            })
+            .collect::<Vec<_>>()
+    };
+    let input = |rank: usize| {
+        let v: Vec<f64> = (0..16)
+            .map(|i| (i + 16 * rank) as f64 * 0.03 - 0.2)
+            .collect();
+        Tensor::from_vec(v, (2, 8), &Device::Cpu).unwrap()
+    };
+    let forward = |p: &[Var], x: &Tensor, cut: &mut dyn FnMut(&Tensor) -> Tensor| {
+        let mut h = x.clone();
+        for l in 0..LAYERS {
+            h = autograd_dist::grad_once::matmul(&h, p[2 * l].as_tensor()).unwrap();
+            h = h
+                .broadcast_add(p[2 * l + 1].as_tensor())
+                .unwrap()
+                .tanh()
+                .unwrap();
+            if l + 1 < LAYERS {
+                h = cut(&h);
+            }
+        }
+        h.sqr().unwrap().mean_all().unwrap()
+    };
+    // One process on both ranks' rows, two SGD steps.
+    let one = params();
+    let mut opt = Optimizer::new(OptimizerKind::sgd(LR), one.clone());
+    let both = Tensor::cat(&[input(0), input(1)], 0).unwrap();
+    for _ in 0..2 {
+        opt.step(&forward(&one, &both, &mut |h| h.clone()).backward().unwrap())
+            .unwrap();
+    }
+    let got = run(60, async {
+        let a = group(2).await;
+        let outs = futures::future::join_all(a.iter().map(|w| async move {
+            let started = Arc::new(Mutex::new(Vec::new()));
+            let ddp = DistributedDataParallel::new(collectives::world(w), params())
+                .await
+                .unwrap()
+                .with_hook(Noting(Arc::clone(&started)));
+            let mut opt = ddp.wrap(Optimizer::new(OptimizerKind::sgd(LR), ddp.vars().to_vec()));
+            let x = input(w.rank() as usize);
+            let mut buckets = Vec::new();
+            for _ in 0..2 {
+                started.lock().unwrap().clear();
+                let mut pass = opt.pass();
+                let l = forward(ddp.vars(), &x, &mut |h| pass.cut(h).unwrap());
+                opt.backward_step(pass, &l).await.unwrap();
+                buckets.push(started.lock().unwrap().len());
+            }
+            (buckets, ddp.vars().to_vec())
+        }))
+        .await;
+        shutdown_all(&a).await;
+        outs
+    });
+    for (rank, (buckets, p)) in got.iter().enumerate() {
+        // The first pass, which learns the plan, combines in the parameters' order.
+        assert_eq!(
+            buckets[1],
+            LAYERS + 1,
+            "rank {rank}: buckets per pass {buckets:?}"
+        );
+        for (q, o) in p.iter().zip(&one) {
+            let d = max_abs_diff(q.as_tensor(), o.as_tensor());
+            assert!(d <= 1e-5, "rank {rank}: differs by {d}");
+        }
+    }
+}

@@ -15,7 +15,8 @@
 //!   (`let h = pass.cut(&h)?;`, one line each), and [`Pass::backward`] backpropagates segment
 //!   by segment from the loss, starting each bucket's all-reduce as soon as the segment that
 //!   completes its gradients is done, while the earlier segments' backward runs, and a
-//!   `grad_once` weight's bucket as soon as its product is computed (DDP-1..4).
+//!   `grad_once` weight's bucket as soon as its product is computed (DDP-1..4), and what
+//!   else its segment completes, when small, with the next segment's buckets (DDP-7).
 //!
 //! Each bucket travels through a [`CommHook`] (`hooks.rs`): the all-reduce by default,
 //! [`CompressHook`] for bf16 / f16 on the wire, or the user's own. A pass that fails on one

@@ -28,6 +28,12 @@ pub(super) struct Plan {
     pub(super) handed: HashSet<TensorId>,
 }
 
+/// DDP-7: a segment whose weights left early (DDP-4) sends what else it completes (biases,
+/// norms' scales) with the next segment's buckets when that is under this many bytes: each
+/// all-reduce costs its ring's latency however small it is, and a model cut at every layer
+/// would otherwise pay it twice per layer.
+pub(super) const LEFTOVER_BYTES: usize = 256 << 10;
+
 impl DistributedDataParallel {
     /// DDP-2, one plan for the group: every member's first pass in one all-reduce (the
     /// minimum): each parameter's last segment over the members that gave it a gradient (the
@@ -86,6 +92,8 @@ impl DistributedDataParallel {
     /// DDP-2: buckets per segment from the last segment in which each parameter got a
     /// gradient, in reverse parameter order, up to `bucket_bytes`, one element type and
     /// device each; within a segment, the handed-over parameters' buckets first (DDP-4).
+    /// What a segment with handed-over parameters leaves besides them (its biases, say), if
+    /// under [`LEFTOVER_BYTES`], goes with the next segment's buckets (DDP-7).
     pub(super) fn learn_plan(
         &self,
         cuts: usize,
@@ -101,6 +109,15 @@ impl DistributedDataParallel {
             let slot = last_segment.get(&id).copied().unwrap_or(cuts + 1);
             let kind = usize::from(!(slot <= cuts && handed.contains(&id)));
             lists[slot][kind].push(i);
+        }
+        // DDP-7: backward completes the segments from the last (`cuts`) to the first.
+        for slot in (1..=cuts).rev() {
+            let [handed, rest] = &mut lists[slot];
+            if !handed.is_empty() && !rest.is_empty() && self.bytes(rest) < LEFTOVER_BYTES {
+                let mut moved = std::mem::take(rest);
+                moved.append(&mut lists[slot - 1][1]);
+                lists[slot - 1][1] = moved;
+            }
         }
         let full = lists
             .into_iter()
@@ -124,5 +141,13 @@ impl DistributedDataParallel {
             segment_of: last_segment.clone(),
             handed,
         }
+    }
+
+    /// The bytes of parameters `idx`.
+    fn bytes(&self, idx: &[usize]) -> usize {
+        (idx.iter())
+            .map(|&i| self.vars[i].as_tensor())
+            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+            .sum()
     }
 }
