@@ -70,9 +70,9 @@ impl Report {
         if untraced >= UNTRACED_HINT {
             let _ = writeln!(
                 o,
-                "  ({:.0} % is `step (self)`: time in the step spans that no span covers, the program's \
-                 own\n   work; a `Cat::Compute` span around its forward pass, loss and update says \
-                 which)",
+                "  ({:.0} % is `step (self)`: time in the step spans that no span covers, the \
+                 program's own\n   work; a `Cat::Compute` span around its forward pass, loss \
+                 and update says which)",
                 untraced * 100.0
             );
         }
