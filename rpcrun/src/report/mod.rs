@@ -20,6 +20,8 @@
 mod file;
 mod index;
 mod model;
+#[cfg(test)]
+mod robust;
 mod steps;
 mod svg;
 mod text;
