@@ -83,6 +83,10 @@ pub async fn init(config: Config, mut registry: Registry) -> Result<Agent, InitE
     if let (Some(s), Some(job)) = (&server, &cfg.job_id) {
         s.name_job(job);
     }
+    // TR-9: node 0's launcher's sink, for the members its launcher did not name it to.
+    if let (Some(s), Some(sink)) = (&server, &cfg.trace_sink) {
+        s.trace_sink(sink);
+    }
     let join = Join {
         name: cfg.name.clone(),
         rank: net_cfg.rank,
@@ -134,6 +138,7 @@ pub async fn init(config: Config, mut registry: Registry) -> Result<Agent, InitE
             .or_else(|| view.named.clone())
             .unwrap_or_else(|| view.job.clone()),
         group: view.job.clone(),
+        sink: (cfg.trace_sink.clone()).or_else(|| view.sink.clone()),
         ranks: (0..)
             .zip(&standing)
             .filter(|(_, s)| **s != Standing::Vacant)

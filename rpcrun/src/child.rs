@@ -21,6 +21,10 @@ pub(crate) struct Child {
     watch: Watch,
     /// Why the launcher killed it, if it did.
     killed_because: Option<String>,
+    /// SUP-4: when a child sent SIGTERM gets SIGKILL if it is still running.
+    kill_at: Option<Instant>,
+    /// How long a child sent SIGTERM gets to exit ([`Launch::stop_grace`]).
+    grace: Duration,
 }
 
 impl Child {
@@ -103,22 +107,49 @@ impl Child {
             status: None,
             watch,
             killed_because: None,
+            kill_at: None,
+            grace: launch.stop_grace,
         })
     }
 
-    /// Kills it (SIGKILL to its group) if what it said of itself says it must be ended
-    /// (SUP-1..3 in `watch.rs`); returns why, once.
+    /// Ends it if what it said of itself says it must be ended (SUP-1..3 in `watch.rs`):
+    /// SIGKILL to its group if it is frozen, else SIGTERM and SIGKILL once the stop grace
+    /// has passed (SUP-4); returns why, once.
     pub(crate) fn check(&mut self) -> Option<String> {
-        if self.killed_because.is_some() || self.try_wait().is_some() {
+        if self.try_wait().is_some() {
             return None;
         }
         let now = Instant::now();
+        if let Some(at) = self.kill_at.filter(|&at| now >= at) {
+            tracing::warn!(
+                "rank {} (pid {}) still runs {:?} after SIGTERM; killing it",
+                self.rank,
+                self.pid(),
+                now.duration_since(at) + self.grace
+            );
+            self.signal(libc::SIGKILL);
+            self.kill_at = None;
+        }
+        if self.killed_because.is_some() {
+            return None;
+        }
         self.watch.read(self.pid(), now);
         let why = self.watch.verdict(now)?;
-        tracing::warn!("rank {} (pid {}): {why}; killing it", self.rank, self.pid());
-        // SIGKILL alone: it ends a stopped process too, where a SIGCONT first would let it
-        // run for a moment on stale timers (declaring its peers failed, reporting them).
-        self.signal(libc::SIGKILL);
+        if self.watch.answers(now) {
+            tracing::warn!(
+                "rank {} (pid {}): {why}; stopping it (SIGTERM, SIGKILL after {:?})",
+                self.rank,
+                self.pid(),
+                self.grace
+            );
+            self.signal(libc::SIGTERM);
+            self.kill_at = Some(now + self.grace);
+        } else {
+            tracing::warn!("rank {} (pid {}): {why}; killing it", self.rank, self.pid());
+            // SIGKILL alone: it ends a stopped process too, where a SIGCONT first would let it
+            // run for a moment on stale timers (declaring its peers failed, reporting them).
+            self.signal(libc::SIGKILL);
+        }
         self.killed_because = Some(why.clone());
         Some(why)
     }

@@ -66,6 +66,7 @@
 mod child;
 mod env;
 mod etcd;
+mod parts;
 pub mod report;
 mod secret;
 mod supervise;
@@ -335,10 +336,11 @@ impl Launch {
     /// first (with etcd none does: a spare may start after a round's parts were written), and
     /// the merge leaves out any an earlier run left (TR-7). On several nodes, every worker that
     /// shuts down cleanly also sends its part to rank 0, which writes it under its own path
-    /// (TR-8): no shared filesystem is needed. A worker that ends otherwise leaves its part on
-    /// its own node only (copy it to node 0 and run `rpctrace merge`). A path whose
-    /// parts directory cannot be created, or that is a directory, fails the launch before any
-    /// process starts.
+    /// (TR-8), and every other node's launcher sends node 0's the parts it finds once its
+    /// processes have ended, however the job ended (TR-9): no shared filesystem is needed.
+    /// Node 0's launcher waits up to 15 s for the other nodes' parts before it merges. A path
+    /// whose parts directory cannot be created, or that is a directory, fails the launch
+    /// before any process starts.
     pub fn trace(mut self, path: impl Into<PathBuf>) -> Self {
         self.trace = Some(path.into());
         self
@@ -421,9 +423,21 @@ impl Launch {
         if let Some(id) = self.job_id() {
             launch.env.push((rpc_core::JOB_ID_ENV[0].to_owned(), id));
         }
+        // TR-9: node 0 takes the other nodes' parts, however the job ends.
+        let mut parts = parts::Parts::new(self, trace.as_deref())?;
+        if let (Some(p), Some(t), Some(r)) = (&mut parts, &trace, &self.rdzv) {
+            if self.node_rank == 0 {
+                let host = r.rsplit_once(':').map_or(r.as_str(), |(h, _)| h);
+                p.serve(host, t, &mut launch.env)?;
+            }
+        }
         let mut exit = supervise::run(&launch)?;
         if let Some(t) = trace {
-            exit.trace = merge_trace(&t, self.node_rank == 0);
+            if let Some(p) = &mut parts {
+                let (me, others) = (self.node_rank, self.nnodes as usize - 1);
+                p.exchange(&t, me == 0, others, &format!("node {me}"));
+            }
+            exit.trace = parts::merge_trace(&t, self.node_rank == 0);
         }
         Ok(exit)
     }
@@ -490,30 +504,6 @@ impl Launch {
             trace.display().to_string(),
         ));
         Ok((launch, Some(trace)))
-    }
-}
-
-/// On node 0 (`merges`), merges the job's trace at `trace` from its parts, saying how it
-/// went: the summary, if the trace was written. Elsewhere, says where this node's parts are.
-fn merge_trace(trace: &std::path::Path, merges: bool) -> Option<rpc_core::trace::MergeSummary> {
-    if !merges {
-        eprintln!(
-            "rpcrun: this node's trace parts are in {}; node 0 merges the trace (a worker that \
-             shut down cleanly sent rank 0 its part; copy any other there and run `rpctrace \
-             merge`)",
-            rpc_core::trace::parts_dir(trace).display()
-        );
-        return None;
-    }
-    match rpc_core::trace::merge_parts(trace, None) {
-        Ok(s) => {
-            eprintln!("rpcrun: trace {}: {s}", trace.display());
-            Some(s)
-        }
-        Err(e) => {
-            eprintln!("rpcrun: trace not written: {e}");
-            None
-        }
     }
 }
 

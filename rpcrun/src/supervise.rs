@@ -435,6 +435,12 @@ fn run_workers(launch: &Launch) -> Result<Exit, LaunchError> {
         {
             server.name_job(job);
         }
+        // TR-9: node 0's sink for the other nodes' trace parts, named to them likewise.
+        if let Some((_, sink)) =
+            (launch.env.iter().rev()).find(|(k, _)| k == rpc_core::trace::TRACE_SINK_ENV)
+        {
+            server.trace_sink(sink);
+        }
         let mut events = server.subscribe();
         rt.spawn(async move {
             loop {

@@ -6,6 +6,9 @@
 //!   frozen (SIGSTOP, a hung host) as its peers see it; they declared it failed by then.
 //! - SUP-2: it says the group declared it failed (its peers refuse it).
 //! - SUP-3: it says it lost the rendezvous longer than its failure timeout ago.
+//! - SUP-4: a child that still writes its lines (SUP-2, SUP-3) gets SIGTERM first, and SIGKILL
+//!   only if it has not exited within the launch's stop grace: its exit path writes its trace
+//!   part (TR-5). A frozen one (SUP-1) gets SIGKILL at once.
 //!
 //! A child that never wrote (a program without an agent, heartbeats off) or said `done` (its
 //! agent left its group) is not watched.
@@ -88,6 +91,14 @@ impl Watch {
         self.token.as_deref()
     }
 
+    /// Whether the child still writes its lines (its last within its failure timeout): it
+    /// runs and can end itself on a SIGTERM, where a frozen one cannot (SUP-4).
+    pub(crate) fn answers(&self, now: Instant) -> bool {
+        self.last
+            .as_ref()
+            .is_some_and(|(s, at)| now.saturating_duration_since(*at) <= s.timeout)
+    }
+
     /// Why the launcher must end the child now, if it must (SUP-1..3).
     pub(crate) fn verdict(&self, now: Instant) -> Option<String> {
         let (s, at) = self.last.as_ref()?;
@@ -145,6 +156,14 @@ mod tests {
         assert_eq!(w.verdict(t), None);
         let why = w.verdict(t + Duration::from_millis(700)).expect("SUP-3");
         assert!(why.contains("lost the rendezvous 1.1 s ago"), "{why}");
+        assert!(
+            w.answers(t + Duration::from_millis(700)),
+            "SUP-4: it still writes"
+        );
+        assert!(
+            !w.answers(t + Duration::from_millis(1001)),
+            "SUP-4: quiet for its timeout"
+        );
         let (w, t) = watch_with("v1 42 1 0 1000 alive t1\nv1 42 1 0 1000 done -\n");
         assert_eq!(w.verdict(t + s(60)), None, "done: not watched");
         assert_eq!(w.token(), Some("t1"), "a done line keeps the token");

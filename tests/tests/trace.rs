@@ -443,6 +443,59 @@ fn two_launches_at_one_address_are_two_jobs_and_each_one_job_on_every_node() {
     assert_eq!((s.parts, s.stale.clone()), (1, vec![stale]), "{s:?}");
 }
 
+/// TR-9: a job on two nodes (each tracing to its own directory, as on hosts without a shared
+/// filesystem) that fails: rank 0, on node 0, exits at step 2, and rank 1, on node 1, ends
+/// without a clean shutdown, so TR-8 sends nothing. Node 1's launcher sends its part to node
+/// 0's, which merges both. (Before, node 0's merge held rank 0 alone and named rank 1
+/// missing: its part stayed on node 1.)
+#[test]
+fn a_failed_jobs_trace_on_node_0_has_every_nodes_part() {
+    let dir = temp_dir("two-nodes-failed");
+    let secret = dir.0.join("secret");
+    std::fs::write(&secret, "0123456789abcdef0123456789abcdef").unwrap();
+    let port = rpc_core::testing::free_port();
+    let traces: Vec<PathBuf> = (0..2)
+        .map(|n| dir.0.join(format!("node{n}")).join("job.json"))
+        .collect();
+    let (tx, rx) = std::sync::mpsc::channel();
+    for (node, trace) in traces.iter().enumerate() {
+        let launch = rpcrun::Launch::new(env!("CARGO_BIN_EXE_trace-worker"))
+            .nproc(1)
+            .nodes(2, node as u32)
+            .rendezvous(format!("127.0.0.1:{port}"))
+            .secret_file(&secret)
+            .stop_grace(Duration::from_secs(2))
+            .env("TRACE_FAIL_STEP", "2")
+            .trace(trace);
+        let tx = tx.clone();
+        // On threads of their own, bounded: the children end with this process if it overruns.
+        std::thread::spawn(move || {
+            let _ = tx.send((node, launch.run()));
+        });
+    }
+    let mut merged = None;
+    for _ in 0..2 {
+        let (node, exit) = rx
+            .recv_timeout(Duration::from_secs(120))
+            .expect("each node's launch ends within 2 minutes");
+        let exit = exit.expect("the launch runs");
+        assert_ne!(exit.code, 0, "node {node}: {exit:?}");
+        if node == 0 {
+            merged = Some(exit.trace.expect("node 0 merged the trace"));
+        }
+    }
+    let merged = merged.expect("node 0 ended");
+    assert_eq!(
+        (merged.parts, merged.missing.clone()),
+        (2, vec![]),
+        "{merged}"
+    );
+    // The part node 1 sent is the one it wrote.
+    let sent = rpc_core::trace::part_path(&traces[0], 1, 0, 0);
+    let own = rpc_core::trace::part_path(&traces[1], 1, 0, 0);
+    assert_eq!(std::fs::read(sent).unwrap(), std::fs::read(own).unwrap());
+}
+
 /// Kills the processes a test started, however it ends.
 struct Group(Vec<std::process::Child>);
 

@@ -44,6 +44,9 @@ pub(crate) struct Resolved {
     pub restart_count: u64,
     /// The launcher's name for the job ([`JOB_ID_ENV`]), for the trace's parts.
     pub job_id: Option<String>,
+    /// Node 0's launcher's sink for trace parts ([`crate::trace::TRACE_SINK_ENV`]), for the
+    /// rendezvous this worker serves and its own part (TR-9).
+    pub trace_sink: Option<String>,
     pub listen_addr: String,
     pub init_timeout: Duration,
     pub rpc_timeout: Duration,
@@ -116,6 +119,7 @@ impl Config {
             job_id: JOB_ID_ENV
                 .iter()
                 .find_map(|k| env(k).filter(|v| !v.trim().is_empty() && v != "none")),
+            trace_sink: env(crate::trace::TRACE_SINK_ENV).filter(|v| !v.trim().is_empty()),
             rendezvous,
             listen_addr,
             init_timeout: self.init_timeout,

@@ -97,7 +97,7 @@ impl Secret {
         &self.0
     }
 
-    pub(super) fn mac(&self, parts: &[&[u8]]) -> Hmac<Sha256> {
+    pub(crate) fn mac(&self, parts: &[&[u8]]) -> Hmac<Sha256> {
         let mut m =
             <Hmac<Sha256> as Mac>::new_from_slice(&self.0).expect("hmac takes any key length");
         for p in parts {

@@ -77,6 +77,7 @@ pub(crate) fn fuzz_seeds() -> Vec<Vec<u8>> {
         View {
             job: String::new(),
             named: None,
+            sink: None,
             generation: 0,
             members: ["w0", "w1", "w2"]
                 .iter()

@@ -218,6 +218,8 @@ pub(crate) struct View {
     /// own launcher gave them none take it, so that every node's parts name one job, and a
     /// later launch at the same address another (TR-7).
     pub named: Option<String>,
+    /// Node 0's launcher's sink for trace parts (TR-9; [`RendezvousServer::trace_sink`]).
+    pub sink: Option<String>,
     pub generation: u64,
     /// By rank, one per rank of the group's capacity (vacant ranks too).
     pub members: Vec<Member>,
@@ -336,6 +338,9 @@ pub(crate) struct Shared {
     /// Not a fault: the job's name its host gave ([`RendezvousServer::name_job`],
     /// [`View::named`]).
     pub named: std::sync::OnceLock<String>,
+    /// Not a fault: node 0's launcher's sink for trace parts ([`RendezvousServer::trace_sink`],
+    /// [`View::sink`]).
+    pub sink: std::sync::OnceLock<String>,
 }
 
 impl RendezvousServer {
@@ -428,6 +433,14 @@ impl RendezvousServer {
     /// nothing); a second name is ignored: a job keeps the name it was given first.
     pub fn name_job(&self, name: &str) {
         let _ = self.shared.named.set(name.to_owned());
+    }
+
+    /// Names the sink of node 0's launcher (`host:port`) for its members (TR-9): every view
+    /// this rendezvous sends carries it, each member's trace part records it, and the launchers
+    /// of the other nodes send the parts they find there once their processes have ended.
+    /// Like [`RendezvousServer::name_job`]: before the first worker starts, and once.
+    pub fn trace_sink(&self, addr: &str) {
+        let _ = self.shared.sink.set(addr.to_owned());
     }
 
     /// The ranks whose member holds its link to the rendezvous now (a member that exited,
@@ -557,6 +570,7 @@ mod tests {
         View {
             job: String::new(),
             named: None,
+            sink: None,
             generation: 0,
             members: names
                 .iter()

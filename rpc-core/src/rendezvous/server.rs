@@ -260,6 +260,7 @@ impl State {
         View {
             job: self.job.clone(),
             named: self.shared.named.get().cloned(),
+            sink: self.shared.sink.get().cloned(),
             generation: self.generation,
             members: (0..self.size.capacity())
                 .map(|r| match self.slots.get(&r) {

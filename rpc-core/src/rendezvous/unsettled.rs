@@ -96,6 +96,7 @@ mod tests {
         View {
             job: String::new(),
             named: None,
+            sink: None,
             generation: 0,
             members,
         }

@@ -235,6 +235,8 @@ pub(crate) fn part(
         "ranks": who.ranks,
         "job": who.job,
         "group": who.group,
+        // TR-9: where this node's launcher sends the part if node 0's has not got it.
+        "sink": who.sink,
         // TR-7: when it was written, by the wall clock, for the merge to tell the newest
         // job by (a file's modification time is the copy's, for a part copied by hand).
         "written_unix_ms": std::time::SystemTime::now()

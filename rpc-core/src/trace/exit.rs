@@ -337,6 +337,7 @@ mod tests {
                 ranks: vec![0, 1, 2],
                 job: "job".into(),
                 group: group.into(),
+                sink: None,
             });
             t.ring().unwrap().clock.lock().unwrap().reference = rank == 0;
             write_once(t.ring().unwrap(), false);

@@ -253,6 +253,19 @@ fn this_job(parts: Vec<Part>) -> (Vec<Part>, Vec<PathBuf>) {
     (mine, stale.into_iter().map(|p| p.path).collect())
 }
 
+/// TR-9: the parts in `<trace>.parts/` of the job that wrote the newest one (those an earlier
+/// run left are not this run's to send), and the sink the newest of them names, if any.
+pub(super) fn this_jobs_parts(trace: &Path) -> Result<(Vec<PathBuf>, Option<String>), MergeError> {
+    let files = listed_parts(trace)?;
+    let (read, _) = read_parts(&files)?;
+    let (mut mine, _) = this_job(read);
+    mine.sort_by_key(|p| std::cmp::Reverse(p.written));
+    let sink = (mine.iter())
+        .find_map(|p| p.meta.get("sink").and_then(Value::as_str))
+        .map(str::to_owned);
+    Ok((mine.into_iter().map(|p| p.path).collect(), sink))
+}
+
 /// The parts in `<trace>.parts/`, by name.
 fn listed_parts(trace: &Path) -> Result<Vec<PathBuf>, MergeError> {
     let dir = parts_dir(trace);

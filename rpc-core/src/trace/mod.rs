@@ -7,6 +7,7 @@
 //! clock.rs  each rank's offset from rank 0's clock, estimated over the group's connections
 //! exit.rs   the part written however a worker ends: shutdown, exit, a signal (TR-5)
 //! ship.rs   parts of other hosts sent to rank 0 at shutdown (TR-8)
+//! sink.rs   parts of other nodes sent to node 0's launcher however the job ended (TR-9)
 //! chrome.rs the Trace Event Format: a rank's part (TR-3, 4)
 //! merge.rs  the merge of a job's parts into one trace, streamed (TR-6, 7)
 //! layer.rs  spans of the `tracing` ecosystem recorded into the same ring
@@ -40,6 +41,11 @@
 //! - **TR-8** At a clean shutdown every traced worker whose part rank 0 would not find in its
 //!   own parts' directory (another host, another path) sends it to rank 0 before the
 //!   barrier, and rank 0 writes it there: node 0's merge needs no shared filesystem.
+//! - **TR-9** However a job ends, every part written on a node other than node 0 reaches node
+//!   0's parts directory before its launcher merges, if that launcher still waits: node 0's
+//!   launcher listens on a [`PartSink`] named to every member through the rendezvous, each part
+//!   records it, and each other node's launcher sends its parts there once its processes
+//!   have ended ([`send_parts`]); every file is tagged with the group's secret.
 
 mod chrome;
 mod clock;
@@ -48,6 +54,7 @@ mod layer;
 mod merge;
 mod record;
 mod ship;
+mod sink;
 
 use std::borrow::Cow;
 use std::collections::VecDeque;
@@ -62,6 +69,7 @@ pub use layer::TraceLayer;
 pub use merge::{merge_parts, MergeError, MergeSummary};
 use record::Record;
 pub(crate) use ship::{send_part_to_rank0, TracePart, TraceWanted};
+pub use sink::{send_parts, PartSink, SendPartsError, SentParts, TRACE_SINK_ENV};
 
 /// The environment variable that turns tracing on: the path of the job's trace; each worker
 /// writes its part under `<path>.parts/` at shutdown (see [`Config::trace`](crate::Config::trace)).
@@ -171,6 +179,8 @@ pub(crate) struct Who {
     /// The group it joined: the id its rendezvous drew. A group restart starts a new one; a
     /// process replaced one by one joins the same (TR-6 counts the ranks per group).
     pub group: String,
+    /// Node 0's launcher's sink for the parts of other nodes (TR-9), if it has one.
+    pub sink: Option<String>,
 }
 
 impl Ring {

@@ -58,6 +58,8 @@ pub(crate) fn run(
 ) -> Result<Exit, LaunchError> {
     let secret = SecretFile::resolve(launch)?;
     let handlers = Handlers::install()?;
+    // TR-9: a launcher that is node 0 of a round takes the other nodes' trace parts.
+    let mut parts = crate::parts::Parts::new(launch, trace)?;
     // Launchers may start before etcd does.
     let mut store = patiently(|| Store::connect(spec))?;
     let host = local_host(launch, spec)?;
@@ -94,6 +96,9 @@ pub(crate) fn run(
                 run => format!("{}/{base}-{run}", spec.job),
             },
         ));
+        if let (Some(p), Some(t), 0) = (&mut parts, trace, round.node_rank) {
+            p.serve(&round.rdzv.host, t, &mut node.env)?;
+        }
         tracing::info!(
             round = round.gen,
             restart = round.restart,
@@ -166,7 +171,12 @@ pub(crate) fn run(
     store.leave();
     // Node 0 of the last round merges (a spare that never ran has no part to speak of).
     let trace = match (trace, last_node) {
-        (Some(t), Some(node)) => crate::merge_trace(t, node == 0),
+        (Some(t), Some(node)) => {
+            if let Some(p) = &mut parts {
+                p.exchange(t, node == 0, launch.nnodes as usize - 1, &id);
+            }
+            crate::parts::merge_trace(t, node == 0)
+        }
         _ => None,
     };
     Ok(Exit {
