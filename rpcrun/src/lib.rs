@@ -435,7 +435,7 @@ impl Launch {
         if let Some(t) = trace {
             if let Some(p) = &mut parts {
                 let (me, others) = (self.node_rank, self.nnodes as usize - 1);
-                p.exchange(&t, me == 0, others, &format!("node {me}"));
+                p.exchange(&t, me == 0, others, None, &format!("node {me}"));
             }
             exit.trace = parts::merge_trace(&t, self.node_rank == 0);
         }

@@ -46,13 +46,13 @@ impl Parts {
     }
 
     /// As node 0, reached by the others at `host`: listens (once per run) and names the sink
-    /// to this node's processes, through `env`.
+    /// to this node's processes, through `env`; returns its address.
     pub(crate) fn serve(
         &mut self,
         host: &str,
         trace: &Path,
         env: &mut Vec<(String, String)>,
-    ) -> Result<(), LaunchError> {
+    ) -> Result<String, LaunchError> {
         if self.sink.is_none() {
             let loopback = host == "localhost"
                 || (host.trim_matches(['[', ']']).parse::<std::net::IpAddr>())
@@ -73,14 +73,23 @@ impl Parts {
         }
         let (_, addr) = self.sink.as_ref().expect("listening");
         env.push((TRACE_SINK_ENV.to_owned(), addr.clone()));
-        Ok(())
+        Ok(addr.clone())
     }
 
     /// At the end of the launch: the launcher that merges (`merges`) waits for the `others`
-    /// nodes' parts; every other sends its own to node 0, as `from`.
-    pub(crate) fn exchange(&mut self, trace: &Path, merges: bool, others: usize, from: &str) {
+    /// nodes' parts; every other sends its own to node 0, as `from`: to `sink` where its
+    /// launcher said where (with etcd; then a node without parts says so too), else to the
+    /// sink its parts name.
+    pub(crate) fn exchange(
+        &mut self,
+        trace: &Path,
+        merges: bool,
+        others: usize,
+        sink: Option<&str>,
+        from: &str,
+    ) {
         if !merges {
-            match rpc_core::trace::send_parts(trace, from, &self.secret, SEND_BOUND) {
+            match rpc_core::trace::send_parts(trace, sink, from, &self.secret, SEND_BOUND) {
                 Ok(s) => eprintln!(
                     "rpcrun: this node's trace parts sent to node 0 ({}: {} written{})",
                     s.sink,

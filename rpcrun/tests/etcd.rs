@@ -289,6 +289,42 @@ fn a_job_meeting_in_etcd_is_traced_into_one_file() {
     );
 }
 
+/// TR-9 with etcd: a job that fails (each child writes its part, then exits 3), each node
+/// tracing to its own directory (hosts without a shared filesystem). Node 1's launcher sends
+/// its part to node 0's sink, which etcd names, and node 0 merges both at once. (Before, node
+/// 0's merge held its own rank alone and named rank 1 missing.)
+#[test]
+fn a_failed_job_meeting_in_etcd_is_traced_whole_on_node_0() {
+    let Some(etcd) = Etcd::start("failed-trace") else {
+        return;
+    };
+    let script = concat!(
+        r#"printf '{"traceEvents":[],"otherData":{"rpc_trace":"#,
+        r#"{"rank":%s,"ranks":[0,1],"job":"%s"}}}' "$RANK" "$RPC_JOB_ID" "#,
+        r#"> "$RPC_TRACE.parts/rank-$RANK-inc-0.json"; exit 3"#
+    );
+    let traces: Vec<PathBuf> = (0..2)
+        .map(|i| etcd.dir.join(format!("node{i}")).join("job.json"))
+        .collect();
+    let flags = |i: usize| ["--trace", traces[i].to_str().unwrap()];
+    let mut a = etcd.launcher("failed-trace", 0, &flags(0), script);
+    let mut b = etcd.launcher("failed-trace", 1, &flags(1), script);
+    let t0 = Instant::now();
+    for run in [&mut a, &mut b] {
+        let code = run.wait(Duration::from_secs(30));
+        assert_eq!(code, Some(3), "{}", run.stderr());
+    }
+    let (said_a, said_b) = (a.stderr(), b.stderr());
+    let (node0, other) = match said_a.contains("node 0 of 2") {
+        true => (said_a, said_b),
+        false => (said_b, said_a),
+    };
+    assert!(node0.contains("2 parts, 0 events"), "{node0}");
+    assert!(other.contains("sent to node 0"), "{other}");
+    // Node 0 heard from the other at once: it did not wait out its bound (15 s).
+    assert!(t0.elapsed() < Duration::from_secs(14), "{:?}", t0.elapsed());
+}
+
 /// TR-7 across etcds: the same job run again on a fresh etcd (one started per experiment,
 /// its data gone) is another run, so the earlier run's parts at the same trace path are left
 /// out. Both runs were named `<job>/0`, and the earlier run's extra ranks were merged into

@@ -318,16 +318,28 @@ pub enum SendPartsError {
 }
 
 /// Sends the parts of the job traced to `trace` found here (those of the job that wrote the
-/// newest part) to the sink they name, as `from`; the connection is tried again until `bound`
-/// has passed (the sink's host may be slow to answer), each read and write bounded (10 s).
+/// newest part) to `sink`, or where none is given to the sink they name, as `from` (with no
+/// part, `from` still says it has none); the connection is tried again until `bound` has
+/// passed (the sink's host may be slow to answer), each read and write bounded (10 s).
 pub fn send_parts(
     trace: &Path,
+    sink: Option<&str>,
     from: &str,
     secret: &Secret,
     bound: Duration,
 ) -> Result<SentParts, SendPartsError> {
-    let (files, sink) = super::merge::this_jobs_parts(trace)?;
-    let sink = sink.ok_or_else(|| SendPartsError::NoSink(parts_dir(trace)))?;
+    let (files, named) = match super::merge::this_jobs_parts(trace) {
+        Ok(found) => found,
+        // No parts' directory here: nothing to send, but a sink given hears that.
+        Err(super::MergeError::Io { source, .. })
+            if source.kind() == std::io::ErrorKind::NotFound && sink.is_some() =>
+        {
+            (Vec::new(), None)
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let sink = (sink.map(str::to_owned).or(named))
+        .ok_or_else(|| SendPartsError::NoSink(parts_dir(trace)))?;
     let io = |source| SendPartsError::Io {
         sink: sink.clone(),
         source,

@@ -71,11 +71,9 @@ pub(crate) fn run(
     let mut failures = Vec::new();
     let mut restarts = 0;
     let mut fresh = true;
-    let mut last_node;
+    // The last round this launcher took part in, and its node rank there.
+    let mut last: Option<(u64, u32)> = None;
     let ended = loop {
-        // Set while this launcher takes part in a round: the round that ends the job, when
-        // the loop ends with it set (a launcher that finds the job over took part in none).
-        last_node = None;
         let mut round = match join(&mut store, launch, &id, &host, fresh, &handlers)? {
             Joined::Round(r) => r,
             Joined::Ended(code) => break code,
@@ -85,7 +83,7 @@ pub(crate) fn run(
         restarts = round.restart;
         let mut node = launch.clone();
         node.node_rank = round.node_rank;
-        last_node = Some(round.node_rank);
+        last = Some((round.gen, round.node_rank));
         // The job's run, the same on every node and in every round, another in a run on a
         // fresh etcd (TR-7).
         let base = round.gen - u64::from(round.restart);
@@ -97,7 +95,8 @@ pub(crate) fn run(
             },
         ));
         if let (Some(p), Some(t), 0) = (&mut parts, trace, round.node_rank) {
-            p.serve(&round.rdzv.host, t, &mut node.env)?;
+            let sink = p.serve(&round.rdzv.host, t, &mut node.env)?;
+            patiently(|| store.set_sink(round.gen, &sink))?;
         }
         tracing::info!(
             round = round.gen,
@@ -168,12 +167,29 @@ pub(crate) fn run(
             }
         }
     };
+    // The round that ended the job, if this launcher took part in it: not a spare that never
+    // ran, nor a launcher frozen through the job's last rounds (it finds the job over when it
+    // thaws). Where etcd cannot say, this launcher's last round.
+    let last_node = match last {
+        Some((gen, node)) if trace.is_some() => match store.state() {
+            Ok(st) if st.gen != Some(gen) => None,
+            _ => Some(node),
+        },
+        _ => None,
+    };
+    // TR-9: where node 0 of that round takes the parts (asked while this launcher still
+    // holds its lease).
+    let sink = match (&parts, last, last_node) {
+        (Some(_), Some((gen, _)), Some(node)) if node != 0 => store.sink(gen).ok().flatten(),
+        _ => None,
+    };
     store.leave();
-    // Node 0 of the last round merges (a spare that never ran has no part to speak of).
+    // Node 0 of the last round merges.
     let trace = match (trace, last_node) {
         (Some(t), Some(node)) => {
             if let Some(p) = &mut parts {
-                p.exchange(t, node == 0, launch.nnodes as usize - 1, &id);
+                let others = launch.nnodes as usize - 1;
+                p.exchange(t, node == 0, others, sink.as_deref(), &id);
             }
             crate::parts::merge_trace(t, node == 0)
         }

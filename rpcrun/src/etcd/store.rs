@@ -13,6 +13,8 @@
 //! - `round/<gen>/members`: the round's nodes in order (node rank = line), written once, by a
 //!   transaction, by whichever launcher first sees enough of them joined;
 //! - `round/<gen>/ok/<node rank>`: that node's processes all exited 0 in this round.
+//! - `round/<gen>/sink`: where node 0 of the round takes the other nodes' trace parts (TR-9),
+//!   written by it when the job is traced.
 //!
 //! Every change that more than one launcher may try (the first generation, the next round,
 //! the members, the end) is a transaction on the key's current value or revision, so exactly
@@ -306,6 +308,26 @@ impl Store {
             vec![Compare::create_revision(key.as_str(), CompareOp::Equal, 0)],
             vec![TxnOp::put(key.as_str(), text, None)],
         )
+    }
+
+    /// Says where node 0 of round `gen` takes the other nodes' trace parts (TR-9).
+    pub(crate) fn set_sink(&self, gen: u64, addr: &str) -> Result<()> {
+        let mut c = self.client.clone();
+        let key = self.key(&format!("round/{gen}/sink"));
+        let addr = addr.to_owned();
+        self.call(async move { c.put(key, addr, None).await })
+            .map(|_| ())
+    }
+
+    /// Where node 0 of round `gen` takes the other nodes' trace parts, if it said.
+    pub(crate) fn sink(&self, gen: u64) -> Result<Option<String>> {
+        let mut c = self.client.clone();
+        let key = self.key(&format!("round/{gen}/sink"));
+        let r = self.call(async move { c.get(key, None).await })?;
+        Ok(r.kvs()
+            .first()
+            .and_then(|kv| kv.value_str().ok())
+            .map(str::to_owned))
     }
 
     /// Says node `node_rank`'s processes all succeeded in round `gen`.

@@ -42,7 +42,7 @@ fn a_nodes_parts_reach_node_0s_directory() {
         part(&node1, 1, "now", at.clone()),
         part(&node1, 2, "now", at),
     ];
-    let sent = send_parts(&node1, "node 1", &secret, Duration::from_secs(10)).unwrap();
+    let sent = send_parts(&node1, None, "node 1", &secret, Duration::from_secs(10)).unwrap();
     assert_eq!((sent.written, sent.refused), (2, 0), "{sent:?}");
     assert_eq!(
         sink.wait_for(1, Duration::from_secs(10)),
@@ -67,6 +67,7 @@ fn a_sender_without_the_secret_writes_nothing() {
     part(&node1, 1, "now", Some(sink.local_addr().to_string()));
     let e = send_parts(
         &node1,
+        None,
         "node 1",
         &Secret::new("wrong"),
         Duration::from_secs(10),
@@ -78,12 +79,35 @@ fn a_sender_without_the_secret_writes_nothing() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// A node without parts, told where the sink is (etcd says), still says so: the sink does
+/// not wait for it.
+#[test]
+fn a_node_without_parts_is_heard_from_when_the_sink_is_given() {
+    let d = dir("empty");
+    let secret = Secret::new("s");
+    let sink = PartSink::start("127.0.0.1:0", secret.clone(), &d.join("n0/job.json")).unwrap();
+    let at = sink.local_addr().to_string();
+    let sent = send_parts(
+        &d.join("n1/job.json"),
+        Some(&at),
+        "node 1",
+        &secret,
+        Duration::from_secs(10),
+    );
+    assert_eq!(sent.unwrap().written, 0);
+    assert_eq!(
+        sink.wait_for(1, Duration::from_secs(10)),
+        vec!["node 1".to_owned()]
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 #[test]
 fn parts_that_name_no_sink_are_not_sent() {
     let d = dir("nosink");
     let trace = d.join("job.json");
     part(&trace, 1, "now", None);
-    let e = send_parts(&trace, "n", &Secret::new("s"), Duration::from_secs(1)).unwrap_err();
+    let e = send_parts(&trace, None, "n", &Secret::new("s"), Duration::from_secs(1)).unwrap_err();
     assert!(matches!(e, SendPartsError::NoSink(_)), "{e}");
     let _ = std::fs::remove_dir_all(&d);
 }
@@ -101,7 +125,7 @@ fn a_missing_sink_fails_within_the_bound() {
         .unwrap();
     part(&trace, 1, "now", Some(gone.to_string()));
     let t0 = Instant::now();
-    let e = send_parts(&trace, "n", &Secret::new("s"), Duration::from_secs(1)).unwrap_err();
+    let e = send_parts(&trace, None, "n", &Secret::new("s"), Duration::from_secs(1)).unwrap_err();
     assert!(matches!(e, SendPartsError::Io { .. }), "{e}");
     assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
     // A listener that speaks another protocol.
@@ -111,7 +135,7 @@ fn a_missing_sink_fails_within_the_bound() {
         std::thread::sleep(Duration::from_secs(1));
     });
     part(&trace, 1, "now", Some(not_a_sink));
-    let e = send_parts(&trace, "n", &Secret::new("s"), Duration::from_secs(1)).unwrap_err();
+    let e = send_parts(&trace, None, "n", &Secret::new("s"), Duration::from_secs(1)).unwrap_err();
     assert!(e.to_string().contains("not a trace sink"), "{e}");
     let _ = std::fs::remove_dir_all(&d);
 }
