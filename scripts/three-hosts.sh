@@ -17,7 +17,9 @@
 #
 # Every host traces its processes to a directory of its own (`--trace`); the scenarios that
 # finish must leave parts of one job only (TR-7), from every rank, and host 0's merged trace
-# must hold every rank of the last start (TR-8: parts sent to rank 0 at shutdown).
+# must hold every rank of the last start (TR-8: parts sent to rank 0 at shutdown), and every
+# part the other hosts wrote must be in host 0's directory too (TR-9: their launchers send
+# them however their workers ended).
 #
 # `pair`: the link between hosts 1 and 2 alone cut both ways for CUT_SECS (each still reaches
 # host 0): each of the two healthy workers takes the other for failed, but neither report is
@@ -268,7 +270,7 @@ fi
 grep -h -E "restarting|killing|killed|exited" "$out"/host*.err | grep -v "^\[rank" | sed 's/^/  /' || true
 tail -1 "$out/host0.out"
 python3 - "$out/ref.out" "$out/host0.out" "$status" "$fault" "$out" <<'PY'
-import glob, json, sys
+import glob, json, os, sys
 # The last line, without rpcrun's `[rank0]: ` prefix.
 last = lambda p: json.loads(open(p).read().strip().splitlines()[-1].split("]: ", 1)[-1])
 a, b = last(sys.argv[1]), last(sys.argv[2])
@@ -286,14 +288,21 @@ try:
 except (OSError, ValueError, KeyError):
     merged = []
 node0 = sorted({p["rank"] for p in merged})
-traced = len(jobs) == 1 and {p["rank"] for p in parts} == {0, 1, 2} and node0 == [0, 1, 2]
+# TR-9: every part another host wrote reached host 0's directory too, however its worker
+# ended (a start that failed included: the workers stopped then wrote theirs as they ended).
+def names(host):
+    d = f"{sys.argv[5]}/trace{host}/job.json.parts"
+    return {n for n in (os.listdir(d) if os.path.isdir(d) else []) if n.endswith(".json")}
+unsent = sorted(f"host {h}: {n}" for h in (1, 2) for n in names(h) - names(0))
+traced = (len(jobs) == 1 and {p["rank"] for p in parts} == {0, 1, 2} and node0 == [0, 1, 2]
+          and not unsent)
 print(json.dumps({"three_hosts": True, "bit_identical": same, "recoveries": b["recoveries"],
                   "time_lost_s": b["time_lost_s"],
                   "accuracy": {"loopback": a["test_accuracy"], "three_hosts": b["test_accuracy"]},
                   "ms_per_step": {"loopback": a["ms_per_step_median"],
                                   "three_hosts": b["ms_per_step_median"]},
                   "trace": {"parts": len(parts), "jobs": jobs, "node0_merged": node0,
-                            "ok": traced}}))
+                            "unsent": unsent, "ok": traced}}))
 # An impostor refused, or a cut that evicts no one, costs no recovery; the others need one.
 need = 0 if sys.argv[4] in ("pair", "impostor") else 1
 # A cut between two workers costs at most a restart, not their RPC timeout (DIAL-2: before, a

@@ -135,6 +135,17 @@ impl Child {
         }
         self.watch.read(self.pid(), now);
         let why = self.watch.verdict(now)?;
+        self.end(why.clone(), now);
+        Some(why)
+    }
+
+    /// Ends it for `why` (SUP-4): SIGTERM, then SIGKILL once the stop grace has passed (a
+    /// later [`Child::check`]), if it still writes its lines; else SIGKILL at once.
+    pub(crate) fn end(&mut self, why: String, now: Instant) {
+        if self.killed_because.is_some() || self.try_wait().is_some() {
+            return;
+        }
+        self.watch.read(self.pid(), now);
         if self.watch.answers(now) {
             tracing::warn!(
                 "rank {} (pid {}): {why}; stopping it (SIGTERM, SIGKILL after {:?})",
@@ -150,8 +161,7 @@ impl Child {
             // run for a moment on stale timers (declaring its peers failed, reporting them).
             self.signal(libc::SIGKILL);
         }
-        self.killed_because = Some(why.clone());
-        Some(why)
+        self.killed_because = Some(why);
     }
 
     /// The token that lets a process started in its place take its rank at once (RDV-5),

@@ -517,12 +517,8 @@ fn run_workers(launch: &Launch) -> Result<Exit, LaunchError> {
                     if incarnation[l] == Some(e.incarnation)
                         && children[l].try_wait().is_none() =>
                 {
-                    tracing::warn!(
-                        "rank {} (pid {}) was declared failed by the group ({cause}); killing it",
-                        e.rank,
-                        children[l].pid()
-                    );
-                    children[l].signal(libc::SIGKILL);
+                    let why = format!("the group declared rank {} failed ({cause})", e.rank);
+                    children[l].end(why, Instant::now());
                 }
                 _ => {}
             }

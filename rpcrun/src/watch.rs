@@ -91,12 +91,14 @@ impl Watch {
         self.token.as_deref()
     }
 
-    /// Whether the child still writes its lines (its last within its failure timeout): it
-    /// runs and can end itself on a SIGTERM, where a frozen one cannot (SUP-4).
+    /// Whether the child still writes its lines: its last within three quarters of its
+    /// failure timeout (a running child writes every heartbeat interval, at most half the
+    /// timeout; its peers declare a silent one failed only after the whole timeout). It runs
+    /// and can end itself on a SIGTERM, where a frozen one cannot (SUP-4).
     pub(crate) fn answers(&self, now: Instant) -> bool {
         self.last
             .as_ref()
-            .is_some_and(|(s, at)| now.saturating_duration_since(*at) <= s.timeout)
+            .is_some_and(|(s, at)| now.saturating_duration_since(*at) <= s.timeout * 3 / 4)
     }
 
     /// Why the launcher must end the child now, if it must (SUP-1..3).
@@ -161,8 +163,8 @@ mod tests {
             "SUP-4: it still writes"
         );
         assert!(
-            !w.answers(t + Duration::from_millis(1001)),
-            "SUP-4: quiet for its timeout"
+            !w.answers(t + Duration::from_millis(800)),
+            "SUP-4: quiet too long"
         );
         let (w, t) = watch_with("v1 42 1 0 1000 alive t1\nv1 42 1 0 1000 done -\n");
         assert_eq!(w.verdict(t + s(60)), None, "done: not watched");

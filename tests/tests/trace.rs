@@ -374,6 +374,40 @@ fn part_job(trace: &Path, rank: u32) -> String {
         .to_owned()
 }
 
+/// Two nodes of one launch, meeting at `127.0.0.1:port` with `secret`, node `n` tracing to
+/// `traces[n]`, each launch given `more`; each node's exit, by node, within 2 minutes.
+fn two_nodes(
+    traces: &[PathBuf],
+    port: u16,
+    secret: &Path,
+    more: impl Fn(rpcrun::Launch) -> rpcrun::Launch,
+) -> Vec<rpcrun::Exit> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    for (node, trace) in traces.iter().enumerate() {
+        let launch = rpcrun::Launch::new(env!("CARGO_BIN_EXE_trace-worker"))
+            .nproc(1)
+            .nodes(2, node as u32)
+            .rendezvous(format!("127.0.0.1:{port}"))
+            .secret_file(secret)
+            .stop_grace(Duration::from_secs(2))
+            .trace(trace);
+        let launch = more(launch);
+        let tx = tx.clone();
+        // On threads of their own, bounded: the children end with this process if it overruns.
+        std::thread::spawn(move || {
+            let _ = tx.send((node, launch.run()));
+        });
+    }
+    let mut exits: Vec<Option<rpcrun::Exit>> = vec![None, None];
+    for _ in 0..2 {
+        let (node, exit) = rx
+            .recv_timeout(Duration::from_secs(120))
+            .expect("each node's launch ends within 2 minutes");
+        exits[node] = Some(exit.expect("the launch runs"));
+    }
+    exits.into_iter().map(|e| e.expect("both nodes")).collect()
+}
+
 /// TR-7 across hosts: two launches, one after the other, of two nodes meeting at one `--rdzv
 /// HOST:PORT` (each node tracing to its own directory, as on hosts without a shared
 /// filesystem) are two jobs, and the two nodes of each one job: a part of the first run
@@ -398,28 +432,8 @@ fn two_launches_at_one_address_are_two_jobs_and_each_one_job_on_every_node() {
         let traces: Vec<PathBuf> = (0..2)
             .map(|n| dir.0.join(format!("run{run}-node{n}")).join("job.json"))
             .collect();
-        let (tx, rx) = std::sync::mpsc::channel();
-        for (node, trace) in traces.iter().enumerate() {
-            let launch = rpcrun::Launch::new(env!("CARGO_BIN_EXE_trace-worker"))
-                .nproc(1)
-                .nodes(2, node as u32)
-                .rendezvous(format!("127.0.0.1:{port}"))
-                .secret_file(&secret)
-                .restart(restart)
-                .stop_grace(Duration::from_secs(2))
-                .trace(trace);
-            let tx = tx.clone();
-            // On threads of their own, bounded: the children end with this process if it
-            // overruns.
-            std::thread::spawn(move || {
-                let _ = tx.send((node, launch.run()));
-            });
-        }
-        for _ in 0..2 {
-            let (node, exit) = rx
-                .recv_timeout(Duration::from_secs(120))
-                .expect("each node's launch ends within 2 minutes");
-            let exit = exit.expect("the launch runs");
+        let exits = two_nodes(&traces, port, &secret, |l| l.restart(restart));
+        for (node, exit) in exits.into_iter().enumerate() {
             assert_eq!(exit.code, 0, "run {run} node {node}: {exit:?}");
             if node == 0 {
                 let merged = exit.trace.expect("node 0 merged the trace");
@@ -457,34 +471,11 @@ fn a_failed_jobs_trace_on_node_0_has_every_nodes_part() {
     let traces: Vec<PathBuf> = (0..2)
         .map(|n| dir.0.join(format!("node{n}")).join("job.json"))
         .collect();
-    let (tx, rx) = std::sync::mpsc::channel();
-    for (node, trace) in traces.iter().enumerate() {
-        let launch = rpcrun::Launch::new(env!("CARGO_BIN_EXE_trace-worker"))
-            .nproc(1)
-            .nodes(2, node as u32)
-            .rendezvous(format!("127.0.0.1:{port}"))
-            .secret_file(&secret)
-            .stop_grace(Duration::from_secs(2))
-            .env("TRACE_FAIL_STEP", "2")
-            .trace(trace);
-        let tx = tx.clone();
-        // On threads of their own, bounded: the children end with this process if it overruns.
-        std::thread::spawn(move || {
-            let _ = tx.send((node, launch.run()));
-        });
-    }
-    let mut merged = None;
-    for _ in 0..2 {
-        let (node, exit) = rx
-            .recv_timeout(Duration::from_secs(120))
-            .expect("each node's launch ends within 2 minutes");
-        let exit = exit.expect("the launch runs");
+    let exits = two_nodes(&traces, port, &secret, |l| l.env("TRACE_FAIL_STEP", "2"));
+    for (node, exit) in exits.iter().enumerate() {
         assert_ne!(exit.code, 0, "node {node}: {exit:?}");
-        if node == 0 {
-            merged = Some(exit.trace.expect("node 0 merged the trace"));
-        }
     }
-    let merged = merged.expect("node 0 ended");
+    let merged = exits[0].trace.clone().expect("node 0 merged the trace");
     assert_eq!(
         (merged.parts, merged.missing.clone()),
         (2, vec![]),
