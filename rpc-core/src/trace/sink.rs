@@ -346,7 +346,8 @@ pub fn send_parts(
     };
     let deadline = Instant::now() + bound;
     let mut conn = loop {
-        match connect(&sink) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match connect(&sink, left.max(Duration::from_millis(100))) {
             Ok(c) => break c,
             Err(e) if Instant::now() + Duration::from_millis(250) >= deadline => return Err(io(e)),
             Err(_) => std::thread::sleep(Duration::from_millis(250)),
@@ -360,10 +361,11 @@ pub fn send_parts(
     })
 }
 
-fn connect(sink: &str) -> std::io::Result<TcpStream> {
+/// A connection to `sink`, tried for at most `within` (and [`IO_TIMEOUT`]).
+fn connect(sink: &str, within: Duration) -> std::io::Result<TcpStream> {
     let addr = (sink.to_socket_addrs()?.next())
         .ok_or_else(|| std::io::Error::other(format!("{sink} names no address")))?;
-    let conn = TcpStream::connect_timeout(&addr, IO_TIMEOUT)?;
+    let conn = TcpStream::connect_timeout(&addr, within.min(IO_TIMEOUT))?;
     conn.set_read_timeout(Some(IO_TIMEOUT))?;
     conn.set_write_timeout(Some(IO_TIMEOUT))?;
     Ok(conn)
