@@ -458,7 +458,7 @@ fn two_launches_at_one_address_are_two_jobs_and_each_one_job_on_every_node() {
 }
 
 /// TR-9: a job on two nodes (each tracing to its own directory, as on hosts without a shared
-/// filesystem) that fails: rank 0, on node 0, exits at step 2, and rank 1, on node 1, ends
+/// filesystem), in both restart modes, that fails: rank 0, on node 0, exits at step 2, and rank 1, on node 1, ends
 /// without a clean shutdown, so TR-8 sends nothing. Node 1's launcher sends its part to node
 /// 0's, which merges both. (Before, node 0's merge held rank 0 alone and named rank 1
 /// missing: its part stayed on node 1.)
@@ -468,23 +468,27 @@ fn a_failed_jobs_trace_on_node_0_has_every_nodes_part() {
     let secret = dir.0.join("secret");
     std::fs::write(&secret, "0123456789abcdef0123456789abcdef").unwrap();
     let port = rpc_core::testing::free_port();
-    let traces: Vec<PathBuf> = (0..2)
-        .map(|n| dir.0.join(format!("node{n}")).join("job.json"))
-        .collect();
-    let exits = two_nodes(&traces, port, &secret, |l| l.env("TRACE_FAIL_STEP", "2"));
-    for (node, exit) in exits.iter().enumerate() {
-        assert_ne!(exit.code, 0, "node {node}: {exit:?}");
+    for (run, restart) in [rpcrun::Restart::Group, rpcrun::Restart::Worker]
+        .into_iter()
+        .enumerate()
+    {
+        let traces: Vec<PathBuf> = (0..2)
+            .map(|n| dir.0.join(format!("run{run}-node{n}")).join("job.json"))
+            .collect();
+        let exits = two_nodes(&traces, port, &secret, |l| {
+            l.restart(restart).env("TRACE_FAIL_STEP", "2")
+        });
+        for (node, exit) in exits.iter().enumerate() {
+            assert_ne!(exit.code, 0, "{restart:?} node {node}: {exit:?}");
+        }
+        let merged = exits[0].trace.clone().expect("node 0 merged the trace");
+        let whole = (merged.parts, merged.missing.clone());
+        assert_eq!(whole, (2, vec![]), "{restart:?}: {merged}");
+        // The part node 1 sent is the one it wrote.
+        let sent = rpc_core::trace::part_path(&traces[0], 1, 0, 0);
+        let own = rpc_core::trace::part_path(&traces[1], 1, 0, 0);
+        assert_eq!(std::fs::read(sent).unwrap(), std::fs::read(own).unwrap());
     }
-    let merged = exits[0].trace.clone().expect("node 0 merged the trace");
-    assert_eq!(
-        (merged.parts, merged.missing.clone()),
-        (2, vec![]),
-        "{merged}"
-    );
-    // The part node 1 sent is the one it wrote.
-    let sent = rpc_core::trace::part_path(&traces[0], 1, 0, 0);
-    let own = rpc_core::trace::part_path(&traces[1], 1, 0, 0);
-    assert_eq!(std::fs::read(sent).unwrap(), std::fs::read(own).unwrap());
 }
 
 /// Kills the processes a test started, however it ends.
