@@ -159,7 +159,7 @@ fn accept_loop(
             active.fetch_sub(1, Ordering::SeqCst);
             continue; // dropped: closed
         }
-        let (secret, dir, received, active) = (
+        let (secret, dir, received, slot) = (
             secret.clone(),
             dir.clone(),
             Arc::clone(&received),
@@ -180,9 +180,10 @@ fn accept_loop(
                     }
                     Err(e) => tracing::warn!(%peer, cause = %e, "trace sink: parts refused"),
                 }
-                active.fetch_sub(1, Ordering::SeqCst);
+                slot.fetch_sub(1, Ordering::SeqCst);
             });
         if served.is_err() {
+            active.fetch_sub(1, Ordering::SeqCst);
             tracing::warn!("trace sink: no thread for a sender");
         }
     }
