@@ -531,3 +531,71 @@ fn biases_ride_with_the_next_segments_buckets() {
         }
     }
 }
+
+/// DDP-8: an f16 bucket whose sum leaves f16's range (65,504) is combined again in the
+/// gradients' own type, on every member, after backward and in an overlapped pass alike: the
+/// step gets the exact mean, not infinities. A bucket that fits keeps its f16 rounding.
+#[test]
+fn an_f16_bucket_that_overflows_is_combined_again_in_full_precision() {
+    run(60, async {
+        let a = group(2).await;
+        let out = futures::future::join_all(a.iter().map(|w| async move {
+            let r = w.rank() as f32;
+            let mk = |v: &[f32]| Var::new(v, &candle_core::Device::Cpu).unwrap();
+            // Two buckets: the first's mean is 110,000 (each member's half fits in f16,
+            // their sum does not); the second's fits.
+            let vars = vec![mk(&[0.0; 3]), mk(&[0.0; 2])];
+            let ddp =
+                DistributedDataParallel::with_bucket_bytes(collectives::world(w), vars.clone(), 12)
+                    .await
+                    .unwrap()
+                    .with_hook(CompressHook::f16());
+            let big = Tensor::new(
+                &[1e5 + 2e4 * r, 1.0, -1e5 - 2e4 * r],
+                &candle_core::Device::Cpu,
+            );
+            let small = Tensor::new(&[0.1f32 + r, 3.0], &candle_core::Device::Cpu);
+            let mut g = std::collections::HashMap::new();
+            g.insert(vars[0].as_tensor().id(), big.unwrap());
+            g.insert(vars[1].as_tensor().id(), small.unwrap());
+            ddp.reduce_gradients(&mut g).await.unwrap();
+            let after = [0, 1].map(|i| g[&vars[i].as_tensor().id()].to_vec1::<f32>().unwrap());
+            // The same gradients through an overlapped pass: loss = sum(v0 * big) + ...
+            let opt = Optimizer::new(OptimizerKind::sgd(1.0), vars.clone());
+            let mut opt = ddp.wrap(opt);
+            let pass = opt.pass();
+            let l = (vars[0].as_tensor()
+                * Tensor::new(
+                    &[1e5 + 2e4 * r, 1.0, -1e5 - 2e4 * r],
+                    &candle_core::Device::Cpu,
+                )
+                .unwrap())
+            .unwrap()
+            .sum_all()
+            .unwrap();
+            opt.backward_step(pass, &l).await.unwrap();
+            let stepped = vars[0].as_tensor().to_vec1::<f32>().unwrap();
+            (after, stepped)
+        }))
+        .await;
+        shutdown_all(&a).await;
+        for (rank, (after, stepped)) in out.iter().enumerate() {
+            assert_eq!(
+                after[0],
+                [1.1e5, 1.0, -1.1e5],
+                "rank {rank}: after backward"
+            );
+            let d = (after[1][0] - 0.6).abs();
+            assert!(
+                d > 0.0 && d < 1e-3,
+                "rank {rank}: the bucket that fits: {:?}",
+                after[1]
+            );
+            assert_eq!(
+                stepped,
+                &[-1.1e5, -1.0, 1.1e5],
+                "rank {rank}: overlapped step"
+            );
+        }
+    });
+}

@@ -67,14 +67,23 @@ pub(super) fn start(
 }
 
 /// Waits for the bucket and returns it as one flat tensor of `dtype` (the parameters'),
-/// converting only if the ring ran in another type.
-pub(super) async fn finish(work: FlatWork, dtype: DType) -> Result<Tensor, CollectiveError> {
-    match work {
-        FlatWork::F32(w) => to_tensor(w.wait().await?, dtype),
-        FlatWork::F64(w) => to_tensor(w.wait().await?, dtype),
-        FlatWork::Bf16(w) => to_tensor(w.wait().await?, dtype),
-        FlatWork::F16(w) => to_tensor(w.wait().await?, dtype),
-    }
+/// converting only if the ring ran in another type, and, for a ring in f16, whether some
+/// element of the sum is not finite (DDP-8; `false` for the other types, which are not
+/// checked).
+pub(super) async fn finish(
+    work: FlatWork,
+    dtype: DType,
+) -> Result<(Tensor, bool), CollectiveError> {
+    Ok(match work {
+        FlatWork::F32(w) => (to_tensor(w.wait().await?, dtype)?, false),
+        FlatWork::F64(w) => (to_tensor(w.wait().await?, dtype)?, false),
+        FlatWork::Bf16(w) => (to_tensor(w.wait().await?, dtype)?, false),
+        FlatWork::F16(w) => {
+            let v = w.wait().await?;
+            let not_finite = v.iter().any(|x| !x.is_finite());
+            (to_tensor(v, dtype)?, not_finite)
+        }
+    })
 }
 
 /// One gradient's elements in its own type, or zeros for a parameter without one.

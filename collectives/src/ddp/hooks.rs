@@ -53,7 +53,9 @@ impl CommHook for AllReduceHook {
 /// member divides by the group's size before the cast (as PyTorch's `fp16_compress_hook`
 /// does), so the sum does not overflow f16. The rounding error is that of the 16-bit sum
 /// along the ring: a relative error of about `2^-8 × (n - 1)` for bf16 and `2^-11 × (n - 1)`
-/// for f16 per element, against f32's exact ring (measured in `rpc-bench ddp`).
+/// for f16 per element, against f32's exact ring (measured in `rpc-bench ddp`). An f16 sum
+/// that leaves f16's range (65,504) is not handed on as infinities: `DistributedDataParallel`
+/// combines that bucket again in the gradients' own type (DDP-8).
 #[derive(Clone, Copy, Debug)]
 pub struct CompressHook {
     dtype: DType,

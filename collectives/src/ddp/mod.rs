@@ -32,6 +32,7 @@ mod sampler;
 mod verify;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use autograd_dist::{GradientHook, Gradients};
@@ -57,6 +58,8 @@ pub struct DistributedDataParallel {
     plan: Mutex<Option<plan::Plan>>,
     /// Why an earlier failed pass left this member out of step with the group (DDP-5).
     out_of_step: Mutex<Option<String>>,
+    /// How many f16 buckets left f16's range and were combined again (DDP-8).
+    f16_redone: AtomicU64,
 }
 
 impl std::fmt::Debug for DistributedDataParallel {
@@ -112,6 +115,7 @@ impl DistributedDataParallel {
             hook: Arc::new(AllReduceHook),
             plan: Mutex::new(None),
             out_of_step: Mutex::new(None),
+            f16_redone: AtomicU64::new(0),
         }
     }
 
@@ -136,6 +140,7 @@ impl DistributedDataParallel {
             hook: Arc::clone(&self.hook),
             plan: Mutex::new(None),
             out_of_step: Mutex::new(None),
+            f16_redone: AtomicU64::new(0),
         }
     }
 
@@ -233,6 +238,16 @@ impl DistributedDataParallel {
         idx: &[usize],
         grad: impl Fn(&Tensor) -> Option<Tensor>,
     ) -> Result<Bucket, CollectiveError> {
+        self.start_with(self.hook.as_ref(), idx, grad)
+    }
+
+    /// [`Self::start`] through `hook`.
+    fn start_with(
+        &self,
+        hook: &dyn CommHook,
+        idx: &[usize],
+        grad: impl Fn(&Tensor) -> Option<Tensor>,
+    ) -> Result<Bucket, CollectiveError> {
         let grads: Vec<(Option<Tensor>, usize)> = idx
             .iter()
             .map(|&i| {
@@ -242,7 +257,7 @@ impl DistributedDataParallel {
             .collect();
         let dtype = self.vars[idx[0]].dtype();
         let same = idx.iter().all(|&i| self.vars[i].dtype() == dtype);
-        if let Some(ring) = self.hook.ring_dtype(dtype).filter(|_| same) {
+        if let Some(ring) = hook.ring_dtype(dtype).filter(|_| same) {
             let narrower = ring.size_in_bytes() < dtype.size_in_bytes();
             let (scale, op) = match self.op {
                 ReduceOp::Mean if narrower => (1.0 / self.group.size() as f64, ReduceOp::Sum),
@@ -261,11 +276,7 @@ impl DistributedDataParallel {
             })
             .collect::<candle_core::Result<_>>()?;
         let joined = Tensor::cat(&flats, 0)?;
-        Ok(Bucket::Tensor(self.hook.reduce(
-            &self.group,
-            joined,
-            self.op,
-        )))
+        Ok(Bucket::Tensor(hook.reduce(&self.group, joined, self.op)))
     }
 
     /// Waits for a bucket's combined gradients and puts them back, parameter by parameter.
@@ -275,10 +286,19 @@ impl DistributedDataParallel {
         bucket: Bucket,
         grads: &mut impl Gradients,
     ) -> Result<(), CollectiveError> {
-        let reduced = match bucket {
-            Bucket::Tensor(work) => work.wait().await?,
+        let dtype = self.vars[idx[0]].dtype();
+        let to_f16 = self.hook.ring_dtype(dtype) == Some(DType::F16) && dtype != DType::F16;
+        let (mut reduced, not_finite) = match bucket {
+            Bucket::Tensor(work) => {
+                let t = work.wait().await?;
+                let not_finite = to_f16 && !all_finite(&t)?;
+                (t, not_finite)
+            }
             Bucket::Flat(work, dtype) => flat::finish(work, dtype).await?,
         };
+        if to_f16 && not_finite {
+            reduced = self.combine_again(idx, grads).await?;
+        }
         let mut at = 0;
         for &i in idx {
             let v = self.vars[i].as_tensor();
@@ -288,6 +308,48 @@ impl DistributedDataParallel {
         }
         Ok(())
     }
+}
+
+impl DistributedDataParallel {
+    /// DDP-8: an f16 bucket whose sum is not finite is combined again in the gradients' own
+    /// type, the plain all-reduce of `grads` (still the member's own for `idx`). Every member
+    /// holds the same sum, so every member decides the same, at the same place in the group's
+    /// order of operations: after the pass's buckets, in their order.
+    async fn combine_again(
+        &self,
+        idx: &[usize],
+        grads: &impl Gradients,
+    ) -> Result<Tensor, CollectiveError> {
+        let redone = self.f16_redone.fetch_add(1, Ordering::Relaxed) + 1;
+        let reduced = match self.start_with(&AllReduceHook, idx, |v| grads.grad(v))? {
+            Bucket::Tensor(work) => work.wait().await?,
+            Bucket::Flat(work, dtype) => flat::finish(work, dtype).await?.0,
+        };
+        if redone.is_power_of_two() {
+            let cause = if all_finite(&reduced)? {
+                "their sum left f16's range (65,504)"
+            } else {
+                "the gradients themselves are not finite"
+            };
+            tracing::warn!(
+                rank = self.group.agent().rank(),
+                "an f16 bucket of {} parameters (the first #{}) was not finite after the sum: \
+                 {cause}; combined again in {:?} ({redone} bucket(s) so far; \
+                 CompressHook::bf16 has f32's range)",
+                idx.len(),
+                idx[0],
+                self.vars[idx[0]].dtype(),
+            );
+        }
+        Ok(reduced)
+    }
+}
+
+/// Whether every element of `t` is finite (its sum is: an infinity or a NaN spreads to it;
+/// a sum that leaves the type's range only costs a bucket combined again).
+fn all_finite(t: &Tensor) -> Result<bool, CollectiveError> {
+    let sum = t.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    Ok(sum.is_finite())
 }
 
 /// A bucket on its way.
