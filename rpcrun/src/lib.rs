@@ -479,7 +479,8 @@ impl Launch {
     /// the earlier parts in its directory first: no part of this run exists before every node
     /// has started (a worker writes one only once its group formed, and the groups rpcrun
     /// starts form with all their ranks), and a node's own earlier
-    /// parts, copied to node 0 by hand, would carry the same job name as this run's. With
+    /// parts, copied to node 0 by hand, would carry the same job name as this run's; on node 0,
+    /// those an earlier run left unmerged are merged into `job.prev.json` first (TR-10). With
     /// etcd, where a spare may start after a round's parts were written, none clears: the
     /// merge leaves out an earlier run's parts by their job (TR-7).
     fn traced(&self, etcd: bool) -> Result<(Self, Option<PathBuf>), LaunchError> {
@@ -489,6 +490,10 @@ impl Launch {
         let system = |what| move |source| LaunchError::System { what, source };
         let trace = std::path::absolute(trace).map_err(system("the trace's path"))?;
         if !etcd {
+            if self.node_rank == 0 {
+                parts::keep_unmerged(&trace)
+                    .map_err(system("keeping the earlier run's unmerged trace parts"))?;
+            }
             match std::fs::remove_dir_all(rpc_core::trace::parts_dir(&trace)) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
                     return Err(system("removing the earlier trace parts")(e));

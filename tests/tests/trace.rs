@@ -364,6 +364,33 @@ fn a_rerun_to_the_same_path_leaves_the_earlier_runs_parts_out() {
     assert_eq!(rpcrun::report::report(&t).steps, 6);
 }
 
+/// TR-10: a rerun after a run whose launcher ended before its merge (here: its trace deleted,
+/// as if so) does not delete that run's parts, the only record of it: node 0's launcher merges
+/// them into `job.prev.json` first. A run that was merged leaves nothing to keep.
+#[test]
+fn a_rerun_merges_an_earlier_runs_unmerged_parts_before_clearing_them() {
+    let dir = temp_dir("unmerged");
+    let (trace, earlier) = (dir.0.join("job.json"), dir.0.join("job.prev.json"));
+    run(&trace, &[]);
+    let first = part_job(&trace, 0);
+    run(&trace, &[]);
+    assert!(!earlier.exists(), "a merged run's parts were merged again");
+    let second = part_job(&trace, 0);
+    assert_ne!(first, second, "two launches, two jobs");
+    std::fs::remove_file(&trace).expect("the trace");
+    run(&trace, &[]);
+    let v: Value =
+        serde_json::from_slice(&std::fs::read(&earlier).expect("job.prev.json")).expect("JSON");
+    let parts = v["otherData"]["rpc_trace"]["parts"]
+        .as_array()
+        .expect("parts");
+    assert_eq!(parts.len(), 3, "{parts:?}");
+    for p in parts {
+        assert_eq!(p["job"].as_str(), Some(second.as_str()), "{p}");
+    }
+    assert_ne!(part_job(&trace, 0), second, "this run's parts are its own");
+}
+
 /// The job its part in `trace`'s parts names (rank `rank`, the first start).
 fn part_job(trace: &Path, rank: u32) -> String {
     let part = rpc_core::trace::part_path(trace, rank, 0, 0);
