@@ -279,7 +279,8 @@ impl Workers {
     }
 
     /// [`Workers::spawn_with_args`], every process recording the job's trace at `trace` (see
-    /// `rpc_core::trace`) when given: earlier parts there are removed first, and
+    /// `rpc_core::trace`) when given: earlier parts there are removed first (those an earlier run
+    /// left unmerged merged into `*.prev.json`, TR-10), and
     /// [`Workers::wait_success`] merges the parts into one file.
     pub fn spawn_traced(
         world: u32,
@@ -288,11 +289,11 @@ impl Workers {
     ) -> Result<Self> {
         let trace = trace.map(std::path::absolute).transpose()?;
         if let Some(t) = &trace {
-            match std::fs::remove_dir_all(rpc_core::trace::parts_dir(t)) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                    return Err(e).context("removing the earlier trace parts");
-                }
-                _ => {}
+            // TR-10: an earlier run's unmerged parts are merged into `*.prev.json` first.
+            let kept = rpc_core::trace::clear_parts(t, true)
+                .context("clearing the earlier trace parts")?;
+            if let Some(kept) = kept {
+                eprintln!("{kept}");
             }
         }
         let rendezvous = std::net::TcpListener::bind("127.0.0.1:0")?;

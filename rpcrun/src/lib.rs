@@ -490,15 +490,10 @@ impl Launch {
         let system = |what| move |source| LaunchError::System { what, source };
         let trace = std::path::absolute(trace).map_err(system("the trace's path"))?;
         if !etcd {
-            if self.node_rank == 0 {
-                parts::keep_unmerged(&trace)
-                    .map_err(system("keeping the earlier run's unmerged trace parts"))?;
-            }
-            match std::fs::remove_dir_all(rpc_core::trace::parts_dir(&trace)) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                    return Err(system("removing the earlier trace parts")(e));
-                }
-                _ => {}
+            let kept = rpc_core::trace::clear_parts(&trace, self.node_rank == 0)
+                .map_err(system("clearing the earlier trace parts"))?;
+            if let Some(kept) = kept {
+                eprintln!("rpcrun: {kept}");
             }
         }
         rpc_core::trace::prepare(&trace)

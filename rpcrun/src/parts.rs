@@ -8,7 +8,7 @@
 //! most [`SINK_WAIT`], for every other node of the job to have sent its parts, and closes
 //! its sink before it merges.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use rpc_core::trace::{MergeSummary, PartSink, TRACE_SINK_ENV};
@@ -145,71 +145,4 @@ pub(crate) fn merge_trace(trace: &Path, merges: bool) -> Option<MergeSummary> {
             None
         }
     }
-}
-
-/// Where [`keep_unmerged`] puts an earlier run's trace: `job.prev.json` beside `job.json`.
-pub(crate) fn earlier_path(trace: &Path) -> PathBuf {
-    let stem = trace.file_stem().unwrap_or_default().to_string_lossy();
-    let name = match trace.extension() {
-        Some(ext) => format!("{stem}.prev.{}", ext.to_string_lossy()),
-        None => format!("{stem}.prev"),
-    };
-    trace.with_file_name(name)
-}
-
-/// TR-10: before node 0's launcher clears `trace`'s parts for a new run, the parts an earlier
-/// run left unmerged (its launcher ended before its merge: killed, its host lost; the trace
-/// is missing or older than the newest part) are merged into [`earlier_path`], the only
-/// record of that run, instead of deleted without a word; parts that cannot be merged at all
-/// are kept, their directory renamed to that path's. An error only when neither worked.
-pub(crate) fn keep_unmerged(trace: &Path) -> std::io::Result<()> {
-    let dir = rpc_core::trace::parts_dir(trace);
-    let mut parts = Vec::new();
-    let mut newest = None;
-    let entries = match std::fs::read_dir(&dir) {
-        Ok(e) => e,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(e),
-    };
-    for entry in entries {
-        let entry = entry?;
-        let path = entry.path();
-        if path.extension().is_some_and(|x| x == "json") {
-            let modified = entry.metadata()?.modified()?;
-            newest = newest.max(Some(modified));
-            parts.push(path);
-        }
-    }
-    let Some(newest) = newest else {
-        return Ok(());
-    };
-    let merged = std::fs::metadata(trace).and_then(|m| m.modified());
-    if merged.is_ok_and(|at| at >= newest) {
-        return Ok(());
-    }
-    parts.sort();
-    let earlier = earlier_path(trace);
-    match rpc_core::trace::merge_parts(&earlier, Some(&parts)) {
-        Ok(s) => eprintln!(
-            "rpcrun: an earlier run left its trace parts in {} unmerged; merged them into {} \
-             ({s}) before this run clears them",
-            dir.display(),
-            earlier.display()
-        ),
-        Err(e) => {
-            let kept = rpc_core::trace::parts_dir(&earlier);
-            match std::fs::remove_dir_all(&kept) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
-                _ => {}
-            }
-            std::fs::rename(&dir, &kept)?;
-            eprintln!(
-                "rpcrun: an earlier run left its trace parts in {} unmerged, and they could \
-                 not be merged ({e}); kept them in {}",
-                dir.display(),
-                kept.display()
-            );
-        }
-    }
-    Ok(())
 }

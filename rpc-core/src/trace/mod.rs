@@ -53,6 +53,7 @@ mod exit;
 mod layer;
 mod merge;
 mod record;
+mod rerun;
 mod ship;
 mod sink;
 
@@ -68,6 +69,7 @@ pub(crate) use clock::{keep_in_sync, TraceClock};
 pub use layer::TraceLayer;
 pub use merge::{merge_parts, MergeError, MergeSummary};
 use record::Record;
+pub use rerun::{clear_parts, earlier_path, Kept};
 pub(crate) use ship::{send_part_to_rank0, TracePart, TraceWanted};
 pub use sink::{send_parts, PartSink, SendPartsError, SentParts, TRACE_SINK_ENV};
 
