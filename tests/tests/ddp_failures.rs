@@ -26,7 +26,8 @@ fn failed_on_rank_1(o: &Outcome, cause: &str) {
 /// Both members' passes worked and combined to the same gradients.
 fn equal_on_both(o: &Outcome) {
     let got: Vec<_> = o.0.iter().map(|o| o.clone().unwrap()).collect();
-    assert_eq!(got[0].len(), 7, "every parameter's gradient");
+    // Every parameter's but the one the model never uses (DDP-9: it gets none).
+    assert_eq!(got[0].len(), 6, "every used parameter's gradient");
     for (g0, g1) in got[0].iter().zip(&got[1]) {
         let d = (g0 - g1).unwrap().abs().unwrap().max_all().unwrap();
         assert_eq!(d.to_scalar::<f64>().unwrap(), 0.0);

@@ -38,6 +38,16 @@ fn one_process() -> Vec<Var> {
 
 /// N replicas with `hook` (none: after backward, through reduce_gradients).
 async fn replicas(n: u32, overlap: bool, hook: Option<CompressHook>) -> Vec<Vec<Tensor>> {
+    replicas_with(n, overlap, hook, OptimizerKind::sgd(LR)).await
+}
+
+/// [`replicas`] with the optimizer `kind`.
+async fn replicas_with(
+    n: u32,
+    overlap: bool,
+    hook: Option<CompressHook>,
+    kind: OptimizerKind,
+) -> Vec<Vec<Tensor>> {
     let a = group(n).await;
     let (x, y) = dataset();
     let out = futures::future::join_all(a.iter().map(|w| {
@@ -56,7 +66,7 @@ async fn replicas(n: u32, overlap: bool, hook: Option<CompressHook>) -> Vec<Vec<
                 Some(h) => ddp.with_hook(h),
                 None => ddp,
             };
-            let opt = Optimizer::new(OptimizerKind::sgd(LR), ddp.vars().to_vec());
+            let opt = Optimizer::new(kind, ddp.vars().to_vec());
             let mut opt = ddp.wrap(opt);
             let sampler = collectives::DistributedSampler::new(ROWS, n as usize, r, 99);
             let b = B / n as usize;
@@ -107,6 +117,32 @@ fn replicas_track_one_process_overlapped_or_not() {
                         assert!(d <= 1e-5, "n={n} overlap={overlap} rank {rank} p{i}: {d}");
                     }
                 }
+            }
+        }
+    });
+}
+
+/// DDP-9: a parameter that no member used in a step gets no gradient from the wrapper, as in
+/// one process, where the optimizer skips it: AdamW's decoupled weight decay leaves the
+/// unused parameter where rank 0 put it, overlapped or not (a zero gradient would decay it),
+/// while the used ones train.
+#[test]
+fn a_parameter_no_member_used_is_left_alone_by_the_optimizer() {
+    run(180, async {
+        let start = init_params(0.0);
+        for overlap in [true, false] {
+            let finals = replicas_with(2, overlap, None, OptimizerKind::adamw(0.05)).await;
+            for (rank, params) in finals.iter().enumerate() {
+                let d = max_abs_diff(&params[6], start[6].as_tensor());
+                assert_eq!(
+                    d, 0.0,
+                    "overlap={overlap} rank {rank}: the unused one moved"
+                );
+                let d = max_abs_diff(&params[4], start[4].as_tensor());
+                assert!(
+                    d > 1e-3,
+                    "overlap={overlap} rank {rank}: a used one moved {d}"
+                );
             }
         }
     });

@@ -45,9 +45,11 @@ impl DistributedDataParallel {
         let rest = match (all, self.one_op_per_bucket()) {
             (true, true) => Some(0),
             (false, true) => {
+                // The buckets, the used parameters' flags (DDP-9) and, in the pass that
+                // learns the buckets, first the plan's agreement.
                 let total = match planned {
-                    true => self.planned_buckets(),
-                    false => 1 + self.param_buckets().len(),
+                    true => self.planned_buckets() + 1,
+                    false => 1 + self.param_buckets().len() + 1,
                 };
                 Some(total.saturating_sub(started))
             }

@@ -19,8 +19,10 @@
 //!   else its segment completes, when small, with the next segment's buckets (DDP-7).
 //!
 //! Each bucket travels through a [`CommHook`] (`hooks.rs`): the all-reduce by default,
-//! [`CompressHook`] for bf16 / f16 on the wire, or the user's own. A pass that fails on one
-//! member fails on every member, naming it (`failure.rs`, DDP-5).
+//! [`CompressHook`] for bf16 / f16 on the wire (an f16 sum out of range is combined again,
+//! DDP-8), or the user's own. A pass that fails on one member fails on every member, naming
+//! it (`failure.rs`, DDP-5). A parameter no member had a gradient for gets none, as in one
+//! process (DDP-9: one small all-reduce of flags per step, after the buckets).
 
 mod failure;
 mod flat;
@@ -171,7 +173,8 @@ impl DistributedDataParallel {
     /// Replaces each parameter's gradient in `grads` by its mean (or the operation set with
     /// [`DistributedDataParallel::with_reduce_op`]) over the group, after backward: buckets in
     /// the parameters' order, all started at once and waited for in order. A parameter
-    /// without a gradient here counts as zero, so every member sends the same buckets.
+    /// without a gradient here counts as zero, so every member sends the same buckets; one
+    /// without a gradient on every member gets none (DDP-9).
     pub async fn reduce_gradients(
         &self,
         grads: &mut impl Gradients,
@@ -184,17 +187,31 @@ impl DistributedDataParallel {
             match self.start(&idx, |v| grads.grad(v)) {
                 Ok(bucket) => started.push((idx, bucket)),
                 Err(e) => {
-                    let rest = one_op.then_some(total - started.len());
+                    // The buckets not started, and the used parameters' flags (DDP-9).
+                    let rest = one_op.then_some(total - started.len() + 1);
                     return Err(self.fail_rest(e, rest, true).await);
                 }
             }
         }
-        for (idx, bucket) in started {
-            if let Err(e) = self.unflatten(&idx, bucket, grads).await {
-                return Err(self.fail_rest(e, one_op.then_some(0), false).await);
-            }
+        let used = self.start_used(|v| grads.grad(v).is_some());
+        match self.finish(started, used, grads).await {
+            Ok(()) => Ok(()),
+            Err(e) => Err(self.fail_rest(e, one_op.then_some(0), false).await),
         }
-        Ok(())
+    }
+
+    /// DDP-9: starts combining which parameters this member has a gradient for (`has`), after
+    /// the pass's buckets: a flag each, the maximum over the group (one small all-reduce).
+    fn start_used(&self, has: impl Fn(&Tensor) -> bool) -> Work<Tensor> {
+        let flags: Vec<f32> = (self.vars.iter())
+            .map(|v| f32::from(u8::from(has(v.as_tensor()))))
+            .collect();
+        let n = flags.len();
+        match Tensor::from_vec(flags, n, &candle_core::Device::Cpu) {
+            Ok(t) => self.group.all_reduce_async(&t, ReduceOp::Max),
+            // COL-4: the others wait for this member's flags.
+            Err(e) => self.group.fail_async("all_reduce", e.to_string()),
+        }
     }
 
     /// The buckets in the parameters' order (after backward, and an overlapped pass's first).
@@ -279,13 +296,51 @@ impl DistributedDataParallel {
         Ok(Bucket::Tensor(hook.reduce(&self.group, joined, self.op)))
     }
 
-    /// Waits for a bucket's combined gradients and puts them back, parameter by parameter.
-    async fn unflatten(
+    /// Waits for the pass's buckets, in their order, and puts the combined gradients back,
+    /// parameter by parameter (the pass's own are dropped as they are replaced), then for
+    /// which parameters some member had a gradient for (`used`, started after the buckets):
+    /// one that no member had gets none (DDP-9), as in one process, where the optimizer then
+    /// leaves it alone (a zero would be decayed, or moved by momentum or Adam's moments).
+    async fn finish(
+        &self,
+        started: Vec<(Vec<usize>, Bucket)>,
+        used: Work<Tensor>,
+        grads: &mut impl Gradients,
+    ) -> Result<(), CollectiveError> {
+        // Parameters without a gradient here, which only the flags can tell about.
+        let mut unknown = Vec::new();
+        for (idx, bucket) in started {
+            let reduced = self.combined(&idx, bucket, grads).await?;
+            let mut at = 0;
+            for &i in &idx {
+                let v = self.vars[i].as_tensor();
+                let n = v.elem_count();
+                let g = reduced.narrow(0, at, n)?.reshape(v.dims())?;
+                if grads.grad(v).is_some() {
+                    grads.set_grad(v, g);
+                } else {
+                    unknown.push((i, g));
+                }
+                at += n;
+            }
+        }
+        let used = used.wait().await?.to_vec1::<f32>()?;
+        for (i, g) in unknown {
+            if used[i] > 0.0 {
+                grads.set_grad(self.vars[i].as_tensor(), g);
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for a bucket's combined gradients, as one flat tensor (DDP-8: an f16 sum that is
+    /// not finite is combined again).
+    async fn combined(
         &self,
         idx: &[usize],
         bucket: Bucket,
-        grads: &mut impl Gradients,
-    ) -> Result<(), CollectiveError> {
+        grads: &impl Gradients,
+    ) -> Result<Tensor, CollectiveError> {
         let dtype = self.vars[idx[0]].dtype();
         let to_f16 = self.hook.ring_dtype(dtype) == Some(DType::F16) && dtype != DType::F16;
         let (mut reduced, not_finite) = match bucket {
@@ -299,14 +354,7 @@ impl DistributedDataParallel {
         if to_f16 && not_finite {
             reduced = self.combine_again(idx, grads).await?;
         }
-        let mut at = 0;
-        for &i in idx {
-            let v = self.vars[i].as_tensor();
-            let n = v.elem_count();
-            grads.set_grad(v, reduced.narrow(0, at, n)?.reshape(v.dims())?);
-            at += n;
-        }
-        Ok(())
+        Ok(reduced)
     }
 }
 

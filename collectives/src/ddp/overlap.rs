@@ -193,10 +193,10 @@ impl Pass<'_> {
             let bucket = ddp.start(&idx, |v| grads.get(v).cloned())?;
             st.started.push((idx, bucket));
         }
+        let used = ddp.start_used(|v| grads.get(v).is_some());
         st.all_started = true;
-        for (idx, work) in std::mem::take(&mut st.started) {
-            ddp.unflatten(&idx, work, &mut grads).await?;
-        }
+        ddp.finish(std::mem::take(&mut st.started), used, &mut grads)
+            .await?;
         // Kept only once the pass has worked here, and so, by DDP-5, on every member.
         if let Some(plan) = learnt {
             *ddp.plan.lock().unwrap_or_else(|p| p.into_inner()) = Some(plan);
