@@ -129,6 +129,11 @@ pub async fn init(config: Config, mut registry: Registry) -> Result<Agent, InitE
     let (reports, reports_rx) = mpsc::channel(256);
     let incarnation = net_cfg.incarnation;
     let tracer = cfg.tracer;
+    let sink = (cfg.trace_sink.clone()).or_else(|| view.sink.clone());
+    if let Some(sink) = sink.as_deref().filter(|_| tracer.is_on()) {
+        // TR-11: its launcher knows where to say that this node has no part, if need be.
+        crate::net::supervisor::report_sink(sink);
+    }
     tracer.set_who(crate::trace::Who {
         rank: me,
         name: cfg.name.clone(),
@@ -138,7 +143,7 @@ pub async fn init(config: Config, mut registry: Registry) -> Result<Agent, InitE
             .or_else(|| view.named.clone())
             .unwrap_or_else(|| view.job.clone()),
         group: view.job.clone(),
-        sink: (cfg.trace_sink.clone()).or_else(|| view.sink.clone()),
+        sink,
         ranks: (0..)
             .zip(&standing)
             .filter(|(_, s)| **s != Standing::Vacant)

@@ -164,6 +164,12 @@ impl Child {
         self.killed_because = Some(why);
     }
 
+    /// Where node 0's launcher takes the job's trace parts, if the child said so by the last
+    /// [`Child::check`] (TR-11).
+    pub(crate) fn sink(&self) -> Option<&str> {
+        self.watch.sink()
+    }
+
     /// The token that lets a process started in its place take its rank at once (RDV-5),
     /// if it reported one.
     pub(crate) fn replace_token(&mut self) -> Option<String> {

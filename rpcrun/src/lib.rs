@@ -431,11 +431,13 @@ impl Launch {
                 p.serve(host, t, &mut launch.env)?;
             }
         }
-        let mut exit = supervise::run(&launch)?;
+        let mut sink = None;
+        let mut exit = supervise::run(&launch, &mut sink)?;
         if let Some(t) = trace {
             if let Some(p) = &mut parts {
                 let (me, others) = (self.node_rank, self.nnodes as usize - 1);
-                p.exchange(&t, me == 0, others, None, &format!("node {me}"));
+                // TR-11: where a child said, so that a node left without parts says so.
+                p.exchange(&t, me == 0, others, sink.as_deref(), &format!("node {me}"));
             }
             exit.trace = parts::merge_trace(&t, self.node_rank == 0);
         }

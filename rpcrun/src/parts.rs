@@ -18,7 +18,7 @@ use crate::{Launch, LaunchError};
 
 /// How long the launcher that merges waits for the other nodes' parts once its own processes
 /// have ended: the other nodes' processes end within seconds of its own (their group has
-/// failed, or finished), and a node whose every process was killed outright sends nothing.
+/// failed, or finished), and each node says when it has nothing to send (TR-11).
 pub(crate) const SINK_WAIT: Duration = Duration::from_secs(15);
 
 /// How long a node's launcher keeps trying to reach node 0's sink.
@@ -77,9 +77,9 @@ impl Parts {
     }
 
     /// At the end of the launch: the launcher that merges (`merges`) waits for the `others`
-    /// nodes' parts; every other sends its own to node 0, as `from`: to `sink` where its
-    /// launcher said where (with etcd; then a node without parts says so too), else to the
-    /// sink its parts name.
+    /// nodes' parts; every other sends its own to node 0, as `from`: to `sink` where it is
+    /// known (with etcd, from the round; else as a child said on its status pipe, TR-11),
+    /// then a node without parts says so too; else to the sink its parts name.
     pub(crate) fn exchange(
         &mut self,
         trace: &Path,

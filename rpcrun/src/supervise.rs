@@ -70,9 +70,11 @@ impl Drop for Handlers {
     }
 }
 
-pub(crate) fn run(launch: &Launch) -> Result<Exit, LaunchError> {
+/// Supervises the launch (see the crate docs); `sink` gets where node 0's launcher takes the
+/// job's trace parts, if a child said (TR-11).
+pub(crate) fn run(launch: &Launch, sink: &mut Option<String>) -> Result<Exit, LaunchError> {
     if launch.restart == Restart::Worker {
-        return run_workers(launch);
+        return run_workers(launch, sink);
     }
     let secret = SecretFile::resolve(launch)?;
     let handlers = Handlers::install()?;
@@ -96,6 +98,7 @@ pub(crate) fn run(launch: &Launch) -> Result<Exit, LaunchError> {
             secret.path(),
             &handlers,
             &mut || None,
+            sink,
         )?;
         let code = match ended {
             Ended::Success => 0,
@@ -299,7 +302,7 @@ fn rendezvous(launch: &Launch) -> Result<(Rendezvous, Option<TcpListener>), Laun
 }
 
 /// Starts this node's processes and supervises them until they all succeed, one fails, the
-/// launcher gets a signal, or `abort` says why they must stop.
+/// launcher gets a signal, or `abort` says why they must stop; `sink` as in [`run`].
 pub(crate) fn run_attempt(
     launch: &Launch,
     attempt: u32,
@@ -307,6 +310,7 @@ pub(crate) fn run_attempt(
     secret: &std::path::Path,
     handlers: &Handlers,
     abort: &mut dyn FnMut() -> Option<String>,
+    sink: &mut Option<String>,
 ) -> Result<Ended, LaunchError> {
     let mut children = spawn_all(launch, |local| {
         let env = child_env(launch, local, attempt, rdzv, Some(secret));
@@ -315,6 +319,7 @@ pub(crate) fn run_attempt(
         Child::spawn(launch, rank, &env, handed.filter(|_| rank == 0))
     })?;
     loop {
+        note_sink(&children, sink);
         if let Some(s) = forward_signal(handlers, &mut children, launch) {
             return Ok(Ended::Signalled(s));
         }
@@ -347,6 +352,13 @@ pub(crate) fn run_attempt(
             return Ok(Ended::Success);
         }
         std::thread::sleep(POLL);
+    }
+}
+
+/// TR-11: where node 0's launcher takes the job's trace parts, once a child has said.
+fn note_sink(children: &[Child], sink: &mut Option<String>) {
+    if sink.is_none() {
+        *sink = children.iter().find_map(Child::sink).map(str::to_owned);
     }
 }
 
@@ -384,7 +396,7 @@ fn forward_signal(handlers: &Handlers, children: &mut [Child], launch: &Launch) 
 const FORM_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// [`Restart::Worker`]: only a failed process is started again; it rejoins the running group.
-fn run_workers(launch: &Launch) -> Result<Exit, LaunchError> {
+fn run_workers(launch: &Launch, sink: &mut Option<String>) -> Result<Exit, LaunchError> {
     let secret = SecretFile::resolve(launch)?;
     let handlers = Handlers::install()?;
     let (rdzv, held) = rendezvous(launch)?;
@@ -488,6 +500,7 @@ fn run_workers(launch: &Launch) -> Result<Exit, LaunchError> {
     // Node 0: the ranks (of any node) whose last incarnation failed and has no successor yet.
     let mut lost = std::collections::BTreeSet::new();
     loop {
+        note_sink(&children, sink);
         if let Some(s) = forward_signal(&handlers, &mut children, launch) {
             let code = 128 + s;
             return Ok(Exit {

@@ -28,6 +28,8 @@ pub(crate) struct Watch {
     /// The last token it reported (a `done` line carries none, and must not lose it: the
     /// process that replaces a finished one needs it too).
     token: Option<String>,
+    /// Where node 0's launcher takes the job's trace parts, as the child said (TR-11).
+    sink: Option<String>,
 }
 
 impl Watch {
@@ -49,6 +51,7 @@ impl Watch {
             partial: Vec::new(),
             last: None,
             token: None,
+            sink: None,
         };
         Ok((watch, write))
     }
@@ -66,9 +69,14 @@ impl Watch {
         }
         while let Some(end) = self.partial.iter().position(|&b| b == b'\n') {
             let line: Vec<u8> = self.partial.drain(..=end).collect();
-            let status = std::str::from_utf8(&line[..end])
-                .ok()
-                .and_then(Status::parse);
+            let line = std::str::from_utf8(&line[..end]).ok();
+            if let Some((from, sink)) = line.and_then(rpc_core::supervisor::parse_sink) {
+                if from == pid {
+                    self.sink = Some(sink);
+                }
+                continue;
+            }
+            let status = line.and_then(Status::parse);
             match status {
                 Some(s) if s.pid == pid => {
                     if s.token.is_some() {
@@ -84,6 +92,11 @@ impl Watch {
         if self.partial.len() > 4096 {
             self.partial.clear();
         }
+    }
+
+    /// Where node 0's launcher takes the job's trace parts, if the child said (TR-11).
+    pub(crate) fn sink(&self) -> Option<&str> {
+        self.sink.as_deref()
     }
 
     /// The token the child's rendezvous issued it, for the process that replaces it (RDV-5).
@@ -175,5 +188,16 @@ mod tests {
             None,
             "another process's lines, garbage: ignored"
         );
+    }
+
+    /// TR-11: the sink a child names is kept, another process's is not, and the line is no
+    /// sign of life.
+    #[test]
+    fn the_sink_a_child_names_is_kept() {
+        let (w, _) = watch_with("sink1 43 10.0.0.9:1\nsink1 42 10.0.0.1:4000\n");
+        assert_eq!(w.sink(), Some("10.0.0.1:4000"));
+        assert!(w.last.is_none(), "not a status line");
+        let (w, _) = watch_with("sink1 43 10.0.0.9:1\n");
+        assert_eq!(w.sink(), None);
     }
 }

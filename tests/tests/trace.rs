@@ -409,6 +409,17 @@ fn two_nodes(
     secret: &Path,
     more: impl Fn(rpcrun::Launch) -> rpcrun::Launch,
 ) -> Vec<rpcrun::Exit> {
+    let exits = two_nodes_timed(traces, port, secret, more);
+    exits.into_iter().map(|(exit, _)| exit).collect()
+}
+
+/// [`two_nodes`], with when each node's launch ended.
+fn two_nodes_timed(
+    traces: &[PathBuf],
+    port: u16,
+    secret: &Path,
+    more: impl Fn(rpcrun::Launch) -> rpcrun::Launch,
+) -> Vec<(rpcrun::Exit, std::time::Instant)> {
     let (tx, rx) = std::sync::mpsc::channel();
     for (node, trace) in traces.iter().enumerate() {
         let launch = rpcrun::Launch::new(env!("CARGO_BIN_EXE_trace-worker"))
@@ -422,15 +433,16 @@ fn two_nodes(
         let tx = tx.clone();
         // On threads of their own, bounded: the children end with this process if it overruns.
         std::thread::spawn(move || {
-            let _ = tx.send((node, launch.run()));
+            let exit = launch.run();
+            let _ = tx.send((node, exit, std::time::Instant::now()));
         });
     }
-    let mut exits: Vec<Option<rpcrun::Exit>> = vec![None, None];
+    let mut exits: Vec<Option<(rpcrun::Exit, std::time::Instant)>> = vec![None, None];
     for _ in 0..2 {
-        let (node, exit) = rx
+        let (node, exit, at) = rx
             .recv_timeout(Duration::from_secs(120))
             .expect("each node's launch ends within 2 minutes");
-        exits[node] = Some(exit.expect("the launch runs"));
+        exits[node] = Some((exit.expect("the launch runs"), at));
     }
     exits.into_iter().map(|e| e.expect("both nodes")).collect()
 }
@@ -515,6 +527,45 @@ fn a_failed_jobs_trace_on_node_0_has_every_nodes_part() {
         let sent = rpc_core::trace::part_path(&traces[0], 1, 0, 0);
         let own = rpc_core::trace::part_path(&traces[1], 1, 0, 0);
         assert_eq!(std::fs::read(sent).unwrap(), std::fs::read(own).unwrap());
+    }
+}
+
+/// TR-11: a node whose every process was killed outright (rank 1, node 1's only one, SIGKILLs
+/// itself at step 2) has no part, and no part to name node 0's sink; its launcher still
+/// knows the sink, from its child's status line, and says the node has nothing, so node 0's
+/// launcher merges at once instead of waiting out its 15 s (`SINK_WAIT`) for node 1. Both
+/// restart modes. (The merge has rank 1 all the same: `trace-worker`'s rank 1 enters its
+/// shutdown at once and waits in the barrier, serving, so TR-8 sends rank 0 its part as it
+/// stood then.)
+#[test]
+fn a_node_without_parts_costs_node_0_no_wait() {
+    let dir = temp_dir("two-nodes-killed");
+    let secret = dir.0.join("secret");
+    std::fs::write(&secret, "0123456789abcdef0123456789abcdef").unwrap();
+    let port = rpc_core::testing::free_port();
+    for (run, restart) in [rpcrun::Restart::Group, rpcrun::Restart::Worker]
+        .into_iter()
+        .enumerate()
+    {
+        let traces: Vec<PathBuf> = (0..2)
+            .map(|n| dir.0.join(format!("run{run}-node{n}")).join("job.json"))
+            .collect();
+        let exits = two_nodes_timed(&traces, port, &secret, |l| {
+            l.restart(restart).env("TRACE_KILL_RANK", "1")
+        });
+        assert!(
+            !rpc_core::trace::part_path(&traces[1], 1, 0, 0).exists(),
+            "{restart:?}: rank 1 wrote a part"
+        );
+        assert!(
+            exits[0].0.trace.is_some(),
+            "{restart:?}: node 0 merged no trace"
+        );
+        let waited = exits[0].1.saturating_duration_since(exits[1].1);
+        assert!(
+            waited < Duration::from_secs(10),
+            "{restart:?}: node 0 ended {waited:?} after node 1"
+        );
     }
 }
 

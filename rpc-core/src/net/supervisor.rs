@@ -17,6 +17,11 @@
 //! process it starts in this one's place (RDV-5); under 200 bytes, so each write is atomic on
 //! a pipe. The launcher reads only the lines of the process it started (a
 //! program that starts processes before its agent takes the pipe passes the pipe on).
+//!
+//! A traced worker also says once, as it joins its group, where node 0's launcher takes the
+//! trace parts of the job (TR-9, TR-11): `sink1 PID ADDR`. Its launcher then knows where to
+//! say that this node has no part, should every process of it be killed outright before
+//! writing one. A launcher that does not know the line skips it.
 
 use std::io::Write;
 use std::sync::{Mutex, OnceLock};
@@ -154,6 +159,29 @@ pub(crate) fn report_done(rank: u32, incarnation: u64, timeout: Duration) {
     }
 }
 
+/// TR-11: says where node 0's launcher takes the job's trace parts, if a launcher watches.
+pub(crate) fn report_sink(sink: &str) {
+    if sink.is_empty() || sink.contains(char::is_whitespace) || sink.len() > 1024 {
+        return;
+    }
+    if let Some(pipe) = pipe() {
+        let line = format!("sink1 {} {sink}\n", std::process::id());
+        let _ = lock(pipe).write_all(line.as_bytes());
+    }
+}
+
+/// A sink line (see the module's documentation) as the launcher reads it: the reporting
+/// process and the sink's address; `None` for anything else.
+pub fn parse_sink(line: &str) -> Option<(u32, String)> {
+    let mut it = line.split(' ');
+    if it.next()? != "sink1" {
+        return None;
+    }
+    let pid = it.next()?.parse().ok()?;
+    let addr = it.next().filter(|a| !a.is_empty())?;
+    it.next().is_none().then(|| (pid, addr.to_owned()))
+}
+
 fn write(pipe: &mut std::fs::File, rank: u32, incarnation: u64, timeout: Duration, state: &str) {
     let line = format!(
         "v1 {} {rank} {incarnation} {} {state}\n",
@@ -252,6 +280,20 @@ mod tests {
             Status::parse("v1 1 0 0 1 done -").unwrap().state,
             StatusState::Done
         );
+        assert_eq!(
+            parse_sink("sink1 77 10.0.0.1:4000"),
+            Some((77, "10.0.0.1:4000".to_owned()))
+        );
+        for bad in [
+            "sink1 77",
+            "sink1 x a:1",
+            "sink1 77 a:1 b",
+            "sink2 77 a:1",
+            "sink1 77 ",
+        ] {
+            assert_eq!(parse_sink(bad), None, "{bad}");
+        }
+        assert_eq!(Status::parse("sink1 77 10.0.0.1:4000"), None);
         for bad in [
             "",
             "v2 1 0 0 1 alive -",
