@@ -401,50 +401,73 @@ fn part_job(trace: &Path, rank: u32) -> String {
         .to_owned()
 }
 
-/// Two nodes of one launch, meeting at `127.0.0.1:port` with `secret`, node `n` tracing to
-/// `traces[n]`, each launch given `more`; each node's exit, by node, within 2 minutes.
-fn two_nodes(
-    traces: &[PathBuf],
+/// The restart modes the two-node tests run in (group: the rendezvous in node 0's rank 0;
+/// worker: in node 0's launcher).
+const RESTARTS: [rpcrun::Restart; 2] = [rpcrun::Restart::Group, rpcrun::Restart::Worker];
+
+/// The two-node launches of one test: a directory, a secret and a port its runs share.
+struct TwoNodes {
+    dir: Dir,
+    secret: PathBuf,
     port: u16,
-    secret: &Path,
-    more: impl Fn(rpcrun::Launch) -> rpcrun::Launch,
-) -> Vec<rpcrun::Exit> {
-    let exits = two_nodes_timed(traces, port, secret, more);
-    exits.into_iter().map(|(exit, _)| exit).collect()
 }
 
-/// [`two_nodes`], with when each node's launch ended.
-fn two_nodes_timed(
-    traces: &[PathBuf],
-    port: u16,
-    secret: &Path,
-    more: impl Fn(rpcrun::Launch) -> rpcrun::Launch,
-) -> Vec<(rpcrun::Exit, std::time::Instant)> {
-    let (tx, rx) = std::sync::mpsc::channel();
-    for (node, trace) in traces.iter().enumerate() {
-        let launch = rpcrun::Launch::new(env!("CARGO_BIN_EXE_trace-worker"))
-            .nproc(1)
-            .nodes(2, node as u32)
-            .rendezvous(format!("127.0.0.1:{port}"))
-            .secret_file(secret)
-            .stop_grace(Duration::from_secs(2))
-            .trace(trace);
-        let launch = more(launch);
-        let tx = tx.clone();
-        // On threads of their own, bounded: the children end with this process if it overruns.
-        std::thread::spawn(move || {
-            let exit = launch.run();
-            let _ = tx.send((node, exit, std::time::Instant::now()));
-        });
+impl TwoNodes {
+    fn new(tag: &str) -> Self {
+        let dir = temp_dir(tag);
+        let secret = dir.0.join("secret");
+        std::fs::write(&secret, "0123456789abcdef0123456789abcdef").unwrap();
+        // Below the ephemeral range: a port drawn by binding port 0 was taken by another
+        // test's connection before rank 0 bound it (seen once in CI: "Address already in use").
+        let port = rpc_core::testing::free_port();
+        Self { dir, secret, port }
     }
-    let mut exits: Vec<Option<(rpcrun::Exit, std::time::Instant)>> = vec![None, None];
-    for _ in 0..2 {
-        let (node, exit, at) = rx
-            .recv_timeout(Duration::from_secs(120))
-            .expect("each node's launch ends within 2 minutes");
-        exits[node] = Some((exit.expect("the launch runs"), at));
+
+    /// Run `run` of two nodes of one launch, meeting at `127.0.0.1:port`, node `n` tracing
+    /// to `run{run}-node{n}/job.json` (its own directory, as on hosts without a shared
+    /// filesystem), each launch given `more`: the traces, and each node's exit with when it
+    /// came, by node, within 2 minutes.
+    fn run(
+        &self,
+        run: usize,
+        more: impl Fn(rpcrun::Launch) -> rpcrun::Launch,
+    ) -> (Vec<PathBuf>, Vec<(rpcrun::Exit, std::time::Instant)>) {
+        let traces: Vec<PathBuf> = (0..2)
+            .map(|n| {
+                self.dir
+                    .0
+                    .join(format!("run{run}-node{n}"))
+                    .join("job.json")
+            })
+            .collect();
+        let (tx, rx) = std::sync::mpsc::channel();
+        for (node, trace) in traces.iter().enumerate() {
+            let launch = rpcrun::Launch::new(env!("CARGO_BIN_EXE_trace-worker"))
+                .nproc(1)
+                .nodes(2, node as u32)
+                .rendezvous(format!("127.0.0.1:{}", self.port))
+                .secret_file(&self.secret)
+                .stop_grace(Duration::from_secs(2))
+                .trace(trace);
+            let launch = more(launch);
+            let tx = tx.clone();
+            // On threads of their own, bounded: the children end with this process if it
+            // overruns.
+            std::thread::spawn(move || {
+                let exit = launch.run();
+                let _ = tx.send((node, exit, std::time::Instant::now()));
+            });
+        }
+        let mut exits: Vec<Option<(rpcrun::Exit, std::time::Instant)>> = vec![None, None];
+        for _ in 0..2 {
+            let (node, exit, at) = rx
+                .recv_timeout(Duration::from_secs(120))
+                .expect("each node's launch ends within 2 minutes");
+            exits[node] = Some((exit.expect("the launch runs"), at));
+        }
+        let exits = exits.into_iter().map(|e| e.expect("both nodes")).collect();
+        (traces, exits)
     }
-    exits.into_iter().map(|e| e.expect("both nodes")).collect()
 }
 
 /// TR-7 across hosts: two launches, one after the other, of two nodes meeting at one `--rdzv
@@ -457,22 +480,11 @@ fn two_nodes_timed(
 /// only in node 1's directory).
 #[test]
 fn two_launches_at_one_address_are_two_jobs_and_each_one_job_on_every_node() {
-    let dir = temp_dir("two-nodes");
-    let secret = dir.0.join("secret");
-    std::fs::write(&secret, "0123456789abcdef0123456789abcdef").unwrap();
-    // Below the ephemeral range: a port drawn by binding port 0 was taken by another test's
-    // connection before rank 0 bound it (seen once in CI: "Address already in use").
-    let port = rpc_core::testing::free_port();
+    let nodes = TwoNodes::new("two-nodes");
     let mut jobs = Vec::new();
-    for (run, restart) in [rpcrun::Restart::Group, rpcrun::Restart::Worker]
-        .into_iter()
-        .enumerate()
-    {
-        let traces: Vec<PathBuf> = (0..2)
-            .map(|n| dir.0.join(format!("run{run}-node{n}")).join("job.json"))
-            .collect();
-        let exits = two_nodes(&traces, port, &secret, |l| l.restart(restart));
-        for (node, exit) in exits.into_iter().enumerate() {
+    for (run, restart) in RESTARTS.into_iter().enumerate() {
+        let (traces, exits) = nodes.run(run, |l| l.restart(restart));
+        for (node, (exit, _)) in exits.into_iter().enumerate() {
             assert_eq!(exit.code, 0, "run {run} node {node}: {exit:?}");
             if node == 0 {
                 let merged = exit.trace.expect("node 0 merged the trace");
@@ -503,24 +515,13 @@ fn two_launches_at_one_address_are_two_jobs_and_each_one_job_on_every_node() {
 /// missing: its part stayed on node 1.)
 #[test]
 fn a_failed_jobs_trace_on_node_0_has_every_nodes_part() {
-    let dir = temp_dir("two-nodes-failed");
-    let secret = dir.0.join("secret");
-    std::fs::write(&secret, "0123456789abcdef0123456789abcdef").unwrap();
-    let port = rpc_core::testing::free_port();
-    for (run, restart) in [rpcrun::Restart::Group, rpcrun::Restart::Worker]
-        .into_iter()
-        .enumerate()
-    {
-        let traces: Vec<PathBuf> = (0..2)
-            .map(|n| dir.0.join(format!("run{run}-node{n}")).join("job.json"))
-            .collect();
-        let exits = two_nodes(&traces, port, &secret, |l| {
-            l.restart(restart).env("TRACE_FAIL_STEP", "2")
-        });
-        for (node, exit) in exits.iter().enumerate() {
+    let nodes = TwoNodes::new("two-nodes-failed");
+    for (run, restart) in RESTARTS.into_iter().enumerate() {
+        let (traces, exits) = nodes.run(run, |l| l.restart(restart).env("TRACE_FAIL_STEP", "2"));
+        for (node, (exit, _)) in exits.iter().enumerate() {
             assert_ne!(exit.code, 0, "{restart:?} node {node}: {exit:?}");
         }
-        let merged = exits[0].trace.clone().expect("node 0 merged the trace");
+        let merged = exits[0].0.trace.clone().expect("node 0 merged the trace");
         let whole = (merged.parts, merged.missing.clone());
         assert_eq!(whole, (2, vec![]), "{restart:?}: {merged}");
         // The part node 1 sent is the one it wrote.
@@ -539,20 +540,9 @@ fn a_failed_jobs_trace_on_node_0_has_every_nodes_part() {
 /// stood then.)
 #[test]
 fn a_node_without_parts_costs_node_0_no_wait() {
-    let dir = temp_dir("two-nodes-killed");
-    let secret = dir.0.join("secret");
-    std::fs::write(&secret, "0123456789abcdef0123456789abcdef").unwrap();
-    let port = rpc_core::testing::free_port();
-    for (run, restart) in [rpcrun::Restart::Group, rpcrun::Restart::Worker]
-        .into_iter()
-        .enumerate()
-    {
-        let traces: Vec<PathBuf> = (0..2)
-            .map(|n| dir.0.join(format!("run{run}-node{n}")).join("job.json"))
-            .collect();
-        let exits = two_nodes_timed(&traces, port, &secret, |l| {
-            l.restart(restart).env("TRACE_KILL_RANK", "1")
-        });
+    let nodes = TwoNodes::new("two-nodes-killed");
+    for (run, restart) in RESTARTS.into_iter().enumerate() {
+        let (traces, exits) = nodes.run(run, |l| l.restart(restart).env("TRACE_KILL_RANK", "1"));
         assert!(
             !rpc_core::trace::part_path(&traces[1], 1, 0, 0).exists(),
             "{restart:?}: rank 1 wrote a part"
