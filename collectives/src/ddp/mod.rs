@@ -362,7 +362,7 @@ impl DistributedDataParallel {
     /// DDP-8: an f16 bucket whose sum is not finite is combined again in the gradients' own
     /// type, the plain all-reduce of `grads` (still the member's own for `idx`). Every member
     /// holds the same sum, so every member decides the same, at the same place in the group's
-    /// order of operations: after the pass's buckets, in their order.
+    /// order of operations: after the pass's buckets and its flags (DDP-9), in their order.
     async fn combine_again(
         &self,
         idx: &[usize],
