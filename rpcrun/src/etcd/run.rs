@@ -119,6 +119,8 @@ pub(crate) fn run(
                 secret.path(),
                 &handlers,
                 &mut || reason.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+                // The round's sink is in etcd (`round/<gen>/sink`), which every launcher reads.
+                &mut None,
             );
             stop.store(true, Ordering::SeqCst);
             ended
