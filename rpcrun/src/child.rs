@@ -308,6 +308,64 @@ mod tests {
         );
     }
 
+    /// A child of the test, killed however the test ends.
+    struct Guard(Child);
+
+    impl Drop for Guard {
+        fn drop(&mut self) {
+            if self.0.try_wait().is_none() {
+                self.0.signal(libc::SIGKILL);
+                let _ = self.0.proc.wait();
+            }
+        }
+    }
+
+    /// Starts `script` under bash as a child of a launch with a 5 s stop grace.
+    fn child(script: &str) -> Guard {
+        let launch = Launch::new("/bin/bash")
+            .args(["-c", script])
+            .stop_grace(Duration::from_secs(5));
+        Guard(Child::spawn(&launch, 1, &[], None).expect("bash starts"))
+    }
+
+    /// Its exit, waiting at most 4 s (under the 5 s grace: a SIGKILL after it would be
+    /// the grace's, not `end`'s).
+    fn exit_of(c: &mut Child) -> ExitStatus {
+        let until = Instant::now() + Duration::from_secs(4);
+        while Instant::now() < until {
+            if let Some(st) = c.try_wait() {
+                return st;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("the child did not end within 4 s");
+    }
+
+    /// SUP-4, as the launcher ends a child the group declared failed (the membership path of
+    /// `--restart worker`, `Child::end`): a child that still writes its status lines gets
+    /// SIGTERM, which it can handle (here it exits 0); one silent for more than 3/4 of its
+    /// failure timeout, as a frozen one is, gets SIGKILL at once.
+    #[test]
+    fn an_ended_child_gets_sigterm_while_it_writes_and_sigkill_once_silent() {
+        let writes = r#"trap 'exit 0' TERM
+            while :; do echo "v1 $$ 1 0 1000 alive -" >&"$RPC_SUPERVISOR_FD"; sleep 0.1; done"#;
+        let mut c = child(writes);
+        std::thread::sleep(Duration::from_millis(300));
+        c.0.end("declared failed".into(), Instant::now());
+        let st = exit_of(&mut c.0);
+        assert_eq!(st.code(), Some(0), "SIGTERM, handled: {st:?}");
+
+        let silent = r#"trap 'exit 0' TERM
+            echo "v1 $$ 1 0 1000 alive -" >&"$RPC_SUPERVISOR_FD"; exec sleep 30"#;
+        let mut c = child(silent);
+        std::thread::sleep(Duration::from_millis(200));
+        assert_eq!(c.0.check(), None, "its line is fresh");
+        std::thread::sleep(Duration::from_millis(900));
+        c.0.end("declared failed".into(), Instant::now());
+        let st = exit_of(&mut c.0);
+        assert_eq!(st.signal(), Some(libc::SIGKILL), "{st:?}");
+    }
+
     #[test]
     fn statuses_read_as_codes_and_words() {
         assert_eq!(
