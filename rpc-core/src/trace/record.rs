@@ -111,11 +111,15 @@ impl Record {
         self.extra.get_or_insert_with(Default::default).detail = Some(d);
     }
 
-    /// The readable form, in nanoseconds of this process's monotonic clock.
-    pub fn to_event(&self) -> Event {
-        let start = clock::ticks_to_ns(self.start);
-        let dur = (self.dur != INSTANT)
-            .then(|| clock::ticks_to_ns(self.start.saturating_add(self.dur)).saturating_sub(start));
+    /// The readable form, in nanoseconds of this process's monotonic clock (`clock` maps raw
+    /// readings onto it).
+    pub fn to_event(&self, clock: &clock::Mapping) -> Event {
+        let start = clock.to_ns(self.start);
+        let dur = (self.dur != INSTANT).then(|| {
+            clock
+                .to_ns(self.start.saturating_add(self.dur))
+                .saturating_sub(start)
+        });
         let extra = self.extra.as_deref();
         let id = self.flow & !FLOW_IN;
         Event {
@@ -157,14 +161,14 @@ mod tests {
         r.set_ok(false);
         r.set_detail("d".into());
         r.end_at(25);
-        let e = r.to_event();
+        let e = r.to_event(&clock::Mapping::now());
         assert_eq!((e.name.as_ref(), e.cat), ("f", Cat::Call));
         assert_eq!(e.flow, Some(Flow::In(7)));
         assert_eq!((e.peer, e.bytes, e.ok), (Some(0), Some(0), Some(false)));
         assert_eq!(e.detail.as_deref(), Some("d"));
         assert!(e.dur.is_some());
         let r = Record::instant(Cat::Failure, String::from("owned").into(), None);
-        let e = r.to_event();
+        let e = r.to_event(&clock::Mapping::now());
         assert_eq!(e.name, "owned");
         assert_eq!(
             (e.dur, e.flow, e.peer, e.bytes, e.ok),
@@ -173,6 +177,9 @@ mod tests {
         assert!(e.detail.is_none());
         let mut r = Record::new(Cat::Call, "g".into(), 0);
         r.set_flow(Flow::Out(3 << 40 | 5));
-        assert_eq!(r.to_event().flow, Some(Flow::Out(3 << 40 | 5)));
+        assert_eq!(
+            r.to_event(&clock::Mapping::now()).flow,
+            Some(Flow::Out(3 << 40 | 5))
+        );
     }
 }
