@@ -94,7 +94,7 @@ impl Mapping {
     }
 
     /// Raw reading `t` in nanoseconds of `CLOCK_MONOTONIC`.
-    pub(crate) fn to_ns(&self, t: u64) -> u64 {
+    pub(crate) fn ns(&self, t: u64) -> u64 {
         let (a, b) = (self.from, self.to);
         let raw_span = i128::from(b.raw) - i128::from(a.raw);
         if raw_span <= 0 {
@@ -109,7 +109,7 @@ impl Mapping {
 /// A raw reading in nanoseconds of `CLOCK_MONOTONIC` (one reading; [`Mapping`] for many).
 #[cfg(test)]
 pub(crate) fn ticks_to_ns(t: u64) -> u64 {
-    Mapping::now().to_ns(t)
+    Mapping::now().ns(t)
 }
 
 /// `CLOCK_MONOTONIC` now, in nanoseconds: what the clock probes exchange, on the scale that

@@ -114,10 +114,10 @@ impl Record {
     /// The readable form, in nanoseconds of this process's monotonic clock (`clock` maps raw
     /// readings onto it).
     pub fn to_event(&self, clock: &clock::Mapping) -> Event {
-        let start = clock.to_ns(self.start);
+        let start = clock.ns(self.start);
         let dur = (self.dur != INSTANT).then(|| {
             clock
-                .to_ns(self.start.saturating_add(self.dur))
+                .ns(self.start.saturating_add(self.dur))
                 .saturating_sub(start)
         });
         let extra = self.extra.as_deref();
