@@ -9,6 +9,7 @@ use std::mem::MaybeUninit;
 
 use candle_core::{CpuStorage, DType, Storage, Tensor, WithDType};
 use half::{bf16, f16};
+use rpc_core::trace::{Cat, Tracer};
 
 use crate::group::{per_lane, run_lanes, CollectiveError, Element, ProcessGroup, ReduceOp, Work};
 
@@ -69,17 +70,33 @@ pub(super) fn start(
 /// Waits for the bucket and returns it as one flat tensor of `dtype` (the parameters'),
 /// converting only if the ring ran in another type, and, for a ring in f16, whether some
 /// element of the sum is not finite (DDP-8; `false` for the other types, which are not
-/// checked).
+/// checked). A conversion is an `unpack bucket` span in `tracer`'s trace: the step's own
+/// work, which a report would otherwise count as the program's.
 pub(super) async fn finish(
     work: FlatWork,
     dtype: DType,
+    tracer: &Tracer,
 ) -> Result<(Tensor, bool), CollectiveError> {
+    let unpack = |ring: DType| (ring != dtype).then(|| tracer.span(Cat::Compute, "unpack bucket"));
     Ok(match work {
-        FlatWork::F32(w) => (to_tensor(w.wait().await?, dtype)?, false),
-        FlatWork::F64(w) => (to_tensor(w.wait().await?, dtype)?, false),
-        FlatWork::Bf16(w) => (to_tensor(w.wait().await?, dtype)?, false),
+        FlatWork::F32(w) => {
+            let v = w.wait().await?;
+            let _span = unpack(DType::F32);
+            (to_tensor(v, dtype)?, false)
+        }
+        FlatWork::F64(w) => {
+            let v = w.wait().await?;
+            let _span = unpack(DType::F64);
+            (to_tensor(v, dtype)?, false)
+        }
+        FlatWork::Bf16(w) => {
+            let v = w.wait().await?;
+            let _span = unpack(DType::BF16);
+            (to_tensor(v, dtype)?, false)
+        }
         FlatWork::F16(w) => {
             let v = w.wait().await?;
+            let _span = unpack(DType::F16);
             let not_finite = v.iter().any(|x| !x.is_finite());
             (to_tensor(v, dtype)?, not_finite)
         }

@@ -349,7 +349,9 @@ impl DistributedDataParallel {
                 let not_finite = to_f16 && !all_finite(&t)?;
                 (t, not_finite)
             }
-            Bucket::Flat(work, dtype) => flat::finish(work, dtype).await?,
+            Bucket::Flat(work, dtype) => {
+                flat::finish(work, dtype, &self.group.agent().tracer()).await?
+            }
         };
         if to_f16 && not_finite {
             reduced = self.combine_again(idx, grads).await?;
@@ -371,7 +373,11 @@ impl DistributedDataParallel {
         let redone = self.f16_redone.fetch_add(1, Ordering::Relaxed) + 1;
         let reduced = match self.start_with(&AllReduceHook, idx, |v| grads.grad(v))? {
             Bucket::Tensor(work) => work.wait().await?,
-            Bucket::Flat(work, dtype) => flat::finish(work, dtype).await?.0,
+            Bucket::Flat(work, dtype) => {
+                flat::finish(work, dtype, &self.group.agent().tracer())
+                    .await?
+                    .0
+            }
         };
         if redone.is_power_of_two() {
             let cause = if all_finite(&reduced)? {

@@ -155,9 +155,11 @@ async fn replica(args: Args) -> Result<i32> {
             let t = Instant::now();
             let mut span = agent.tracer().span(Cat::Step, "step");
             span.detail(|| format!("step {step}"));
+            let batch_span = agent.tracer().span(Cat::Compute, "batch");
             let words: Vec<(String, usize)> = batch.iter().map(|&i| train[i].clone()).collect();
             let (x, y) = dense(&words)?;
             let (x, y) = (x.to_device(&device)?, y.to_device(&device)?);
+            drop(batch_span);
             let mut pass = opt.pass();
             let forward_span = agent.tracer().span(Cat::Compute, "forward");
             let logits = forward(ddp.vars(), &x, |h| Ok(pass.cut(h)?))?;
