@@ -77,30 +77,25 @@ pub(super) async fn finish(
     dtype: DType,
     tracer: &Tracer,
 ) -> Result<(Tensor, bool), CollectiveError> {
-    let unpack = |ring: DType| (ring != dtype).then(|| tracer.span(Cat::Compute, "unpack bucket"));
-    Ok(match work {
-        FlatWork::F32(w) => {
-            let v = w.wait().await?;
-            let _span = unpack(DType::F32);
-            (to_tensor(v, dtype)?, false)
-        }
-        FlatWork::F64(w) => {
-            let v = w.wait().await?;
-            let _span = unpack(DType::F64);
-            (to_tensor(v, dtype)?, false)
-        }
-        FlatWork::Bf16(w) => {
-            let v = w.wait().await?;
-            let _span = unpack(DType::BF16);
-            (to_tensor(v, dtype)?, false)
-        }
-        FlatWork::F16(w) => {
-            let v = w.wait().await?;
-            let _span = unpack(DType::F16);
-            let not_finite = v.iter().any(|x| !x.is_finite());
-            (to_tensor(v, dtype)?, not_finite)
-        }
-    })
+    match work {
+        FlatWork::F32(w) => unpack(w, dtype, tracer, false).await,
+        FlatWork::F64(w) => unpack(w, dtype, tracer, false).await,
+        FlatWork::Bf16(w) => unpack(w, dtype, tracer, false).await,
+        FlatWork::F16(w) => unpack(w, dtype, tracer, true).await,
+    }
+}
+
+/// [`finish`] for a ring in `W`; `check`: whether to scan the sum for elements not finite.
+async fn unpack<W: WithDType>(
+    work: Work<Vec<W>>,
+    dtype: DType,
+    tracer: &Tracer,
+    check: bool,
+) -> Result<(Tensor, bool), CollectiveError> {
+    let v = work.wait().await?;
+    let _span = (W::DTYPE != dtype).then(|| tracer.span(Cat::Compute, "unpack bucket"));
+    let not_finite = check && v.iter().any(|x| !x.to_f64().is_finite());
+    Ok((to_tensor(v, dtype)?, not_finite))
 }
 
 /// One gradient's elements in its own type, or zeros for a parameter without one.
