@@ -201,9 +201,16 @@ pub async fn shutdown_after<T>(
             if PROGRAM.get().is_some() {
                 report_error(e);
             }
-            agent.shutdown_failed(format!("{e:#}"), !is_fatal(e)).await
+            agent.shutdown_failed(said(e), !is_fatal(e)).await
         }
     }
+}
+
+/// `e` and its causes on one line, each said once ([`rpc_core::error_chain`]): `{:#}`
+/// repeats a cause whose parent's message holds it too (an I/O error under `safetensors`'
+/// "I/O error: ..." was said twice).
+pub fn said(e: &anyhow::Error) -> String {
+    rpc_core::error_chain(e.as_ref())
 }
 
 /// The program's name under [`main_with`], for its error line.
@@ -217,7 +224,7 @@ static REPORTED: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
 fn report_error(e: &anyhow::Error) {
     use std::io::Write;
     let name = PROGRAM.get().map_or("error", String::as_str);
-    let line = format!("{name}: error: {e:#}\n");
+    let line = format!("{name}: error: {}\n", said(e));
     let mut reported = REPORTED.lock().unwrap_or_else(|p| p.into_inner());
     if reported.as_deref() == Some(line.as_str()) {
         return;

@@ -238,6 +238,7 @@ impl Holders {
         timeout: Duration,
         who: &str,
     ) -> Result<Vec<u32>> {
+        let said = crate::said(err);
         let deadline = Instant::now() + VERDICT_WAIT;
         let lost = loop {
             let lost = self.lost();
@@ -245,12 +246,12 @@ impl Holders {
                 break lost;
             }
             if Instant::now() >= deadline {
-                anyhow::bail!("{err:#}");
+                anyhow::bail!("{said}");
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         };
         eprintln!(
-            "{who}: lost {} ({err:#}); waiting for the launcher's replacement",
+            "{who}: lost {} ({said}); waiting for the launcher's replacement",
             lost.iter()
                 .map(|r| self.agent.name_of(*r))
                 .collect::<Vec<_>>()
@@ -264,7 +265,7 @@ impl Holders {
             while self.agent.incarnation_of(r)? == held || !self.agent.is_live(r)? {
                 ensure!(
                     Instant::now() < deadline,
-                    "{} failed and no replacement joined within {} s: {err:#}",
+                    "{} failed and no replacement joined within {} s: {said}",
                     self.agent.name_of(r),
                     timeout.as_secs()
                 );
@@ -281,7 +282,7 @@ impl Holders {
             let late = self.agent.await_known(others, r, new, left).await?;
             ensure!(
                 late.is_empty(),
-                "workers {late:?} did not hear of {}'s replacement within {} s: {err:#}",
+                "workers {late:?} did not hear of {}'s replacement within {} s: {said}",
                 self.agent.name_of(r),
                 timeout.as_secs()
             );

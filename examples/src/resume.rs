@@ -73,14 +73,15 @@ pub fn newest_verified(dir: &Path) -> Result<Option<Tensors>> {
             Ok(t) => return Ok(Some(t)),
             Err(e) => {
                 let aside = damaged_name(&path);
+                let cause = crate::said(&e);
                 tracing::warn!(
                     checkpoint = %path.display(),
-                    cause = %format!("{e:#}"),
+                    cause = %cause,
                     moved_to = %aside.display(),
                     "skipping a damaged checkpoint",
                 );
                 eprintln!(
-                    "warning: skipping the damaged checkpoint {} ({e:#}); kept as {}",
+                    "warning: skipping the damaged checkpoint {} ({cause}); kept as {}",
                     path.display(),
                     aside.display()
                 );

@@ -407,16 +407,56 @@ pub enum InitError {
 #[error("cannot encode or decode a payload")]
 pub struct CodecError(#[source] pub(crate) bincode::Error);
 
-/// Renders an error and its whole `source()` chain on one line, separated by `: `.
+/// Renders an error and its whole `source()` chain on one line, separated by `: `. A cause
+/// whose text the line already ends with is said once: an error that prints its source in
+/// its own message and also returns it as its `source()` (`#[error("I/O error: {0}")]` with
+/// `#[from]`, as `safetensors` and others do) would otherwise repeat it.
 pub fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
     let mut s = err.to_string();
     let mut cur = err.source();
     while let Some(e) = cur {
-        s.push_str(": ");
-        s.push_str(&e.to_string());
+        let said = e.to_string();
+        if !s.ends_with(&said) {
+            s.push_str(": ");
+            s.push_str(&said);
+        }
         cur = e.source();
     }
     s
+}
+
+#[cfg(test)]
+mod chain_tests {
+    /// An error whose message holds its source, which it also returns as its source.
+    #[derive(Debug, thiserror::Error)]
+    enum Saving {
+        #[error("I/O error: {0}")]
+        Io(#[from] std::io::Error),
+    }
+
+    /// Wraps a cause with a message of its own (as `anyhow`'s context does).
+    #[derive(Debug, thiserror::Error)]
+    #[error("cannot write the checkpoint ckpt-10")]
+    struct Checkpoint(#[source] Saving);
+
+    /// Each cause once: "No space left on device" appeared twice, as "I/O error: No space
+    /// left on device (os error 28): No space left on device (os error 28)".
+    #[test]
+    fn a_cause_its_parent_already_says_is_said_once() {
+        let io = std::io::Error::from_raw_os_error(28);
+        let said = super::error_chain(&Checkpoint(Saving::Io(io)));
+        assert_eq!(
+            said,
+            "cannot write the checkpoint ckpt-10: I/O error: No space left on device (os error 28)"
+        );
+        let io = std::io::Error::other("disk gone");
+        assert_eq!(
+            super::error_chain(&Checkpoint(Saving::Io(io)))
+                .matches("disk gone")
+                .count(),
+            1
+        );
+    }
 }
 
 /// Why [`Agent::leave`](crate::Agent::leave) could not leave the running group.

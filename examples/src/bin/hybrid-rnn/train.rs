@@ -285,7 +285,7 @@ impl Trainer<'_> {
     /// interrupted may have been applied in part).
     async fn recover_in_place(&mut self, err: anyhow::Error) -> Result<()> {
         let mut span = self.agent.tracer().span(Cat::Failure, "recovery");
-        span.detail(|| format!("{err:#}"));
+        span.detail(|| examples::said(&err));
         let timeout = Duration::from_secs(self.args.timeout_secs);
         let lost = self
             .model
@@ -311,11 +311,12 @@ impl Trainer<'_> {
         self.tracker.interrupted(step);
         self.tracker.completed(step)?;
         println!(
-            "recovered in place from {from} (step {step}) after the loss of {}: {err:#}",
+            "recovered in place from {from} (step {step}) after the loss of {}: {}",
             lost.iter()
                 .map(|r| self.agent.name_of(*r))
                 .collect::<Vec<_>>()
-                .join(", ")
+                .join(", "),
+            examples::said(&err)
         );
         Ok(())
     }

@@ -103,12 +103,12 @@ pub async fn train(
         Ok(r) => Ok(r),
         Err(e) if ctx.agent().is_shutting_down() => {
             // The job ended under it (another's failure, said where it happened).
-            tracing::info!(trainer, cause = %format!("{e:#}"), "the trainer's run was cut short");
+            tracing::info!(trainer, cause = %examples::said(&e), "the trainer's run was cut short");
             Err(e.into())
         }
         Err(e) => {
             // Said here too: the caller may be waiting on another trainer's run.
-            tracing::error!(trainer, cause = %format!("{e:#}"), "the trainer's run failed");
+            tracing::error!(trainer, cause = %examples::said(&e), "the trainer's run failed");
             Err(e.into())
         }
     }
