@@ -73,10 +73,10 @@ pub(crate) fn ticks() -> u64 {
 }
 
 /// Raw readings to `CLOCK_MONOTONIC` nanoseconds, at the rate measured between the anchor and
-/// now (TR-4's bound needs every process's clock at `CLOCK_MONOTONIC`'s rate). The counter's
-/// own calibration takes about a millisecond at the process's start and was off by up to 110
-/// ppm on a 2-vCPU VM; two pairs read a run apart are off by their own tens of nanoseconds,
-/// and a reading between them by no more.
+/// now (TR-12: TR-4's bound needs every process's clock at `CLOCK_MONOTONIC`'s rate). The
+/// counter's own calibration takes about a millisecond at the process's start and is off by up
+/// to 110 ppm on a 2-vCPU VM; two pairs read a run apart are off by their own tens of
+/// nanoseconds, and a reading between them by no more.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Mapping {
     from: Pair,
@@ -325,14 +325,14 @@ mod tests {
 
     const RATE_CHILD: &str = "RPC_CORE_TRACE_CLOCK_RATE_CHILD";
 
-    /// TR-4's bound is a bound only if every process's trace clock keeps CLOCK_MONOTONIC's
-    /// rate: the offsets are measured at a job's start and its spans compared later. A raw
-    /// reading taken 300 ms after the clock's first use and converted 300 ms later matches
-    /// CLOCK_MONOTONIC within 2 us (7 ppm), in each of 6 fresh processes (the CPU counter's
-    /// rate is calibrated once per process). Converted with the counter's calibration alone,
-    /// it was off by up to 25 ppm (two processes on one host 40 ppm apart), so the spans of a
-    /// call made a second into a job could be tens of microseconds outside their caller's on
-    /// one host, beyond the bound the trace states.
+    /// TR-12: TR-4's bound is a bound only if every process's trace clock keeps
+    /// CLOCK_MONOTONIC's rate: the offsets are measured at a job's start and its spans
+    /// compared later. A raw reading taken 300 ms after the clock's first use and converted
+    /// 300 ms later matches CLOCK_MONOTONIC within 2 us (7 ppm), in each of 6 fresh processes
+    /// (the CPU counter's rate is calibrated once per process). Converted with the counter's
+    /// calibration alone, it was off by 7 to 34 us (up to 110 ppm), so the spans of a call
+    /// made a second into a job could be 0.1 ms outside their caller's on one host, beyond
+    /// the bound the trace states.
     #[test]
     fn the_trace_clock_keeps_the_monotonic_clocks_rate() {
         if std::env::var_os(RATE_CHILD).is_some() {
