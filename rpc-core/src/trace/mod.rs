@@ -4,12 +4,14 @@
 //!
 //! ```text
 //! mod.rs    the recorder: a Tracer handle, its spans, the bounded ring (TR-1, TR-2)
-//! clock.rs  each rank's offset from rank 0's clock, estimated over the group's connections
+//! clock.rs  the CPU counter on CLOCK_MONOTONIC's scale and rate (TR-12); each rank's
+//!           offset from rank 0's clock, estimated over the group's connections
 //! exit.rs   the part written however a worker ends: shutdown, exit, a signal (TR-5)
 //! ship.rs   parts of other hosts sent to rank 0 at shutdown (TR-8)
 //! sink.rs   parts of other nodes sent to node 0's launcher however the job ended (TR-9)
 //! chrome.rs the Trace Event Format: a rank's part (TR-3, 4)
 //! merge.rs  the merge of a job's parts into one trace, streamed (TR-6, 7)
+//! rerun.rs  a rerun's clearing of the parts an earlier run left unmerged (TR-10)
 //! layer.rs  spans of the `tracing` ecosystem recorded into the same ring
 //! record.rs what the ring keeps of one event (64 bytes)
 //! ```
@@ -46,6 +48,13 @@
 //!   launcher listens on a [`PartSink`] named to every member through the rendezvous, each part
 //!   records it, and each other node's launcher sends its parts there once its processes
 //!   have ended ([`send_parts`]); every file is tagged with the group's secret.
+//! - **TR-10** A run that clears its parts' directory first merges the parts an earlier run
+//!   left unmerged into [`earlier_path`] (or moves them there): a rerun deletes no trace.
+//! - **TR-11** A traced worker names node 0's sink on its status pipe as it joins, so a node
+//!   whose every process was killed outright can still tell node 0 it has no part.
+//! - **TR-12** A span's times are `CLOCK_MONOTONIC`'s at its rate: the CPU counter's readings
+//!   are converted at the rate measured between the process's first reading and the
+//!   conversion, so the offsets measured at a job's start hold through it.
 
 mod chrome;
 mod clock;
