@@ -140,11 +140,12 @@ fn a_hybrid_rnn_run_and_a_pipeline_run_trace_into_one_valid_file() {
     assert_eq!(stages, 3, "{}", r.text());
 }
 
-/// Data parallelism through the launcher: every replica's forward pass and optimizer step
-/// are spans of their own, on the critical path, and the step's own time (what no span
-/// covers) is small. `DdpOptimizer`'s step recorded no span and the example none for its
-/// forward pass: `step (self)` was the critical path's largest entry (53 % on both ranks of
-/// a full run) and every replica 11 % busy.
+/// Data parallelism through the launcher (gradients as bf16 on the wire): every replica's
+/// batch, forward pass, optimizer step and compressed buckets' unpacking are spans of their
+/// own, and the step's own time (what no span covers) is small. `DdpOptimizer`'s step
+/// recorded no span and the example none for its forward pass: `step (self)` was the critical
+/// path's largest entry (53 % on both ranks of a full run) and every replica 11 % busy; the
+/// batch and the buckets' conversion back to f32 were counted as `step (self)` too.
 #[test]
 fn a_data_parallel_run_traces_its_forward_pass_and_optimizer_steps() {
     let v = traced_by(
@@ -159,10 +160,19 @@ fn a_data_parallel_run_traces_its_forward_pass_and_optimizer_steps() {
             "640",
             "--test-limit",
             "100",
+            "--bf16",
         ],
         false,
     );
     let r = check(&v, 2, 10, &["step", "compute", "optimizer", "collective"]);
+    let events = v["traceEvents"].as_array().unwrap();
+    for (rank, name) in [0, 1]
+        .into_iter()
+        .flat_map(|r| [(r, "batch"), (r, "unpack bucket")])
+    {
+        let has = (events.iter()).any(|e| e["pid"] == rank && e["name"] == name);
+        assert!(has, "no {name:?} span of rank {rank}");
+    }
     let on_path = |name: &str| r.critical.iter().any(|c| c.1 == name);
     assert!(
         on_path("forward") && on_path("optimizer step"),
