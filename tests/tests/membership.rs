@@ -389,6 +389,21 @@ fn a_dynamic_group_has_no_world_size_and_workers_come_and_go() {
     });
 }
 
+/// Waits up to 10 s for `agent`'s link to the rendezvous to be back. (Not an instant check:
+/// a resumed member applies the group's table before it counts its link as back, so another
+/// task can see the change first; and a re-dial backs off.)
+async fn link_back(agent: &rpc_core::Agent) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !testing::has_rendezvous_link(agent) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{}'s rendezvous link not back within 10 s",
+            agent.name()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 /// RDV-6: a member whose link to the rendezvous broke dials it again and resumes as the same
 /// incarnation, so it still hears of the group's changes: rank 2, replaced right after rank
 /// 1's link was cut, is reached by rank 1 at its new incarnation. Without the resume, rank 1
@@ -415,12 +430,12 @@ fn a_member_that_lost_its_rendezvous_link_resumes_and_misses_no_change() {
             );
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        assert!(testing::has_rendezvous_link(&a[1]));
+        link_back(&a[1]).await;
         assert_eq!(a[1].rpc_async(2u32, incarnation_here, ()).await.unwrap(), 1);
         // Cut again: the resumed link is as good as the first.
         testing::cut_rendezvous_link(&a[1]);
         tokio::time::sleep(Duration::from_millis(200)).await;
-        assert!(testing::has_rendezvous_link(&a[1]));
+        link_back(&a[1]).await;
         let reports = futures::future::join_all([&a[0], &a[1], &new].map(|x| x.shutdown())).await;
         for r in &reports {
             assert!(r.is_clean(), "{r:?}");
